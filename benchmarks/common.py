@@ -1,0 +1,115 @@
+"""Shared benchmark plumbing: device description, GPU timing, the large-copy limits
+measured in the same run, result files.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def device_info() -> dict[str, Any]:
+    """What ran the benchmark: GPU name and memory, torch/triton versions, host CPU."""
+    info: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "date": _dt.date.today().isoformat(),
+        "torch": torch.__version__,
+        "host_cpus": os.cpu_count(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu_mem_gib"] = round(props.total_memory / 2**30, 1)
+        info["sms"] = props.multi_processor_count
+    return info
+
+
+def cuda_time_us(fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph: bool = False) -> float:
+    """Median GPU time of ``fn`` in microseconds, measured with CUDA events.
+
+    graph=True captures ``iters`` calls in one CUDA graph and reports replay time / iters,
+    which removes Python launch overhead (the way a CUDA-graph decode step runs).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(iters):
+                    fn()
+        torch.cuda.current_stream().wait_stream(s)
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1000.0 / iters)
+        times.sort()
+        return times[len(times) // 2]
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def large_h2d_copy_gbps(nbytes: int = 1 << 30) -> float:
+    """One large pinned-host -> device copy, GB/s (1e9): the PCIe limit of this run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    us = cuda_time_us(lambda: dst.copy_(src, non_blocking=True), iters=10, warmup=2)
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def large_d2h_copy_gbps(nbytes: int = 1 << 30) -> float:
+    """One large device -> pinned-host copy, GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    us = cuda_time_us(lambda: dst.copy_(src, non_blocking=True), iters=10, warmup=2)
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Device -> device copy, GB/s counting bytes read + written: the HBM roofline."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda: dst.copy_(src), iters=10, warmup=2)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``payload`` (device and date added when missing) as JSON to ``out_dir``
+    (default: $OUT when set, else benchmarks/results) and return the path."""
+    base = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
+    base.mkdir(parents=True, exist_ok=True)
+    info = device_info()
+    payload = {"device": info["device"], "date": info["date"], **payload}
+    payload.setdefault("env", info)
+    path = base / name
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

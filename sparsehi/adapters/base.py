@@ -1,0 +1,27 @@
+"""BackendAdaptor: turns a SparseSelection into an attention backend's own metadata, and
+runs that backend. Adaptors know nothing of selection policies or buffers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from sparsehi.selection import SparseSelection
+
+
+class BackendAdaptor(ABC):
+    """One attention backend's view of the sparse buffer."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def build_metadata(self, selection: SparseSelection) -> Any:
+        """Backend metadata for one decode layer, built on the selection's device without
+        host synchronisation (no ``.item()`` / ``.tolist()``), fixed shapes for CUDA graphs."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer_cache: Any, metadata: Any, *, sm_scale: float) -> torch.Tensor:
+        """Decode attention of ``q`` ``[B, Hq, D]`` over the layer's device cache as the
+        metadata describes; returns ``[B, Hq, Dv]``."""

@@ -1,0 +1,192 @@
+"""BaseSparseAlgorithm: the one class an algorithm author subclasses.
+
+The signatures follow SGLang's sparse framework (``sglang.srt.mem_cache.sparsity``) so an
+algorithm written for one runs in the other. An algorithm decides *what* to attend to;
+it knows nothing of attention backends, host memory or buffers (the coordinator joins
+those).
+
+Units. ``SparseMode.PAGE_WISE`` algorithms score and return logical **page** ids
+(``token_position // page_size``); ``TOKEN_WISE`` ones return logical **token** positions
+(they run with ``page_size == 1``).
+
+Candidates. Sink ids (the first ``config.sink_units``) and the recent window (the last
+``config.recent_units``, the page being written included) are always attended and are
+added by the coordinator; ``retrieve_topk`` picks among the ids in
+``[candidate_start, candidate_end)`` only, at most ``top_k`` of them, no duplicates.
+
+Memory. Representations (Quest: per-page key min/max; DSA: index keys) live on the GPU,
+indexed by ``(req_pool_index, logical id)``; ``initialize_representation_pool`` reserves
+them once, for ``max_num_reqs`` request slots of up to ``max_context_len`` tokens.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from sparsehi.config import SparseConfig
+
+
+class SparseMode(Enum):
+    """Granularity of selection."""
+
+    PAGE_WISE = "page_wise"
+    TOKEN_WISE = "token_wise"
+
+
+class BaseSparseAlgorithm(ABC):
+    """A Top-k selection policy.
+
+    Subclasses set ``mode`` and implement the four abstract methods. Shapes below use
+    ``B`` = batch rows of the call, ``Hq`` query heads, ``Hkv`` key heads, ``D`` head dim.
+    """
+
+    mode: SparseMode = SparseMode.PAGE_WISE
+    default_dense_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: "SparseConfig", device: torch.device, **kwargs: Any) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        if self.mode is SparseMode.TOKEN_WISE and config.page_size != 1:
+            raise ValueError(
+                f"{type(self).__name__} is token-wise: SparseConfig.page_size must be 1, "
+                f"got {config.page_size}"
+            )
+
+    # ------------------------------------------------------------------ layers
+    def dense_layers(self) -> tuple[int, ...]:
+        """Layers that attend densely (config overrides the algorithm default)."""
+        if self.config.dense_layers is not None:
+            return tuple(self.config.dense_layers)
+        return tuple(self.default_dense_layers)
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        return layer_id not in self.dense_layers()
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def initialize_representation_pool(
+        self,
+        start_layer: int,
+        end_layer: int,
+        max_num_reqs: int,
+        max_context_len: int,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        **kwargs: Any,
+    ) -> None:
+        """Reserve GPU memory for representations of layers ``[start_layer, end_layer)``.
+
+        Called once before any request. ``max_num_reqs`` bounds ``req_pool_indices``;
+        ``max_context_len`` bounds logical token positions.
+        """
+
+    @abstractmethod
+    def construct_representations(
+        self,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        key_buffer: torch.Tensor,
+        token_slots: torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
+        """Build representations after prefill of one layer.
+
+        req_pool_indices: ``[B] int64`` request slots.
+        seq_lens:         ``[B] int32`` tokens prefilled per request.
+        key_buffer:       ``[num_slots, Hkv, D]`` the layer's key cache in the device pool
+                          (MLA: ``[num_slots, 1, kv_lora_rank + rope_dim]``).
+        token_slots:      ``[B, max_len] int64`` device slot of each token position
+                          (row ``b`` valid up to ``seq_lens[b]``).
+        kwargs:           algorithm-specific model outputs, e.g. DSA's ``index_keys``
+                          ``[B, max_len, index_head_dim]``.
+        """
+
+    @abstractmethod
+    def update_representations(
+        self,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        positions: torch.Tensor,
+        new_keys: torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
+        """Fold one decoded token per request into the representations.
+
+        positions: ``[B] int64`` logical token position of the new token.
+        new_keys:  ``[B, Hkv, D]`` its key (post-RoPE, as stored in the cache).
+        kwargs:    e.g. DSA's ``index_keys`` ``[B, index_head_dim]``.
+        """
+
+    @abstractmethod
+    def retrieve_topk(
+        self,
+        queries: torch.Tensor,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        sparse_mask: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Select the ids to attend to for one decode step of one layer.
+
+        queries:          ``[B, Hq, D]`` (DSA: index queries ``[B, H_index, index_head_dim]``).
+        req_pool_indices: ``[B] int64``.
+        sparse_mask:      ``[B] bool``; rows with False get ``valid_lengths == 0``.
+        kwargs (always passed by the coordinator):
+            seq_lens        ``[B] int32`` tokens in context, the new token included;
+            candidate_start ``[B] int32`` first selectable id;
+            candidate_end   ``[B] int32`` one past the last selectable id;
+            top_k           ``int`` maximum ids to return per row (selection units).
+          DSA also gets ``weights`` ``[B, H_index]``.
+
+        Returns ``(selected_indices [B, top_k] int32`` ids in ``[candidate_start,
+        candidate_end)``, unique per row, ``-1`` padded, in any order,
+        ``valid_lengths [B] int32)``.
+        """
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_request_end(self, req_pool_index: int) -> None:
+        """Forget a request's representations (optional)."""
+
+    def representation_bytes(self) -> int:
+        """GPU bytes reserved for representations (reported in benchmarks)."""
+        return 0
+
+
+def check_selection(
+    selected: torch.Tensor,
+    valid: torch.Tensor,
+    top_k: int,
+    candidate_start: Optional[torch.Tensor] = None,
+    candidate_end: Optional[torch.Tensor] = None,
+) -> None:
+    """Raise ValueError if a retrieve_topk result breaks the contract (used by the
+    coordinator in debug mode and by the author test kit)."""
+    if selected.dtype != torch.int32 or valid.dtype != torch.int32:
+        raise ValueError(
+            f"retrieve_topk must return int32 tensors, got selected_indices={selected.dtype}, "
+            f"valid_lengths={valid.dtype}"
+        )
+    if selected.dim() != 2 or selected.shape[1] > top_k:
+        raise ValueError(f"selected_indices must be [B, <= top_k={top_k}], got {tuple(selected.shape)}")
+    if valid.shape != (selected.shape[0],):
+        raise ValueError(f"valid_lengths must be [B={selected.shape[0]}], got {tuple(valid.shape)}")
+    cols = torch.arange(selected.shape[1], device=selected.device)[None, :]
+    in_range = cols < valid[:, None].long()
+    if bool(((selected >= 0) != in_range).any()):
+        raise ValueError("selected_indices must hold valid_lengths ids then -1 padding in every row")
+    if candidate_start is not None and candidate_end is not None:
+        lo = candidate_start[:, None].long()
+        hi = candidate_end[:, None].long()
+        s = selected.long()
+        if bool((in_range & ((s < lo) | (s >= hi))).any()):
+            raise ValueError("selected_indices hold ids outside [candidate_start, candidate_end)")
+    srt, _ = torch.sort(torch.where(in_range, selected.long(), -1 - cols), dim=1)
+    if bool((srt[:, 1:] == srt[:, :-1]).any()):
+        raise ValueError("selected_indices hold duplicate ids in a row")

@@ -1,0 +1,102 @@
+"""SparseConfig: what the hierarchical sparse framework is asked to do.
+
+Field names follow SGLang's sparse framework where it has them (``algorithm``,
+``backend``, ``top_k``, ``device_buffer_size``, ``host_to_device_ratio``, ``page_size``,
+``min_sparse_prompt_len``, ``sparse_extra_config``). Budgets are in **tokens**; page-wise
+algorithms select ``top_k // page_size`` pages and keep ``device_buffer_size // page_size``
+pages per request and layer in the GPU LRU buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SPARSE_BACKENDS = ("flashattention", "triton", "dsa")
+IO_BACKENDS = ("direct", "kernel")
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass
+class SparseConfig:
+    algorithm: str = "quest"
+    """Registered algorithm name (``quest``, ``dsa``, ``oracle``, ...) or an import path
+    ``package.module:ClassName`` of a third-party ``BaseSparseAlgorithm`` subclass."""
+    backend: str = "flashattention"
+    """Backend adaptor: one of SPARSE_BACKENDS."""
+    top_k: int = 2048
+    """Tokens selected per step and layer (sink and recent window not counted)."""
+    device_buffer_size: int = 4096
+    """Tokens of LRU buffer per request and layer on the GPU; must be >= top_k."""
+    host_to_device_ratio: float = 2.0
+    page_size: int = 64
+    min_sparse_prompt_len: int = 2048
+    """Requests with shorter prompts decode densely (all their pages selected)."""
+    sink_tokens: int = 64
+    """Leading tokens always attended (rounded up to whole pages)."""
+    recent_tokens: int = 64
+    """Trailing tokens always attended (rounded up to whole pages; includes the page
+    being written)."""
+    dense_layers: Optional[tuple[int, ...]] = None
+    """Layers that always attend densely; None: the algorithm's default (Quest: 0, 1)."""
+    io_backend: str = "kernel"
+    """Host->device loads of missed pages: ``kernel`` (Triton zero-copy gather) or
+    ``direct`` (torch indexing + copies on a side stream)."""
+    sparse_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- derived sizes in selection units (pages, or tokens when page_size == 1) --------
+    @property
+    def top_k_units(self) -> int:
+        return max(1, self.top_k // self.page_size)
+
+    @property
+    def buffer_units(self) -> int:
+        return max(1, self.device_buffer_size // self.page_size)
+
+    @property
+    def sink_units(self) -> int:
+        return -(-self.sink_tokens // self.page_size)
+
+    @property
+    def recent_units(self) -> int:
+        return max(1, -(-self.recent_tokens // self.page_size))
+
+    def validate(self) -> None:
+        def bad(name: str, allowed: str) -> None:
+            raise ValueError(f"SparseConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        if not isinstance(self.algorithm, str) or not self.algorithm:
+            bad("algorithm", "a registered algorithm name or 'module.path:ClassName'")
+        if self.backend not in SPARSE_BACKENDS:
+            bad("backend", f"one of {SPARSE_BACKENDS}")
+        if not isinstance(self.page_size, int) or not _is_pow2(self.page_size) or self.page_size > 256:
+            bad("page_size", "a power of two in [1, 256]")
+        if not isinstance(self.top_k, int) or self.top_k <= 0:
+            bad("top_k", "an integer > 0 (tokens)")
+        if self.top_k % self.page_size:
+            bad("top_k", f"a multiple of page_size={self.page_size}")
+        if not isinstance(self.device_buffer_size, int) or self.device_buffer_size < self.top_k:
+            bad("device_buffer_size", f"an integer >= top_k={self.top_k} (tokens)")
+        if self.device_buffer_size % self.page_size:
+            bad("device_buffer_size", f"a multiple of page_size={self.page_size}")
+        if not (self.host_to_device_ratio > 1):
+            bad("host_to_device_ratio", "a number > 1")
+        if not isinstance(self.min_sparse_prompt_len, int) or self.min_sparse_prompt_len < 0:
+            bad("min_sparse_prompt_len", "an integer >= 0 (tokens)")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            bad("sink_tokens", "an integer >= 0")
+        if not isinstance(self.recent_tokens, int) or self.recent_tokens < 1:
+            bad("recent_tokens", "an integer >= 1")
+        if self.dense_layers is not None:
+            if any((not isinstance(x, int)) or x < 0 for x in self.dense_layers):
+                bad("dense_layers", "None or a tuple of layer ids >= 0")
+            self.dense_layers = tuple(self.dense_layers)
+        if self.io_backend not in IO_BACKENDS:
+            bad("io_backend", f"one of {IO_BACKENDS}")
+        if not isinstance(self.sparse_extra_config, dict):
+            bad("sparse_extra_config", "a dict")
