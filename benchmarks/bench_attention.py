@@ -1,0 +1,256 @@
+"""Sparse decode attention kernels vs the HBM roofline.
+
+Kernels: ``paged_decode`` (Llama-8B layer shape: 32 q / 8 kv heads, d=128, pages of 64 and
+16 tokens), ``ragged_decode`` (same shape, token slots = the TritonAdaptor path),
+``sparse_mla_decode`` (DeepSeek MLA: 128 heads, 576 = 512 latent + 64 rope, token mode),
+and torch SDPA over the same KV already gathered dense (the bytes-equal baseline).
+B in {1, 16, 64}, K in {512, 2048, 4096} attended tokens per request, KV scattered over a
+pool 1.25x the working set (random pages / slots). Times are CUDA-graph replays (no
+launch overhead). ``gbps`` counts the unique bytes a kernel must read (KV + q) and write
+(out); ``roofline_gbps`` is a large device copy in the same run (read + write).
+Working sets below the L2 size (B=1, small K) can run above the roofline: they are
+L2-resident across replays.
+
+Usage: ``PYTHONPATH=. python benchmarks/bench_attention.py [--sweep] [--quick]``
+(``--quick`` small shapes, runs on CPU under TRITON_INTERPRET=1 as a dry run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import cuda_time_us, hbm_copy_gbps, write_result
+from sparsehi.kernels.paged_decode import DecodeLaunchConfig, paged_decode_reference, paged_decode_triton
+from sparsehi.kernels.ragged_decode import ragged_decode_triton
+from sparsehi.kernels.sparse_mla_decode import MlaLaunchConfig, sparse_mla_decode_reference, sparse_mla_decode_triton
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float16
+
+
+def timed(fn: Callable[[], Any], iters: int = 20) -> float:
+    if CUDA:
+        return cuda_time_us(fn, iters=iters, warmup=3, graph=True)
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
+
+
+# ----------------------------------------------------------------------------- cases
+def mha_case(B: int, K: int, ps: int, Hq: int, Hkv: int, D: int, seed: int = 0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pages_per_row = K // ps
+    num_pages = int(B * pages_per_row * 1.25) + 1
+    k = torch.randn(num_pages * ps, Hkv, D, device=DEV, dtype=DTYPE, generator=g)
+    v = torch.randn(num_pages * ps, Hkv, D, device=DEV, dtype=DTYPE, generator=g)
+    q = torch.randn(B, Hq, D, device=DEV, dtype=DTYPE, generator=g)
+    perm = torch.randperm(num_pages - 1, device=DEV, generator=g)[: B * pages_per_row] + 1
+    pt = perm.view(B, pages_per_row).int()
+    sl = torch.full((B,), K, dtype=torch.int32, device=DEV)
+    return q, k, v, pt, sl
+
+
+def mla_case(B: int, K: int, H: int, Dl: int, Dr: int, seed: int = 0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    N = int(B * K * 1.25) + 1
+    kv = torch.randn(N, 1, Dl + Dr, device=DEV, dtype=DTYPE, generator=g)
+    q = torch.randn(B, H, Dl + Dr, device=DEV, dtype=DTYPE, generator=g)
+    idx = torch.randperm(N, device=DEV, generator=g)[: B * K].view(B, K).int()
+    return q, kv, idx
+
+
+def mha_bytes(B, K, Hq, Hkv, D):
+    return B * K * Hkv * D * 2 * 2 + 2 * B * Hq * D * 2
+
+
+def mla_bytes(B, K, H, Dl, Dr):
+    return B * K * ((Dl + Dr) * 2 + 4) + B * H * (Dl + Dr + Dl) * 2
+
+
+def mla_flops(B, K, H, Dl, Dr):
+    return 2 * B * K * H * (Dl + Dr + Dl)
+
+
+def row(kernel: str, B: int, K: int, us: float, nbytes: int, roof: float, **extra) -> dict:
+    gbps = nbytes / (us * 1e-6) / 1e9
+    r = {"kernel": kernel, "B": B, "K": K, "us": round(us, 2), "gbps": round(gbps, 1),
+         "roofline_gbps": round(roof, 1), "frac_roofline": round(gbps / roof, 3) if roof else None}
+    r.update(extra)
+    print(json.dumps(r), flush=True)
+    return r
+
+
+# ----------------------------------------------------------------------------- sweep
+# (block_h, block_n, num_warps, num_stages, row_load, num_splits); the first sweep (all
+# [D, N] loads) found block_h=64/block_n=64/8 warps best at B=64 and 16/64/4 at B=1
+MLA_SWEEP = [MlaLaunchConfig(bh, bn, nw, ns, sp, rl) for bh, bn, nw, ns, rl, sp in (
+    (64, 64, 8, 2, False, None), (64, 64, 8, 2, True, None), (64, 32, 8, 2, True, None),
+    (64, 64, 4, 2, True, None), (64, 64, 8, 3, False, None), (64, 64, 8, 3, True, None),
+    (64, 128, 8, 1, False, None), (64, 128, 8, 1, True, None),
+    (64, 64, 8, 2, False, 1), (64, 64, 8, 2, False, 2), (64, 64, 8, 2, False, 6),
+    (32, 64, 4, 2, True, None), (32, 128, 4, 2, False, None), (32, 64, 4, 3, False, None),
+    (16, 64, 4, 2, True, None), (16, 128, 4, 2, False, None), (16, 64, 4, 3, False, None),
+    (128, 32, 8, 1, False, None), (128, 32, 16, 1, True, None), (128, 64, 16, 1, True, None),
+)]
+def sweep(roof: float, shapes: dict, big_b: int = 64, K: int = 2048, parts: tuple = ("paged", "mla")) -> dict:
+    """Block-size sweep at the target point (B=64, K=2048) and at B=1 (split-K regime);
+    used to pick the defaults in paged_decode.default_config / default_mla_config."""
+    out: dict[str, list] = {"paged_p64": [], "mla": []}
+    Hq, Hkv, D = shapes["mha"]
+    H, Dl, Dr = shapes["mla"]
+    for B in ((big_b, 1) if "paged" in parts else ()):
+        q, k, v, pt, sl = mha_case(B, K, 64, Hq, Hkv, D)
+        ref = paged_decode_reference(q, k, v, pt, sl, page_size=64, sm_scale=D ** -0.5).float()
+        for bn in (32, 64, 128):
+            for nw in (4, 8):
+                for st in (2, 3):
+                    for splits in ((None,) if B == 1 else (None, 2)):
+                        cfg = DecodeLaunchConfig(block_n=bn, num_warps=nw, num_stages=st, num_splits=splits)
+                        fn = lambda: paged_decode_triton(q, k, v, pt, sl, page_size=64, sm_scale=D ** -0.5, config=cfg)  # noqa: E731
+                        try:
+                            err = (fn().float() - ref).abs().max().item()
+                            us = timed(fn)
+                        except Exception as e:  # noqa: BLE001 - record and continue the sweep
+                            out["paged_p64"].append({"B": B, "cfg": cfg.__dict__, "error": repr(e)[:200]})
+                            continue
+                        r = {"B": B, "cfg": cfg.__dict__, "us": round(us, 2), "max_err": err,
+                             "frac_roofline": round(mha_bytes(B, K, Hq, Hkv, D) / (us * 1e-6) / 1e9 / roof, 3)}
+                        print("sweep paged", json.dumps(r), flush=True)
+                        out["paged_p64"].append(r)
+        del q, k, v, pt, sl
+    for B in ((big_b, 1) if "mla" in parts else ()):
+        q, kv, idx = mla_case(B, K, H, Dl, Dr)
+        ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1).float()
+        for cfg in MLA_SWEEP:
+            fn = lambda: sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1, config=cfg)  # noqa: E731
+            try:
+                err = (fn().float() - ref).abs().max().item()
+                us = timed(fn)
+            except Exception as e:  # noqa: BLE001
+                out["mla"].append({"B": B, "cfg": cfg.__dict__, "error": repr(e)[:200]})
+                continue
+            r = {"B": B, "cfg": cfg.__dict__, "us": round(us, 2), "max_err": err,
+                 "tflops": round(mla_flops(B, K, H, Dl, Dr) / (us * 1e-6) / 1e12, 1),
+                 "frac_roofline": round(mla_bytes(B, K, H, Dl, Dr) / (us * 1e-6) / 1e9 / roof, 3)}
+            print("sweep mla", json.dumps(r), flush=True)
+            out["mla"].append(r)
+        del q, kv, idx
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU dry run)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep block sizes at B=64/1, K=2048")
+    ap.add_argument("--out", default=None, help="result dir (default $OUT or benchmarks/results)")
+    ap.add_argument("--sweep-only", default=None, choices=["paged", "mla"],
+                    help="only sweep this kernel (no main rows); writes attention_sweep.json")
+    args = ap.parse_args(argv)
+
+    if args.quick:
+        batches, ks = (1, 2), (64, 128)
+        shapes = {"mha": (8, 2, 32), "mla": (16, 32, 16)}
+        page_sizes = (16,)
+    else:
+        batches, ks = (1, 16, 64), (512, 2048, 4096)
+        shapes = {"mha": (32, 8, 128), "mla": (128, 512, 64)}
+        page_sizes = (64, 16)
+    roof = hbm_copy_gbps() if CUDA else 1.0
+    print(f"roofline (device copy) {roof:.1f} GB/s", flush=True)
+    if args.sweep_only:
+        sw = sweep(roof, shapes, big_b=batches[-1], K=ks[-1] if args.quick else ks[1], parts=(args.sweep_only,))
+        print("wrote", write_result("attention_sweep.json", {"roofline_gbps": roof, "sweep": sw}, args.out))
+        return 0
+    Hq, Hkv, D = shapes["mha"]
+    H, Dl, Dr = shapes["mla"]
+    rows: list[dict] = []
+    for B in batches:
+        for K in ks:
+            nbytes = mha_bytes(B, K, Hq, Hkv, D)
+            for ps in page_sizes:
+                q, k, v, pt, sl = mha_case(B, K, ps, Hq, Hkv, D)
+                us = timed(lambda: paged_decode_triton(q, k, v, pt, sl, page_size=ps, sm_scale=D ** -0.5))
+                rows.append(row(f"paged_decode_p{ps}", B, K, us, nbytes, roof))
+                if ps == page_sizes[-1]:
+                    # token slots (TritonAdaptor path) over the same pages
+                    slots = (pt.long()[:, :, None] * ps + torch.arange(ps, device=DEV)).reshape(-1).int()
+                    indptr = torch.arange(B + 1, device=DEV, dtype=torch.int32) * K
+                    us = timed(lambda: ragged_decode_triton(q, k, v, indptr, slots, max_kv_len=K, sm_scale=D ** -0.5))
+                    rows.append(row("ragged_decode_p1", B, K, us, nbytes + B * K * 4, roof))
+                    kd = k[slots.long()].view(B, K, Hkv, D).transpose(1, 2).contiguous()
+                    vd = v[slots.long()].view(B, K, Hkv, D).transpose(1, 2).contiguous()
+                    # the q heads of one kv group as that group's query rows: exact GQA, no KV repeat
+                    q4 = q.view(B, Hkv, Hq // Hkv, D)
+                    try:
+                        us = timed(lambda: F.scaled_dot_product_attention(q4, kd, vd, scale=D ** -0.5))
+                        rows.append(row("torch_sdpa_dense_gqa", B, K, us, nbytes, roof))
+                    except Exception as e:  # noqa: BLE001
+                        print("sdpa gqa failed", repr(e)[:200])
+                    del kd, vd
+                del q, k, v, pt, sl
+            q, kv, idx = mla_case(B, K, H, Dl, Dr)
+            us = timed(lambda: sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1))
+            rows.append(row("sparse_mla_decode", B, K, us, mla_bytes(B, K, H, Dl, Dr), roof,
+                            tflops=round(mla_flops(B, K, H, Dl, Dr) / (us * 1e-6) / 1e12, 1)))
+            kvd = kv[idx.long()].view(B, 1, K, Dl + Dr)
+            vd = kvd[..., :Dl].contiguous()
+            q4 = q.view(B, 1, H, Dl + Dr)  # all heads share the one latent KV: heads as query rows
+            try:
+                us = timed(lambda: F.scaled_dot_product_attention(q4, kvd, vd, scale=0.1))
+                rows.append(row("torch_sdpa_dense_mla", B, K, us, mla_bytes(B, K, H, Dl, Dr), roof,
+                                tflops=round(mla_flops(B, K, H, Dl, Dr) / (us * 1e-6) / 1e12, 1)))
+            except Exception as e:  # noqa: BLE001
+                print("sdpa mla failed", repr(e)[:200])
+            del q, kv, idx, kvd, vd
+            if CUDA:
+                torch.cuda.empty_cache()
+
+    payload: dict[str, Any] = {"rows": rows, "roofline_method": "benchmarks.common.hbm_copy_gbps (2 GiB d2d, read+write)",
+                               "dtype": str(DTYPE), "shapes": shapes, "quick": args.quick}
+    target_b, target_k = (batches[-1], ks[1])
+    payload["target_check"] = {
+        r["kernel"]: r["frac_roofline"] for r in rows if r["B"] == target_b and r["K"] == target_k}
+    if args.sweep:
+        payload["sweep"] = sweep(roof, shapes, big_b=target_b, K=ks[-1] if args.quick else target_k)
+    path = write_result("attention.json", payload, args.out)
+    print("wrote", path)
+    try:
+        _plot(rows, path.with_suffix(".png"), target_b)
+    except Exception as e:  # noqa: BLE001 - the plot is optional
+        print("plot skipped:", e)
+    return 0
+
+
+def _plot(rows: list[dict], path, B: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kernels = sorted({r["kernel"] for r in rows})
+    ks = sorted({r["K"] for r in rows})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.8 / len(kernels)
+    for i, kern in enumerate(kernels):
+        vals = [next((r["frac_roofline"] for r in rows if r["kernel"] == kern and r["K"] == K and r["B"] == B), 0) for K in ks]
+        ax.bar([j + i * w for j in range(len(ks))], vals, w, label=kern)
+    ax.axhline(0.8, color="k", ls="--", lw=1)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(ks))], [f"K={K}" for K in ks])
+    ax.set_ylabel("fraction of HBM copy roofline")
+    ax.set_title(f"decode attention, B={B}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

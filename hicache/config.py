@@ -1,0 +1,175 @@
+"""HiCacheConfig: SGLang's hierarchical-cache options (same names, same defaults).
+
+The flags mirror SGLang's ``server_args.py`` (``--enable-hierarchical-cache``,
+``--hicache-ratio``, ``--hicache-size``, ``--page-size``, ``--hicache-write-policy``,
+``--hicache-io-backend``, ``--hicache-mem-layout`` and the L3 storage / prefetch options)
+so a launch command written for SGLang configures this stack the same way. Where SGLang
+silently rewrites an unsupported combination, this config rejects it and names the flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+IO_BACKENDS = ("direct", "kernel")
+MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+STORAGE_BACKENDS = ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# L3 backends that hand host pages to storage zero-copy need one page contiguous across layers.
+_ZERO_COPY_STORAGE = ("mooncake", "hf3fs")
+# Which io backend can move which host layout (page_first_direct is copied per page and
+# layer group with plain copies; the other layouts are gathered row-wise by the kernel or,
+# for layer_first, by direct indexed copies).
+_LAYOUT_IO = {
+    "layer_first": ("direct", "kernel"),
+    "page_first": ("kernel",),
+    "page_first_direct": ("direct",),
+    "page_head": ("kernel",),
+}
+# Extra-config keys the prefetch path reads, with SGLang's defaults.
+PREFETCH_DEFAULTS: dict[str, Any] = {
+    "prefetch_threshold": 256,
+    "prefetch_timeout_base": 1.0,
+    "prefetch_timeout_per_ki_token": 0.25,
+}
+
+
+@dataclass
+class HiCacheConfig:
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    """Host pool size / device pool size; must be > 1 unless ``hicache_size`` is set."""
+    hicache_size: int = 0
+    """Host pool size in GB (1e9 bytes) per rank; overrides ``hicache_ratio`` when > 0."""
+    page_size: int = 1
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "kernel"
+    hicache_mem_layout: str = "layer_first"
+    hicache_storage_backend: Optional[str] = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: Optional[str] = None
+    """JSON string, or ``@path`` to a JSON / TOML file."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def write_through_threshold(self) -> int:
+        """Hit count at which a device node is backed up to host (write_back: never by hits)."""
+        return 1 if self.hicache_write_policy == "write_through" else 2
+
+    def validate(self) -> None:
+        def bad(flag: str, value: Any, allowed: str) -> None:
+            raise ValueError(f"--{flag}={value!r} is invalid: {allowed}")
+
+        if not isinstance(self.enable_hierarchical_cache, bool):
+            bad("enable-hierarchical-cache", self.enable_hierarchical_cache, "a bool")
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
+            bad("page-size", self.page_size, "an integer >= 1")
+        if not isinstance(self.hicache_size, (int, float)) or self.hicache_size < 0:
+            bad("hicache-size", self.hicache_size, "a number of GB >= 0 (0: use --hicache-ratio)")
+        if not isinstance(self.hicache_ratio, (int, float)) or self.hicache_ratio <= 0:
+            bad("hicache-ratio", self.hicache_ratio, "a number > 0")
+        if self.hicache_size == 0 and not self.hicache_ratio > 1:
+            bad("hicache-ratio", self.hicache_ratio,
+                "a number > 1 (the host pool must be larger than the device pool) unless --hicache-size is set")
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            bad("hicache-write-policy", self.hicache_write_policy, f"one of {WRITE_POLICIES}")
+        if self.hicache_io_backend not in IO_BACKENDS:
+            bad("hicache-io-backend", self.hicache_io_backend, f"one of {IO_BACKENDS}")
+        if self.hicache_mem_layout not in MEM_LAYOUTS:
+            bad("hicache-mem-layout", self.hicache_mem_layout, f"one of {MEM_LAYOUTS}")
+        if self.hicache_storage_backend is not None and self.hicache_storage_backend not in STORAGE_BACKENDS:
+            bad("hicache-storage-backend", self.hicache_storage_backend, f"None or one of {STORAGE_BACKENDS}")
+        if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
+            bad("hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, f"one of {PREFETCH_POLICIES}")
+        if self.hicache_io_backend not in _LAYOUT_IO[self.hicache_mem_layout]:
+            raise ValueError(
+                f"--hicache-mem-layout={self.hicache_mem_layout} cannot be used with "
+                f"--hicache-io-backend={self.hicache_io_backend}: that layout needs "
+                f"--hicache-io-backend in {_LAYOUT_IO[self.hicache_mem_layout]}"
+            )
+        if self.hicache_storage_backend in _ZERO_COPY_STORAGE and self.hicache_mem_layout == "layer_first":
+            raise ValueError(
+                f"--hicache-storage-backend={self.hicache_storage_backend} needs a page-contiguous host "
+                "layout for zero-copy: use --hicache-mem-layout page_first (with --hicache-io-backend kernel) "
+                "or page_first_direct (with --hicache-io-backend direct), not layer_first"
+            )
+        extra = self.storage_extra_config()  # parse errors surface at construction
+        if self.hicache_storage_backend == "dynamic":
+            missing = [k for k in ("backend_name", "module_path", "class_name") if k not in extra]
+            if missing:
+                raise ValueError(
+                    "--hicache-storage-backend=dynamic needs --hicache-storage-backend-extra-config "
+                    f"with keys backend_name, module_path, class_name (missing: {missing})"
+                )
+        if self.hicache_storage_backend is None and self.hicache_storage_backend_extra_config is not None:
+            raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend to be set")
+
+    def storage_extra_config(self) -> dict[str, Any]:
+        """The parsed ``hicache_storage_backend_extra_config`` ({} when unset)."""
+        raw = self.hicache_storage_backend_extra_config
+        if raw is None or raw == "":
+            return {}
+        if not isinstance(raw, str):
+            raise ValueError("--hicache-storage-backend-extra-config must be a JSON string or '@file' (.json/.toml)")
+        try:
+            if raw.startswith("@"):
+                path = raw[1:]
+                if path.endswith(".toml"):
+                    with open(path, "rb") as f:
+                        data = tomllib.load(f)
+                elif path.endswith(".json"):
+                    with open(path) as f:
+                        data = json.load(f)
+                else:
+                    raise ValueError(f"unsupported file type {os.path.splitext(path)[1]!r}")
+            else:
+                data = json.loads(raw)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"--hicache-storage-backend-extra-config={raw!r} is invalid: a JSON object or '@file.json' / "
+                f"'@file.toml' ({e})"
+            ) from e
+        if not isinstance(data, dict):
+            raise ValueError(f"--hicache-storage-backend-extra-config={raw!r} is invalid: must be a JSON object")
+        return data
+
+    def prefetch_options(self) -> dict[str, Any]:
+        """prefetch_threshold (tokens), prefetch_timeout_base (s), prefetch_timeout_per_ki_token (s)."""
+        extra = self.storage_extra_config()
+        return {k: extra.get(k, v) for k, v in PREFETCH_DEFAULTS.items()}
+
+    # -- argparse ---------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the ``--hicache-*`` flags (and ``--page-size`` unless the parser has it)."""
+        d = HiCacheConfig.__dataclass_fields__
+        g = parser.add_argument_group("hierarchical cache (SGLang HiCache options)")
+        g.add_argument("--enable-hierarchical-cache", action="store_true", help="keep KV in host memory below the GPU")
+        g.add_argument("--hicache-ratio", type=float, default=d["hicache_ratio"].default,
+                       help="host pool size / device pool size (> 1)")
+        g.add_argument("--hicache-size", type=int, default=d["hicache_size"].default,
+                       help="host pool size in GB per rank; overrides --hicache-ratio")
+        if "--page-size" not in parser._option_string_actions:
+            g.add_argument("--page-size", type=int, default=d["page_size"].default, help="tokens per KV page")
+        g.add_argument("--hicache-write-policy", choices=WRITE_POLICIES, default=d["hicache_write_policy"].default)
+        g.add_argument("--hicache-io-backend", choices=IO_BACKENDS, default=d["hicache_io_backend"].default)
+        g.add_argument("--hicache-mem-layout", choices=MEM_LAYOUTS, default=d["hicache_mem_layout"].default)
+        g.add_argument("--hicache-storage-backend", choices=STORAGE_BACKENDS, default=None)
+        g.add_argument("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES,
+                       default=d["hicache_storage_prefetch_policy"].default)
+        g.add_argument("--hicache-storage-backend-extra-config", type=str, default=None,
+                       help="JSON object string, or @file.json / @file.toml")
+        return parser
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "HiCacheConfig":
+        """Build (and validate) a config from parsed CLI args; missing attributes keep defaults."""
+        kw = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**kw)

@@ -1,0 +1,202 @@
+"""Host (pinned) KV pool — the L2 tier holding the full KV, in one of four layouts."""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from hicache.allocator import PagedSlotAllocator
+from hicache.device_pool import DeviceKVPool, check_slots
+
+logger = logging.getLogger(__name__)
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def _host_shape(layout: str, num_pages: int, page_size: int, layers: int, bufs: int, heads: int, dim: int) -> tuple[int, ...]:
+    if layout == "layer_first":
+        return (bufs, layers, num_pages * page_size, heads, dim)
+    if layout in ("page_first", "page_first_direct"):
+        return (num_pages, layers, bufs, page_size, heads, dim)
+    return (num_pages, heads, layers, bufs, page_size, dim)  # page_head
+
+
+HOST_ALLOC_MODES = ("hugepage", "register", "torch")
+
+
+def _host_buffer(nbytes: int, hugepage: bool) -> np.ndarray:
+    """Zeroed ``uint8`` host buffer; with ``hugepage`` an anonymous mapping advised for
+    transparent huge pages (fewer GPU/IOMMU translations for scattered zero-copy reads)."""
+    if hugepage and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # pragma: no cover - THP disabled
+            pass
+        return np.frombuffer(mm, dtype=np.uint8)
+    return np.zeros(max(nbytes, 1), dtype=np.uint8)  # calloc: zero pages without a memset pass
+
+
+def _alloc_pinned(nbytes: int) -> torch.Tensor:
+    """``uint8 [nbytes]`` page-locked host memory.
+
+    torch's pinned allocator rounds every block up to a power of two (a 40 GB pool would
+    lock 64 GB), so the pool is plain host memory registered with cudaHostRegister; with
+    unified addressing that memory is mapped into the GPU's address space at the same
+    pointer, which the zero-copy Triton kernel relies on. The registration is undone when
+    the last tensor viewing the memory dies (weakref on the owning numpy array).
+    ``SPARSEHI_HOST_ALLOC`` picks ``hugepage`` (default: THP-advised mapping),
+    ``register`` (plain calloc) or ``torch`` (torch's pinned allocator).
+    """
+    mode = os.environ.get("SPARSEHI_HOST_ALLOC", "hugepage")
+    if mode not in HOST_ALLOC_MODES:
+        raise ValueError(f"SPARSEHI_HOST_ALLOC must be one of {HOST_ALLOC_MODES}, got {mode!r}")
+    if mode == "torch":
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    arr = _host_buffer(nbytes, hugepage=mode == "hugepage")
+    cudart = torch.cuda.cudart()
+    ptr = arr.ctypes.data
+    err = cudart.cudaHostRegister(ptr, arr.nbytes, 0)
+    if int(err) != 0:
+        logger.warning("cudaHostRegister failed (%s); falling back to torch's pinned allocator", err)
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(arr, cudart.cudaHostUnregister, ptr)
+    return torch.from_numpy(arr)[:nbytes]
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+class HostKVPool:
+    """Full KV in host memory, ``num_slots`` token slots of all layers.
+
+    Layouts (``B`` = buffers: k, v for MHA; kv for MLA):
+
+    - ``layer_first``       ``[B, layers, slots, heads, dim]`` — matches the GPU pool.
+    - ``page_first``        ``[pages, layers, B, page_size, heads, dim]`` — one page of all
+      layers is contiguous (zero-copy to L3 via ``page_tensor``).
+    - ``page_first_direct`` same memory as ``page_first``; the ``direct`` io backend moves
+      whole (page, layer) blocks with one copy each instead of gathering tokens.
+    - ``page_head``         ``[pages, heads, layers, B, page_size, dim]`` — page_first split
+      per kv head, so a rank with a different TP degree reads its heads contiguously.
+
+    Size: ``hicache_size`` GB (1e9, per rank) when > 0, else ``hicache_ratio`` × the device
+    pool; either must exceed the device pool. Pinned iff CUDA is available unless
+    ``pin_memory`` says otherwise.
+    """
+
+    def __init__(self, device_pool: DeviceKVPool, hicache_ratio: float = 2.0, hicache_size: float = 0.0,
+                 layout: str = "layer_first", pin_memory: bool | None = None):
+        if not isinstance(device_pool, DeviceKVPool):
+            raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {layout!r}")
+        spec = device_pool.spec
+        ps = spec.page_size
+        if hicache_size is None or hicache_size < 0:
+            raise ValueError(f"hicache_size must be >= 0 (GB per rank; 0 = use hicache_ratio), got {hicache_size!r}")
+        if hicache_size > 0:
+            num_slots = int(hicache_size * 1e9 // spec.token_bytes) // ps * ps
+            if num_slots <= device_pool.num_slots:
+                raise ValueError(
+                    f"hicache_size={hicache_size} GB holds {num_slots} slots, which must exceed the device "
+                    f"pool's {device_pool.num_slots} slots ({device_pool.num_slots * spec.token_bytes / 1e9:.3g} GB)")
+        else:
+            if not hicache_ratio > 1:
+                raise ValueError(f"hicache_ratio must be > 1 (host pool larger than the device pool), got {hicache_ratio!r}")
+            num_slots = int(device_pool.num_slots * hicache_ratio) // ps * ps
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA; pass pin_memory=None or False on a CPU-only machine")
+
+        self.spec = spec
+        self.device_pool = device_pool
+        self.layout = layout
+        self.page_size = ps
+        self.num_slots = num_slots
+        self.num_pages = num_slots // ps
+        self.pin_memory = bool(pin_memory)
+        self.allocator = PagedSlotAllocator(num_slots, ps, "cpu")
+
+        nbytes = num_slots * spec.token_bytes
+        avail = _available_host_bytes()
+        if avail is not None and nbytes > avail:
+            raise ValueError(f"host pool needs {nbytes / 1e9:.3g} GB but only {avail / 1e9:.3g} GB of host memory "
+                             f"is available; lower hicache_ratio/hicache_size")
+        shape = _host_shape(layout, self.num_pages, ps, spec.num_layers, spec.num_buffers, spec.kv_heads, spec.head_dim)
+        raw = _alloc_pinned(nbytes) if self.pin_memory else torch.zeros(nbytes, dtype=torch.uint8)
+        self.kv_data = raw.view(spec.dtype).view(shape)
+
+    # --- allocation --------------------------------------------------------------------
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``int64 [pages * page_size]`` host slots (CPU), or None when the pool is short."""
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    # --- views -------------------------------------------------------------------------
+    def paged_view(self) -> torch.Tensor:
+        """6-D view ``[pages, page_size, layers, buffers, heads, dim]`` of the pool,
+        whatever the layout (what ``hicache.kernels.kv_copy`` addresses)."""
+        d = self.kv_data
+        if self.layout == "layer_first":
+            b, l, _, h, dim = d.shape
+            return d.view(b, l, self.num_pages, self.page_size, h, dim).permute(2, 3, 1, 0, 4, 5)
+        if self.layout in ("page_first", "page_first_direct"):
+            return d.permute(0, 3, 1, 2, 4, 5)
+        return d.permute(0, 4, 2, 3, 1, 5)
+
+    def page_tensor(self, page: int) -> torch.Tensor:
+        """One page of every layer, contiguous (page layouts only): the object L3 stores."""
+        if self.layout == "layer_first":
+            raise ValueError("page_tensor needs layout in ('page_first', 'page_first_direct', 'page_head'), "
+                             "got 'layer_first'")
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
+        return self.kv_data[page]
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.spec.num_layers}), got {layer!r}")
+
+    def read_tokens(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of ``slots``' rows of ``layer``: (k, v) MHA / (kv,) MLA, each ``[N, heads, dim]``."""
+        self._check_layer(layer)
+        check_slots(slots, "slots", self.num_slots, (torch.device("cpu"),))
+        s = slots.to(torch.int64)
+        rows = self.paged_view()[s // self.page_size, s % self.page_size, layer]  # [N, B, H, D]
+        return tuple(rows[:, b].clone() for b in range(self.spec.num_buffers))
+
+    def write_tokens(self, layer: int, slots: torch.Tensor, *bufs: torch.Tensor) -> None:
+        """Write ``bufs`` (k, v MHA / kv MLA; each ``[N, heads, dim]``) into ``slots`` of ``layer``."""
+        self._check_layer(layer)
+        check_slots(slots, "slots", self.num_slots, (torch.device("cpu"),), unique=True)
+        if len(bufs) != self.spec.num_buffers:
+            raise ValueError(f"bufs must be {self.spec.num_buffers} tensors for {self.spec.attention}, got {len(bufs)}")
+        want = (slots.numel(), self.spec.kv_heads, self.spec.head_dim)
+        for i, t in enumerate(bufs):
+            if tuple(t.shape) != want:
+                raise ValueError(f"bufs[{i}] must have shape {want}, got {tuple(t.shape)}")
+        s = slots.to(torch.int64)
+        data = torch.stack([t.to(device="cpu", dtype=self.spec.dtype) for t in bufs], dim=1)  # [N, B, H, D]
+        self.paged_view()[s // self.page_size, s % self.page_size, layer] = data
+
+    def nbytes(self) -> int:
+        return self.kv_data.numel() * self.kv_data.element_size()
+
+    def __repr__(self) -> str:
+        return (f"HostKVPool(layout={self.layout}, num_slots={self.num_slots}, "
+                f"{self.nbytes() / 1e9:.3g} GB, pinned={self.pin_memory})")

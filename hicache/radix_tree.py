@@ -1,0 +1,868 @@
+"""HiRadixTree: page-granular radix tree over token ids whose nodes record where their KV
+lives — device pool slots (L1), host pool slots (L2), or both — following SGLang's
+``HiRadixCache`` (``match_prefix``, ``insert``, ``evict``, ``evict_host``, ``load_back``,
+``init_load_back``, ``writing_check``, ``loading_check``, ``inc_lock_ref`` /
+``dec_lock_ref``).
+
+Invariants (``check_invariants`` asserts them; the model-based test runs it every step):
+
+* every key is a whole number of pages and every split happens at a page boundary;
+* on any root-to-leaf path the device-resident nodes form a prefix (device eviction goes
+  leaf first, load-back loads a whole host chain), and so do the backed-up nodes
+  (*backup continuity*: a node is backed up only after its parent);
+* a non-root node holds its KV in at least one tier;
+* a node with ``lock_ref > 0`` keeps its device slots; with ``host_lock_ref > 0`` or
+  ``lock_ref > 0`` it keeps its host slots; in-flight writes and loads hold ``lock_ref``
+  on their node's path until the controller acknowledges them.
+
+Recency is a logical clock, not wall time, so every tensor-parallel rank that applies the
+same operations evicts the same nodes.
+
+Beyond SGLang, the sparse runtime inserts a request whose KV it already offloaded to host
+*host-only* and keeps those host pages locked while the request decodes::
+
+    m = tree.match_prefix(tokens)                  # device + host hit of the prompt
+    tree.inc_host_lock(m.last_backed_node)         # its host pages stay while we read them
+    new = host_pool.alloc(len(tokens) - m.backed_length)
+    ...                                            # prefill, offload new KV into `new`
+    res = tree.insert(tokens, host_indices=torch.cat([m.backed_host_indices, new]))
+    tree.inc_host_lock(res.last_node)              # whole prompt now pinned on host
+    tree.dec_host_lock(m.last_backed_node)
+    ...                                            # decode reads host pages of res.last_node's path
+    tree.dec_host_lock(res.last_node)              # request end: pages become evictable
+    host_pool.free(res.host_unused)                # our copies the tree did not adopt
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import torch
+
+from hicache.hicache_stats import HiCacheStats
+from hicache import tp_sync
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hicache.config import HiCacheConfig
+    from hicache.controller import HiCacheController
+    from hicache.device_pool import DeviceKVPool
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+class TreeNode:
+    """One span of tokens (a whole number of pages) and where its KV lives."""
+
+    __slots__ = (
+        "id", "key", "parent", "children", "device_indices", "host_indices", "hash_keys",
+        "lock_ref", "host_lock_ref", "hit_count", "last_access", "loading", "write_ack",
+    )
+    _ids = itertools.count()
+
+    def __init__(self, key: tuple[int, ...] = (), parent: Optional["TreeNode"] = None) -> None:
+        self.id: int = next(TreeNode._ids)
+        self.key: tuple[int, ...] = key
+        self.parent: Optional[TreeNode] = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.device_indices: Optional[torch.Tensor] = None  # int64 [len(key)] device slots
+        self.host_indices: Optional[torch.Tensor] = None  # int64 [len(key)] host slots
+        self.hash_keys: Optional[list[str]] = None  # one per page, computed on demand
+        self.lock_ref = 0
+        self.host_lock_ref = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.loading = False
+        self.write_ack: Optional[int] = None  # ack id of the in-flight backup covering this node
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_indices is not None
+
+    @property
+    def evicted(self) -> bool:
+        """SGLang's name: not on the device."""
+        return self.device_indices is None
+
+    @property
+    def backed_up(self) -> bool:
+        """Host slots assigned (the write may still be in flight, see ``write_ack``)."""
+        return self.host_indices is not None
+
+    def __lt__(self, other: "TreeNode") -> bool:  # heap order: least recently used first
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, len={len(self.key)}, dev={self.on_device}, host={self.backed_up}, "
+                f"lock={self.lock_ref}, hlock={self.host_lock_ref})")
+
+
+@dataclass
+class MatchResult:
+    """Longest cached prefix of a query, split by tier.
+
+    ``device_indices`` int64 [device_hit_length]: device slots of the device-resident
+    prefix (ends at ``last_device_node``). ``host_indices`` int64 [host_hit_length]: host
+    slots of the following tokens that are on host only (ends at ``last_host_node``; load
+    them back with ``init_load_back``). ``backed_host_indices`` int64 [backed_length]: host
+    slots of the longest backed-up prefix of the match (both tiers), ending at
+    ``last_backed_node`` — what a sparse request reads from host.
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    host_indices: torch.Tensor
+    last_host_node: TreeNode
+    backed_host_indices: torch.Tensor
+    last_backed_node: TreeNode
+
+    @property
+    def device_hit_length(self) -> int:
+        return int(self.device_indices.numel())
+
+    @property
+    def host_hit_length(self) -> int:
+        return int(self.host_indices.numel())
+
+    @property
+    def backed_length(self) -> int:
+        return int(self.backed_host_indices.numel())
+
+    @property
+    def total_hit_length(self) -> int:
+        return self.device_hit_length + self.host_hit_length
+
+
+@dataclass
+class InsertResult:
+    """``prefix_len``: leading tokens that were already on the device (SGLang's return
+    value). ``device_unused`` / ``host_unused`` int64: the caller's slots the tree did not
+    take (the tree already held other slots for those tokens); the caller frees them once it
+    stops reading them. ``last_node``: node ending the inserted sequence."""
+
+    prefix_len: int
+    last_node: TreeNode
+    device_unused: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    host_unused: torch.Tensor = field(default_factory=lambda: _EMPTY)
+
+
+def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        return tuple(int(t) for t in token_ids.tolist())
+    try:
+        return tuple(int(t) for t in token_ids)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"token_ids must be a sequence of ints ({e})") from e
+
+
+class HiRadixTree:
+    """GPU (L1) + host (L2) radix cache. Pools, transfers and write policy come from
+    ``controller`` (a :class:`hicache.controller.HiCacheController`)."""
+
+    def __init__(self, controller: "HiCacheController", load_back_threshold: int = 0) -> None:
+        self.controller = controller
+        self.page_size: int = controller.page_size
+        self.write_policy: str = controller.write_policy
+        self.write_through_threshold = 1 if self.write_policy == "write_through" else 2
+        self.load_back_threshold = load_back_threshold
+        self.stats_ = HiCacheStats()
+        self._empty_device = torch.empty((0,), dtype=torch.int64, device=controller.device_pool.device)
+        self.reset()
+
+    @classmethod
+    def from_config(cls, config: "HiCacheConfig", device_pool: "DeviceKVPool", tp_group=None,
+                    pin_memory: Optional[bool] = None) -> "HiRadixTree":
+        """Build host pool (``--hicache-ratio/size``, ``--hicache-mem-layout``), controller
+        (``--hicache-write-policy``, ``--hicache-io-backend``) and tree over ``device_pool``."""
+        from hicache.controller import HiCacheController
+        from hicache.host_pool import HostKVPool
+
+        if config.page_size != device_pool.page_size:
+            raise ValueError(f"--page-size={config.page_size} must equal the device pool's page_size="
+                             f"{device_pool.page_size}")
+        host = HostKVPool(device_pool, hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size,
+                          layout=config.hicache_mem_layout, pin_memory=pin_memory)
+        return cls(HiCacheController.from_config(config, device_pool, host, tp_group))
+
+    def close(self) -> None:
+        """Stop the controller's worker thread."""
+        self.controller.close()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every node (does not free pool slots; pair with fresh pools)."""
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._evictable = 0  # device tokens in unlocked nodes
+        self._protected = 0  # device tokens in locked nodes
+        self._host_tokens = 0
+        self.device_leaves: set[TreeNode] = set()
+        self.host_leaves: set[TreeNode] = set()
+        self.ongoing_write: dict[int, list[TreeNode]] = {}  # ack id -> [locked node, split-off parents...]
+        self.ongoing_load: dict[int, tuple[TreeNode, TreeNode]] = {}  # ack id -> (ancestor, last node)
+        self._ack_ids = itertools.count(1)
+
+    def _tick(self, node: TreeNode) -> None:
+        self._clock += 1
+        node.last_access = self._clock
+
+    def evictable_size(self) -> int:
+        """Device tokens held by unlocked nodes."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Device tokens held by locked nodes."""
+        return self._protected
+
+    def device_tokens(self) -> int:
+        return self._evictable + self._protected
+
+    def host_tokens(self) -> int:
+        return self._host_tokens
+
+    # ------------------------------------------------------------------ tier bookkeeping
+    def _set_device(self, node: TreeNode, idx: Optional[torch.Tensor]) -> None:
+        if node.device_indices is not None:
+            n = len(node.device_indices)
+            if node.lock_ref > 0:
+                self._protected -= n
+            else:
+                self._evictable -= n
+        node.device_indices = idx
+        if idx is not None:
+            if node.lock_ref > 0:
+                self._protected += len(idx)
+            else:
+                self._evictable += len(idx)
+        self._refresh(node)
+
+    def _set_host(self, node: TreeNode, idx: Optional[torch.Tensor]) -> None:
+        if node.host_indices is not None:
+            self._host_tokens -= len(node.host_indices)
+        node.host_indices = idx
+        if idx is not None:
+            self._host_tokens += len(idx)
+        self._refresh(node)
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        return (node is not self.root and node.on_device
+                and not any(c.on_device for c in node.children.values()))
+
+    def _is_host_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root and not node.on_device and node.backed_up and not node.children
+
+    def _refresh_one(self, node: TreeNode) -> None:
+        (self.device_leaves.add if self._is_device_leaf(node) else self.device_leaves.discard)(node)
+        (self.host_leaves.add if self._is_host_leaf(node) else self.host_leaves.discard)(node)
+
+    def _refresh(self, node: TreeNode) -> None:
+        self._refresh_one(node)
+        if node.parent is not None:
+            self._refresh_one(node.parent)
+
+    def _child_key(self, key: tuple[int, ...], pos: int = 0) -> tuple[int, ...]:
+        return key[pos:pos + self.page_size]
+
+    def _match_len(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
+        """Whole pages of ``node_key`` equal to ``key[pos:]``."""
+        ps = self.page_size
+        n = min(len(node_key), len(key) - pos)
+        n -= n % ps
+        if node_key[:n] == key[pos:pos + n]:
+            return n
+        for i in range(0, n, ps):
+            if node_key[i:i + ps] != key[pos + i:pos + i + ps]:
+                return i
+        return n  # pragma: no cover
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` at ``m`` tokens (a page multiple, 0 < m < len): returns the new
+        parent holding the first ``m`` tokens."""
+        assert 0 < m < len(child.key) and m % self.page_size == 0
+        parent = child.parent
+        new = TreeNode(child.key[:m], parent)
+        # Locks are per path, so the new node is held by exactly the holders of `child`.
+        new.lock_ref, new.host_lock_ref = child.lock_ref, child.host_lock_ref
+        new.hit_count, new.last_access, new.loading = child.hit_count, child.last_access, child.loading
+        new.device_indices = None if child.device_indices is None else child.device_indices[:m]
+        new.host_indices = None if child.host_indices is None else child.host_indices[:m]
+        if child.device_indices is not None:
+            child.device_indices = child.device_indices[m:]
+        if child.host_indices is not None:
+            child.host_indices = child.host_indices[m:]
+        if child.hash_keys is not None:
+            new.hash_keys = child.hash_keys[: m // self.page_size]
+            child.hash_keys = child.hash_keys[m // self.page_size:]
+        if child.write_ack is not None:
+            new.write_ack = child.write_ack
+            self.ongoing_write[child.write_ack].append(new)
+        child.key = child.key[m:]
+        child.parent = new
+        new.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(new.key)] = new
+        self._refresh_one(child)
+        self._refresh_one(new)
+        return new
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        assert not node.children and node.device_indices is None and node.host_indices is None
+        parent = node.parent
+        del parent.children[self._child_key(node.key)]
+        self.device_leaves.discard(node)
+        self.host_leaves.discard(node)
+        self._refresh_one(parent)
+
+    # ------------------------------------------------------------------ hashes (L3 keys)
+    def page_hashes(self, node: TreeNode) -> list[str]:
+        """Hash chain keys of ``node``'s pages: each covers the page and its whole prefix."""
+        if node is self.root:
+            return []
+        if node.hash_keys is None:
+            prev = self.page_hashes(node.parent)
+            h = prev[-1] if prev else ""
+            out = []
+            for i in range(0, len(node.key), self.page_size):
+                page = node.key[i:i + self.page_size]
+                h = hashlib.sha256((h + ",".join(map(str, page))).encode()).hexdigest()
+                out.append(h)
+            node.hash_keys = out
+        return node.hash_keys
+
+    # ------------------------------------------------------------------ locks
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        out = []
+        while node is not self.root:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Protect ``node`` and its ancestors from device (and host) eviction. Returns the
+        device tokens that moved from evictable to protected."""
+        delta = 0
+        for n in self._path(node):
+            if n.lock_ref == 0 and n.device_indices is not None:
+                k = len(n.device_indices)
+                self._evictable -= k
+                self._protected += k
+                delta += k
+            n.lock_ref += 1
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one ``inc_lock_ref(node)``. Unlocking below zero -> ValueError, tree unchanged."""
+        path = self._path(node)
+        if any(n.lock_ref <= 0 for n in path):
+            raise ValueError(f"dec_lock_ref: node {node.id} is not locked (lock_ref would go below zero)")
+        delta = 0
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0 and n.device_indices is not None:
+                k = len(n.device_indices)
+                self._evictable += k
+                self._protected -= k
+                delta += k
+        return delta
+
+    def inc_host_lock(self, node: TreeNode) -> None:
+        """Keep the host slots of ``node``'s path (a running sparse request reads them).
+        The node must be backed up."""
+        path = self._path(node)
+        if any(not n.backed_up for n in path):
+            raise ValueError(f"inc_host_lock: node {node.id} (or an ancestor) has no host copy to lock")
+        for n in path:
+            n.host_lock_ref += 1
+
+    def dec_host_lock(self, node: TreeNode) -> None:
+        """Undo one ``inc_host_lock(node)``; below zero -> ValueError, tree unchanged."""
+        path = self._path(node)
+        if any(n.host_lock_ref <= 0 for n in path):
+            raise ValueError(f"dec_host_lock: node {node.id} is not host-locked (host_lock_ref would go below zero)")
+        for n in path:
+            n.host_lock_ref -= 1
+
+    def backup_complete(self, node: TreeNode) -> bool:
+        """True when the host copy of ``node``'s whole path has been written (acked)."""
+        return all(n.backed_up and n.write_ack is None for n in self._path(node))
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> MatchResult:
+        """Longest cached page-aligned prefix of ``token_ids`` across tiers. A match ending
+        inside a node splits it at that page boundary. Counts a hit on every matched node
+        (write-through policies may start backups)."""
+        key = _as_tokens(token_ids)
+        key = key[: len(key) - len(key) % self.page_size]
+        dev: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        backed: list[torch.Tensor] = []
+        node = self.root
+        last_dev = last_backed = self.root
+        pos = 0
+        self._tick(self.root)
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._match_len(child.key, key, pos)
+            if m == 0:  # pragma: no cover - a child is keyed by its first page
+                break
+            if m < len(child.key):
+                child = self._split(child, m)
+            self._tick(child)
+            self._inc_hit_count(child)
+            if child.on_device:
+                dev.append(child.device_indices)
+                last_dev = child
+            else:
+                host.append(child.host_indices)
+            if child.backed_up and last_backed is node:
+                backed.append(child.host_indices)
+                last_backed = child
+            node = child
+            pos += m
+        res = MatchResult(
+            device_indices=torch.cat(dev) if dev else self._empty_device,
+            last_device_node=last_dev,
+            host_indices=torch.cat(host) if host else _EMPTY,
+            last_host_node=node,
+            backed_host_indices=torch.cat(backed) if backed else _EMPTY,
+            last_backed_node=last_backed,
+        )
+        st = self.stats_
+        st.match_queries += 1
+        st.query_tokens += len(key)
+        st.device_hit_tokens += res.device_hit_length
+        st.host_hit_tokens += res.host_hit_length
+        st.miss_tokens += len(key) - res.total_hit_length
+        return res
+
+    # ------------------------------------------------------------------ insert
+    def _check_indices(self, name: str, idx: Optional[torch.Tensor], n: int, limit: int,
+                       device: torch.device) -> Optional[torch.Tensor]:
+        if idx is None:
+            return None
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be a 1-D int64 tensor of slots")
+        if idx.numel() != n:
+            raise ValueError(f"{name} has {idx.numel()} slots but token_ids has {n} tokens: they must match")
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= limit):
+            raise ValueError(f"{name} must hold slots in [0, {limit}) (no -1 padding)")
+        idx = idx.to(device=device, dtype=torch.int64)  # the tree keeps each tier's slots on one device
+        ps = self.page_size
+        if ps > 1 and n:
+            rows = idx.view(-1, ps)
+            offs = torch.arange(ps, dtype=torch.int64, device=idx.device)
+            if not bool(((rows[:, :1] % ps == 0) & (rows - rows[:, :1] == offs)).all()):
+                raise ValueError(f"{name} must list whole pages: each run of page_size={ps} slots is "
+                                 f"p*{ps} .. p*{ps}+{ps - 1}")
+        return idx
+
+    def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: Optional[torch.Tensor] = None,
+               host_indices: Optional[torch.Tensor] = None) -> InsertResult:
+        """Add a sequence whose KV is in ``device_indices`` and/or ``host_indices`` (int64
+        [len(token_ids)], a whole number of pages). Nodes already in the tree keep their
+        slots; a tier a node lacks is adopted from the caller's slots (a host-only node gets
+        the new device slots, an unbacked node the new host slots). See :class:`InsertResult`
+        for what the caller must free."""
+        key = _as_tokens(token_ids)
+        n = len(key)
+        if device_indices is None and host_indices is None:
+            raise ValueError("insert needs device_indices and/or host_indices")
+        if n % self.page_size:
+            raise ValueError(f"token_ids has {n} tokens: insert takes whole pages (a multiple of page_size={self.page_size})")
+        dev = self._check_indices("device_indices", device_indices, n, self.controller.device_num_slots,
+                                  self.controller.device_pool.device)
+        hst = self._check_indices("host_indices", host_indices, n, self.controller.host_num_slots,
+                                  torch.device("cpu"))
+        dev_unused: list[torch.Tensor] = []
+        host_unused: list[torch.Tensor] = []
+        node = self.root
+        pos = 0
+        prefix_len = 0
+        device_prefix = True
+        self._tick(self.root)
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._match_len(child.key, key, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            self._tick(child)
+            if dev is not None:
+                seg = dev[pos:pos + m]
+                if child.on_device:
+                    dev_unused.append(seg[seg != child.device_indices])
+                    if device_prefix:
+                        prefix_len += m
+                else:
+                    # KV recomputed for a host-only node: take the fresh device copy.
+                    self._set_device(child, seg.clone())
+                    device_prefix = False
+            elif not child.on_device:
+                device_prefix = False
+            if hst is not None:
+                seg = hst[pos:pos + m]
+                if child.backed_up:
+                    host_unused.append(seg[seg != child.host_indices])
+                else:
+                    self._set_host(child, seg.clone())
+            if child.on_device:
+                self._inc_hit_count(child)
+            node = child
+            pos += m
+        if pos < n:
+            new = TreeNode(key[pos:], node)
+            node.children[self._child_key(new.key)] = new
+            self._tick(new)
+            if dev is not None:
+                self._set_device(new, dev[pos:].clone())
+            if hst is not None:
+                self._set_host(new, hst[pos:].clone())
+            self._refresh(new)
+            self.stats_.inserted_tokens += n - pos
+            if new.on_device:
+                self._inc_hit_count(new)
+            node = new
+        return InsertResult(prefix_len=prefix_len, last_node=node,
+                            device_unused=torch.cat(dev_unused) if dev_unused else self._empty_device,
+                            host_unused=torch.cat(host_unused) if host_unused else _EMPTY)
+
+    # ------------------------------------------------------------------ write policies
+    def _inc_hit_count(self, node: TreeNode) -> None:
+        if self.write_policy == "write_back":
+            return
+        node.hit_count += 1
+        if not node.backed_up and node.on_device and node.hit_count >= self.write_through_threshold:
+            self.write_backup(node)
+
+    def _alloc_agreed(self, alloc, free, evict, n: int) -> Optional[torch.Tensor]:
+        """Allocate ``n`` slots on every TP rank or on none: ranks agree (MIN) on success
+        before and after making room, so all ranks' trees take the same decisions."""
+        group = self.controller.tp_group
+        idx = alloc(n)
+        if tp_sync.all_ranks_true(idx is not None, group):
+            return idx
+        if idx is not None:
+            free(idx)
+        evict(n)
+        idx = alloc(n)
+        if tp_sync.all_ranks_true(idx is not None, group):
+            return idx
+        if idx is not None:
+            free(idx)
+        return None
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """Back ``node``'s device KV up to host. Returns tokens queued (0: parent not backed
+        up yet — continuity — or no host room). The node's path stays locked until the
+        write is acknowledged by ``writing_check``."""
+        if node.backed_up or not node.on_device:
+            return 0
+        if node.parent is not self.root and not node.parent.backed_up:
+            return 0
+        c = self.controller
+        n = len(node.device_indices)
+        host = self._alloc_agreed(c.alloc_host, c.free_host, self.evict_host, n)
+        if host is None:
+            self.stats_.write_alloc_failures += 1
+            return 0
+        ack = next(self._ack_ids)
+        c.write(node.device_indices, host, ack)
+        self._set_host(node, host)
+        node.write_ack = ack
+        self.ongoing_write[ack] = [node]
+        self.inc_lock_ref(node)
+        self.stats_.backup_tokens += n
+        return n
+
+    def writing_check(self, block: bool = False) -> int:
+        """Issue queued writes and retire acknowledged ones (unlock, mark complete). TP ranks
+        agree (MIN) on how many acks to retire. block=True waits for every write in flight.
+        Returns the number of writes retired."""
+        c = self.controller
+        c.start_writing()
+        if block:
+            c.wait_writes()
+        ready = tp_sync.agree_min(c.write_acks_ready(), c.tp_group)
+        for _ in range(ready):
+            for ack in c.pop_write_ack():
+                nodes = self.ongoing_write.pop(ack)
+                for nd in nodes:
+                    nd.write_ack = None
+                self.dec_lock_ref(nodes[0])
+        return ready
+
+    # ------------------------------------------------------------------ device eviction
+    def evict_node(self, node: TreeNode) -> int:
+        """Evict one device leaf now (demote if backed up, else delete). Locked, loading,
+        not-on-device or non-leaf nodes -> ValueError, tree unchanged. write_back policy: a
+        node without a host copy is backed up first (blocking)."""
+        if node is self.root or not node.on_device:
+            raise ValueError(f"evict_node: node {node.id} holds no device KV")
+        if node.lock_ref > 0 or node.loading:
+            raise ValueError(f"evict_node: node {node.id} is locked (lock_ref={node.lock_ref}) or loading")
+        if node not in self.device_leaves:
+            raise ValueError(f"evict_node: node {node.id} has children on the device; evict them first")
+        if not node.backed_up and self.write_policy == "write_back":
+            self._write_back_chain(node)
+            self.writing_check(block=True)
+        if node.write_ack is not None:  # pragma: no cover - in-flight writes hold a lock
+            raise ValueError(f"evict_node: node {node.id} has a write in flight")
+        return self._evict_device(node)
+
+    def _evict_device(self, node: TreeNode) -> int:
+        n = len(node.device_indices)
+        self.controller.free_device(node.device_indices)
+        self._set_device(node, None)
+        self.stats_.device_evicted_tokens += n
+        if node.backed_up:
+            self.stats_.device_demoted_tokens += n
+        else:
+            assert not node.children, "an unbacked node cannot have host-only children (continuity)"
+            self.stats_.device_deleted_tokens += n
+            self._remove_leaf(node)
+        return n
+
+    def _write_back_chain(self, node: TreeNode) -> int:
+        """write_back: back up ``node`` and its unbacked ancestors (root first) so continuity
+        holds; the ancestors stay on the device."""
+        chain = []
+        n = node
+        while n is not self.root and not n.backed_up:
+            chain.append(n)
+            n = n.parent
+        total = 0
+        for x in reversed(chain):
+            got = self.write_backup(x, write_back=True)
+            if got == 0:
+                break
+            total += got
+        return total
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens if unlocked nodes allow, least recently
+        used leaves first. Backed-up nodes are demoted (host copy kept), others deleted;
+        write_back first backs them up and waits for those writes. Returns tokens freed."""
+        if num_tokens < 0:
+            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
+        freed = 0
+        while freed < num_tokens:
+            heap = [x for x in self.device_leaves if x.lock_ref == 0 and not x.loading]
+            heapq.heapify(heap)
+            pending: list[TreeNode] = []
+            pending_tokens = 0
+            progress = False
+            while freed + pending_tokens < num_tokens and heap:
+                x = heapq.heappop(heap)
+                if x.lock_ref > 0 or x.loading or not x.on_device:
+                    continue
+                parent = x.parent
+                if not x.backed_up and self.write_policy == "write_back":
+                    if self._write_back_chain(x) and x.backed_up:
+                        pending.append(x)
+                        pending_tokens += len(x.device_indices)
+                        continue
+                freed += self._evict_device(x)
+                progress = True
+                if self._is_device_leaf(parent) and parent.lock_ref == 0 and not parent.loading:
+                    heapq.heappush(heap, parent)
+            if pending:
+                self.writing_check(block=True)
+                for x in pending:
+                    if x.on_device and x.lock_ref == 0 and not x.loading:
+                        freed += self._evict_device(x)
+                        progress = True
+            if not progress:
+                break
+        return freed
+
+    # ------------------------------------------------------------------ host eviction
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return node in self.host_leaves and node.lock_ref == 0 and node.host_lock_ref == 0 and not node.loading
+
+    def evict_host_node(self, node: TreeNode) -> int:
+        """Drop one host leaf (a node not on the device, without children). Locked or
+        host-locked nodes -> ValueError, tree unchanged."""
+        if node not in self.host_leaves:
+            raise ValueError(f"evict_host_node: node {node.id} is not a host leaf (on device, has children, or no host copy)")
+        if not self._host_evictable(node):
+            raise ValueError(f"evict_host_node: node {node.id} is locked (lock_ref={node.lock_ref}, "
+                             f"host_lock_ref={node.host_lock_ref})")
+        return self._evict_host(node)
+
+    def _evict_host(self, node: TreeNode) -> int:
+        n = len(node.host_indices)
+        self.controller.free_host(node.host_indices)
+        self._set_host(node, None)
+        self._remove_leaf(node)
+        self.stats_.host_evicted_tokens += n
+        return n
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens from nodes that are not on the device
+        and not (host-)locked, least recently used first. Returns tokens freed."""
+        if num_tokens < 0:
+            raise ValueError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
+        heap = [x for x in self.host_leaves if self._host_evictable(x)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            x = heapq.heappop(heap)
+            if not self._host_evictable(x):
+                continue
+            parent = x.parent
+            freed += self._evict_host(x)
+            if self._host_evictable(parent):
+                heapq.heappush(heap, parent)
+        return freed
+
+    # ------------------------------------------------------------------ load back
+    def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Queue a host -> device load of the host-only chain ending at ``node``. Returns the
+        new device slots (int64, chain order) or None (nothing to load, below
+        ``load_back_threshold``, over ``mem_quota`` tokens, or no device room). The chain
+        stays locked and ``loading`` until ``loading_check`` sees the ack; the data arrives
+        layer by layer after ``ready_to_load_host_cache()``."""
+        chain: list[TreeNode] = []
+        last = node
+        while node is not self.root and node.evicted:
+            if not node.backed_up:  # pragma: no cover - invariant
+                raise AssertionError(f"node {node.id} is neither on device nor on host")
+            chain.append(node)
+            node = node.parent
+        ancestor = node
+        if not chain:
+            return None
+        chain.reverse()
+        host = torch.cat([x.host_indices for x in chain])
+        n = int(host.numel())
+        if n < self.load_back_threshold or (mem_quota is not None and n > mem_quota):
+            return None
+        self.inc_lock_ref(last)  # the chain and its ancestors survive the eviction below
+        c = self.controller
+        dev = self._alloc_agreed(c.alloc_device, c.free_device, self.evict, n)
+        if dev is None:
+            self.dec_lock_ref(last)
+            self.stats_.load_alloc_failures += 1
+            return None
+        ack = next(self._ack_ids)
+        c.load(host, dev, ack)
+        off = 0
+        for x in chain:
+            k = len(x.host_indices)
+            self._set_device(x, dev[off:off + k])
+            x.loading = True
+            off += k
+        self.ongoing_load[ack] = (ancestor, last)
+        self.stats_.loadback_tokens += n
+        return dev
+
+    def init_load_back(self, last_node: TreeNode, host_hit_length: int = 0,
+                       mem_quota: Optional[int] = None) -> tuple[torch.Tensor, TreeNode]:
+        """SGLang's entry point: load back the host part of a match if possible; returns
+        (new device slots, last node now on device)."""
+        del host_hit_length  # kept for SGLang signature compatibility
+        if last_node is not self.root and last_node.evicted:
+            dev = self.load_back(last_node, mem_quota)
+            if dev is not None:
+                return dev, last_node
+            while last_node is not self.root and last_node.evicted:
+                last_node = last_node.parent
+        return self._empty_device, last_node
+
+    def ready_to_load_host_cache(self) -> int:
+        """Issue every queued load layer by layer; returns the producer id the forward pass
+        waits on (``controller.layer_counter``), -1 when nothing was queued."""
+        return self.controller.start_loading()
+
+    def loading_check(self, block: bool = False) -> int:
+        """Retire acknowledged loads: unlock their chains and clear ``loading``. TP ranks agree
+        (MIN) on how many. Returns loads retired."""
+        c = self.controller
+        if block:
+            c.start_loading()
+            c.wait_loads()
+        ready = tp_sync.agree_min(c.load_acks_ready(), c.tp_group)
+        for _ in range(ready):
+            for ack in c.pop_load_ack():
+                ancestor, last = self.ongoing_load.pop(ack)
+                x = last
+                while x is not ancestor:
+                    x.loading = False
+                    x = x.parent
+                self.dec_lock_ref(last)
+        return ready
+
+    def check_hicache_events(self) -> None:
+        """Per scheduler step: retire finished writes and loads."""
+        self.writing_check()
+        self.loading_check()
+
+    # ------------------------------------------------------------------ introspection
+    def nodes(self) -> Iterable[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            x = stack.pop()
+            yield x
+            stack.extend(x.children.values())
+
+    def all_device_indices(self) -> torch.Tensor:
+        xs = [x.device_indices for x in self.nodes() if x.on_device]
+        return torch.cat(xs) if xs else _EMPTY
+
+    def all_host_indices(self) -> torch.Tensor:
+        xs = [x.host_indices for x in self.nodes() if x.backed_up]
+        return torch.cat(xs) if xs else _EMPTY
+
+    def stats(self) -> dict[str, int]:
+        """Hit tokens per tier, bytes moved per direction, evictions, queue depths, sizes."""
+        out = self.stats_.as_dict()
+        out.update(self.controller.stats())
+        out.update(
+            device_tokens=self.device_tokens(), evictable_device_tokens=self._evictable,
+            protected_device_tokens=self._protected, host_tokens=self._host_tokens,
+            ongoing_writes=len(self.ongoing_write), ongoing_loads=len(self.ongoing_load),
+        )
+        return out
+
+    def check_invariants(self) -> None:
+        """Assert the structural invariants listed in the module docstring."""
+        ps = self.page_size
+        ev = pr = ht = 0
+        dleaves, hleaves = set(), set()
+        for x in self.nodes():
+            p = x.parent
+            assert p is not None and p.children.get(self._child_key(x.key)) is x, f"{x}: broken parent link"
+            assert len(x.key) > 0 and len(x.key) % ps == 0, f"{x}: key not whole pages"
+            assert x.on_device or x.backed_up, f"{x}: holds no KV"
+            if x.on_device:
+                assert len(x.device_indices) == len(x.key), f"{x}: device length"
+                assert p is self.root or p.on_device, f"{x}: on device under an evicted parent"
+                if x.lock_ref > 0:
+                    pr += len(x.key)
+                else:
+                    ev += len(x.key)
+            if x.backed_up:
+                assert len(x.host_indices) == len(x.key), f"{x}: host length"
+                assert p is self.root or p.backed_up, f"{x}: backup continuity broken"
+                ht += len(x.key)
+            assert x.lock_ref >= sum(c.lock_ref for c in x.children.values()), f"{x}: lock_ref below children's"
+            assert x.host_lock_ref >= sum(c.host_lock_ref for c in x.children.values()), f"{x}: host lock"
+            assert x.lock_ref >= 0 and x.host_lock_ref >= 0
+            if x.host_lock_ref > 0:
+                assert x.backed_up, f"{x}: host-locked without host copy"
+            if x.loading or x.write_ack is not None:
+                assert x.lock_ref > 0, f"{x}: in-flight transfer without a lock"
+            if self._is_device_leaf(x):
+                dleaves.add(x)
+            if self._is_host_leaf(x):
+                hleaves.add(x)
+        assert (ev, pr, ht) == (self._evictable, self._protected, self._host_tokens), "size counters drifted"
+        assert dleaves == self.device_leaves, "device leaf set drifted"
+        assert hleaves == self.host_leaves, "host leaf set drifted"

@@ -1,0 +1,336 @@
+"""Host <-> device KV transfers of arbitrary slot lists, with per-layer completion events.
+
+Two io backends (SGLang's ``--hicache-io-backend``):
+
+- ``kernel``: the Triton gather/scatter of ``hicache.kernels.kv_copy`` reads/writes the
+  pinned host pool directly from the GPU (zero-copy), one launch per layer (load) or per
+  contiguous layer range (backup) over the whole index list.
+- ``direct``: torch indexing plus non-blocking copies through pinned staging buffers; for
+  ``page_first_direct`` pools and page-aligned lists, one ``cudaMemcpyAsync`` per (page,
+  layer, buffer) block instead of a token gather.
+
+Asynchronous calls (``load``/``backup``) run on the engine's own CUDA stream (ordered after
+the caller's current stream) and return a :class:`TransferHandle` with one event per
+layer. ``*_layer_now`` run on the caller's current stream (the sparse decode hot path):
+they do no value checks that would sync; the kernel skips ``-1``/out-of-range entries.
+On a CPU-only machine every copy is synchronous and handles are complete on return.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from hicache.device_pool import DeviceKVPool, _same_device, check_slots
+from hicache.host_pool import HostKVPool
+from hicache.kernels.kv_copy import KVCopyConfig, kv_copy_reference, kv_copy_triton, row_ids, row_matrix, row_segments
+from hicache.triton_support import announce_path, interpreter_enabled
+
+IO_BACKENDS = ("direct", "kernel")
+
+
+@dataclass
+class TransferHandle:
+    """Completion of one ``load``/``backup`` call: ``events[layer]`` fires when that layer's
+    copy is done (CUDA); empty on CPU, where the copy already finished."""
+
+    layers: tuple[int, ...]
+    events: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    keepalive: list = field(default_factory=list)  # tensors the queued copies still read
+
+    def _event(self, layer: int) -> torch.cuda.Event | None:
+        if layer not in self.layers:
+            raise ValueError(f"layer must be one of this transfer's layers {self.layers}, got {layer!r}")
+        return self.events.get(layer)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current CUDA stream wait for ``layer`` only (no host sync)."""
+        ev = self._event(layer)
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+
+    def wait(self) -> None:
+        """Make the current stream wait for every layer of this transfer."""
+        for layer in self.layers:
+            self.wait_layer(layer)
+
+    def synchronize(self) -> None:
+        """Block the host until every layer is done."""
+        for ev in self.events.values():
+            ev.synchronize()
+        self.keepalive.clear()
+
+    def done(self) -> bool:
+        finished = all(ev.query() for ev in self.events.values())
+        if finished:
+            self.keepalive.clear()
+        return finished
+
+
+def _layer_runs(layers: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted layers → [(start, count)] of consecutive runs."""
+    runs: list[tuple[int, int]] = []
+    for layer in sorted(layers):
+        if runs and runs[-1][0] + runs[-1][1] == layer:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((layer, 1))
+    return runs
+
+
+class KVTransferEngine:
+    """Copies KV rows between a :class:`DeviceKVPool` and its :class:`HostKVPool`.
+
+    ``validate`` (default on) checks slot values at the async boundary (range, duplicates
+    among write targets); it reads the index tensors, a host sync for CUDA indices.
+    """
+
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, io_backend: str = "kernel", *,
+                 validate: bool = True, kernel_config: KVCopyConfig | None = None,
+                 sort_threshold: int | None = 4096):
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend must be one of {IO_BACKENDS}, got {io_backend!r}")
+        if not isinstance(device_pool, DeviceKVPool):
+            raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
+        if not isinstance(host_pool, HostKVPool):
+            raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
+        if host_pool.spec != device_pool.spec:
+            raise ValueError(f"host_pool.spec must equal device_pool.spec, got {host_pool.spec} vs {device_pool.spec}")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.io_backend = io_backend
+        self.validate = validate
+        self.kernel_config = kernel_config
+        # Kernel backend: lists of at least this many rows are reordered by host slot first
+        # (same pairs, ascending host addresses). Random 1152 B rows over an 8 GB pool went
+        # from 35 to 49 GB/s on an H200 this way (address-translation locality on the host
+        # side); None disables it. Pools whose host pages already give contiguous runs of
+        # >= 16 KiB (64-token MHA pages: 128 KiB) gain nothing and skip the argsort
+        # (measured 50.5 GB/s unsorted vs 49.1 sorted for 256 KiB pages).
+        if sort_threshold is not None and (not isinstance(sort_threshold, int) or sort_threshold < 1):
+            raise ValueError(f"sort_threshold must be None or a positive int, got {sort_threshold!r}")
+        self.sort_threshold = sort_threshold
+        self.device = device_pool.device
+        self.is_cuda = self.device.type == "cuda"
+        self.spec = device_pool.spec
+        if self.is_cuda and io_backend == "kernel" and not host_pool.pin_memory:
+            raise ValueError("io_backend='kernel' reads host memory from the GPU and needs a pinned host pool "
+                             "(HostKVPool(pin_memory=True)); use io_backend='direct' otherwise")
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._host_view = host_pool.paged_view()
+        self._dev_view = device_pool.paged_view()
+        _, row_len = row_segments(self._host_view, self._dev_view)
+        self._host_run_bytes = host_pool.page_size * row_len * self.spec.element_size
+        # The kernel backend runs Triton on CUDA, and under the interpreter on CPU tensors.
+        self._triton = io_backend == "kernel" and (self.is_cuda or interpreter_enabled())
+        announce_path("kv_transfer", f"{io_backend}:{'triton' if self._triton else 'torch'}")
+
+    @property
+    def uses_triton(self) -> bool:
+        """True when copies run the Triton kernel (kernel backend on CUDA or interpreted)."""
+        return self._triton
+
+    # --- argument checks ---------------------------------------------------------------
+    def _layers(self, layers: int | Iterable[int] | None) -> tuple[int, ...]:
+        n = self.spec.num_layers
+        if layers is None:
+            return tuple(range(n))
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = (layers,)
+        try:
+            out = tuple(layers)
+        except TypeError:
+            raise ValueError(f"layers must be None, an int or a sequence of ints in [0, {n}), got {layers!r}") from None
+        if not out or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in out):
+            raise ValueError(f"layers must be None, an int or a non-empty sequence of ints in [0, {n}), got {layers!r}")
+        if len(set(out)) != len(out):
+            raise ValueError(f"layers must not repeat a layer, got {layers!r}")
+        return out
+
+    def _allowed(self) -> tuple[torch.device, ...]:
+        return (torch.device("cpu"), self.device) if self.is_cuda else (torch.device("cpu"),)
+
+    def _check_pair(self, host_slots: torch.Tensor, device_slots: torch.Tensor, *, writes_device: bool,
+                    allow_padding: bool, full: bool) -> None:
+        hn, dn = self.host_pool.num_slots, self.device_pool.num_slots
+        check = full and self.validate
+        if check:
+            check_slots(host_slots, "host_slots", hn, self._allowed(), allow_padding=allow_padding,
+                        unique=not writes_device)
+            check_slots(device_slots, "device_slots", dn, self._allowed(), allow_padding=allow_padding,
+                        unique=writes_device)
+        else:
+            # Shape/dtype/device only: no value reads, so no host sync on the hot path.
+            check_slots(host_slots[:0] if isinstance(host_slots, torch.Tensor) and host_slots.dim() == 1 else host_slots,
+                        "host_slots", hn, self._allowed())
+            check_slots(device_slots[:0] if isinstance(device_slots, torch.Tensor) and device_slots.dim() == 1 else device_slots,
+                        "device_slots", dn, self._allowed())
+        if host_slots.numel() != device_slots.numel():
+            raise ValueError(f"host_slots and device_slots must have equal length, got {host_slots.numel()} "
+                             f"and {device_slots.numel()}")
+
+    def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.is_cuda and not _same_device(slots.device, self.device):
+            return slots.to(self.device, non_blocking=True)
+        return slots
+
+    # --- public API --------------------------------------------------------------------
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, layers: int | Iterable[int] | None = None,
+             *, allow_padding: bool = False) -> TransferHandle:
+        """Host → device: ``device[device_slots[i]] = host[host_slots[i]]`` for ``layers``
+        (None = all). Slot lists ``int64|int32 [N]``; with ``allow_padding`` ``-1`` entries are
+        skipped. Queued per layer on the engine stream; wait with the handle."""
+        self._check_pair(host_slots, device_slots, writes_device=True, allow_padding=allow_padding, full=True)
+        return self._run(self._host_view, self._dev_view, host_slots, device_slots, self._layers(layers), to_device=True)
+
+    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor, layers: int | Iterable[int] | None = None,
+               *, allow_padding: bool = False) -> TransferHandle:
+        """Device → host: ``host[host_slots[i]] = device[device_slots[i]]`` for ``layers``."""
+        self._check_pair(host_slots, device_slots, writes_device=False, allow_padding=allow_padding, full=True)
+        return self._run(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layers), to_device=False)
+
+    def load_layer_now(self, layer: int, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Host → device for one layer on the current stream; ``-1`` entries skipped."""
+        self._check_pair(host_slots, device_slots, writes_device=True, allow_padding=True, full=False)
+        self._copy_now(self._host_view, self._dev_view, host_slots, device_slots, self._layers(layer), to_device=True)
+
+    def backup_layer_now(self, layer: int, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Device → host for one layer on the current stream; ``-1`` entries skipped."""
+        self._check_pair(host_slots, device_slots, writes_device=False, allow_padding=True, full=False)
+        self._copy_now(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layer), to_device=False)
+
+    # --- execution ---------------------------------------------------------------------
+    def _run(self, src, dst, src_slots, dst_slots, layers: tuple[int, ...], *, to_device: bool) -> TransferHandle:
+        handle = TransferHandle(layers=layers)
+        if not self.is_cuda:
+            self._copy_now(src, dst, src_slots, dst_slots, layers, to_device=to_device)
+            return handle
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)  # indices / KV produced on the caller's stream
+        with torch.cuda.stream(self.stream):
+            s_idx, d_idx = self._on_device(src_slots), self._on_device(dst_slots)
+            s_idx, d_idx = self._host_ordered(s_idx, d_idx, to_device=to_device)
+            for t in (s_idx, d_idx):
+                if t.is_cuda:
+                    t.record_stream(self.stream)
+            handle.keepalive += [s_idx, d_idx]
+            if to_device:
+                # One launch per layer so consumers can start on layer n while n+1 loads.
+                for layer in layers:
+                    self._copy(src, dst, s_idx, d_idx, (layer,), to_device=True, keepalive=handle.keepalive)
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    handle.events[layer] = ev
+            else:
+                self._copy(src, dst, s_idx, d_idx, layers, to_device=False, keepalive=handle.keepalive)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                handle.events = {layer: ev for layer in layers}
+        return handle
+
+    def _host_ordered(self, src_slots, dst_slots, *, to_device: bool):
+        """Pairs reordered by ascending host slot (kernel backend, long lists only)."""
+        if (self._triton and self.sort_threshold is not None and src_slots.numel() >= self.sort_threshold
+                and self._host_run_bytes < 16384):
+            order = torch.argsort(src_slots if to_device else dst_slots)
+            return src_slots[order], dst_slots[order]
+        return src_slots, dst_slots
+
+    def _copy_now(self, src, dst, src_slots, dst_slots, layers, *, to_device: bool) -> None:
+        if self.is_cuda:
+            src_slots, dst_slots = self._on_device(src_slots), self._on_device(dst_slots)
+        src_slots, dst_slots = self._host_ordered(src_slots, dst_slots, to_device=to_device)
+        self._copy(src, dst, src_slots, dst_slots, layers, to_device=to_device, keepalive=None)
+
+    def _copy(self, src, dst, src_slots, dst_slots, layers, *, to_device: bool, keepalive: list | None) -> None:
+        """Copy on the current stream (the engine stream inside ``_run``)."""
+        if src_slots.numel() == 0:
+            return
+        if self._triton:
+            for start, count in _layer_runs(layers):
+                kv_copy_triton(src, dst, src_slots, dst_slots, start, count, self.kernel_config)
+            return
+        if not self.is_cuda:
+            for start, count in _layer_runs(layers):
+                kv_copy_reference(src, dst, src_slots, dst_slots, start, count)
+            return
+        self._direct_cuda(src, dst, src_slots, dst_slots, layers, to_device=to_device, keepalive=keepalive)
+
+    # --- direct backend on CUDA ----------------------------------------------------------
+    def _page_blocks(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> list[tuple[int, int]] | None:
+        """(src_page, dst_page) pairs when both lists are whole pages in order, else None."""
+        ps = self.spec.page_size
+        s, d = src_slots.cpu(), dst_slots.cpu()
+        if s.numel() % ps:
+            return None
+        s, d = s.view(-1, ps), d.view(-1, ps)
+        off = torch.arange(ps)
+        if not (torch.equal(s - s[:, :1], off.expand_as(s)) and torch.equal(d - d[:, :1], off.expand_as(d))
+                and bool((s[:, 0] % ps == 0).all()) and bool((d[:, 0] % ps == 0).all())):
+            return None
+        return list(zip((s[:, 0] // ps).tolist(), (d[:, 0] // ps).tolist()))
+
+    def _direct_cuda(self, src, dst, src_slots, dst_slots, layers, *, to_device: bool, keepalive: list | None) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        ps = self.spec.page_size
+        host_idx = (src_slots if to_device else dst_slots).cpu().to(torch.int64)
+        dev_idx = (dst_slots if to_device else src_slots).to(self.device, torch.int64)
+        ok = (host_idx >= 0) & (host_idx < self.host_pool.num_slots)
+        ok_dev = ok.to(self.device) & (dev_idx >= 0) & (dev_idx < self.device_pool.num_slots)
+        if not bool(ok_dev.all()):
+            keep = ok_dev.cpu()
+            host_idx, dev_idx = host_idx[keep], dev_idx[ok_dev]
+        if host_idx.numel() == 0:
+            return
+        if self.host_pool.layout == "page_first_direct":
+            blocks = self._page_blocks(host_idx, dev_idx)
+            if blocks is not None:
+                host = self.host_pool.kv_data  # [pages, L, B, ps, H, D]
+                devd = self.device_pool.kv_data  # [B, L, slots, H, D]
+                for layer in layers:
+                    for hp, dp in blocks:
+                        for b in range(self.spec.num_buffers):
+                            h = host[hp, layer, b]
+                            d = devd[b, layer, dp * ps:(dp + 1) * ps]
+                            if to_device:
+                                d.copy_(h, non_blocking=True)
+                            else:
+                                h.copy_(d, non_blocking=True)
+                return
+        hv, dv = self._host_view, self._dev_view
+        nseg, row_len = row_segments(hv, dv)
+        host_rows, dev_rows = row_matrix(hv, row_len), row_matrix(dv, row_len)
+        parts = [(b, h) for b in range(self.spec.num_buffers) for h in range(nseg)]
+        n = host_idx.numel()
+        pending: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []
+        for layer in layers:
+            host_ids = [row_ids(hv, host_idx, layer, b, h, row_len) for b, h in parts]
+            dev_ids = [row_ids(dv, dev_idx, layer, b, h, row_len) for b, h in parts]
+            staging = torch.empty((len(parts), n, row_len), dtype=hv.dtype, pin_memory=True)
+            if to_device:
+                for i, ids in enumerate(host_ids):
+                    torch.index_select(host_rows, 0, ids, out=staging[i])
+                rows = staging.to(self.device, non_blocking=True)
+                for i, ids in enumerate(dev_ids):
+                    dev_rows.index_copy_(0, ids, rows[i])
+                if keepalive is not None:
+                    keepalive.append(rows)
+            else:
+                for i, ids in enumerate(dev_ids):
+                    staging[i].copy_(dev_rows.index_select(0, ids), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                pending.append((ev, staging, host_ids))
+                # Scatter the previous layer on the CPU while this one is in flight.
+                if len(pending) > 1:
+                    self._scatter_host(*pending.pop(0), host_rows)
+        for item in pending:
+            self._scatter_host(*item, host_rows)
+
+    @staticmethod
+    def _scatter_host(ev: torch.cuda.Event, staging: torch.Tensor, host_ids: list[torch.Tensor],
+                      host_rows: torch.Tensor) -> None:
+        ev.synchronize()
+        for i, ids in enumerate(host_ids):
+            host_rows.index_copy_(0, ids, staging[i])

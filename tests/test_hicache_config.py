@@ -1,0 +1,100 @@
+"""HiCacheConfig: SGLang flag names and defaults, argparse round trip, rejected combinations."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hicache.config import HiCacheConfig
+
+
+def parse(argv, parser=None):
+    parser = parser or argparse.ArgumentParser()
+    HiCacheConfig.add_cli_args(parser)
+    return HiCacheConfig.from_args(parser.parse_args(argv))
+
+
+def test_defaults_follow_sglang():
+    c = HiCacheConfig()
+    assert (c.enable_hierarchical_cache, c.hicache_ratio, c.hicache_size, c.page_size) == (False, 2.0, 0, 1)
+    assert (c.hicache_write_policy, c.hicache_io_backend, c.hicache_mem_layout) == ("write_through", "kernel", "layer_first")
+    assert c.hicache_storage_backend is None and c.hicache_storage_prefetch_policy == "best_effort"
+    assert c.hicache_storage_backend_extra_config is None
+    assert parse([]) == c
+
+
+def test_write_through_thresholds():
+    assert HiCacheConfig(hicache_write_policy="write_through").write_through_threshold == 1
+    assert HiCacheConfig(hicache_write_policy="write_through_selective").write_through_threshold == 2
+
+
+def test_cli_round_trip():
+    c = parse(["--enable-hierarchical-cache", "--hicache-ratio", "3", "--page-size", "64",
+               "--hicache-write-policy", "write_back", "--hicache-io-backend", "direct",
+               "--hicache-mem-layout", "page_first_direct", "--hicache-storage-backend", "file",
+               "--hicache-storage-prefetch-policy", "timeout",
+               "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 512})])
+    assert c.enable_hierarchical_cache and c.hicache_ratio == 3.0 and c.page_size == 64
+    assert c.hicache_write_policy == "write_back" and c.hicache_mem_layout == "page_first_direct"
+    assert c.prefetch_options() == {"prefetch_threshold": 512, "prefetch_timeout_base": 1.0,
+                                    "prefetch_timeout_per_ki_token": 0.25}
+
+
+def test_existing_page_size_flag_is_reused():
+    p = argparse.ArgumentParser()
+    p.add_argument("--page-size", type=int, default=16)
+    assert parse(["--hicache-ratio", "2.5"], p).page_size == 16
+
+
+def test_cli_rejects_unknown_choice():
+    with pytest.raises(SystemExit):
+        parse(["--hicache-write-policy", "lazy"])
+
+
+@pytest.mark.parametrize("kw,flags", [
+    (dict(hicache_mem_layout="page_first_direct", hicache_io_backend="kernel"),
+     ["--hicache-mem-layout=page_first_direct", "--hicache-io-backend=kernel"]),
+    (dict(hicache_mem_layout="page_first", hicache_io_backend="direct"),
+     ["--hicache-mem-layout=page_first", "--hicache-io-backend=direct"]),
+    (dict(hicache_storage_backend="mooncake"), ["--hicache-storage-backend=mooncake", "layer_first"]),
+    (dict(hicache_storage_backend="dynamic"), ["--hicache-storage-backend=dynamic", "backend_name"]),
+    (dict(hicache_ratio=1.0), ["--hicache-ratio"]),
+    (dict(hicache_write_policy="lazy"), ["--hicache-write-policy"]),
+    (dict(hicache_io_backend="dma"), ["--hicache-io-backend"]),
+    (dict(hicache_mem_layout="head_first"), ["--hicache-mem-layout"]),
+    (dict(page_size=0), ["--page-size"]),
+    (dict(hicache_size=-1), ["--hicache-size"]),
+    (dict(hicache_storage_backend="file", hicache_storage_backend_extra_config="{not json"),
+     ["--hicache-storage-backend-extra-config"]),
+    (dict(hicache_storage_backend_extra_config="{}"), ["--hicache-storage-backend"]),
+    (dict(hicache_storage_backend="file", hicache_storage_prefetch_policy="never"),
+     ["--hicache-storage-prefetch-policy"]),
+])
+def test_invalid_combinations_name_the_flags(kw, flags):
+    with pytest.raises(ValueError) as e:
+        HiCacheConfig(**kw)
+    for f in flags:
+        assert f in str(e.value)
+
+
+def test_valid_special_combinations():
+    HiCacheConfig(hicache_ratio=1.0, hicache_size=30)  # size overrides ratio
+    HiCacheConfig(hicache_storage_backend="mooncake", hicache_mem_layout="page_first")
+    HiCacheConfig(hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(
+        {"backend_name": "x", "module_path": "m", "class_name": "C"}))
+
+
+def test_extra_config_from_files(tmp_path):
+    t = tmp_path / "c.toml"
+    t.write_text('prefetch_threshold = 1024\nprefetch_timeout_base = 0.5\n')
+    c = HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config=f"@{t}")
+    assert c.prefetch_options()["prefetch_threshold"] == 1024 and c.prefetch_options()["prefetch_timeout_base"] == 0.5
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"prefetch_timeout_per_ki_token": 0.1}))
+    c = HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config=f"@{j}")
+    assert c.prefetch_options()["prefetch_timeout_per_ki_token"] == 0.1
+    with pytest.raises(ValueError, match="extra-config"):
+        HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config=f"@{tmp_path}/missing.json")
+    with pytest.raises(ValueError, match="extra-config"):
+        HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config="[1, 2]")
