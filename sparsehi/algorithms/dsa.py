@@ -1,0 +1,235 @@
+"""DSA (DeepSeek-V3.2 sparse attention): token-wise Top-k by the lightning indexer.
+
+Representation, per sparse layer: one index key per token ``[max_num_reqs,
+max_context_len, index_head_dim]`` on the GPU, indexed by ``(req_pool_index, position)``
+and never offloaded (it is what decides what to load). Stored as FP8 e4m3 with a per-token
+float32 scale where the GPU supports it (compute capability >= 8.9 and torch has
+``float8_e4m3fn``), bf16 otherwise; ``sparse_extra_config["index_dtype"]`` forces
+``"fp8" | "bf16" | "fp32"`` (default ``"auto"``). The choice is logged.
+
+The model provides the indexer's outputs: ``construct_representations(...,
+index_keys=[B, max_len, Di])`` after prefill, ``update_representations(...,
+index_keys=[B, Di])`` per decoded token, and ``retrieve_topk(index_queries [B, H, Di], ...,
+weights=[B, H])``. Score ``Σ_h w_h ReLU(q_h · k_t)``; top ``top_k`` tokens (default
+2048) among the candidates by torch sort on the masked scores.
+
+Invariant from upstream bugs: the index must cover every selectable token. Each layer
+tracks how many tokens of each request it indexed; selecting past that is a ValueError
+(``sparse_extra_config["validate"] = False`` skips the check, which syncs with the host,
+e.g. under CUDA graphs; unindexed positions are then still never selected).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
+from sparsehi.algorithms.registry import register_algorithm
+from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
+from sparsehi.kernels.topk import masked_topk, selection_kwargs
+
+logger = logging.getLogger(__name__)
+INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")
+
+
+def choose_index_dtype(device: torch.device, requested: str = "auto") -> str:
+    """``"fp8"`` where the device supports FP8 e4m3 (CUDA, compute capability >= 8.9, torch
+    with float8_e4m3fn), else ``"bf16"``; an explicit request is returned as is."""
+    if requested not in INDEX_DTYPES:
+        raise ValueError(f"sparse_extra_config['index_dtype']={requested!r} is invalid: one of {INDEX_DTYPES}")
+    if requested != "auto":
+        if requested == "fp8" and fp8_dtype() is None:
+            raise ValueError("sparse_extra_config['index_dtype']='fp8' needs torch.float8_e4m3fn")
+        return requested
+    dev = torch.device(device)
+    if dev.type == "cuda" and fp8_dtype() is not None and torch.cuda.is_available():
+        if torch.cuda.get_device_capability(dev) >= (8, 9):
+            return "fp8"
+    return "bf16"
+
+
+@register_algorithm("dsa")
+class DSAAlgorithm(BaseSparseAlgorithm):
+    """Token-wise Top-k by the DSA lightning indexer (``page_size`` must be 1)."""
+
+    mode = SparseMode.TOKEN_WISE
+    default_dense_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(config, device, **kwargs)
+        extra = config.sparse_extra_config
+        self.index_head_dim = extra.get("index_head_dim", 128)
+        if not isinstance(self.index_head_dim, int) or self.index_head_dim <= 0:
+            raise ValueError(f"sparse_extra_config['index_head_dim']={self.index_head_dim!r} is invalid: an integer > 0")
+        self.index_dtype = choose_index_dtype(self.device, extra.get("index_dtype", "auto"))
+        self.validate = bool(extra.get("validate", True))
+        logger.info("dsa: index keys stored as %s on %s", self.index_dtype, self.device)
+        self._keys: dict[int, torch.Tensor] = {}
+        self._scales: dict[int, Optional[torch.Tensor]] = {}
+        self._indexed: dict[int, torch.Tensor] = {}
+        self.max_context_len = 0
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return {"fp8": fp8_dtype(), "bf16": torch.bfloat16, "fp32": torch.float32}[self.index_dtype]
+
+    def initialize_representation_pool(
+        self,
+        start_layer: int,
+        end_layer: int,
+        max_num_reqs: int,
+        max_context_len: int,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        **kwargs: Any,
+    ) -> None:
+        """Index keys ``[max_num_reqs, max_context_len, index_head_dim]`` (+ FP8 scales
+        ``[max_num_reqs, max_context_len] float32``) per sparse layer. ``kv_heads``,
+        ``head_dim``, ``dtype`` describe the attention cache and are not needed here."""
+        for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
+        if not (0 <= start_layer < end_layer):
+            raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
+        self.max_context_len = max_context_len
+        self._keys, self._scales, self._indexed = {}, {}, {}
+        for layer in range(start_layer, end_layer):
+            if not self.is_sparse_layer(layer):
+                continue
+            self._keys[layer] = torch.zeros(max_num_reqs, max_context_len, self.index_head_dim,
+                                            dtype=self.storage_dtype, device=self.device)
+            self._scales[layer] = (torch.ones(max_num_reqs, max_context_len, dtype=torch.float32, device=self.device)
+                                   if self.index_dtype == "fp8" else None)
+            self._indexed[layer] = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+
+    def _layer(self, layer_id: int) -> Optional[torch.Tensor]:
+        if layer_id in self._keys:
+            return self._keys[layer_id]
+        if not self.is_sparse_layer(layer_id):
+            return None
+        raise ValueError(f"layer_id={layer_id} has no representation pool: reserved layers are {sorted(self._keys)}")
+
+    def _store(self, layer_id: int, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor) -> None:
+        pool = self._keys[layer_id]
+        if self.index_dtype == "fp8":
+            q, s = quantize_index_keys(keys)
+            pool[rows, cols] = q
+            self._scales[layer_id][rows, cols] = s  # type: ignore[index]
+        else:
+            pool[rows, cols] = keys.to(pool.dtype)
+
+    def _index_keys_kwarg(self, kwargs: dict, shape_desc: str, lead: tuple[int, ...]) -> torch.Tensor:
+        k = kwargs.get("index_keys")
+        if not isinstance(k, torch.Tensor) or tuple(k.shape[:-1]) != lead or k.shape[-1] != self.index_head_dim:
+            got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+            raise ValueError(f"dsa needs index_keys={shape_desc} with index_head_dim={self.index_head_dim}, got {got}")
+        return k
+
+    def construct_representations(
+        self,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        key_buffer: torch.Tensor,
+        token_slots: torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
+        """Store ``index_keys [B, max_len, index_head_dim]`` (kwarg) for positions
+        ``< seq_lens[b]``; ``key_buffer`` / ``token_slots`` are not used."""
+        pool = self._layer(layer_id)
+        if pool is None:
+            return
+        b = req_pool_indices.shape[0]
+        ik = kwargs.get("index_keys")
+        max_len = ik.shape[1] if isinstance(ik, torch.Tensor) and ik.dim() == 3 else -1
+        ik = self._index_keys_kwarg(kwargs, "[B, max_len, index_head_dim]", (b, max_len))
+        if max_len > self.max_context_len:
+            raise ValueError(f"index_keys has {max_len} positions > max_context_len={self.max_context_len}")
+        dev = pool.device
+        seq = seq_lens.to(dev).long().clamp(max=max_len)
+        req = req_pool_indices.to(dev).long()
+        pos = torch.arange(max_len, device=dev)[None, :]
+        valid = pos < seq[:, None]
+        rows = req[:, None].expand(b, max_len)[valid]
+        cols = pos.expand(b, max_len)[valid]
+        self._store(layer_id, rows, cols, ik.to(dev)[valid])
+        self._indexed[layer_id][req] = seq
+
+    def update_representations(
+        self,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        positions: torch.Tensor,
+        new_keys: torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
+        """Store ``index_keys [B, index_head_dim]`` (kwarg) at ``positions [B]``."""
+        pool = self._layer(layer_id)
+        if pool is None:
+            return
+        b = req_pool_indices.shape[0]
+        ik = self._index_keys_kwarg(kwargs, "[B, index_head_dim]", (b,))
+        dev = pool.device
+        pos = positions.to(dev).long()
+        req = req_pool_indices.to(dev).long()
+        if self.validate and bool(((pos < 0) | (pos >= self.max_context_len)).any()):
+            raise ValueError(f"positions must lie in [0, max_context_len={self.max_context_len})")
+        self._store(layer_id, req, pos, ik.to(dev))
+        idx = self._indexed[layer_id]
+        idx[req] = torch.maximum(idx[req], pos + 1)
+
+    def score(self, queries: torch.Tensor, weights: torch.Tensor, layer_id: int,
+              req_pool_indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, max_context_len] float32`` indexer score per token (-inf past ``num_tokens``)."""
+        pool = self._layer(layer_id)
+        if pool is None:
+            raise ValueError(f"layer_id={layer_id} is dense for dsa (dense_layers={self.dense_layers()}): no retrieve_topk there")
+        return dsa_indexer(queries.to(pool.device), weights.to(pool.device), pool, self._scales[layer_id],
+                           req_pool_indices.to(pool.device), num_tokens.to(pool.device))
+
+    def retrieve_topk(
+        self,
+        queries: torch.Tensor,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        sparse_mask: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top ``top_k`` tokens by indexer score among ``[candidate_start, candidate_end)``.
+
+        queries: index queries ``[B, H_index, index_head_dim]``; kwargs ``weights [B, H_index]``.
+        """
+        b = queries.shape[0]
+        seq_lens, cs, ce, top_k = selection_kwargs(kwargs, b, self.device)
+        if queries.dim() != 3 or queries.shape[2] != self.index_head_dim:
+            raise ValueError(f"dsa queries must be index queries [B, H_index, index_head_dim={self.index_head_dim}], "
+                             f"got {tuple(queries.shape)}")
+        w = kwargs.get("weights")
+        if not isinstance(w, torch.Tensor) or w.shape != queries.shape[:2]:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"dsa needs weights=[B, H_index]={tuple(queries.shape[:2])}, got {got}")
+        if self._layer(layer_id) is None:
+            raise ValueError(f"layer_id={layer_id} is dense for dsa (dense_layers={self.dense_layers()}): no retrieve_topk there")
+        indexed = self._indexed[layer_id][req_pool_indices.to(self.device).long()]
+        if self.validate:
+            live = sparse_mask.to(self.device).bool() & (ce > cs)
+            if bool((live & (ce > indexed)).any()):
+                raise ValueError("dsa: candidate_end exceeds the tokens indexed for a request (index keys and KV "
+                                 "disagree in length); call construct/update_representations for every token")
+        # Without the check (no host sync), unindexed positions still score -inf, so a short
+        # index can shrink a selection but never select stale keys.
+        scores = self.score(queries, w, layer_id, req_pool_indices, torch.minimum(seq_lens, indexed))
+        return masked_topk(scores, top_k, cs, ce, sparse_mask)
+
+    def on_request_end(self, req_pool_index: int) -> None:
+        """Forget how many tokens of the slot were indexed (the slot's keys are rewritten)."""
+        for idx in self._indexed.values():
+            idx[req_pool_index] = 0
+
+    def representation_bytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self._keys.values())
+        return n + sum(t.numel() * t.element_size() for t in self._scales.values() if t is not None)

@@ -1,0 +1,83 @@
+"""Algorithm registry: ``@register_algorithm("name")`` and ``create_algorithm(config,
+device)`` resolving ``config.algorithm`` as a registered name or as an import path
+``"package.module:ClassName"`` (a third-party algorithm needs no registration at all).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from sparsehi.algorithms.base import BaseSparseAlgorithm
+
+_REGISTRY: dict[str, type[BaseSparseAlgorithm]] = {}
+_BUILTIN_MODULES = ("sparsehi.algorithms.oracle", "sparsehi.algorithms.quest", "sparsehi.algorithms.dsa")
+
+T = TypeVar("T", bound=type)
+
+
+def register_algorithm(name: str) -> Callable[[T], T]:
+    """Class decorator registering a ``BaseSparseAlgorithm`` subclass under ``name``.
+
+    Registering a different class under a taken name is a ValueError (re-registering the
+    same class, e.g. on module reload, is allowed).
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"algorithm name={name!r} is invalid: a non-empty string without ':'")
+
+    def deco(cls: T) -> T:
+        if not (isinstance(cls, type) and issubclass(cls, BaseSparseAlgorithm)):
+            raise ValueError(f"@register_algorithm({name!r}) needs a BaseSparseAlgorithm subclass, got {cls!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"algorithm name {name!r} is already registered to {old.__module__}.{old.__qualname__}")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtins() -> None:
+    for mod in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:  # a built-in still being written must not hide the others
+            if e.name != mod:
+                raise
+
+
+def registered_algorithms() -> list[str]:
+    """Names of all registered algorithms, built-ins included, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def resolve_algorithm(name: str) -> type[BaseSparseAlgorithm]:
+    """The class for a registered name or a ``"package.module:ClassName"`` path."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"algorithm={name!r} is invalid: a registered name or 'package.module:ClassName'")
+    if ":" in name:
+        mod_name, _, cls_name = name.partition(":")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ValueError(f"algorithm={name!r}: cannot import module {mod_name!r} ({e})") from e
+        cls = getattr(mod, cls_name, None)
+        if cls is None:
+            raise ValueError(f"algorithm={name!r}: module {mod_name!r} has no attribute {cls_name!r}")
+        if not (isinstance(cls, type) and issubclass(cls, BaseSparseAlgorithm)):
+            raise ValueError(f"algorithm={name!r} must name a BaseSparseAlgorithm subclass, got {cls!r}")
+        return cls
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"algorithm={name!r} is unknown: registered algorithms are {sorted(_REGISTRY)} "
+                         f"(or give an import path 'package.module:ClassName')")
+    return _REGISTRY[name]
+
+
+def create_algorithm(config: Any, device: torch.device | str, **kw: Any) -> BaseSparseAlgorithm:
+    """Instantiate ``config.algorithm`` for ``config`` on ``device`` (``kw`` passed to the
+    constructor)."""
+    cls = resolve_algorithm(config.algorithm)
+    return cls(config, torch.device(device), **kw)

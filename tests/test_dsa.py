@@ -1,0 +1,174 @@
+"""DSA lightning indexer: kernel vs reference, a hand-written loop, FP8 storage, needles,
+the index-length invariant, invalid inputs, and the author test kit."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sparsehi.algorithms.dsa import DSAAlgorithm, choose_index_dtype
+from sparsehi.algorithms.registry import create_algorithm
+from sparsehi.algorithms.testing import ProjectedIndexerInputs, check_algorithm
+from sparsehi.config import SparseConfig
+from sparsehi.kernels.dsa_indexer import (dsa_indexer, dsa_indexer_reference, dsa_indexer_triton,
+                                          quantize_index_keys)
+from sparsehi.kernels.topk import masked_topk
+
+
+def _cfg(top_k=4, dim=8, dtype="fp32", **extra):
+    return SparseConfig(algorithm="dsa", page_size=1, top_k=top_k, device_buffer_size=4 * top_k,
+                        sparse_extra_config={"index_head_dim": dim, "index_dtype": dtype, **extra})
+
+
+def _alg(index_keys, seq, dtype="fp32", top_k=4, reqs=None):
+    b, t, dim = index_keys.shape
+    alg = create_algorithm(_cfg(top_k, dim, dtype), "cpu")
+    alg.initialize_representation_pool(0, 1, b + 2, t + 4, kv_heads=1, head_dim=dim, dtype=torch.float32)
+    req = torch.arange(b) + 1 if reqs is None else reqs
+    alg.construct_representations(0, req, seq, torch.empty(0, 1, dim), torch.empty(b, t, dtype=torch.long),
+                                  index_keys=index_keys)
+    return alg, req
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_kernel_matches_reference(kind):
+    torch.manual_seed(0)
+    q, w = torch.randn(3, 5, 24), torch.rand(3, 5)  # H and D not powers of two
+    keys = torch.randn(4, 150, 24)
+    if kind == "fp8":
+        kk, sc = quantize_index_keys(keys)
+    else:
+        kk, sc = (keys.bfloat16() if kind == "bf16" else keys), None
+    req, n = torch.tensor([2, -1, 0]), torch.tensor([131, 7, 150])
+    ref = dsa_indexer_reference(q, w, kk, sc, req, n)
+    tri = dsa_indexer_triton(q, w, kk, sc, req, n)
+    assert torch.equal(torch.isinf(ref), torch.isinf(tri)) and torch.isinf(ref[1]).all()
+    live = ~torch.isinf(ref)
+    assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-4)
+    # "kernel = reference" at the selection level: same top-k sets
+    cs, ce = torch.zeros(3, dtype=torch.int32), n.to(torch.int32)
+    assert torch.equal(masked_topk(ref, 16, cs, ce)[0].sort(1).values, masked_topk(tri, 16, cs, ce)[0].sort(1).values)
+
+
+def test_tiny_indexer_equals_hand_written_loop():
+    torch.manual_seed(3)
+    t, h, dim = 7, 2, 3
+    keys = torch.randn(1, t, dim)
+    q, w = torch.randn(1, h, dim), torch.tensor([[0.7, -0.4]])  # a negative weight too
+    alg, req = _alg(keys, torch.tensor([t]), top_k=3)
+    want = []
+    for tok in range(t):
+        s = 0.0
+        for head in range(h):
+            dot = sum(float(q[0, head, i]) * float(keys[0, tok, i]) for i in range(dim))
+            s += float(w[0, head]) * max(dot, 0.0)
+        want.append(s)
+    got = alg.score(q, w, 0, req, torch.tensor([t]))[0, :t]
+    assert torch.allclose(got, torch.tensor(want), atol=1e-5)
+    sel, valid = alg.retrieve_topk(q, 0, req, torch.tensor([True]), weights=w, seq_lens=torch.tensor([t + 1]),
+                                   candidate_start=torch.tensor([1]), candidate_end=torch.tensor([t]), top_k=3)
+    expect = sorted(range(1, t), key=lambda i: -want[i])[:3]
+    assert valid.tolist() == [3] and sorted(sel[0].tolist()) == sorted(expect)
+
+
+def test_fp8_storage_and_dtype_choice():
+    torch.manual_seed(4)
+    assert choose_index_dtype(torch.device("cpu")) == "bf16"  # no FP8 path on the CPU
+    assert choose_index_dtype(torch.device("cpu"), "fp8") == "fp8"
+    with pytest.raises(ValueError, match="index_dtype"):
+        choose_index_dtype(torch.device("cpu"), "int8")
+    keys = torch.randn(2, 40, 16) * torch.linspace(0.01, 50, 40)[None, :, None]  # scales span 3 decades
+    k8, scale = quantize_index_keys(keys)
+    assert k8.dtype == torch.float8_e4m3fn and scale.shape == (2, 40)
+    deq = k8.float() * scale[..., None]
+    assert ((deq - keys).abs() <= 0.07 * keys.abs().amax(-1, keepdim=True)).all()  # e4m3: 3 mantissa bits
+    alg, _ = _alg(keys, torch.tensor([40, 33]), dtype="fp8")
+    assert alg._keys[0].dtype == torch.float8_e4m3fn
+    assert alg.representation_bytes() == 4 * 44 * 16 * 1 + 4 * 44 * 4
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), pos=st.integers(0, 199), dtype=st.sampled_from(["bf16", "fp8"]))
+def test_needle_at_any_position_is_retrieved(seed, pos, dtype):
+    g = torch.Generator().manual_seed(seed)
+    t, dim, h = 200, 32, 4
+    keys = torch.randn(1, t, dim, generator=g)
+    q = torch.randn(1, h, dim, generator=g)
+    keys[0, pos] = 4 * dim ** 0.5 * q[0].mean(0) / q[0].mean(0).norm()
+    alg, req = _alg(keys, torch.tensor([t]), dtype=dtype, top_k=4)
+    sel, _ = alg.retrieve_topk(q, 0, req, torch.tensor([True]), weights=torch.ones(1, h), seq_lens=torch.tensor([t]),
+                               candidate_start=torch.tensor([0]), candidate_end=torch.tensor([t]), top_k=4)
+    assert pos in sel[0].tolist()
+
+
+def test_index_must_cover_candidates_and_inputs_validated():
+    alg, req = _alg(torch.randn(1, 10, 8), torch.tensor([10]))
+    q, w = torch.randn(1, 2, 8), torch.ones(1, 2)
+    kw = dict(seq_lens=torch.tensor([13]), candidate_start=torch.tensor([0]), top_k=2)
+    with pytest.raises(ValueError, match="indexed"):
+        alg.retrieve_topk(q, 0, req, torch.tensor([True]), weights=w, candidate_end=torch.tensor([12]), **kw)
+    alg.update_representations(0, req, torch.tensor([10]), torch.randn(1, 1, 8), index_keys=torch.randn(1, 8))
+    alg.update_representations(0, req, torch.tensor([11]), torch.randn(1, 1, 8), index_keys=torch.randn(1, 8))
+    sel, valid = alg.retrieve_topk(q, 0, req, torch.tensor([True]), weights=w, candidate_end=torch.tensor([12]), **kw)
+    assert int(valid[0]) == 2
+    with pytest.raises(ValueError, match="weights"):
+        alg.retrieve_topk(q, 0, req, torch.tensor([True]), candidate_end=torch.tensor([12]), **kw)
+    with pytest.raises(ValueError, match="index_head_dim"):
+        alg.retrieve_topk(torch.randn(1, 2, 4), 0, req, torch.tensor([True]), weights=w,
+                          candidate_end=torch.tensor([12]), **kw)
+    with pytest.raises(ValueError, match="index_keys"):
+        alg.update_representations(0, req, torch.tensor([12]), torch.randn(1, 1, 8))
+    with pytest.raises(ValueError, match="page_size"):
+        DSAAlgorithm(SparseConfig(algorithm="dsa", page_size=16, top_k=64, device_buffer_size=128), torch.device("cpu"))
+    with pytest.raises(ValueError, match="index_head_dim"):
+        DSAAlgorithm(_cfg(dim=0), torch.device("cpu"))
+    alg.on_request_end(int(req[0]))
+    with pytest.raises(ValueError, match="indexed"):
+        alg.retrieve_topk(q, 0, req, torch.tensor([True]), weights=w, candidate_end=torch.tensor([12]), **kw)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_author_kit_dsa(dtype, monkeypatch):
+    monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")  # the interpreted kernel inside the algorithm
+    report = check_algorithm(DSAAlgorithm, {"sparse_extra_config": {"index_head_dim": 32, "index_dtype": dtype}},
+                             inputs=ProjectedIndexerInputs(32), context_len=96, decode_steps=1)
+    assert report.needle_recall == 1.0 and report.deterministic
+
+
+@pytest.mark.gpu
+def test_dsa_on_gpu_fp8_and_kernel_equals_reference():
+    alg = create_algorithm(SparseConfig(algorithm="dsa", page_size=1, top_k=2048, device_buffer_size=4096), "cuda")
+    major, minor = torch.cuda.get_device_capability()
+    assert alg.index_dtype == ("fp8" if (major, minor) >= (8, 9) else "bf16")
+    torch.manual_seed(0)
+    b, h, dim, t = 4, 64, 128, 32768
+    keys = torch.randn(b + 1, t, dim, device="cuda")
+    k8, sc = quantize_index_keys(keys)
+    q, w = torch.randn(b, h, dim, device="cuda"), torch.rand(b, h, device="cuda")
+    req = torch.tensor([4, 0, 2, 1], device="cuda")
+    n = torch.tensor([t, 30000, 16384, 2049], device="cuda")
+    for kk, s in ((k8, sc), (keys.bfloat16(), None)):
+        ref = dsa_indexer_reference(q, w, kk, s, req, n)
+        tri = dsa_indexer(q, w, kk, s, req, n)
+        live = ~torch.isinf(ref)
+        assert torch.equal(live, ~torch.isinf(tri))
+        assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-3)
+        cs, ce = torch.zeros_like(n), n
+        a, va = masked_topk(ref, 2048, cs, ce)
+        bsel, vb = masked_topk(tri, 2048, cs, ce)
+        assert torch.equal(va, vb)
+        same = sum(int(torch.isin(a[i, : int(va[i])], bsel[i, : int(vb[i])]).sum()) for i in range(b))
+        overlap = same / int(va.sum())
+        assert overlap > 0.999, overlap  # only near-ties at the top-k boundary may differ
+
+
+def test_short_index_never_selects_unindexed_tokens_without_validation():
+    keys = torch.randn(1, 12, 8)
+    cfg = _cfg(top_k=8, dim=8, validate=False)
+    alg = create_algorithm(cfg, "cpu")
+    alg.initialize_representation_pool(0, 1, 2, 16, kv_heads=1, head_dim=8, dtype=torch.float32)
+    req = torch.tensor([1])
+    alg.construct_representations(0, req, torch.tensor([5]), torch.empty(0, 1, 8), torch.empty(1, 12, dtype=torch.long),
+                                  index_keys=keys)
+    sel, valid = alg.retrieve_topk(torch.randn(1, 2, 8), 0, req, torch.tensor([True]), weights=torch.ones(1, 2),
+                                   seq_lens=torch.tensor([12]), candidate_start=torch.tensor([0]),
+                                   candidate_end=torch.tensor([10]), top_k=8)
+    assert int(valid[0]) <= 5 and int(sel[0].max()) < 5
