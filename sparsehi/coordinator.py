@@ -1,0 +1,281 @@
+"""SparseCoordinator: the lifecycle hooks that join an algorithm (what to attend), the
+KV manager (where the KV is) and a backend adaptor (how attention reads it).
+
+Hook names follow SGLang's sparse framework. The exact API the runtime uses is in
+``docs/coordinator.md``. The coordinator holds no kernels: the LRU diff and transfers run
+in the manager, selection in the algorithm, attention in the adaptor (or the torch
+fallback below while no adaptor is given).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_selection
+from sparsehi.config import SparseConfig
+from sparsehi.forward_batch import ForwardBatch
+from sparsehi.kv_manager import COORDINATOR_MODES, DecodeStep, RequestKV, SparseKVCacheManager
+from sparsehi.selection import SparseSelection
+
+__all__ = ["SparseCoordinator", "LayerPlan", "RequestKV", "COORDINATOR_MODES", "gathered_attention"]
+
+_STEP_KEY = "_sparse_decode_step"
+
+
+def gathered_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, selection: SparseSelection,
+                       sm_scale: float) -> torch.Tensor:
+    """Torch decode attention over the selected pages (fallback while no adaptor is given;
+    also the reference adaptors are tested against).
+
+    q: ``[B, Hq, D]``; k_buffer ``[slots, Hkv, D]``; v_buffer ``[slots, Hkv, Dv]``.
+    Returns ``[B, Hq, Dv]`` in q's dtype; softmax in float32.
+    """
+    ps = selection.page_size
+    b, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    if hq % hkv:
+        raise ValueError(f"q heads Hq={hq} must be a multiple of the cache's kv heads {hkv}")
+    off = torch.arange(ps, device=q.device)
+    phys = selection.physical_ids.long().to(q.device)
+    logical = selection.logical_ids.long().to(q.device)
+    slots = (phys.clamp(min=0)[..., None] * ps + off).reshape(b, -1)
+    pos = (logical[..., None] * ps + off).reshape(b, -1)
+    ok = ((phys >= 0)[..., None].expand(-1, -1, ps).reshape(b, -1)) & (pos < selection.seq_lens.long().to(q.device)[:, None])
+    keys = k_buffer[slots].float()  # [B, T, Hkv, D]
+    vals = v_buffer[slots].float()
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    logits = torch.einsum("bgrd,btgd->bgrt", qg, keys) * sm_scale
+    logits = logits.masked_fill(~ok[:, None, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows with nothing selected (padding rows)
+    o = torch.einsum("bgrt,btgd->bgrd", p, vals)
+    return o.reshape(b, hq, -1).to(q.dtype)
+
+
+@dataclass
+class LayerPlan:
+    """What one decode layer writes and attends (see docs/coordinator.md)."""
+
+    layer_id: int
+    layer_cache: tuple[torch.Tensor, ...]
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    out_cache_loc: torch.Tensor
+    selection: SparseSelection
+    metadata: Any
+    is_sparse: bool
+    adaptor: Any = None
+
+    def write_kv(self, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+        """Write the new token: MHA ``k, v [B, Hkv, D]``; MLA ``k [B, 1, C]`` (v None).
+        No host sync (graph-safe)."""
+        bufs = self.layer_cache
+        if len(bufs) == 2 and v is None:
+            raise ValueError("v is required for an MHA cache (layer_cache holds k and v)")
+        if len(bufs) == 1 and v is not None:
+            raise ValueError("v must be None for an MLA cache (pass the whole latent kv as k)")
+        for buf, t, name in zip(bufs, (k, v), ("k", "v")):
+            if t.shape[0] != self.out_cache_loc.shape[0] or tuple(t.shape[1:]) != tuple(buf.shape[1:]):
+                raise ValueError(f"{name} must be [B={self.out_cache_loc.shape[0]}, {', '.join(map(str, buf.shape[1:]))}], got {tuple(t.shape)}")
+            buf.index_copy_(0, self.out_cache_loc, t.to(buf.dtype))
+
+    def attend(self, q: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """``[B, Hq, Dv]`` decode attention over the selection."""
+        if self.adaptor is not None:
+            return self.adaptor.forward_decode(q, self.layer_cache, self.metadata, sm_scale=sm_scale)
+        return gathered_attention(q, self.k_buffer, self.v_buffer, self.selection, sm_scale)
+
+
+class SparseCoordinator:
+    """Lifecycle hooks of hierarchical (or GPU-only) sparse decoding."""
+
+    def __init__(
+        self,
+        config: SparseConfig,
+        algorithm: BaseSparseAlgorithm,
+        device_pool,
+        *,
+        mode: str = "hierarchical",
+        host_pool=None,
+        transfer=None,
+        adaptor=None,
+        max_num_reqs: int,
+        max_context_len: int,
+        init_algorithm: bool = True,
+        validate: bool = True,
+        dense_pool_tokens: Optional[int] = None,
+    ) -> None:
+        if not isinstance(algorithm, BaseSparseAlgorithm):
+            raise ValueError(f"algorithm must be a BaseSparseAlgorithm, got {type(algorithm).__name__}")
+        if algorithm.mode is SparseMode.TOKEN_WISE and config.page_size != 1:
+            raise ValueError(f"token-wise algorithm needs SparseConfig.page_size=1, got {config.page_size}")
+        self.config = config
+        self.algorithm = algorithm
+        self.adaptor = adaptor
+        self.mode = mode
+        self.validate = validate
+        self.device_pool = device_pool
+        num_layers = device_pool.spec.num_layers
+        self.num_layers = num_layers
+        sparse = [layer for layer in range(num_layers) if algorithm.is_sparse_layer(layer)]
+        self.manager = SparseKVCacheManager(
+            config, device_pool, mode=mode, host_pool=host_pool, transfer=transfer, sparse_layers=sparse,
+            max_num_reqs=max_num_reqs, max_context_len=max_context_len, dense_pool_tokens=dense_pool_tokens,
+            validate=validate,
+        )
+        self.sel_mode = SparseMode.TOKEN_WISE if config.page_size == 1 else SparseMode.PAGE_WISE
+        if init_algorithm:
+            spec = device_pool.spec
+            algorithm.initialize_representation_pool(
+                0, num_layers, max_num_reqs, max_context_len, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                dtype=spec.dtype,
+            )
+
+    # ------------------------------------------------------------------ requests
+    def on_request_begin(self, req_pool_index: int, **kwargs: Any) -> None:
+        self.manager.begin_request(int(req_pool_index))
+
+    def on_request_end(self, req_pool_index: int) -> RequestKV:
+        kv = self.manager.end_request(int(req_pool_index))
+        self.algorithm.on_request_end(int(req_pool_index))
+        return kv
+
+    def _check_layer(self, layer_id: int) -> None:
+        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id={layer_id!r} is invalid: an int in [0, {self.num_layers})")
+
+    # ------------------------------------------------------------------ forward
+    def forward_begin(self, batch: ForwardBatch) -> None:
+        """Decode: wait for offloads, place every row's new token (sets ``batch.out_cache_loc``)."""
+        if batch.mode != "decode":
+            self.manager.wait_offloads()
+            return
+        rows = [int(x) for x in batch.req_pool_indices.tolist()]
+        step = self.manager.begin_decode(rows, batch.seq_lens_cpu, batch.seq_lens)
+        batch.out_cache_loc = step.out_loc
+        batch.extra[_STEP_KEY] = step
+
+    def _step(self, batch: ForwardBatch) -> DecodeStep:
+        step = batch.extra.get(_STEP_KEY)
+        if step is None:
+            raise ValueError("decode batch has not been through forward_begin")
+        return step
+
+    def attention_begin(self, layer_id: int, batch: ForwardBatch, q: torch.Tensor, **algo_kw: Any) -> LayerPlan:
+        """One decode layer: select, make the selection resident, build the plan."""
+        self._check_layer(layer_id)
+        if batch.mode != "decode":
+            raise ValueError("attention_begin is a decode hook: batch.mode must be 'decode' (prefill attends densely)")
+        step = self._step(batch)
+        m = self.manager
+        bufs, kbuf, vbuf = m.layer_cache(layer_id)
+        if self.algorithm.is_sparse_layer(layer_id):
+            selection = self._sparse_selection(layer_id, batch, step, q, algo_kw)
+            sparse = True
+        else:
+            selection = self._dense_selection(layer_id, step)
+            sparse = False
+        meta = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
+        return LayerPlan(layer_id, bufs, kbuf, vbuf, m.write_loc(layer_id, step), selection, meta, sparse, self.adaptor)
+
+    def _dense_selection(self, layer_id: int, step: DecodeStep) -> SparseSelection:
+        dev = step.rows.device
+        logical = torch.arange(step.max_pages, device=dev, dtype=torch.int32)[None, :].expand(len(step.rows_cpu), -1)
+        logical = torch.where(logical < step.num_pages[:, None], logical, torch.full_like(logical, -1))
+        phys = self.manager.fixed_physical(layer_id, step, logical)
+        return SparseSelection(logical.contiguous(), phys, step.num_pages.clone(), step.seq_lens, self.config.page_size, self.sel_mode)
+
+    def _sparse_selection(self, layer_id: int, batch: ForwardBatch, step: DecodeStep, q: torch.Tensor,
+                          algo_kw: dict) -> SparseSelection:
+        m = self.manager
+        K, sink, R = m.K, m.sink, m.R
+        dev = step.rows.device
+        B = len(step.rows_cpu)
+        P = step.num_pages
+        n_sink = P.clamp(max=sink)
+        recent_start = torch.maximum(n_sink, P - R)
+        cs, ce = n_sink.to(torch.int32), recent_start.to(torch.int32)
+        ncand = ce - cs
+        cols = torch.arange(K, device=dev, dtype=torch.int32)[None, :]
+        all_ids = torch.where(cols < ncand[:, None], cs[:, None] + cols, torch.full_like(cols, -1).expand(B, -1))
+        topk, valid = all_ids, ncand.clone()
+        # Whether any row is sparse is known on the host (no sync): P - sink - R > K.
+        ps = self.config.page_size
+        if any(-(-s // ps) - min(sink, -(-s // ps)) - R > K for s in step.seq_lens_cpu):
+            sparse_mask = ncand > K
+            sel, val = self.algorithm.retrieve_topk(
+                q, layer_id, batch.req_pool_indices, sparse_mask, seq_lens=step.seq_lens, candidate_start=cs,
+                candidate_end=ce, top_k=K, **algo_kw,
+            )
+            if self.validate:
+                check_selection(sel, val, K, cs, ce)
+            if sel.shape[1] < K:
+                sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
+            topk = torch.where(sparse_mask[:, None], sel.to(dev), all_ids)
+            valid = torch.where(sparse_mask, val.to(dev), ncand)
+        if self.validate and bool((valid.long() > K).any()):
+            raise ValueError(f"more than top_k={K} ids selected in a row")
+        phys_topk = m.sparse_physical(layer_id, step, topk.contiguous(), valid.to(torch.int32).contiguous(), ce)
+        # Ascending ids: sink < candidates < recent, so sort only the top-k part.
+        colk = torch.arange(K, device=dev)[None, :]
+        in_k = colk < valid[:, None]
+        key = torch.where(in_k, topk.long(), torch.full_like(topk, 1 << 40, dtype=torch.long))
+        key, perm = torch.sort(key, dim=1)
+        topk_sorted = torch.where(in_k, key, -1).to(torch.int32)
+        phys_sorted = torch.where(in_k, phys_topk.gather(1, perm), -1).to(torch.int32)
+        sc = torch.arange(max(sink, 0), device=dev, dtype=torch.int32)[None, :].expand(B, -1)
+        sink_ids = torch.where(sc < n_sink[:, None], sc, -1)
+        rc = torch.arange(R, device=dev, dtype=torch.int32)[None, :]
+        rec = recent_start[:, None] + rc
+        rec_ids = torch.where(rec < P[:, None], rec, -1).to(torch.int32)
+        fixed = torch.cat([sink_ids, rec_ids], 1)
+        fixed_phys = m.fixed_physical(layer_id, step, fixed)
+        logical = torch.cat([sink_ids, topk_sorted, rec_ids], 1)
+        phys = torch.cat([fixed_phys[:, :sink], phys_sorted, fixed_phys[:, sink:]], 1)
+        ok = logical >= 0
+        order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices
+        logical = logical.gather(1, order)
+        phys = phys.gather(1, order)
+        num_valid = ok.sum(1).to(torch.int32)
+        return SparseSelection(logical, phys, num_valid, step.seq_lens, ps, self.sel_mode)
+
+    def attention_end(self, layer_id: int, batch: ForwardBatch, k: Optional[torch.Tensor] = None,
+                      v: Optional[torch.Tensor] = None, **algo_kw: Any) -> None:
+        """Prefill: build representations. Decode: fold the new token into them and back it
+        up to host (hierarchical)."""
+        self._check_layer(layer_id)
+        sparse = self.algorithm.is_sparse_layer(layer_id)
+        if batch.mode == "prefill":
+            if sparse:
+                self.algorithm.construct_representations(
+                    layer_id, batch.req_pool_indices, batch.seq_lens, self.device_pool.get_key_buffer(layer_id),
+                    batch.token_slots, **algo_kw,
+                )
+            return
+        step = self._step(batch)
+        if k is None:
+            raise ValueError("decode attention_end needs k (the new token's key, [B, Hkv, D])")
+        if sparse:
+            self.algorithm.update_representations(layer_id, batch.req_pool_indices, batch.positions, k, **algo_kw)
+        self.manager.backup_token(layer_id, step, k, v)
+
+    def forward_end(self, batch: ForwardBatch, host_slots: Optional[list[torch.Tensor]] = None,
+                    free_device_kv: bool = True) -> None:
+        """Prefill: offload / set up buffers (see docs). Decode: close the step's counters."""
+        if batch.mode == "prefill":
+            rows = [int(x) for x in batch.req_pool_indices.tolist()]
+            self.manager.finish_prefill(rows, batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.token_slots,
+                                        host_slots=host_slots, free_device_kv=free_device_kv)
+            return
+        self._step(batch)
+        self.manager.end_step()
+        batch.extra.pop(_STEP_KEY, None)
+
+    # ------------------------------------------------------------------ counters
+    def stats(self) -> dict:
+        return self.manager.stats()
+
+    def reset_stats(self) -> None:
+        self.manager.reset_stats()

@@ -1,0 +1,76 @@
+"""State of the per-request, per-layer GPU LRU buffers (pure data, no policy).
+
+One *state row* per request slot (``req_pool_index``); one state plane per sparse layer.
+Units are selection units: pages (tokens when ``page_size == 1``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class LruState:
+    """Buffer bookkeeping of every sparse layer for ``R`` request rows.
+
+    resident:  ``[L, R, S] int32`` logical id held by each buffer slot, ``-1`` empty.
+    last_used: ``[L, R, S] int32`` step of last use, ``-1`` never.
+    order:     ``[L, R, S] int32`` slots, least recently used first (see kernels/lru_diff.py).
+    slot_of:   ``[L, R, M] int32`` reverse map logical id -> slot, ``-1`` not resident.
+    """
+
+    resident: torch.Tensor
+    last_used: torch.Tensor
+    order: torch.Tensor
+    slot_of: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_layers: int, num_rows: int, slots: int, num_ids: int, device: torch.device) -> "LruState":
+        st = cls(
+            resident=torch.empty(num_layers, num_rows, slots, dtype=torch.int32, device=device),
+            last_used=torch.empty(num_layers, num_rows, slots, dtype=torch.int32, device=device),
+            order=torch.empty(num_layers, num_rows, slots, dtype=torch.int32, device=device),
+            slot_of=torch.empty(num_layers, num_rows, num_ids, dtype=torch.int32, device=device),
+        )
+        st.reset_rows(torch.arange(num_rows, device=device))
+        return st
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Empty the buffers of ``rows`` (``[n] int64``) in every layer."""
+        s = self.resident.shape[2]
+        self.resident[:, rows] = -1
+        self.last_used[:, rows] = -1
+        self.order[:, rows] = torch.arange(s, dtype=torch.int32, device=self.order.device)
+        self.slot_of[:, rows] = -1
+
+    def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(resident, last_used, slot_of, order)`` planes of sparse layer index ``li``."""
+        return self.resident[li], self.last_used[li], self.slot_of[li], self.order[li]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.resident, self.last_used, self.order, self.slot_of))
+
+
+@dataclass
+class RequestBuffers:
+    """What the manager holds for one live request (host-side bookkeeping).
+
+    seq_len:      tokens in context (after the last forward).
+    host_pages:   ``[P] int64`` (CPU) host page of each logical page (hierarchical).
+    owned_host:   host pages the manager allocated (handed to the runtime at request end).
+    sink_pages / ring_pages / lru_pages: ``int64`` (CPU) device pages of the GPU buffer
+                  (hierarchical): sink pages, recent-window ring, LRU region.
+    dense_pages:  ``list[int]`` dense-layer pool page of each logical page (hierarchical).
+    device_pages: ``list[int]`` device page of each logical page (gpu_only).
+    """
+
+    seq_len: int = 0
+    prefilled: bool = False
+    host_pages: list[int] = field(default_factory=list)
+    sink_pages: Optional[torch.Tensor] = None
+    ring_pages: Optional[torch.Tensor] = None
+    lru_pages: Optional[torch.Tensor] = None
+    dense_pages: list[int] = field(default_factory=list)
+    device_pages: list[int] = field(default_factory=list)

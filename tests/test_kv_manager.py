@@ -1,0 +1,199 @@
+"""SparseKVCacheManager invariants over long random decode traces, and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.device_pool import DeviceKVPool
+from hicache.host_pool import HostKVPool
+from hicache.kv_spec import KVCacheSpec
+from hicache.transfer import KVTransferEngine
+from sparsehi.config import SparseConfig
+from sparsehi.kv_manager import SparseKVCacheManager
+
+L, H, D = 2, 2, 4
+
+
+def make_manager(ps=2, top_k_pages=4, buf_pages=6, sink=1, recent=2, io_backend="direct", layers_sparse=(0, 1)):
+    cfg = SparseConfig(algorithm="oracle", page_size=ps, top_k=top_k_pages * ps, device_buffer_size=buf_pages * ps,
+                       sink_tokens=sink * ps, recent_tokens=recent * ps, min_sparse_prompt_len=0)
+    spec = KVCacheSpec("mha", L, H, D, torch.float32, ps)
+    dev = DeviceKVPool(spec, ps * 160, "cpu")
+    host = HostKVPool(dev, hicache_ratio=3.0, pin_memory=False)
+    eng = KVTransferEngine(dev, host, io_backend=io_backend)
+    mgr = SparseKVCacheManager(cfg, dev, mode="hierarchical", host_pool=host, transfer=eng,
+                               sparse_layers=layers_sparse, max_num_reqs=4, max_context_len=128)
+    return mgr
+
+
+class Truth:
+    def __init__(self, n_req, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(L, n_req, 128, H, D, generator=g)
+        self.v = torch.randn(L, n_req, 128, H, D, generator=g)
+
+
+def prefill(mgr, truth, rows, prompts):
+    ps = mgr.ps
+    for r in rows:
+        mgr.begin_request(r)
+    ts = torch.full((len(rows), max(prompts)), -1, dtype=torch.int64)
+    for b, (r, n) in enumerate(zip(rows, prompts)):
+        ts[b, :n] = mgr.device_pool.allocator.alloc(n)[:n]
+        for layer in range(L):
+            mgr.device_pool.set_kv(layer, ts[b, :n], truth.k[layer, r, :n], truth.v[layer, r, :n])
+    mgr.finish_prefill(rows, prompts, [0] * len(rows), ts)
+
+
+def decode_step(mgr, truth, rows, seq):
+    step = mgr.begin_decode(rows, seq, torch.tensor(seq, dtype=torch.int32))
+    pos = torch.tensor(seq) - 1
+    for layer in range(L):
+        k, v = truth.k[layer, rows, pos], truth.v[layer, rows, pos]
+        mgr.device_pool.set_kv(layer, step.out_loc, k, v)
+        mgr.backup_token(layer, step, k, v)
+    return step
+
+
+def candidates(mgr, seq):
+    P = -(-seq // mgr.ps)
+    cs = min(mgr.sink, P)
+    return cs, max(cs, P - mgr.R)
+
+
+def naive_lru(resident, order, ids):
+    """Exact LRU, one buffer: ``order`` lists slots least recently used first; the used
+    slots move to the tail (hits in selection order, then refills)."""
+    where = {x: i for i, x in enumerate(resident) if x >= 0}
+    hits = [where[x] for x in ids if x in where]
+    victims = [sl for sl in order if sl not in set(hits)]
+    refills = []
+    for x in ids:
+        if x not in where:
+            slot = victims[len(refills)]
+            refills.append(slot)
+            resident[slot] = x
+    used = set(hits) | set(refills)
+    order[:] = [sl for sl in order if sl not in used] + hits + refills
+
+
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_long_random_trace_invariants(io_backend):
+    mgr = make_manager(io_backend=io_backend)
+    truth = Truth(3, seed=5)
+    rows, seq = [0, 2], [21, 16]
+    prefill(mgr, truth, rows, seq)
+    ps, S = mgr.ps, mgr.S
+    g = torch.Generator().manual_seed(7)
+    naive = {(li, r): ([-1] * S, list(range(S))) for li in range(L) for r in rows}
+    prev = {(li, r): [] for li in range(L) for r in rows}
+    steps = 30 if io_backend == "direct" else 12
+    for _ in range(steps):
+        seq = [s + 1 for s in seq]
+        step = decode_step(mgr, truth, rows, seq)
+        for layer in range(L):
+            sel_rows = []
+            for r, s in zip(rows, seq):
+                cs, ce = candidates(mgr, s)
+                n = int(torch.randint(0, min(mgr.K, ce - cs) + 1, (1,), generator=g))
+                keep = [x for x in prev[(layer, r)] if x < ce and torch.rand(1, generator=g).item() < 0.8][:n]
+                rest = [x for x in (cs + torch.randperm(ce - cs, generator=g)).tolist() if x not in keep]
+                ids = keep + rest[: n - len(keep)]
+                prev[(layer, r)] = ids
+                sel_rows.append(ids)
+            topk = torch.full((2, mgr.K), -1, dtype=torch.int32)
+            for b, ids in enumerate(sel_rows):
+                topk[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            valid = torch.tensor([len(x) for x in sel_rows], dtype=torch.int32)
+            ce_t = torch.tensor([candidates(mgr, s)[1] for s in seq], dtype=torch.int32)
+            phys = mgr.sparse_physical(layer, step, topk, valid, ce_t)
+            li = mgr.layer_index[layer]
+            for b, (r, ids) in enumerate(zip(rows, sel_rows)):
+                naive_lru(*naive[(li, r)], ids)
+                # exact LRU: the manager's buffer holds what the naive model holds, slot for slot
+                assert mgr.lru.resident[li, r].tolist() == naive[(li, r)][0]
+                assert mgr.lru.order[li, r].tolist() == naive[(li, r)][1]
+                res = mgr.lru.resident[li, r]
+                held = res[res >= 0]
+                assert held.unique().numel() == held.numel(), "a slot holds two ids / an id in two slots"
+                if not ids:
+                    continue
+                p = phys[b, : len(ids)]
+                assert bool((p >= 0).all())
+                # every selected page is resident and its slot holds exactly the host KV of that id
+                dev_k, dev_v = mgr.device_pool.layer_buffers(layer)
+                slots = (p.long()[:, None] * ps + torch.arange(ps)).reshape(-1)
+                lids = torch.tensor(ids)
+                hslots = (mgr.host_page_table[r, lids].long()[:, None] * ps + torch.arange(ps)).reshape(-1)
+                hk, hv = mgr.host_pool.read_tokens(layer, hslots)
+                assert torch.equal(dev_k[slots], hk) and torch.equal(dev_v[slots], hv)
+                tpos = (lids[:, None] * ps + torch.arange(ps)).reshape(-1)
+                assert torch.equal(hk, truth.k[layer, r, tpos]) and torch.equal(hv, truth.v[layer, r, tpos])
+        mgr.end_step()
+    st = mgr.stats()
+    assert st["steps"] == steps and st["hits"] > 0 and st["misses"] > 0
+    assert st["bytes_loaded"] == st["misses"] * mgr.device_pool.spec.page_bytes_per_layer
+
+
+def _snapshot(mgr):
+    return [t.clone() for t in (mgr.lru.resident, mgr.lru.last_used, mgr.lru.slot_of, mgr.lru.order,
+                                mgr.device_pool.kv_data)]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bad_input_rejected_and_state_unchanged():
+    mgr = make_manager()
+    truth = Truth(2, seed=1)
+    prefill(mgr, truth, [0], [30])
+    step = decode_step(mgr, truth, [0], [31])
+    cs, ce = candidates(mgr, 31)
+    ce_t = torch.tensor([ce], dtype=torch.int32)
+    ok = torch.tensor([[cs, cs + 1, -1, -1]], dtype=torch.int32)
+    mgr.sparse_physical(0, step, ok, torch.tensor([2], dtype=torch.int32), ce_t)
+    before = _snapshot(mgr)
+    cases = {
+        "K must be <= S": (torch.full((1, mgr.S + 1), -1, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)),
+        "beyond": (torch.tensor([[cs, ce, -1, -1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)),
+        "duplicate": (torch.tensor([[cs + 2, cs + 2, -1, -1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)),
+        "padding": (torch.tensor([[cs, -1, cs + 3, -1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)),
+    }
+    for msg, (topk, valid) in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            mgr.sparse_physical(0, step, topk, valid, ce_t)
+        assert _same(before, _snapshot(mgr)), msg
+    with pytest.raises(ValueError, match="not a live request"):
+        mgr.begin_decode([3], [5], torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="not a live request"):
+        mgr.end_request(1)
+    with pytest.raises(ValueError, match="not a sparse layer"):
+        m2 = make_manager(layers_sparse=(1,))
+        prefill(m2, truth, [0], [30])
+        s2 = decode_step(m2, truth, [0], [31])
+        m2.sparse_physical(0, s2, ok, torch.tensor([2], dtype=torch.int32), ce_t)
+    assert _same(before, _snapshot(mgr))
+
+
+def test_prefill_offload_buffers_and_release():
+    mgr = make_manager()
+    truth = Truth(2, seed=2)
+    free0 = mgr.device_pool.allocator.num_free_pages()
+    prefill(mgr, truth, [1], [25])  # 13 pages: prompt pages released, buffer pages kept
+    used = free0 - mgr.device_pool.allocator.num_free_pages()
+    assert used == mgr.sink + mgr.R + mgr.S
+    req = mgr.reqs[1]
+    hs = (torch.tensor(req.host_pages)[:, None] * mgr.ps + torch.arange(mgr.ps)).reshape(-1)[:25]
+    for layer in range(L):
+        k, v = mgr.host_pool.read_tokens(layer, hs)
+        assert torch.equal(k, truth.k[layer, 1, :25]) and torch.equal(v, truth.v[layer, 1, :25])
+        dk, _ = mgr.device_pool.layer_buffers(layer)
+        # sink page 0 and the recent ring (pages 11, 12 -> ring slots 1, 0) hold the prompt's KV
+        sink = (req.sink_pages[0] * mgr.ps + torch.arange(mgr.ps))
+        assert torch.equal(dk[sink], truth.k[layer, 1, : mgr.ps])
+        r12 = req.ring_pages[12 % mgr.R] * mgr.ps
+        assert torch.equal(dk[r12], truth.k[layer, 1, 24])
+    out = mgr.end_request(1)
+    assert torch.equal(out.host_slots, hs)
+    assert mgr.device_pool.allocator.num_free_pages() == free0

@@ -1,0 +1,279 @@
+"""LRU diff kernel: Triton (interpreted on CPU) == torch reference == a naive per-slot
+exact-LRU model, on random traces and edge cases; bad input rejected."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sparsehi.kernels.lru_diff import (
+    check_lru_diff_values,
+    lru_diff,
+    lru_diff_reference,
+    lru_diff_triton,
+)
+
+
+def new_state(rows: int, s: int, m: int, device="cpu"):
+    return {
+        "resident": torch.full((rows, s), -1, dtype=torch.int32, device=device),
+        "last_used": torch.full((rows, s), -1, dtype=torch.int32, device=device),
+        "slot_of": torch.full((rows, m), -1, dtype=torch.int32, device=device),
+        "order": torch.arange(s, dtype=torch.int32, device=device).repeat(rows, 1),
+    }
+
+
+def clone(state):
+    return {k: v.clone() for k, v in state.items()}
+
+
+def naive_step(resident: list[int], order: list[int], ids: list[int]):
+    """Exact LRU on python lists, one row (``order``: slots, least recently used first).
+    Returns (device_slots, load_ids, load_slots); updates resident and order."""
+    where = {x: i for i, x in enumerate(resident) if x >= 0}
+    hits = [where[x] for x in ids if x in where]
+    victims = [sl for sl in order if sl not in set(hits)]
+    dev, lids, lslots = [], [], []
+    j = 0
+    for x in ids:
+        if x in where:
+            dev.append(where[x])
+        else:
+            dev.append(victims[j])
+            lids.append(x)
+            lslots.append(victims[j])
+            j += 1
+    for x, slot in zip(lids, lslots):
+        resident[slot] = x
+    used = set(dev)
+    order[:] = [sl for sl in order if sl not in used] + hits + lslots
+    return dev, lids, lslots
+
+
+def make_topk(rows_ids: list[list[int]], k: int):
+    b = len(rows_ids)
+    topk = torch.full((b, k), -1, dtype=torch.int32)
+    for i, ids in enumerate(rows_ids):
+        topk[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return topk, torch.tensor([len(x) for x in rows_ids], dtype=torch.int32)
+
+
+def run_both(topk, valid, st_ref, st_tri, step, rows=None):
+    a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step,
+                           order=st_ref["order"], rows=rows)
+    b = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step,
+                        order=st_tri["order"], rows=rows)
+    for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in st_ref:
+        assert torch.equal(st_ref[name], st_tri[name]), name
+    return a
+
+
+def check_against_naive(res, rows_ids, naive_rows, state=None):
+    for i, ids in enumerate(rows_ids):
+        resident, order = naive_rows[i]
+        dev, lids, lslots = naive_step(resident, order, ids)
+        if state is not None:
+            assert state["resident"][i].tolist() == resident and state["order"][i].tolist() == order
+        n = len(ids)
+        assert res.device_slots[i, :n].tolist() == dev
+        assert (res.device_slots[i, n:] == -1).all()
+        nl = int(res.num_loads[i])
+        assert nl == len(lids)
+        assert res.load_ids[i, :nl].tolist() == lids and res.load_slots[i, :nl].tolist() == lslots
+        assert (res.load_ids[i, nl:] == -1).all() and (res.load_slots[i, nl:] == -1).all()
+
+
+def test_random_trace_matches_naive_lru_and_reference():
+    g = torch.Generator().manual_seed(0)
+    b, k, s, m = 3, 8, 12, 48
+    st_ref, st_tri = new_state(b, s, m), new_state(b, s, m)
+    naive_rows = [([-1] * s, list(range(s))) for _ in range(b)]
+    prev = [[] for _ in range(b)]
+    for step in range(1, 40):
+        rows_ids = []
+        for i in range(b):
+            n = int(torch.randint(0, k + 1, (1,), generator=g))
+            keep = [x for x in prev[i] if torch.rand(1, generator=g).item() < 0.7][:n]
+            pool = [x for x in torch.randperm(m, generator=g).tolist() if x not in keep]
+            ids = keep + pool[: n - len(keep)]
+            ids = [ids[j] for j in torch.randperm(len(ids), generator=g).tolist()]
+            rows_ids.append(ids)
+            prev[i] = ids
+        topk, valid = make_topk(rows_ids, k)
+        res = run_both(topk, valid, st_ref, st_tri, step)
+        check_against_naive(res, rows_ids, naive_rows, st_tri)
+        # resident/slot_of are inverse maps; last_used never decreases along the LRU order
+        for i in range(b):
+            r = st_tri["resident"][i]
+            held = r[r >= 0]
+            assert held.unique().numel() == held.numel()
+            assert torch.equal(st_tri["slot_of"][i, held.long()], torch.nonzero(r >= 0).flatten().int())
+            assert int((st_tri["slot_of"][i] >= 0).sum()) == held.numel()
+        assert torch.equal(st_tri["order"].sort(1).values, torch.arange(s, dtype=torch.int32).expand(b, s))
+        lu_in_order = st_tri["last_used"].gather(1, st_tri["order"].long())
+        assert bool((lu_in_order[:, 1:] >= lu_in_order[:, :-1]).all())
+
+
+@pytest.mark.parametrize("case", ["all_hits", "all_misses", "empty", "exactly_full", "k_equals_s", "padding_rows"])
+def test_edge_cases(case):
+    k, s, m = 6, 6 if case == "k_equals_s" else 10, 40
+    b = 2
+    st_ref, st_tri = new_state(b, s, m), new_state(b, s, m)
+    naive_rows = [([-1] * s, list(range(s))) for _ in range(b)]
+    warm = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    if case == "exactly_full":
+        warm = [list(range(i * 10, i * 10 + min(k, s))) for i in range(b)]
+    res = run_both(*make_topk(warm, k), st_ref, st_tri, 1)
+    check_against_naive(res, warm, naive_rows, st_tri)
+    if case == "exactly_full":  # fill the rest of the buffer so every slot holds an id
+        extra = [list(range(i * 10 + k, i * 10 + k + (s - k))) for i in range(b)]
+        res = run_both(*make_topk(extra, k), st_ref, st_tri, 2)
+        check_against_naive(res, extra, naive_rows, st_tri)
+        assert bool((st_tri["resident"] >= 0).all())
+    nxt = {
+        "all_hits": [[6, 5, 4, 3, 2, 1], [12, 7]],
+        "all_misses": [[20, 21, 22, 23, 24, 25], [30, 31, 32]],
+        "empty": [[], []],
+        "exactly_full": [[30, 31, 0, 32], [38, 39, 10]],
+        "k_equals_s": [[1, 30, 31, 32, 33, 2], [7, 8, 9, 10, 11, 39]],
+        "padding_rows": [[], [7, 20]],
+    }[case]
+    res = run_both(*make_topk(nxt, k), st_ref, st_tri, 3)
+    check_against_naive(res, nxt, naive_rows, st_tri)
+    if case == "all_hits":
+        assert res.num_loads.tolist() == [0, 0]
+    if case == "all_misses":
+        assert res.num_loads.tolist() == [6, 3]
+    if case == "exactly_full":
+        # evictions take the least recently used slots: the ids loaded at step 1 (not reselected)
+        evicted_row0 = set(range(0, k)) - {0}
+        still = set(st_tri["resident"][0].tolist())
+        assert len(evicted_row0 - still) == 3
+
+
+def test_rows_map_batch_rows_to_state_rows():
+    k, s, m = 4, 6, 20
+    st_ref, st_tri = new_state(5, s, m), new_state(5, s, m)
+    rows = torch.tensor([4, 1], dtype=torch.int64)
+    for step, ids in enumerate([[[1, 2, 3], [5]], [[2, 9], [5, 6, 7, 8]], [[10, 11, 12, 13], []]], start=1):
+        run_both(*make_topk(ids, k), st_ref, st_tri, step, rows=rows)
+    untouched = new_state(5, s, m)
+    for name in st_tri:
+        for r in (0, 2, 3):
+            assert torch.equal(st_tri[name][r], untouched[name][r])
+
+
+def test_step_as_tensor_and_dispatch_match():
+    k, s, m = 4, 8, 16
+    st1, st2 = new_state(2, s, m), new_state(2, s, m)
+    topk, valid = make_topk([[1, 2], [3]], k)
+    a = lru_diff(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], torch.tensor([7], dtype=torch.int32), order=st1["order"])
+    b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], 7, order=st2["order"])
+    assert torch.equal(a.device_slots, b.device_slots) and torch.equal(st1["last_used"], st2["last_used"])
+    assert int(st1["last_used"].max()) == 7
+
+
+def test_triton_without_order_derives_it():
+    k, s, m = 4, 8, 16
+    st1, st2 = new_state(1, s, m), new_state(1, s, m)
+    for step, ids in enumerate([[1, 2, 3, 4], [5, 6, 1], [7, 8, 9, 10]], start=1):
+        topk, valid = make_topk([ids], k)
+        a = lru_diff_triton(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], step)
+        b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], step, order=st2["order"])
+        assert torch.equal(a.device_slots, b.device_slots) and torch.equal(a.load_slots, b.load_slots)
+
+
+def test_k_greater_than_s_is_a_clear_error():
+    st = new_state(1, 4, 16)
+    topk, valid = make_topk([[1, 2]], 6)
+    for fn in (lru_diff_reference, lru_diff_triton):
+        with pytest.raises(ValueError, match="K must be <= S"):
+            fn(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, order=st["order"])
+
+
+def test_bad_dtypes_and_values():
+    st = new_state(1, 8, 16)
+    topk, valid = make_topk([[1, 2]], 4)
+    with pytest.raises(ValueError, match="topk must be"):
+        lru_diff_reference(topk.long(), valid, st["resident"], st["last_used"], st["slot_of"], 1)
+    with pytest.raises(ValueError, match="valid must be"):
+        lru_diff_reference(topk, valid.long(), st["resident"], st["last_used"], st["slot_of"], 1)
+    with pytest.raises(ValueError, match="step"):
+        lru_diff_reference(topk, valid, st["resident"], st["last_used"], st["slot_of"], -3)
+    with pytest.raises(ValueError, match="beyond"):
+        check_lru_diff_values(topk, valid, 2)
+    dup, dv = make_topk([[3, 3]], 4)
+    with pytest.raises(ValueError, match="duplicate"):
+        check_lru_diff_values(dup, dv, 16)
+    bad_pad = torch.tensor([[1, -1, 2, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="padding"):
+        check_lru_diff_values(bad_pad, torch.tensor([2], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="valid must lie"):
+        check_lru_diff_values(topk, torch.tensor([5], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="distinct"):
+        t2, v2 = make_topk([[1], [2]], 4)
+        check_lru_diff_values(t2, v2, 16, rows=torch.tensor([0, 0]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    k=st.integers(1, 6), extra=st.integers(0, 5), m=st.integers(6, 24), steps=st.integers(1, 6),
+    seed=st.integers(0, 10_000), overlap=st.floats(0.0, 1.0),
+)
+def test_property_triton_equals_naive(k, extra, m, steps, seed, overlap):
+    s = k + extra
+    g = torch.Generator().manual_seed(seed)
+    st_ref, st_tri = new_state(2, s, m), new_state(2, s, m)
+    naive_rows = [([-1] * s, list(range(s))) for _ in range(2)]
+    prev = [[], []]
+    for step in range(1, steps + 1):
+        rows_ids = []
+        for i in range(2):
+            n = int(torch.randint(0, min(k, m) + 1, (1,), generator=g))
+            keep = [x for x in prev[i] if torch.rand(1, generator=g).item() < overlap][:n]
+            rest = [x for x in torch.randperm(m, generator=g).tolist() if x not in keep]
+            ids = keep + rest[: n - len(keep)]
+            rows_ids.append(ids)
+            prev[i] = ids
+        res = run_both(*make_topk(rows_ids, k), st_ref, st_tri, step)
+        check_against_naive(res, rows_ids, naive_rows, st_tri)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_reference_at_scale():
+    dev = "cuda"
+    b, k, s, m = 64, 2048, 4096, 16384
+    g = torch.Generator(device="cpu").manual_seed(1)
+    st_ref, st_tri = new_state(b, s, m, dev), new_state(b, s, m, dev)
+    prev = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(b)])
+    for step in range(1, 8):
+        fresh = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(b)])
+        keep = torch.rand(b, k, generator=g) < 0.85
+        cand = torch.where(keep, prev, fresh)
+        rows = []
+        for i in range(b):  # dedupe, vary valid counts
+            u = torch.unique(cand[i])[torch.randperm(torch.unique(cand[i]).numel(), generator=g)]
+            rows.append(u[: k - (i % 7) * 3].tolist())
+        prev = torch.stack([torch.tensor((r + list(range(m)))[:k]) for r in rows])
+        topk, valid = make_topk(rows, k)
+        topk, valid = topk.to(dev), valid.to(dev)
+        a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step, order=st_ref["order"])
+        c = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step, order=st_tri["order"])
+        for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
+            assert torch.equal(getattr(a, name), getattr(c, name)), (step, name)
+        for name in st_ref:
+            assert torch.equal(st_ref[name], st_tri[name]), (step, name)
+
+
+def test_unvalidated_bad_ids_stay_inside_their_row():
+    k, s, m = 4, 6, 10
+    st_ref, st_tri = new_state(3, s, m), new_state(3, s, m)
+    rows = torch.tensor([1], dtype=torch.int64)
+    topk, valid = make_topk([[2, 50]], k)  # 50 >= M: a caller that skipped validation
+    run_both(topk, valid, st_ref, st_tri, 1, rows=rows)
+    fresh = new_state(3, s, m)
+    for name in st_tri:
+        for r in (0, 2):
+            assert torch.equal(st_tri[name][r], fresh[name][r]), name
