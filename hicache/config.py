@@ -15,9 +15,13 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+# The single definition of the io backend and host layout names: this module imports
+# nothing heavy (no torch), so hicache.transfer, hicache.host_pool and sparsehi.config all
+# import them from here (and re-export them under their old names).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 IO_BACKENDS = ("direct", "kernel")
-MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MEM_LAYOUTS = HOST_LAYOUTS  # SGLang's name (--hicache-mem-layout)
 STORAGE_BACKENDS = ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # L3 backends that hand host pages to storage zero-copy need one page contiguous across layers.
@@ -37,6 +41,15 @@ PREFETCH_DEFAULTS: dict[str, Any] = {
     "prefetch_timeout_base": 1.0,
     "prefetch_timeout_per_ki_token": 0.25,
 }
+
+
+def write_through_threshold(write_policy: str) -> int:
+    """Hit count at which a device node is backed up to host: 1 for ``write_through`` (at
+    once), 2 for ``write_through_selective`` (second access); ``write_back`` backs up on
+    eviction only (the tree does not count hits then)."""
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+    return 1 if write_policy == "write_through" else 2
 
 
 @dataclass
@@ -61,7 +74,7 @@ class HiCacheConfig:
     @property
     def write_through_threshold(self) -> int:
         """Hit count at which a device node is backed up to host (write_back: never by hits)."""
-        return 1 if self.hicache_write_policy == "write_through" else 2
+        return write_through_threshold(self.hicache_write_policy)
 
     def validate(self) -> None:
         def bad(flag: str, value: Any, allowed: str) -> None:

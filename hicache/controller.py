@@ -8,15 +8,22 @@ HiRadixTree, as SGLang's ``HiCacheController``.
 * Loads are issued layer by layer (one event per layer); ``start_loading`` registers the
   batch with :class:`~hicache.layer_sync.LayerLoadCounter` so layer N of the forward pass
   waits for layer N only.
-* A worker thread waits for each issued batch to finish and puts its ack ids on
-  ``ack_write_queue`` / ``ack_load_queue``; the scheduler polls them every step through the
-  tree's ``writing_check`` / ``loading_check`` (which hold lock refs until the ack).
+* A worker thread waits for each issued batch to finish and puts an :class:`AckBatch` (its
+  ack ids and whether the copy succeeded) on ``ack_write_queue`` / ``ack_load_queue``; the
+  scheduler polls them every step through the tree's ``writing_check`` / ``loading_check``
+  (which hold lock refs until the ack).
+* A transfer that raises (when issued or while the worker waits for it) is not re-raised on
+  the scheduler thread: its batch is acknowledged with ``ok=False`` so the tree can undo what
+  it reserved for it (a failed backup leaves the node device-only, a failed load leaves it
+  host-only) — faults degrade to a cache miss, never to KV that is claimed but wrong. The
+  error is logged, kept in ``last_error`` and counted in ``stats()``.
 
 On CPU the transfer engine copies synchronously; the same queues, worker and acks run, so
 the tests exercise the scheduler-visible behaviour.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -25,10 +32,24 @@ from typing import Any, Optional
 
 import torch
 
-from hicache.config import HiCacheConfig, WRITE_POLICIES, IO_BACKENDS
+from hicache.config import HiCacheConfig, IO_BACKENDS, WRITE_POLICIES
 from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.layer_sync import LayerLoadCounter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AckBatch:
+    """One finished (or failed) batch of transfers: ``ack_ids`` as queued by ``write`` /
+    ``load``; ``ok`` False when the copy raised (``error``), so its destination holds no
+    valid KV."""
+
+    ack_ids: list[int]
+    ok: bool = True
+    error: Optional[BaseException] = None
+    producer: int = -1  # LayerLoadCounter id of a load batch (-1: none)
 
 
 @dataclass
@@ -74,13 +95,14 @@ class HiCacheController:
 
         self._write_q = _Pending()
         self._load_q = _Pending()
-        self.ack_write_queue: "queue.Queue[list[int]]" = queue.Queue()
-        self.ack_load_queue: "queue.Queue[tuple[int, list[int]]]" = queue.Queue()
-        self._inflight: "queue.Queue[Optional[tuple[str, Any, int, list[int]]]]" = queue.Queue()
+        self.ack_write_queue: "queue.Queue[AckBatch]" = queue.Queue()
+        self.ack_load_queue: "queue.Queue[AckBatch]" = queue.Queue()
+        self._inflight: "queue.Queue[Optional[tuple[str, Any, int, list[int], Optional[BaseException]]]]" = queue.Queue()
         self._cv = threading.Condition()
         self._issued = {"write": 0, "load": 0}
         self._finished = {"write": 0, "load": 0}
-        self._error: Optional[BaseException] = None
+        self._failed = {"write": 0, "load": 0}
+        self.last_error: Optional[BaseException] = None
         self._poll = poll_interval_s
         self.bytes_d2h = 0
         self.bytes_h2d = 0
@@ -134,8 +156,8 @@ class HiCacheController:
         return torch.cat([x.to(device=device, dtype=torch.int64) for x in xs])
 
     def start_writing(self) -> int:
-        """Issue every queued write as one transfer; returns tokens issued."""
-        self._raise_worker_error()
+        """Issue every queued write as one transfer; returns tokens issued (a batch whose
+        transfer raises is acknowledged as failed instead)."""
         q = self._write_q
         if not q.acks:
             return 0
@@ -143,15 +165,19 @@ class HiCacheController:
         host = self._cat(q.dst, torch.device("cpu"))
         acks = list(q.acks)
         q.clear()
-        handle = self.transfer.backup(dev, host)
+        try:
+            handle = self.transfer.backup(dev, host)
+        except Exception as e:  # acked as failed by the worker, in issue order
+            self._submit("write", None, -1, acks, e)
+            return 0
         self.bytes_d2h += int(dev.numel()) * self._token_bytes
         self._submit("write", handle, -1, acks)
         return int(dev.numel())
 
     def start_loading(self) -> int:
         """Issue every queued load as one layer-wise transfer; returns the producer id for
-        ``layer_counter.set_consumer`` (-1: nothing queued)."""
-        self._raise_worker_error()
+        ``layer_counter.set_consumer`` (-1: nothing queued, or the transfer raised and the
+        batch is acknowledged as failed)."""
         q = self._load_q
         if not q.acks:
             return -1
@@ -159,7 +185,11 @@ class HiCacheController:
         dev = self._cat(q.dst, self.device_pool.device)
         acks = list(q.acks)
         q.clear()
-        handle = self.transfer.load(host, dev)
+        try:
+            handle = self.transfer.load(host, dev)
+        except Exception as e:
+            self._submit("load", None, -1, acks, e)
+            return -1
         pid = self.layer_counter.register(handle)
         self.layer_counter.set_consumer(pid)
         self.bytes_h2d += int(dev.numel()) * self._token_bytes
@@ -167,44 +197,46 @@ class HiCacheController:
         return pid
 
     # ------------------------------------------------------------------ worker + acks
-    def _submit(self, kind: str, handle: Any, pid: int, acks: list[int]) -> None:
+    def _submit(self, kind: str, handle: Any, pid: int, acks: list[int],
+                error: Optional[BaseException] = None) -> None:
         with self._cv:
             self._issued[kind] += 1
-        self._inflight.put((kind, handle, pid, acks))
+        self._inflight.put((kind, handle, pid, acks, error))
 
     def _run(self) -> None:
         while True:
             item = self._inflight.get()
             if item is None:
                 return
-            kind, handle, pid, acks = item
-            try:
-                while not handle.done():
-                    time.sleep(self._poll)
-            except BaseException as e:  # surfaced on the scheduler thread
-                self._error = e
-            if kind == "write":
-                self.ack_write_queue.put(acks)
-            else:
-                self.ack_load_queue.put((pid, acks))
+            kind, handle, pid, acks, error = item
+            if error is None:
+                try:
+                    while not handle.done():
+                        time.sleep(self._poll)
+                except Exception as e:
+                    error = e
+            if error is not None:
+                # The destination slots hold partial or no KV: the ack says so, and the tree
+                # undoes the node's claim on them instead of marking the copy complete.
+                logger.warning("hicache %s of %d ack(s) failed: %r", kind, len(acks), error)
+                self.last_error = error
+            batch = AckBatch(acks, ok=error is None, error=error, producer=pid)
+            (self.ack_write_queue if kind == "write" else self.ack_load_queue).put(batch)
             with self._cv:
                 self._finished[kind] += 1
+                if error is not None:
+                    self._failed[kind] += 1
                 self._cv.notify_all()
-
-    def _raise_worker_error(self) -> None:
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise RuntimeError("hicache transfer failed") from e
 
     def _wait(self, kind: str, timeout: Optional[float]) -> None:
         with self._cv:
             ok = self._cv.wait_for(lambda: self._finished[kind] >= self._issued[kind], timeout=timeout)
         if not ok:
             raise TimeoutError(f"hicache: {kind}s still in flight after {timeout} s")
-        self._raise_worker_error()
 
     def wait_writes(self, timeout: Optional[float] = 60.0) -> None:
-        """Block until every issued write has been acknowledged (acks stay queued)."""
+        """Block until every issued write has been acknowledged (acks stay queued; failed
+        copies are acknowledged with ``ok=False``, not raised)."""
         self._wait("write", timeout)
 
     def wait_loads(self, timeout: Optional[float] = 60.0) -> None:
@@ -216,18 +248,29 @@ class HiCacheController:
     def load_acks_ready(self) -> int:
         return self.ack_load_queue.qsize()
 
-    def pop_write_ack(self) -> list[int]:
-        """Ack ids of the oldest finished write batch (call at most write_acks_ready() times)."""
+    def pop_write_result(self) -> AckBatch:
+        """Oldest finished write batch, with its success flag (call at most
+        write_acks_ready() times)."""
         return self.ack_write_queue.get_nowait()
 
+    def pop_load_result(self) -> AckBatch:
+        """Oldest finished load batch; its layer producer is released."""
+        batch = self.ack_load_queue.get_nowait()
+        self.layer_counter.release(batch.producer)
+        return batch
+
+    def pop_write_ack(self) -> list[int]:
+        """Ack ids of the oldest finished write batch (success flag dropped: see
+        ``pop_write_result``)."""
+        return self.pop_write_result().ack_ids
+
     def pop_load_ack(self) -> list[int]:
-        pid, acks = self.ack_load_queue.get_nowait()
-        self.layer_counter.release(pid)
-        return acks
+        return self.pop_load_result().ack_ids
 
     # ------------------------------------------------------------------ misc
     def stats(self) -> dict[str, int]:
         with self._cv:
+            failed = dict(self._failed)
             w_inflight = self._issued["write"] - self._finished["write"]
             l_inflight = self._issued["load"] - self._finished["load"]
         return {
@@ -239,6 +282,8 @@ class HiCacheController:
             "loads_in_flight": l_inflight,
             "write_acks_pending": self.ack_write_queue.qsize(),
             "load_acks_pending": self.ack_load_queue.qsize(),
+            "write_batches_failed": failed["write"],
+            "load_batches_failed": failed["load"],
             "device_free_tokens": self.device_pool.allocator.available_size(),
             "host_free_tokens": self.host_pool.available_size(),
         }

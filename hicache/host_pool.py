@@ -10,11 +10,10 @@ import numpy as np
 import torch
 
 from hicache.allocator import PagedSlotAllocator
+from hicache.config import HOST_LAYOUTS  # re-exported: ``from hicache.host_pool import HOST_LAYOUTS``
 from hicache.device_pool import DeviceKVPool, check_slots
 
 logger = logging.getLogger(__name__)
-
-HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 
 def _host_shape(layout: str, num_pages: int, page_size: int, layers: int, bufs: int, heads: int, dim: int) -> tuple[int, ...]:

@@ -16,7 +16,18 @@ Invariants (``check_invariants`` asserts them; the model-based test runs it ever
   on their node's path until the controller acknowledges them.
 
 Recency is a logical clock, not wall time, so every tensor-parallel rank that applies the
-same operations evicts the same nodes.
+same operations evicts the same nodes. Under tensor parallelism (``torch.distributed``
+initialised with more than one rank in ``controller.tp_group``) the ranks also agree with
+``all_reduce(MIN)`` on the usable hit length of every ``match_prefix`` and on the length of
+every load-back, cutting a longer local match at the agreed page boundary, so all ranks load
+the same tokens and report the same hit to the scheduler.
+
+Failed transfers (the controller acks them with ``ok=False``) degrade to a cache miss: a
+failed backup frees the host slots reserved for the node and leaves it device-only (a later
+hit retries the write); a failed load-back frees the device slots and leaves the node
+host-only. If a request still holds a lock on a node whose load failed, the node is marked
+stale — ``match_prefix`` stops before it — and its device copy is dropped when the last lock
+is released.
 
 Beyond SGLang, the sparse runtime inserts a request whose KV it already offloaded to host
 *host-only* and keeps those host pages locked while the request decodes::
@@ -42,6 +53,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
+from hicache.config import write_through_threshold
 from hicache.hicache_stats import HiCacheStats
 from hicache import tp_sync
 
@@ -167,7 +179,7 @@ class HiRadixTree:
         self.controller = controller
         self.page_size: int = controller.page_size
         self.write_policy: str = controller.write_policy
-        self.write_through_threshold = 1 if self.write_policy == "write_through" else 2
+        self.write_through_threshold = write_through_threshold(self.write_policy)
         self.load_back_threshold = load_back_threshold
         self.stats_ = HiCacheStats()
         self._empty_device = torch.empty((0,), dtype=torch.int64, device=controller.device_pool.device)
@@ -206,6 +218,11 @@ class HiRadixTree:
         self.ongoing_write: dict[int, list[TreeNode]] = {}  # ack id -> [locked node, split-off parents...]
         self.ongoing_load: dict[int, tuple[TreeNode, TreeNode]] = {}  # ack id -> (ancestor, last node)
         self._ack_ids = itertools.count(1)
+        # Nodes whose load-back failed while a request still held them: their device slots
+        # hold no valid KV; matched never, dropped from the device when the last lock goes.
+        self._stale: set[TreeNode] = set()
+        self.fault_stats = {"write_failures": 0, "write_retries": 0, "load_failures": 0,
+                            "failed_write_host_tokens_freed": 0, "failed_load_device_tokens_freed": 0}
 
     def _tick(self, node: TreeNode) -> None:
         self._clock += 1
@@ -301,6 +318,8 @@ class HiRadixTree:
         if child.write_ack is not None:
             new.write_ack = child.write_ack
             self.ongoing_write[child.write_ack].append(new)
+        if child in self._stale:
+            self._stale.add(new)
         child.key = child.key[m:]
         child.parent = new
         new.children[self._child_key(child.key)] = child
@@ -367,6 +386,13 @@ class HiRadixTree:
                 self._evictable += k
                 self._protected -= k
                 delta += k
+        if self._stale:
+            # Locks only shrink going down a path, so the highest stale node that is now
+            # unlocked covers every stale node below it.
+            for n in reversed(path):
+                if n in self._stale and n.lock_ref == 0:
+                    self._drop_device_subtree(n)
+                    break
         return delta
 
     def inc_host_lock(self, node: TreeNode) -> None:
@@ -397,6 +423,8 @@ class HiRadixTree:
         (write-through policies may start backups)."""
         key = _as_tokens(token_ids)
         key = key[: len(key) - len(key) % self.page_size]
+        query_len = len(key)
+        key = key[:self._agreed_hit_length(key)]
         dev: list[torch.Tensor] = []
         host: list[torch.Tensor] = []
         backed: list[torch.Tensor] = []
@@ -406,7 +434,7 @@ class HiRadixTree:
         self._tick(self.root)
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
-            if child is None:
+            if child is None or child in self._stale:
                 break
             m = self._match_len(child.key, key, pos)
             if m == 0:  # pragma: no cover - a child is keyed by its first page
@@ -435,11 +463,41 @@ class HiRadixTree:
         )
         st = self.stats_
         st.match_queries += 1
-        st.query_tokens += len(key)
+        st.query_tokens += query_len
         st.device_hit_tokens += res.device_hit_length
         st.host_hit_tokens += res.host_hit_length
-        st.miss_tokens += len(key) - res.total_hit_length
+        st.miss_tokens += query_len - res.total_hit_length
         return res
+
+    def _peek_hit(self, key: tuple[int, ...]) -> tuple[int, int]:
+        """(device hit, device + host hit) of page-aligned ``key``, tree untouched."""
+        node, pos, dev = self.root, 0, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None or child in self._stale:
+                break
+            m = self._match_len(child.key, key, pos)
+            if m == 0:  # pragma: no cover - a child is keyed by its first page
+                break
+            if child.on_device:  # device nodes form a prefix of the path
+                dev += m
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return dev, pos
+
+    def _agreed_hit_length(self, key: tuple[int, ...]) -> int:
+        """Tokens of ``key`` every TP rank may use: the smallest total hit over the ranks.
+        If the ranks disagree even on the device hit, only the smallest device hit is used
+        (no rank could load back a part another rank holds on the device). Without a TP
+        group of several ranks: ``len(key)`` (no collective)."""
+        group = self.controller.tp_group
+        if tp_sync.world_size(group) <= 1:
+            return len(key)
+        dev, total = self._peek_hit(key)
+        dmin, tmin, neg_dmax = tp_sync.agree_min_many([dev, total, -dev], group)
+        return tmin if dmin == -neg_dmax else dmin
 
     # ------------------------------------------------------------------ insert
     def _check_indices(self, name: str, idx: Optional[torch.Tensor], n: int, limit: int,
@@ -558,7 +616,7 @@ class HiRadixTree:
             free(idx)
         return None
 
-    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+    def write_backup(self, node: TreeNode) -> int:
         """Back ``node``'s device KV up to host. Returns tokens queued (0: parent not backed
         up yet — continuity — or no host room). The node's path stays locked until the
         write is acknowledged by ``writing_check``."""
@@ -590,13 +648,63 @@ class HiRadixTree:
         if block:
             c.wait_writes()
         ready = tp_sync.agree_min(c.write_acks_ready(), c.tp_group)
-        for _ in range(ready):
-            for ack in c.pop_write_ack():
+        batches = [c.pop_write_result() for _ in range(ready)]
+        # A copy that failed on any rank counts as failed on all (dropping a good host copy
+        # is safe; keeping a bad one is not), so the trees stay identical.
+        oks = tp_sync.agree_min_many([int(b.ok) for b in batches], c.tp_group)
+        for batch, ok in zip(batches, oks):
+            for ack in batch.ack_ids:
+                if not ok:
+                    self._fail_write(ack)
+                    continue
                 nodes = self.ongoing_write.pop(ack)
                 for nd in nodes:
                     nd.write_ack = None
                 self.dec_lock_ref(nodes[0])
         return ready
+
+    def _subtree_postorder(self, top: TreeNode) -> list[TreeNode]:
+        """``top`` and its descendants, children before parents."""
+        out, stack = [], [top]
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(x.children.values())
+        out.reverse()
+        return out
+
+    def _fail_write(self, ack: int) -> None:
+        """The backup ``ack`` failed: its host slots hold no valid KV. Free them and leave
+        the nodes device-only (``hit_count`` is kept, so the next hit writes again). Host
+        copies below them (adopted by ``insert`` or written while this write was in
+        flight) would break continuity: they are dropped too, host-only ones with their
+        node. If any of those host pages is still in use (host-locked, being loaded or
+        being written), the write is re-issued to the same slots instead."""
+        nodes = self.ongoing_write.pop(ack)
+        pieces = set(nodes)
+        self.fault_stats["write_failures"] += 1
+        top = next(x for x in nodes if x.parent not in pieces)
+        affected = [x for x in self._subtree_postorder(top) if x.backed_up]
+        busy = any(x.host_lock_ref > 0 or (x not in pieces and (x.loading or x.write_ack is not None))
+                   for x in affected)
+        if busy:
+            new = next(self._ack_ids)
+            self.controller.write(torch.cat([x.device_indices for x in nodes]),
+                                  torch.cat([x.host_indices for x in nodes]), new)
+            for x in nodes:
+                x.write_ack = new
+            self.ongoing_write[new] = nodes
+            self.fault_stats["write_retries"] += 1
+            return
+        for x in affected:
+            self.fault_stats["failed_write_host_tokens_freed"] += len(x.host_indices)
+            self.controller.free_host(x.host_indices)
+            self._set_host(x, None)
+            if x in pieces:
+                x.write_ack = None
+            elif not x.on_device:
+                self._remove_leaf(x)  # its (host-only) children went first
+        self.dec_lock_ref(nodes[0])
 
     # ------------------------------------------------------------------ device eviction
     def evict_node(self, node: TreeNode) -> int:
@@ -639,7 +747,7 @@ class HiRadixTree:
             n = n.parent
         total = 0
         for x in reversed(chain):
-            got = self.write_backup(x, write_back=True)
+            got = self.write_backup(x)
             if got == 0:
                 break
             total += got
@@ -729,6 +837,25 @@ class HiRadixTree:
         ``load_back_threshold``, over ``mem_quota`` tokens, or no device room). The chain
         stays locked and ``loading`` until ``loading_check`` sees the ack; the data arrives
         layer by layer after ``ready_to_load_host_cache()``."""
+        return self._load_back(node, mem_quota)[0]
+
+    def _truncate_chain(self, chain: list[TreeNode], n: int) -> list[TreeNode]:
+        """First ``n`` tokens (a page multiple) of the root-first ``chain``, splitting the
+        node the cut falls in."""
+        keep: list[TreeNode] = []
+        got = 0
+        for x in chain:
+            if got >= n:
+                break
+            if got + len(x.key) > n:
+                x = self._split(x, n - got)
+            keep.append(x)
+            got += len(x.key)
+        return keep
+
+    def _load_back(self, node: TreeNode, mem_quota: Optional[int]) -> tuple[Optional[torch.Tensor], TreeNode]:
+        """``load_back``; also returns the last node loaded (``node``, or the node ending
+        the TP-agreed part of its chain)."""
         chain: list[TreeNode] = []
         last = node
         while node is not self.root and node.evicted:
@@ -737,20 +864,26 @@ class HiRadixTree:
             chain.append(node)
             node = node.parent
         ancestor = node
-        if not chain:
-            return None
         chain.reverse()
+        n_local = sum(len(x.key) for x in chain)
+        # Every rank loads the same number of tokens (collective on every call, also when
+        # this rank has nothing to load, so the ranks' collectives stay paired).
+        n = tp_sync.agree_min(n_local, self.controller.tp_group)
+        if n < n_local:
+            chain = self._truncate_chain(chain, n)
+            last = chain[-1] if chain else ancestor
+        if not chain:
+            return None, last
         host = torch.cat([x.host_indices for x in chain])
-        n = int(host.numel())
         if n < self.load_back_threshold or (mem_quota is not None and n > mem_quota):
-            return None
+            return None, last
         self.inc_lock_ref(last)  # the chain and its ancestors survive the eviction below
         c = self.controller
         dev = self._alloc_agreed(c.alloc_device, c.free_device, self.evict, n)
         if dev is None:
             self.dec_lock_ref(last)
             self.stats_.load_alloc_failures += 1
-            return None
+            return None, last
         ack = next(self._ack_ids)
         c.load(host, dev, ack)
         off = 0
@@ -761,19 +894,19 @@ class HiRadixTree:
             off += k
         self.ongoing_load[ack] = (ancestor, last)
         self.stats_.loadback_tokens += n
-        return dev
+        return dev, last
 
     def init_load_back(self, last_node: TreeNode, host_hit_length: int = 0,
                        mem_quota: Optional[int] = None) -> tuple[torch.Tensor, TreeNode]:
         """SGLang's entry point: load back the host part of a match if possible; returns
-        (new device slots, last node now on device)."""
+        (new device slots, last node now on device). Under TP the loaded length is the
+        ranks' minimum (every rank must call this, also with nothing to load)."""
         del host_hit_length  # kept for SGLang signature compatibility
-        if last_node is not self.root and last_node.evicted:
-            dev = self.load_back(last_node, mem_quota)
-            if dev is not None:
-                return dev, last_node
-            while last_node is not self.root and last_node.evicted:
-                last_node = last_node.parent
+        dev, loaded = self._load_back(last_node, mem_quota)
+        if dev is not None:
+            return dev, loaded
+        while last_node is not self.root and last_node.evicted:
+            last_node = last_node.parent
         return self._empty_device, last_node
 
     def ready_to_load_host_cache(self) -> int:
@@ -789,15 +922,42 @@ class HiRadixTree:
             c.start_loading()
             c.wait_loads()
         ready = tp_sync.agree_min(c.load_acks_ready(), c.tp_group)
-        for _ in range(ready):
-            for ack in c.pop_load_ack():
+        batches = [c.pop_load_result() for _ in range(ready)]
+        oks = tp_sync.agree_min_many([int(b.ok) for b in batches], c.tp_group)
+        for batch, ok in zip(batches, oks):
+            for ack in batch.ack_ids:
                 ancestor, last = self.ongoing_load.pop(ack)
+                chain = []
                 x = last
                 while x is not ancestor:
                     x.loading = False
+                    chain.append(x)
                     x = x.parent
                 self.dec_lock_ref(last)
+                if not ok:
+                    self._fail_load(chain)
         return ready
+
+    def _fail_load(self, chain: list[TreeNode]) -> None:
+        """A load-back of ``chain`` (last node first) failed: its device slots hold no valid
+        KV. Drop them (the host copies stay, a later match loads again); nodes a request
+        still holds become stale until their last lock is released."""
+        self.fault_stats["load_failures"] += 1
+        for x in reversed(chain):  # top-down: locks only shrink going down
+            if x.lock_ref == 0:
+                self._drop_device_subtree(x)
+                return
+            self._stale.add(x)
+
+    def _drop_device_subtree(self, top: TreeNode) -> None:
+        """Free the device copies of the unlocked ``top`` and its descendants (backed-up
+        nodes are demoted, others deleted)."""
+        for x in self._subtree_postorder(top):
+            if x in self._stale:
+                self._stale.discard(x)
+                self.fault_stats["failed_load_device_tokens_freed"] += len(x.key)
+            if x.on_device:
+                self._evict_device(x)
 
     def check_hicache_events(self) -> None:
         """Per scheduler step: retire finished writes and loads."""
@@ -828,7 +988,9 @@ class HiRadixTree:
             device_tokens=self.device_tokens(), evictable_device_tokens=self._evictable,
             protected_device_tokens=self._protected, host_tokens=self._host_tokens,
             ongoing_writes=len(self.ongoing_write), ongoing_loads=len(self.ongoing_load),
+            stale_nodes=len(self._stale),
         )
+        out.update(self.fault_stats)
         return out
 
     def check_invariants(self) -> None:
@@ -864,5 +1026,8 @@ class HiRadixTree:
             if self._is_host_leaf(x):
                 hleaves.add(x)
         assert (ev, pr, ht) == (self._evictable, self._protected, self._host_tokens), "size counters drifted"
+        live = set(self.nodes())
+        for x in self._stale:
+            assert x in live and x.on_device and x.lock_ref > 0, f"{x}: stale node not held on the device"
         assert dleaves == self.device_leaves, "device leaf set drifted"
         assert hleaves == self.host_leaves, "host leaf set drifted"

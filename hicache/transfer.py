@@ -11,9 +11,15 @@ Two io backends (SGLang's ``--hicache-io-backend``):
 
 Asynchronous calls (``load``/``backup``) run on the engine's own CUDA stream (ordered after
 the caller's current stream) and return a :class:`TransferHandle` with one event per
-layer. ``*_layer_now`` run on the caller's current stream (the sparse decode hot path):
-they do no value checks that would sync; the kernel skips ``-1``/out-of-range entries.
-On a CPU-only machine every copy is synchronous and handles are complete on return.
+layer. ``*_layer_now`` run on the caller's current stream (the sparse decode hot path) and
+skip ``-1``/out-of-range entries without validating slot values (validation belongs at the
+async boundary, ``validate=True``). Only the ``kernel`` backend is sync-free there: the
+Triton kernel reads the index lists on the GPU and masks bad entries itself. The ``direct``
+backend on CUDA needs the host slot list on the CPU (its gathers/scatters of host rows run
+on the CPU) and filters bad entries with a host-side mask, so each call synchronises the
+host with the current stream once (``.cpu()`` of the indices); a backup also waits for each
+layer's staging copy before scattering it into the host pool. Use ``kernel`` on the decode
+hot path. On a CPU-only machine every copy is synchronous and handles are complete on return.
 """
 from __future__ import annotations
 
@@ -22,12 +28,11 @@ from typing import Iterable, Sequence
 
 import torch
 
+from hicache.config import IO_BACKENDS  # re-exported: ``from hicache.transfer import IO_BACKENDS``
 from hicache.device_pool import DeviceKVPool, _same_device, check_slots
 from hicache.host_pool import HostKVPool
 from hicache.kernels.kv_copy import KVCopyConfig, kv_copy_reference, kv_copy_triton, row_ids, row_matrix, row_segments
 from hicache.triton_support import announce_path, interpreter_enabled
-
-IO_BACKENDS = ("direct", "kernel")
 
 
 @dataclass
@@ -191,12 +196,15 @@ class KVTransferEngine:
         return self._run(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layers), to_device=False)
 
     def load_layer_now(self, layer: int, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Host → device for one layer on the current stream; ``-1`` entries skipped."""
+        """Host → device for one layer on the current stream; ``-1`` entries skipped.
+        Sync-free with the ``kernel`` backend only (``direct`` reads the indices on the host)."""
         self._check_pair(host_slots, device_slots, writes_device=True, allow_padding=True, full=False)
         self._copy_now(self._host_view, self._dev_view, host_slots, device_slots, self._layers(layer), to_device=True)
 
     def backup_layer_now(self, layer: int, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """Device → host for one layer on the current stream; ``-1`` entries skipped."""
+        """Device → host for one layer on the current stream; ``-1`` entries skipped.
+        Sync-free with the ``kernel`` backend only (``direct`` reads the indices on the host
+        and waits for its staging copy)."""
         self._check_pair(host_slots, device_slots, writes_device=False, allow_padding=True, full=False)
         self._copy_now(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layer), to_device=False)
 
@@ -272,6 +280,8 @@ class KVTransferEngine:
         return list(zip((s[:, 0] // ps).tolist(), (d[:, 0] // ps).tolist()))
 
     def _direct_cuda(self, src, dst, src_slots, dst_slots, layers, *, to_device: bool, keepalive: list | None) -> None:
+        # Host syncs here are inherent to this backend: host rows are gathered/scattered by
+        # the CPU, so it needs the slot values there (see the module docstring).
         stream = torch.cuda.current_stream(self.device)
         ps = self.spec.page_size
         host_idx = (src_slots if to_device else dst_slots).cpu().to(torch.int64)

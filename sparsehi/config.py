@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SPARSE_BACKENDS = ("flashattention", "triton", "dsa")
-IO_BACKENDS = ("direct", "kernel")
+from hicache.config import IO_BACKENDS  # noqa: E402  (defined once, in hicache)
 
 
 def _is_pow2(x: int) -> bool:

@@ -144,7 +144,7 @@ def test_in_flight_load_keeps_chain_locked_until_ack():
     ctl.close()
 
 
-def test_worker_error_surfaces_on_scheduler_thread():
+def test_worker_error_is_acked_as_failed_not_raised():
     dev, host = pools()
 
     class Broken:
@@ -157,8 +157,175 @@ def test_worker_error_surfaces_on_scheduler_thread():
     ctl = HiCacheController(dev, host, io_backend="direct", transfer=Broken())
     ctl.write(dev.allocator.alloc(4), host.alloc(4), 1)
     ctl.start_writing()
-    with pytest.raises(RuntimeError, match="hicache transfer failed"):
-        ctl.wait_writes()
+    ctl.wait_writes()  # the fault comes back through the ack, the scheduler keeps running
+    batch = ctl.pop_write_result()
+    assert batch.ack_ids == [1] and batch.ok is False and "copy engine fault" in str(batch.error)
+    assert ctl.stats()["write_batches_failed"] == 1 and ctl.last_error is batch.error
+    ctl.close()
+
+
+class FaultyEngine(KVTransferEngine):
+    """The real engine with injected faults: ``fail`` holds "backup" / "load" while that
+    direction should fail, raising at issue (``when="issue"``) or when the worker polls
+    the finished copy (``when="complete"``, after the real copy ran)."""
+
+    def __init__(self, *a, when: str = "issue", **k):
+        super().__init__(*a, **k)
+        self.fail: set[str] = set()
+        self.when = when
+
+    def _maybe_fail(self, kind, run):
+        if kind not in self.fail:
+            return run()
+        if self.when == "issue":
+            raise RuntimeError(f"injected {kind} fault")
+        run()
+
+        class Failed:
+            def done(self):
+                raise RuntimeError(f"injected {kind} fault")
+
+            def wait_layer(self, layer):
+                pass
+
+        return Failed()
+
+    def backup(self, *a, **k):
+        return self._maybe_fail("backup", lambda: super(FaultyEngine, self).backup(*a, **k))
+
+    def load(self, *a, **k):
+        return self._maybe_fail("load", lambda: super(FaultyEngine, self).load(*a, **k))
+
+
+def faulty_tree(when="issue", policy="write_through"):
+    dev, host = pools()
+    eng = FaultyEngine(dev, host, "direct", when=when)
+    ctl = HiCacheController(dev, host, policy, "direct", transfer=eng)
+    return HiRadixTree(ctl), ctl, eng, dev, host
+
+
+@pytest.mark.parametrize("when", ["issue", "complete"])
+def test_failed_backup_frees_host_slots_and_leaves_node_device_only(when):
+    tree, ctl, eng, dev, host = faulty_tree(when)
+    host_free = host.available_size()
+    d = dev.allocator.alloc(8)
+    fill(dev, d, 4)
+    ref = dev_rows(dev, d)
+    eng.fail.add("backup")
+    node = tree.insert(list(range(8)), device_indices=d).last_node
+    assert node.write_ack is not None and node.lock_ref == 1
+    tree.writing_check(block=True)
+    assert not node.backed_up and node.on_device and node.write_ack is None and node.lock_ref == 0
+    assert host.available_size() == host_free and tree.host_tokens() == 0
+    assert tree.stats()["write_failures"] == 1
+    tree.check_invariants()
+    eng.fail.clear()
+    tree.match_prefix(list(range(8)))  # the next hit writes again
+    tree.writing_check(block=True)
+    assert tree.backup_complete(node) and torch.equal(host_rows(host, node.host_indices), ref)
+    tree.evict(8)
+    m = tree.match_prefix(list(range(8)))
+    assert m.host_hit_length == 8
+    slots, _ = tree.init_load_back(m.last_host_node)
+    tree.loading_check(block=True)
+    assert torch.equal(dev_rows(dev, slots), ref)
+    tree.check_invariants()
+    ctl.close()
+
+
+def test_failed_backup_drops_host_copies_below_it():
+    tree, ctl, eng, dev, host = faulty_tree()
+    host_free = host.available_size()
+    d = dev.allocator.alloc(8)
+    eng.fail.add("backup")
+    a = tree.insert(list(range(8)), device_indices=d).last_node  # write queued, not issued
+    h = host.alloc(16)  # a sparse request offloaded a longer prompt: adopted host-only below a
+    res = tree.insert(list(range(16)), host_indices=h)
+    host.free(res.host_unused)
+    assert res.last_node.parent is a and not res.last_node.on_device
+    tree.writing_check(block=True)
+    assert not a.backed_up and not a.children and host.available_size() == host_free
+    tree.check_invariants()
+    ctl.close()
+
+
+def test_failed_backup_under_a_host_lock_is_retried():
+    tree, ctl, eng, dev, host = faulty_tree()
+    d = dev.allocator.alloc(8)
+    fill(dev, d, 5)
+    ref = dev_rows(dev, d)
+    eng.fail.add("backup")
+    a = tree.insert(list(range(8)), device_indices=d).last_node
+    tree.inc_host_lock(a)  # someone reads its host pages: they must end up valid
+    tree.writing_check(block=True)
+    assert a.backed_up and a.write_ack is not None and a.lock_ref == 1
+    assert tree.stats()["write_retries"] == 1
+    tree.check_invariants()
+    eng.fail.clear()
+    tree.writing_check(block=True)  # issues the retry
+    tree.writing_check(block=True)
+    assert tree.backup_complete(a) and a.lock_ref == 0
+    assert torch.equal(host_rows(host, a.host_indices), ref)
+    tree.dec_host_lock(a)
+    ctl.close()
+
+
+def _demoted(tree, dev, seed):
+    d = dev.allocator.alloc(8)
+    fill(dev, d, seed)
+    ref = dev_rows(dev, d)
+    node = tree.insert(list(range(8)), device_indices=d).last_node
+    tree.writing_check(block=True)
+    tree.evict(8)
+    assert node.backed_up and not node.on_device
+    return node, ref
+
+
+@pytest.mark.parametrize("when", ["issue", "complete"])
+def test_failed_load_frees_device_slots_and_keeps_host_copy(when):
+    tree, ctl, eng, dev, host = faulty_tree(when)
+    node, ref = _demoted(tree, dev, 6)
+    dev_free = dev.allocator.available_size()
+    eng.fail.add("load")
+    m = tree.match_prefix(list(range(8)))
+    slots, last = tree.init_load_back(m.last_host_node)
+    assert slots.numel() == 8 and node.loading
+    tree.ready_to_load_host_cache()
+    tree.loading_check(block=True)
+    assert not node.on_device and node.backed_up and not node.loading and node.lock_ref == 0
+    assert dev.allocator.available_size() == dev_free and tree.stats()["load_failures"] == 1
+    tree.check_invariants()
+    eng.fail.clear()
+    m = tree.match_prefix(list(range(8)))
+    assert m.device_hit_length == 0 and m.host_hit_length == 8  # a miss on device, not wrong KV
+    slots, _ = tree.init_load_back(m.last_host_node)
+    tree.loading_check(block=True)
+    assert torch.equal(dev_rows(dev, slots), ref)
+    ctl.close()
+
+
+def test_failed_load_of_a_held_node_is_never_matched_and_dropped_on_unlock():
+    tree, ctl, eng, dev, host = faulty_tree()
+    node, ref = _demoted(tree, dev, 7)
+    dev_free = dev.allocator.available_size()
+    eng.fail.add("load")
+    m = tree.match_prefix(list(range(8)))
+    slots, last = tree.init_load_back(m.last_host_node)
+    tree.inc_lock_ref(last)  # the request that asked for it
+    tree.loading_check(block=True)
+    assert node.on_device and tree.stats()["stale_nodes"] == 1
+    m = tree.match_prefix(list(range(8)))
+    assert m.total_hit_length == 0  # never handed out again
+    tree.check_invariants()
+    tree.dec_lock_ref(last)
+    assert not node.on_device and node.backed_up and dev.allocator.available_size() == dev_free
+    assert tree.stats()["stale_nodes"] == 0
+    tree.check_invariants()
+    eng.fail.clear()
+    m = tree.match_prefix(list(range(8)))
+    slots, _ = tree.init_load_back(m.last_host_node)
+    tree.loading_check(block=True)
+    assert torch.equal(dev_rows(dev, slots), ref)
     ctl.close()
 
 

@@ -98,3 +98,27 @@ def test_extra_config_from_files(tmp_path):
         HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config=f"@{tmp_path}/missing.json")
     with pytest.raises(ValueError, match="extra-config"):
         HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config="[1, 2]")
+
+
+def test_layout_and_io_backend_names_are_defined_once():
+    import hicache.config as hc
+    import hicache.host_pool as hp
+    import hicache.transfer as ht
+    import sparsehi.config as sc
+
+    assert ht.IO_BACKENDS is hc.IO_BACKENDS and sc.IO_BACKENDS is hc.IO_BACKENDS
+    assert hp.HOST_LAYOUTS is hc.HOST_LAYOUTS and hc.MEM_LAYOUTS is hc.HOST_LAYOUTS
+
+
+def test_tree_takes_write_through_threshold_from_config():
+    import inspect
+
+    from hicache.config import write_through_threshold
+    from hicache.radix_tree import HiRadixTree
+
+    for policy in ("write_through", "write_through_selective", "write_back"):
+        assert HiCacheConfig(hicache_write_policy=policy).write_through_threshold == write_through_threshold(policy)
+    assert write_through_threshold("write_through") == 1 and write_through_threshold("write_through_selective") == 2
+    with pytest.raises(ValueError, match="write_policy"):
+        write_through_threshold("lazy")
+    assert "write_back" not in inspect.signature(HiRadixTree.write_backup).parameters

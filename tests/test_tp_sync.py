@@ -117,6 +117,44 @@ def _worker(rank: int, port: int) -> None:
         s = tree.stats()
         assert _same_everywhere((s["backup_tokens"], s["host_evicted_tokens"], s["write_alloc_failures"]))
         assert tp_sync.agree_min(s["host_evicted_tokens"] + s["write_alloc_failures"]) > 0  # pressure happened
+
+        # ranks whose local host hits differ must match and load back the same length
+        seq = [7000 + t for t in range(16)]
+        for n in (8, 16):
+            dd = dev.allocator.alloc(n)
+            if dd is None:
+                tree.evict(n)
+                dd = dev.allocator.alloc(n)
+            res = tree.insert(seq[:n], device_indices=dd)
+            dev.allocator.free(res.device_unused)
+            tree.writing_check(block=True)
+        c = res.last_node
+        p = c.parent
+        assert len(p.key) == 8 and len(c.key) == 8 and tree.backup_complete(c)
+        tree.evict_node(c)
+        tree.evict_node(p)
+        if rank == 1:
+            tree.evict_host_node(c)  # only rank 1 lost the second half from host
+        local_host_hit = sum(len(x.key) for x in (p, c) if x.backed_up and (x is p or x.parent is p))
+        assert local_host_hit == (16 if rank == 0 else 8)
+        m = tree.match_prefix(seq)
+        assert m.device_hit_length == 0 and m.host_hit_length == 8, m.host_hit_length
+        assert _same_everywhere((m.device_hit_length, m.host_hit_length, m.last_host_node.key))
+        slots, last = tree.init_load_back(m.last_host_node, m.host_hit_length)
+        assert slots.numel() == 8 and last is p
+        tree.ready_to_load_host_cache()
+        tree.loading_check(block=True)
+        tree.check_invariants()
+        # load-back from each rank's own deepest host node: still the agreed length
+        tree.evict_node(p)
+        deepest = c if rank == 0 else p
+        slots, last = tree.init_load_back(deepest)
+        assert slots.numel() == 8 and last is p and p.on_device
+        assert _same_everywhere(slots.numel())
+        if rank == 0:
+            assert not c.on_device and c.backed_up
+        tree.loading_check(block=True)
+        tree.check_invariants()
         ctl.close()
     finally:
         dist.destroy_process_group()
