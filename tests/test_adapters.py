@@ -204,3 +204,17 @@ def test_errors_name_the_parameter():
     bad = SparseSelection(sel.logical_ids, sel.physical_ids, sel.num_valid, sel.seq_lens, 4, SparseMode.TOKEN_WISE)
     with pytest.raises(ValueError, match="page_size"):
         fa.build_metadata(bad)
+
+
+def test_selection_checker_has_its_own_name():
+    """The adaptors' SparseSelection checker is ``check_sparse_selection``; the name
+    ``check_selection`` belongs to sparsehi.algorithms.base (retrieve_topk results) only."""
+    import sparsehi.adapters.flash_attention as fa_mod
+    from sparsehi.algorithms import base
+
+    assert not hasattr(fa_mod, "check_selection")
+    sel, _ = make_selection([9, 5], 4, 16)
+    assert fa_mod.check_sparse_selection(sel) == (2, sel.logical_ids.shape[1])
+    with pytest.raises(ValueError, match="selection"):
+        fa_mod.check_sparse_selection((sel.logical_ids, sel.physical_ids))
+    assert base.check_selection is not fa_mod.check_sparse_selection

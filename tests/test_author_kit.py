@@ -151,3 +151,38 @@ def test_kit_on_gpu_runs_builtins_through_triton():
                               (OracleAlgorithm, None, None)):
         rep = check_algorithm(cls, over, device="cuda", inputs=inputs, context_len=640)
         assert rep.needle_recall == 1.0 and rep.deterministic, str(rep)
+
+
+class _PaddingWrapsAround(OracleAlgorithm):
+    """Writes padding rows (req -1) with plain indexing: -1 wraps to the last request slot."""
+
+    def update_representations(self, layer_id, req_pool_indices, positions, new_keys, **kw):
+        pool = self._layer(layer_id)
+        if pool is not None:
+            pool[req_pool_indices.long(), positions.long()] = new_keys.to(pool.dtype)
+
+
+def test_kit_catches_padding_rows_that_corrupt_a_request():
+    with pytest.raises(AssertionError, match="padding rows"):
+        check_algorithm(_PaddingWrapsAround, min_needle_recall=None)
+    rep = check_algorithm(OracleAlgorithm, min_needle_recall=None)  # the built-in ignores them
+    assert "padding rows" in rep.checks
+
+
+def test_examples_is_a_package_importable_by_path():
+    """``examples.sink_window:SinkWindow`` resolves as a regular package from the repo root."""
+    import importlib
+    import sys
+
+    from sparsehi.algorithms.registry import resolve_algorithm
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        sys.modules.pop("examples", None)
+        sys.modules.pop("examples.sink_window", None)
+        pkg = importlib.import_module("examples")
+        assert pkg.__file__ is not None and Path(pkg.__file__).name == "__init__.py"  # not a namespace package
+        cls = resolve_algorithm("examples.sink_window:SinkWindow")
+        assert cls.__name__ == "SinkWindow"
+    finally:
+        sys.path.remove(str(ROOT))

@@ -82,7 +82,8 @@ def test_fp8_storage_and_dtype_choice():
     assert ((deq - keys).abs() <= 0.07 * keys.abs().amax(-1, keepdim=True)).all()  # e4m3: 3 mantissa bits
     alg, _ = _alg(keys, torch.tensor([40, 33]), dtype="fp8")
     assert alg._keys[0].dtype == torch.float8_e4m3fn
-    assert alg.representation_bytes() == 4 * 44 * 16 * 1 + 4 * 44 * 4
+    # keys + scales of 4 slots x 44 positions, plus one dump entry for padding rows' writes
+    assert alg.representation_bytes() == (4 * 44 + 1) * 16 * 1 + (4 * 44 + 1) * 4
 
 
 @settings(max_examples=15, deadline=None)
@@ -172,3 +173,125 @@ def test_short_index_never_selects_unindexed_tokens_without_validation():
                                    seq_lens=torch.tensor([12]), candidate_start=torch.tensor([0]),
                                    candidate_end=torch.tensor([10]), top_k=8)
     assert int(valid[0]) <= 5 and int(sel[0].max()) < 5
+
+
+def test_padding_rows_write_nothing_and_select_nothing():
+    torch.manual_seed(6)
+    alg, req = _alg(torch.randn(2, 10, 8), torch.tensor([10, 6]))  # slots 1, 2; max_num_reqs 4
+    alg.construct_representations(0, torch.tensor([3]), torch.tensor([10]), torch.empty(0, 1, 8),
+                                  torch.empty(1, 10, dtype=torch.long), index_keys=torch.randn(1, 10, 8))
+    keys0, count0 = alg._keys[0].clone(), alg._indexed[0][:4].clone()
+    assert count0.tolist() == [0, 10, 6, 10]
+    # CUDA-graph batch: real row slot 2 at position 6, padding rows at positions past slot 3's index
+    alg.update_representations(0, torch.tensor([2, -1, -1]), torch.tensor([6, 30, 12]), torch.randn(3, 1, 8),
+                               index_keys=torch.randn(3, 8) * 100)
+    keys1, count1 = alg._keys[0], alg._indexed[0][:4]
+    assert count1.tolist() == [0, 10, 7, 10]  # slot 3 (the last) keeps its count
+    assert torch.equal(keys1[3], keys0[3]) and torch.equal(keys1[0], keys0[0]) and torch.equal(keys1[1], keys0[1])
+    assert torch.equal(keys1[2, :6], keys0[2, :6])
+    q, w = torch.randn(3, 2, 8), torch.ones(3, 2)
+    sel, valid = alg.retrieve_topk(q, 0, torch.tensor([-1, 3, 2]), torch.tensor([True, True, True]), weights=w,
+                                   seq_lens=torch.tensor([13, 11, 8]), candidate_start=torch.zeros(3, dtype=torch.int32),
+                                   candidate_end=torch.tensor([12, 10, 7]), top_k=4)  # padding row: no index check
+    assert valid.tolist() == [0, 4, 4] and (sel[0] == -1).all()
+
+
+def test_shape_dtype_and_range_errors_name_the_parameter():
+    alg, req = _alg(torch.randn(1, 10, 8), torch.tensor([10]))  # max_num_reqs 3
+    ik = torch.randn(1, 8)
+    with pytest.raises(ValueError, match="index_keys"):
+        alg.update_representations(0, req, torch.tensor([10]), torch.randn(1, 1, 8), index_keys=torch.randn(2, 8))
+    with pytest.raises(ValueError, match="index_keys"):
+        alg.update_representations(0, req, torch.tensor([10]), torch.randn(1, 1, 8), index_keys=torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="positions"):
+        alg.update_representations(0, req, torch.tensor([[10]]), torch.randn(1, 1, 8), index_keys=ik)
+    with pytest.raises(ValueError, match="positions"):
+        alg.update_representations(0, req, torch.tensor([14]), torch.randn(1, 1, 8), index_keys=ik)  # >= max_context_len
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.update_representations(0, torch.tensor([3]), torch.tensor([10]), torch.randn(1, 1, 8), index_keys=ik)
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.update_representations(0, torch.tensor([1.0]), torch.tensor([10]), torch.randn(1, 1, 8), index_keys=ik)
+    kw = dict(weights=torch.ones(1, 2), seq_lens=torch.tensor([10]), candidate_start=torch.tensor([0]),
+              candidate_end=torch.tensor([8]), top_k=2)
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.retrieve_topk(torch.randn(1, 2, 8), 0, torch.tensor([5]), torch.tensor([True]), **kw)
+    with pytest.raises(ValueError, match="sparse_mask"):
+        alg.retrieve_topk(torch.randn(1, 2, 8), 0, req, torch.tensor([True, False]), **kw)
+    with pytest.raises(ValueError, match="queries"):
+        alg.retrieve_topk(torch.randn(2, 2, 8), 0, req, torch.tensor([True]), **kw)
+
+
+def test_value_checks_skipped_while_capturing(monkeypatch):
+    """During CUDA-graph capture the host read-back checks (index coverage, ranges) do
+    not run; the fallbacks still keep padding/out-of-range rows from writing or selecting."""
+    import torch.cuda
+    alg, req = _alg(torch.randn(1, 10, 8), torch.tensor([10]))
+    count0 = alg._indexed[0].clone()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_sync(*a, **k):
+        raise AssertionError("host read-back during capture")
+
+    for name in ("tolist", "item", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    alg.update_representations(0, torch.tensor([1, 9, -1]), torch.tensor([40, 3, 3]), torch.randn(3, 1, 8),
+                               index_keys=torch.randn(3, 8))
+    sel, valid = alg.retrieve_topk(torch.randn(2, 2, 8), 0, torch.tensor([1, 9]), torch.tensor([True, True]),
+                                   weights=torch.ones(2, 2), seq_lens=torch.tensor([13, 13]),
+                                   candidate_start=torch.tensor([0, 0]), candidate_end=torch.tensor([12, 12]), top_k=4)
+    monkeypatch.undo()
+    assert torch.equal(alg._indexed[0][:3], count0[:3])  # nothing real changed
+    assert valid.tolist() == [4, 0] and int(sel[0].max()) < 10  # short index: only indexed tokens
+
+
+@pytest.mark.gpu
+def test_dsa_default_config_captures_in_a_cuda_graph():
+    """Default config (validate=True, FP8 on H100/H200): update + retrieve captured in a CUDA
+    graph with padding rows; replays equal eager calls on a twin instance."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    reqs, ctx, dim, h, B = 4, 4096, 128, 16, 4
+    cfg = SparseConfig(algorithm="dsa", page_size=1, top_k=256, device_buffer_size=1024)
+    algs = [create_algorithm(cfg, dev), create_algorithm(cfg, dev)]
+    ik = torch.randn(reqs, 3000, dim, device=dev)
+    for a in algs:
+        a.initialize_representation_pool(0, 1, reqs, ctx, kv_heads=1, head_dim=dim, dtype=torch.bfloat16)
+        a.construct_representations(0, torch.arange(reqs, device=dev), torch.full((reqs,), 3000, device=dev),
+                                    torch.empty(0, 1, dim, device=dev), torch.empty(reqs, 3000, dtype=torch.long, device=dev),
+                                    index_keys=ik)
+    count_last = algs[0]._indexed[0][reqs - 1].clone()
+    st_ = dict(req=torch.tensor([1, 3, -1, -1], device=dev), pos=torch.full((B,), 3000, device=dev),
+               ik=torch.randn(B, dim, device=dev), q=torch.randn(B, h, dim, device=dev), w=torch.rand(B, h, device=dev),
+               seq=torch.full((B,), 3001, device=dev, dtype=torch.int32),
+               cs=torch.full((B,), 4, device=dev, dtype=torch.int32), ce=torch.full((B,), 2990, device=dev, dtype=torch.int32),
+               mask=torch.ones(B, dtype=torch.bool, device=dev))
+
+    def step(a):
+        a.update_representations(0, st_["req"], st_["pos"], torch.empty(B, 1, dim, device=dev), index_keys=st_["ik"])
+        return a.retrieve_topk(st_["q"], 0, st_["req"], st_["mask"], weights=st_["w"], seq_lens=st_["seq"],
+                               candidate_start=st_["cs"], candidate_end=st_["ce"], top_k=256)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(algs[0])
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sel, valid = step(algs[0])
+    step(algs[1])
+    for i in range(3):
+        st_["pos"].fill_(3001 + i)
+        st_["seq"].fill_(3002 + i)
+        st_["ik"].copy_(torch.randn(B, dim, device=dev))
+        st_["q"].copy_(torch.randn(B, h, dim, device=dev))
+        graph.replay()
+        want_sel, want_valid = step(algs[1])
+        torch.cuda.synchronize()
+        assert torch.equal(valid, want_valid) and valid.tolist() == [256, 256, 0, 0]
+        assert torch.equal(sel.sort(1).values, want_sel.sort(1).values)
+    # the real row in the last slot advanced; the padding rows added nothing to it
+    assert int(algs[0]._indexed[0][reqs - 1]) == 3004 and int(count_last) == 3000
+    assert torch.equal(algs[0]._indexed[0], algs[1]._indexed[0])

@@ -109,3 +109,53 @@ def test_masked_topk_skips_unselectable_scores():
     scores = torch.tensor([[1.0, float("-inf"), float("nan"), 2.0]])
     sel, valid = masked_topk(scores, 4, torch.tensor([0]), torch.tensor([4]))
     assert sel.tolist() == [[3, 0, -1, -1]] and valid.tolist() == [2]
+
+
+def test_oracle_padding_rows_and_shape_errors():
+    torch.manual_seed(7)
+    alg = _make(4, top_k=2, reqs=3, ctx=16)  # slot 2 = max_num_reqs - 1
+    kb = torch.randn(48, 2, 8)
+    slots = torch.arange(48).view(3, 16)
+    alg.construct_representations(0, torch.tensor([0, 2, -1]), torch.tensor([16, 16, 16], dtype=torch.int32), kb, slots)
+    before = alg._keys[0].clone()
+    assert torch.equal(before[2], kb[16:32]) and (before[1] == 0).all()  # the padding row wrote nothing
+    alg.update_representations(0, torch.tensor([-1, -1]), torch.tensor([3, 15]), torch.randn(2, 2, 8) * 100)
+    assert torch.equal(alg._keys[0], before)
+    sel, valid = alg.retrieve_topk(torch.randn(2, 4, 8), 0, torch.tensor([-1, 2]), torch.tensor([True, True]),
+                                   seq_lens=torch.tensor([16, 16]), candidate_start=torch.tensor([0, 0]),
+                                   candidate_end=torch.tensor([4, 4]), top_k=2)
+    assert valid.tolist() == [0, 2] and (sel[0] == -1).all()
+    with pytest.raises(ValueError, match="new_keys"):
+        alg.update_representations(0, torch.tensor([0]), torch.tensor([3]), torch.randn(1, 8))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.update_representations(0, torch.tensor([3]), torch.tensor([3]), torch.randn(1, 2, 8))
+    with pytest.raises(ValueError, match="positions"):
+        alg.update_representations(0, torch.tensor([0]), torch.tensor([16]), torch.randn(1, 2, 8))
+    with pytest.raises(ValueError, match="queries"):
+        alg.retrieve_topk(torch.randn(4, 8), 0, torch.tensor([0]), torch.tensor([True]),
+                          seq_lens=torch.tensor([16]), candidate_start=torch.tensor([0]),
+                          candidate_end=torch.tensor([4]), top_k=2)
+
+
+def test_oracle_capture_mode_has_no_host_sync(monkeypatch):
+    import torch.cuda
+    alg = _make(1, top_k=2, reqs=2, ctx=12)
+    kb = torch.randn(24, 2, 8)
+    alg.construct_representations(0, torch.tensor([0, 1]), torch.tensor([10, 10], dtype=torch.int32), kb,
+                                  torch.arange(24).view(2, 12))
+    q = torch.randn(2, 4, 8)
+    kw = dict(seq_lens=torch.tensor([10, 10]), candidate_start=torch.tensor([0, 0]), candidate_end=torch.tensor([9, 9]),
+              top_k=3)
+    want = alg.retrieve_topk(q, 0, torch.tensor([0, -1]), torch.tensor([True, True]), **kw)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_sync(*a, **k):
+        raise AssertionError("host read-back during capture")
+
+    for name in ("tolist", "item", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    alg.update_representations(0, torch.tensor([1, -1]), torch.tensor([10, 99]), torch.randn(2, 2, 8))
+    got = alg.retrieve_topk(q, 0, torch.tensor([0, -1]), torch.tensor([True, True]), **kw)
+    monkeypatch.undo()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and want[1].tolist() == [3, 0]

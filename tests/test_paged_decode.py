@@ -106,6 +106,38 @@ def test_negative_and_out_of_pool_pages_are_masked():
     torch.testing.assert_close(out[:1].float(), only.float(), atol=3e-3, rtol=3e-3)
 
 
+def test_lengths_past_the_table_never_read_outside_it():
+    """cache_seqlens > max_pages * page_size: the kernel must stop at the row's width (the
+    table is a view into a wider buffer whose other columns hold real pages)."""
+    ps, W = 4, 3
+    q, k, v, wide, _ = _case(2, 4, 2, 16, ps, 2 * W, 2 * W + 4, [0, 0], torch.float16, seed=13)
+    pt = wide[:, :W]  # stride(0) = 2W: the next W entries of each row are real pages
+    sl = torch.tensor([W * ps + 5, W * ps + 2 * ps], dtype=torch.int32, device=DEV)
+    for splits in (None, 2):
+        cfg = DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=1, num_splits=splits)
+        out = paged_decode_triton(q, k, v, pt, sl, page_size=ps, sm_scale=0.25, config=cfg)
+        truth = _sdpa_over_gathered(q, k, v, pt, torch.full_like(sl, W * ps), ps, 0.25)
+        torch.testing.assert_close(out.float(), truth.float(), atol=3e-3, rtol=3e-3)
+    ref = paged_decode_reference(q, k, v, pt, sl, page_size=ps, sm_scale=0.25)
+    torch.testing.assert_close(ref.float(), truth.float(), atol=3e-3, rtol=3e-3)
+
+
+def test_ragged_rows_past_the_end_of_kv_indices_are_cut():
+    """kv_indptr running past kv_indices.numel(): entries beyond it are not attended (the
+    indices are a view into a longer buffer holding real slots)."""
+    ps = 4
+    q, k, v, pt, sl = _case(2, 4, 2, 16, ps, 3, 9, [12, 12], torch.float16, seed=17)
+    slots = (pt.long()[:, :, None] * ps + torch.arange(ps, device=DEV)).reshape(-1).int()  # 24 real slots
+    indices = slots[:18]  # the last row is cut to 6 entries; slots[18:] stay readable memory
+    indptr = torch.tensor([0, 12, 24], dtype=torch.int32, device=DEV)
+    out = ragged_decode_triton(q, k, v, indptr, indices, max_kv_len=12, sm_scale=0.25, config=SMALL)
+    ref = ragged_decode_reference(q, k, v, indptr, indices, max_kv_len=12, sm_scale=0.25)
+    truth = paged_decode_reference(q, k, v, pt, torch.tensor([12, 6], dtype=torch.int32, device=DEV),
+                                   page_size=ps, sm_scale=0.25)
+    torch.testing.assert_close(out.float(), truth.float(), atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(ref.float(), truth.float(), atol=3e-3, rtol=3e-3)
+
+
 def _property(B, group, ps, pages, splits, seed):
     g = torch.Generator().manual_seed(seed)
     seqlens = torch.randint(0, pages * ps + 1, (B,), generator=g).tolist()

@@ -10,6 +10,7 @@ from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.algorithms.testing import check_algorithm, plant_needles
 from sparsehi.config import SparseConfig
 from sparsehi.kernels.quest_score import quest_score, quest_score_reference, quest_score_triton
+from sparsehi.kernels.topk import host_checks_enabled
 
 
 def _cfg(page_size=4, top_k_pages=4, **extra):
@@ -103,6 +104,88 @@ def test_needle_at_any_position_is_retrieved(seed, pos, budget):
     assert pos // ps in sel[0].tolist()
 
 
+def _snapshot(alg, layer=2):
+    return alg._kmin[layer].clone(), alg._kmax[layer].clone()
+
+
+def test_padding_rows_write_nothing_and_select_nothing():
+    torch.manual_seed(5)
+    keys = torch.randn(2, 16, 2, 8)
+    alg, req = _build(keys, 4)  # 3 request slots: 2 and 1 in use, slot max_num_reqs - 1 = 2
+    before = _snapshot(alg)
+    # a CUDA-graph batch: one real row, two padding rows (positions of a fresh page, huge keys)
+    breq = torch.tensor([1, -1, -1])
+    pos = torch.tensor([16, 4, 0])
+    new = torch.randn(3, 2, 8) * 100
+    alg.update_representations(2, breq, pos, new)
+    after = _snapshot(alg)
+    for b_, a_ in zip(before, after):
+        assert torch.equal(a_[2], b_[2]) and torch.equal(a_[0], b_[0])  # untouched slots (2 = the last one)
+        assert torch.equal(a_[1, :4], b_[1, :4])  # slot 1's old pages untouched
+    assert torch.equal(after[0][1, 4], new[0]) and torch.equal(after[1][1, 4], new[0])  # the real row landed
+    q = torch.randn(3, 4, 8)
+    sel, valid = alg.retrieve_topk(q, 2, torch.tensor([2, -1, 1]), torch.tensor([True, True, True]),
+                                   seq_lens=torch.tensor([16, 16, 17]), candidate_start=torch.zeros(3, dtype=torch.int32),
+                                   candidate_end=torch.tensor([4, 4, 5]), top_k=2)
+    assert valid.tolist() == [2, 0, 2] and (sel[1] == -1).all()
+
+
+def test_shape_dtype_and_range_errors_name_the_parameter():
+    alg, req = _build(torch.randn(2, 16, 2, 8), 4)
+    with pytest.raises(ValueError, match="new_keys"):
+        alg.update_representations(2, req, torch.tensor([16, 16]), torch.randn(2, 8))
+    with pytest.raises(ValueError, match="new_keys"):
+        alg.update_representations(2, req, torch.tensor([16, 16]), torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="positions"):
+        alg.update_representations(2, req, torch.tensor([16.0, 16.0]), torch.randn(2, 2, 8))
+    with pytest.raises(ValueError, match="positions"):
+        alg.update_representations(2, req, torch.tensor([16]), torch.randn(2, 2, 8))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.update_representations(2, torch.tensor([[1, 2]]), torch.tensor([16, 16]), torch.randn(2, 2, 8))
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.update_representations(2, torch.tensor([1, 3]), torch.tensor([16, 16]), torch.randn(2, 2, 8))
+    with pytest.raises(ValueError, match="positions"):
+        alg.update_representations(2, req, torch.tensor([16, 20]), torch.randn(2, 2, 8))  # past max_context_len
+    kw = dict(seq_lens=torch.tensor([16, 16]), candidate_start=torch.tensor([0, 0]), candidate_end=torch.tensor([4, 4]),
+              top_k=2)
+    on = torch.tensor([True, True])
+    with pytest.raises(ValueError, match="req_pool_indices"):
+        alg.retrieve_topk(torch.randn(2, 4, 8), 2, torch.tensor([1, 3]), on, **kw)
+    with pytest.raises(ValueError, match="queries"):
+        alg.retrieve_topk(torch.randn(2, 4, 6), 2, req, on, **kw)
+    with pytest.raises(ValueError, match="queries"):
+        alg.retrieve_topk(torch.randn(2, 3, 8), 2, req, on, **kw)  # Hq not a multiple of Hkv
+    with pytest.raises(ValueError, match="sparse_mask"):
+        alg.retrieve_topk(torch.randn(2, 4, 8), 2, req, torch.tensor([True]), **kw)
+
+
+def test_value_checks_skipped_while_capturing(monkeypatch):
+    """Under CUDA-graph capture the host read-back checks must not run (they would break
+    the capture); out-of-range rows then write nothing instead of raising."""
+    import torch.cuda
+    assert host_checks_enabled(True) and not host_checks_enabled(False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not host_checks_enabled(True)
+    alg, req = _build(torch.randn(2, 16, 2, 8), 4)
+    before = _snapshot(alg)
+
+    def no_sync(*a, **k):
+        raise AssertionError("host read-back during capture")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    alg.update_representations(2, torch.tensor([1, 7]), torch.tensor([99, 4]), torch.randn(2, 2, 8) * 100)
+    sel, valid = alg.retrieve_topk(torch.randn(2, 4, 8), 2, torch.tensor([7, -1]), torch.tensor([True, True]),
+                                   seq_lens=torch.tensor([16, 16]), candidate_start=torch.tensor([0, 0]),
+                                   candidate_end=torch.tensor([4, 4]), top_k=2)
+    monkeypatch.undo()
+    assert valid.tolist() == [0, 0]
+    after = _snapshot(alg)
+    assert all(torch.equal(a_, b_) for a_, b_ in zip(before, after))
+
+
 def test_invalid_configs():
     with pytest.raises(ValueError, match="page_size"):
         QuestAlgorithm(SparseConfig(algorithm="quest", page_size=1, top_k=16, device_buffer_size=64), torch.device("cpu"))
@@ -128,7 +211,8 @@ def test_defaults_and_memory():
     assert isinstance(alg, QuestAlgorithm) and alg.dense_layers() == (0, 1)
     alg.initialize_representation_pool(0, 4, 2, 1024, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     key_bytes = 2 * 2 * 1024 * 8 * 128 * 2  # sparse layers 2, 3
-    assert alg.representation_bytes() == key_bytes * 2 // 16  # min + max = 2/page_size of the keys
+    dump = 2 * 2 * 8 * 128 * 2  # one [Hkv, D] entry per layer and min/max for padding rows' writes
+    assert alg.representation_bytes() == key_bytes * 2 // 16 + dump  # min + max = 2/page_size of the keys
 
 
 def test_author_kit_quest(monkeypatch):
@@ -140,6 +224,62 @@ def test_author_kit_quest(monkeypatch):
                                               "sink_tokens": 8, "recent_tokens": 8,
                                               "sparse_extra_config": {"head_reduce": "max"}}, context_len=96)
     assert report.needle_recall == 1.0
+
+
+@pytest.mark.gpu
+def test_quest_default_config_captures_in_a_cuda_graph():
+    """Default config (validate=True): update_representations + retrieve_topk captured in
+    a CUDA graph with padding rows, replayed, equal to eager calls on a twin instance."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    ps, hkv, hq, d, ctx, reqs, B = 16, 8, 32, 128, 4096, 4, 4
+    cfg = SparseConfig(algorithm="quest", page_size=ps, top_k=512, device_buffer_size=2048)
+    assert cfg.sparse_extra_config.get("validate", True)
+    algs = [QuestAlgorithm(cfg, dev), QuestAlgorithm(cfg, dev)]
+    keys = torch.randn(reqs, ctx, hkv, d, device=dev, dtype=torch.bfloat16)
+    slots = torch.arange(reqs * ctx, device=dev).view(reqs, ctx)
+    for a in algs:
+        a.initialize_representation_pool(0, 3, reqs, ctx, kv_heads=hkv, head_dim=d, dtype=torch.bfloat16)
+        a.construct_representations(2, torch.arange(reqs, device=dev), torch.full((reqs,), 3000, device=dev),
+                                    keys.view(-1, hkv, d), slots)
+    last_slot = algs[0]._kmin[2][reqs - 1].clone(), algs[0]._kmax[2][reqs - 1].clone()
+    static = dict(req=torch.tensor([2, 0, -1, -1], device=dev), pos=torch.full((B,), 3000, device=dev),
+                  new=torch.randn(B, hkv, d, device=dev, dtype=torch.bfloat16),
+                  q=torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16),
+                  seq=torch.full((B,), 3001, device=dev, dtype=torch.int32),
+                  cs=torch.full((B,), 1, device=dev, dtype=torch.int32),
+                  ce=torch.full((B,), 180, device=dev, dtype=torch.int32),
+                  mask=torch.ones(B, dtype=torch.bool, device=dev))
+
+    def step(a):
+        a.update_representations(2, static["req"], static["pos"], static["new"])
+        return a.retrieve_topk(static["q"], 2, static["req"], static["mask"], seq_lens=static["seq"],
+                               candidate_start=static["cs"], candidate_end=static["ce"], top_k=32)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(algs[0])  # warm-up (Triton compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sel, valid = step(algs[0])
+    eager_twin = algs[1]
+    step(eager_twin)  # the twin's own first step, matching the warm-up
+    for i in range(3):
+        static["pos"].fill_(3001 + i)
+        static["seq"].fill_(3002 + i)
+        static["new"].copy_(torch.randn(B, hkv, d, device=dev, dtype=torch.bfloat16))
+        static["q"].copy_(torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16))
+        graph.replay()
+        want_sel, want_valid = step(eager_twin)
+        torch.cuda.synchronize()
+        assert torch.equal(valid, want_valid) and valid[2:].eq(0).all() and valid[:2].eq(32).all()
+        assert torch.equal(sel.sort(1).values, want_sel.sort(1).values)
+    assert torch.equal(algs[0]._kmin[2], eager_twin._kmin[2]) and torch.equal(algs[0]._kmax[2], eager_twin._kmax[2])
+    # the padding rows (req -1) left the last request slot alone
+    assert torch.equal(algs[0]._kmin[2][reqs - 1], last_slot[0]) and torch.equal(algs[0]._kmax[2][reqs - 1], last_slot[1])
 
 
 @pytest.mark.gpu

@@ -34,8 +34,10 @@ def _bad(name: str, allowed: str, got: object) -> None:
     raise ValueError(f"{name} must be {allowed}; got {got}")
 
 
-def check_selection(selection: SparseSelection) -> tuple[int, int]:
-    """Shape / dtype / device checks of a selection (no host sync); returns (B, N)."""
+def check_sparse_selection(selection: SparseSelection) -> tuple[int, int]:
+    """Shape / dtype / device checks of a ``SparseSelection`` for the adaptors (no host
+    sync); returns (B, N). Not to be confused with
+    :func:`sparsehi.algorithms.base.check_selection`, which checks a ``retrieve_topk`` result."""
     if not isinstance(selection, SparseSelection):
         _bad("selection", "a sparsehi.selection.SparseSelection", type(selection))
     lid, pid = selection.logical_ids, selection.physical_ids
@@ -70,7 +72,7 @@ def build_page_table(selection: SparseSelection) -> tuple[torch.Tensor, torch.Te
     last (possibly partial) selected page; 0 for empty rows. Lengths are clamped to the
     table so an inconsistent selection can never make a kernel read past it.
     """
-    B, N = check_selection(selection)
+    B, N = check_sparse_selection(selection)
     ps = selection.page_size
     dev = selection.logical_ids.device
     nv = selection.num_valid.long().clamp(0, N)

@@ -14,9 +14,16 @@ weights=[B, H])``. Score ``Σ_h w_h ReLU(q_h · k_t)``; top ``top_k`` tokens (de
 2048) among the candidates by torch sort on the masked scores.
 
 Invariant from upstream bugs: the index must cover every selectable token. Each layer
-tracks how many tokens of each request it indexed; selecting past that is a ValueError
-(``sparse_extra_config["validate"] = False`` skips the check, which syncs with the host,
-e.g. under CUDA graphs; unindexed positions are then still never selected).
+tracks how many tokens of each request it indexed; selecting past that is a ValueError.
+That check, and the range checks of positions and request slots, read back to the host:
+they run with ``sparse_extra_config["validate"]`` (default True) except while a CUDA graph
+is being captured (``torch.cuda.is_current_stream_capturing()``); ``validate=False``
+drops them everywhere. Unchecked, unindexed positions are still never selected. Shape and
+dtype checks always run.
+
+Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are
+ignored: their writes go to one dump entry past the pool (never read), their indexed
+count stays untouched, and ``retrieve_topk`` returns ``valid_lengths == 0`` for them.
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ import torch
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
-from sparsehi.kernels.topk import masked_topk, selection_kwargs
+from sparsehi.kernels.topk import (check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
+                                   masked_topk, raise_if_any, selection_kwargs)
 
 logger = logging.getLogger(__name__)
 INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")
@@ -66,9 +74,14 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         self.index_dtype = choose_index_dtype(self.device, extra.get("index_dtype", "auto"))
         self.validate = bool(extra.get("validate", True))
         logger.info("dsa: index keys stored as %s on %s", self.index_dtype, self.device)
+        # flat [R * T + 1, Di] storage (the last entry absorbs padding rows' writes) and its
+        # [R, T, Di] view without it; likewise the scales, and [R + 1] indexed counts
+        self._keys_flat: dict[int, torch.Tensor] = {}
+        self._scales_flat: dict[int, Optional[torch.Tensor]] = {}
         self._keys: dict[int, torch.Tensor] = {}
         self._scales: dict[int, Optional[torch.Tensor]] = {}
         self._indexed: dict[int, torch.Tensor] = {}
+        self.max_num_reqs = 0
         self.max_context_len = 0
 
     @property
@@ -88,23 +101,28 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         **kwargs: Any,
     ) -> None:
         """Index keys ``[max_num_reqs, max_context_len, index_head_dim]`` (+ FP8 scales
-        ``[max_num_reqs, max_context_len] float32``) per sparse layer. ``kv_heads``,
-        ``head_dim``, ``dtype`` describe the attention cache and are not needed here."""
+        ``[max_num_reqs, max_context_len] float32``) per sparse layer, plus one dump entry
+        for padding rows' writes. ``kv_heads``, ``head_dim``, ``dtype`` describe the
+        attention cache and are not needed here."""
         for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
         if not (0 <= start_layer < end_layer):
             raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
-        self.max_context_len = max_context_len
-        self._keys, self._scales, self._indexed = {}, {}, {}
+        self.max_num_reqs, self.max_context_len = max_num_reqs, max_context_len
+        self._keys_flat, self._scales_flat, self._keys, self._scales, self._indexed = {}, {}, {}, {}, {}
+        n = max_num_reqs * max_context_len + 1
         for layer in range(start_layer, end_layer):
             if not self.is_sparse_layer(layer):
                 continue
-            self._keys[layer] = torch.zeros(max_num_reqs, max_context_len, self.index_head_dim,
-                                            dtype=self.storage_dtype, device=self.device)
-            self._scales[layer] = (torch.ones(max_num_reqs, max_context_len, dtype=torch.float32, device=self.device)
-                                   if self.index_dtype == "fp8" else None)
-            self._indexed[layer] = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+            kf = torch.zeros(n, self.index_head_dim, dtype=self.storage_dtype, device=self.device)
+            self._keys_flat[layer] = kf
+            self._keys[layer] = kf[:-1].view(max_num_reqs, max_context_len, self.index_head_dim)
+            sf = torch.ones(n, dtype=torch.float32, device=self.device) if self.index_dtype == "fp8" else None
+            self._scales_flat[layer] = sf
+            self._scales[layer] = sf[:-1].view(max_num_reqs, max_context_len) if sf is not None else None
+            # entry max_num_reqs counts nothing real: padding rows' counts land there
+            self._indexed[layer] = torch.zeros(max_num_reqs + 1, dtype=torch.int64, device=self.device)
 
     def _layer(self, layer_id: int) -> Optional[torch.Tensor]:
         if layer_id in self._keys:
@@ -113,20 +131,29 @@ class DSAAlgorithm(BaseSparseAlgorithm):
             return None
         raise ValueError(f"layer_id={layer_id} has no representation pool: reserved layers are {sorted(self._keys)}")
 
-    def _store(self, layer_id: int, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor) -> None:
-        pool = self._keys[layer_id]
+    def _store(self, layer_id: int, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor,
+               ok: Optional[torch.Tensor] = None) -> None:
+        """Write ``keys [N, Di]`` at ``(rows, cols)``; entries with ``ok`` False go to the
+        dump entry instead (no host sync)."""
+        pool = self._keys_flat[layer_id]
+        flat = rows * self.max_context_len + cols
+        if ok is not None:
+            flat = torch.where(ok, flat, torch.full_like(flat, pool.shape[0] - 1))
         if self.index_dtype == "fp8":
             q, s = quantize_index_keys(keys)
-            pool[rows, cols] = q
-            self._scales[layer_id][rows, cols] = s  # type: ignore[index]
+            pool[flat] = q
+            self._scales_flat[layer_id][flat] = s  # type: ignore[index]
         else:
-            pool[rows, cols] = keys.to(pool.dtype)
+            pool[flat] = keys.to(pool.dtype)
 
     def _index_keys_kwarg(self, kwargs: dict, shape_desc: str, lead: tuple[int, ...]) -> torch.Tensor:
         k = kwargs.get("index_keys")
-        if not isinstance(k, torch.Tensor) or tuple(k.shape[:-1]) != lead or k.shape[-1] != self.index_head_dim:
+        if (not isinstance(k, torch.Tensor) or k.dim() != len(lead) + 1 or tuple(k.shape[:-1]) != lead
+                or k.shape[-1] != self.index_head_dim):
             got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
             raise ValueError(f"dsa needs index_keys={shape_desc} with index_head_dim={self.index_head_dim}, got {got}")
+        if not k.is_floating_point():
+            raise ValueError(f"dsa index_keys must be a floating tensor, got {k.dtype}")
         return k
 
     def construct_representations(
@@ -143,7 +170,8 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         pool = self._layer(layer_id)
         if pool is None:
             return
-        b = req_pool_indices.shape[0]
+        b = check_batch_rows(req_pool_indices)
+        check_int_vector("seq_lens", seq_lens, b)
         ik = kwargs.get("index_keys")
         max_len = ik.shape[1] if isinstance(ik, torch.Tensor) and ik.dim() == 3 else -1
         ik = self._index_keys_kwarg(kwargs, "[B, max_len, index_head_dim]", (b, max_len))
@@ -152,12 +180,17 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         dev = pool.device
         seq = seq_lens.to(dev).long().clamp(max=max_len)
         req = req_pool_indices.to(dev).long()
+        if host_checks_enabled(self.validate):
+            raise_if_any([(req >= self.max_num_reqs,
+                           f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
+        live = live_rows(req, self.max_num_reqs)
         pos = torch.arange(max_len, device=dev)[None, :]
-        valid = pos < seq[:, None]
+        valid = (pos < seq[:, None]) & live[:, None]
         rows = req[:, None].expand(b, max_len)[valid]
         cols = pos.expand(b, max_len)[valid]
         self._store(layer_id, rows, cols, ik.to(dev)[valid])
-        self._indexed[layer_id][req] = seq
+        # padding rows' counts go to the spare last entry
+        self._indexed[layer_id][torch.where(live, req, torch.full_like(req, self.max_num_reqs))] = seq
 
     def update_representations(
         self,
@@ -167,20 +200,30 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         new_keys: torch.Tensor,
         **kwargs: Any,
     ) -> None:
-        """Store ``index_keys [B, index_head_dim]`` (kwarg) at ``positions [B]``."""
+        """Store ``index_keys [B, index_head_dim]`` (kwarg) at ``positions [B]``. Rows with
+        ``req_pool_indices < 0`` are padding and change nothing."""
         pool = self._layer(layer_id)
         if pool is None:
             return
-        b = req_pool_indices.shape[0]
+        b = check_batch_rows(req_pool_indices)
+        check_int_vector("positions", positions, b)
         ik = self._index_keys_kwarg(kwargs, "[B, index_head_dim]", (b,))
         dev = pool.device
         pos = positions.to(dev).long()
         req = req_pool_indices.to(dev).long()
-        if self.validate and bool(((pos < 0) | (pos >= self.max_context_len)).any()):
-            raise ValueError(f"positions must lie in [0, max_context_len={self.max_context_len})")
-        self._store(layer_id, req, pos, ik.to(dev))
+        live = live_rows(req, self.max_num_reqs)
+        if host_checks_enabled(self.validate):
+            raise_if_any([
+                (req >= self.max_num_reqs,
+                 f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
+                (live & ((pos < 0) | (pos >= self.max_context_len)),
+                 f"positions must lie in [0, max_context_len={self.max_context_len})"),
+            ])
+        ok = live & (pos >= 0) & (pos < self.max_context_len)
+        self._store(layer_id, req, pos, ik.to(dev), ok)
         idx = self._indexed[layer_id]
-        idx[req] = torch.maximum(idx[req], pos + 1)
+        r = torch.where(ok, req, torch.full_like(req, self.max_num_reqs))
+        idx[r] = torch.where(ok, torch.maximum(idx[r], pos + 1), idx[r])
 
     def score(self, queries: torch.Tensor, weights: torch.Tensor, layer_id: int,
               req_pool_indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
@@ -188,8 +231,11 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         pool = self._layer(layer_id)
         if pool is None:
             raise ValueError(f"layer_id={layer_id} is dense for dsa (dense_layers={self.dense_layers()}): no retrieve_topk there")
+        req = req_pool_indices.to(pool.device).long()
+        # padding / out-of-range rows -> -1: the kernel scores them -inf (nothing selected)
+        req = torch.where(live_rows(req, self.max_num_reqs), req, torch.full_like(req, -1))
         return dsa_indexer(queries.to(pool.device), weights.to(pool.device), pool, self._scales[layer_id],
-                           req_pool_indices.to(pool.device), num_tokens.to(pool.device))
+                           req, num_tokens.to(pool.device))
 
     def retrieve_topk(
         self,
@@ -202,24 +248,35 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         """Top ``top_k`` tokens by indexer score among ``[candidate_start, candidate_end)``.
 
         queries: index queries ``[B, H_index, index_head_dim]``; kwargs ``weights [B, H_index]``.
+        Padding rows (``req_pool_indices < 0``) return ``valid_lengths == 0``.
         """
-        b = queries.shape[0]
+        b = check_batch_rows(req_pool_indices, sparse_mask)
         seq_lens, cs, ce, top_k = selection_kwargs(kwargs, b, self.device)
-        if queries.dim() != 3 or queries.shape[2] != self.index_head_dim:
-            raise ValueError(f"dsa queries must be index queries [B, H_index, index_head_dim={self.index_head_dim}], "
-                             f"got {tuple(queries.shape)}")
+        if (not isinstance(queries, torch.Tensor) or queries.dim() != 3 or queries.shape[0] != b
+                or queries.shape[2] != self.index_head_dim or not queries.is_floating_point()):
+            got = (tuple(queries.shape), queries.dtype) if isinstance(queries, torch.Tensor) else type(queries).__name__
+            raise ValueError(f"dsa queries must be floating index queries [B={b}, H_index, "
+                             f"index_head_dim={self.index_head_dim}], got {got}")
         w = kwargs.get("weights")
-        if not isinstance(w, torch.Tensor) or w.shape != queries.shape[:2]:
+        if not isinstance(w, torch.Tensor) or w.shape != queries.shape[:2] or not w.is_floating_point():
             got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
             raise ValueError(f"dsa needs weights=[B, H_index]={tuple(queries.shape[:2])}, got {got}")
         if self._layer(layer_id) is None:
             raise ValueError(f"layer_id={layer_id} is dense for dsa (dense_layers={self.dense_layers()}): no retrieve_topk there")
-        indexed = self._indexed[layer_id][req_pool_indices.to(self.device).long()]
-        if self.validate:
-            live = sparse_mask.to(self.device).bool() & (ce > cs)
-            if bool((live & (ce > indexed)).any()):
-                raise ValueError("dsa: candidate_end exceeds the tokens indexed for a request (index keys and KV "
-                                 "disagree in length); call construct/update_representations for every token")
+        req = req_pool_indices.to(self.device).long()
+        live = live_rows(req, self.max_num_reqs)
+        # padding rows read the spare count entry, then count 0: nothing indexed, nothing selected
+        indexed = torch.where(live, self._indexed[layer_id][torch.where(live, req, torch.full_like(req, self.max_num_reqs))],
+                              torch.zeros_like(req))
+        if host_checks_enabled(self.validate):
+            wanted = live & sparse_mask.to(self.device).bool() & (ce > cs)
+            raise_if_any([
+                (req >= self.max_num_reqs,
+                 f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
+                (wanted & (ce > indexed),
+                 "dsa: candidate_end exceeds the tokens indexed for a request (index keys and KV "
+                 "disagree in length); call construct/update_representations for every token"),
+            ])
         # Without the check (no host sync), unindexed positions still score -inf, so a short
         # index can shrink a selection but never select stale keys.
         scores = self.score(queries, w, layer_id, req_pool_indices, torch.minimum(seq_lens, indexed))
@@ -227,9 +284,11 @@ class DSAAlgorithm(BaseSparseAlgorithm):
 
     def on_request_end(self, req_pool_index: int) -> None:
         """Forget how many tokens of the slot were indexed (the slot's keys are rewritten)."""
+        if self._indexed and not (isinstance(req_pool_index, int) and 0 <= req_pool_index < self.max_num_reqs):
+            raise ValueError(f"req_pool_index={req_pool_index!r} is invalid: an int in [0, max_num_reqs={self.max_num_reqs})")
         for idx in self._indexed.values():
             idx[req_pool_index] = 0
 
     def representation_bytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in self._keys.values())
-        return n + sum(t.numel() * t.element_size() for t in self._scales.values() if t is not None)
+        n = sum(t.numel() * t.element_size() for t in self._keys_flat.values())
+        return n + sum(t.numel() * t.element_size() for t in self._scales_flat.values() if t is not None)

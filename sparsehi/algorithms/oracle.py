@@ -12,6 +12,10 @@ over its tokens (a partial last page over its written tokens only). Token mode
 The oracle needs every key, so its "representation" is its own copy of the keys per
 ``(req_pool_index, position)`` on the device — as large as the key cache itself. It is a
 measuring instrument, not something to serve with.
+
+Padding rows (``req_pool_index < 0``) are ignored on write (one dump entry past the pool
+takes them) and select nothing. Value checks read back to the host: they run with
+``sparse_extra_config["validate"]`` (default True), never during CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.topk import masked_topk, selection_kwargs
+from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
+                                   live_rows, masked_topk, raise_if_any, selection_kwargs)
 
 HEAD_REDUCE = ("max", "sum")
 
@@ -80,9 +85,14 @@ class OracleAlgorithm(BaseSparseAlgorithm):
         super().__init__(config, device, **kwargs)
         self.head_reduce = head_reduce_of(config)
         self.page_size = config.page_size
+        self.validate = bool(config.sparse_extra_config.get("validate", True))
+        # flat [R * T + 1, Hkv, D] (last entry: padding rows' writes) and its [R, T, Hkv, D] view
+        self._keys_flat: dict[int, torch.Tensor] = {}
         self._keys: dict[int, torch.Tensor] = {}
         self.max_num_reqs = 0
         self.max_context_len = 0
+        self.kv_heads = 0
+        self.head_dim = 0
 
     def initialize_representation_pool(
         self,
@@ -96,7 +106,8 @@ class OracleAlgorithm(BaseSparseAlgorithm):
         dtype: torch.dtype,
         **kwargs: Any,
     ) -> None:
-        """Keys ``[max_num_reqs, max_context_len, kv_heads, head_dim]`` per sparse layer."""
+        """Keys ``[max_num_reqs, max_context_len, kv_heads, head_dim]`` per sparse layer (+ one
+        dump entry for padding rows' writes)."""
         for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len),
                         ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or v <= 0:
@@ -104,11 +115,14 @@ class OracleAlgorithm(BaseSparseAlgorithm):
         if not (0 <= start_layer < end_layer):
             raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
         self.max_num_reqs, self.max_context_len = max_num_reqs, max_context_len
-        self._keys = {
-            layer: torch.zeros(max_num_reqs, max_context_len, kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self._keys_flat = {
+            layer: torch.zeros(max_num_reqs * max_context_len + 1, kv_heads, head_dim, dtype=dtype, device=self.device)
             for layer in range(start_layer, end_layer)
             if self.is_sparse_layer(layer)
         }
+        self._keys = {layer: t[:-1].view(max_num_reqs, max_context_len, kv_heads, head_dim)
+                      for layer, t in self._keys_flat.items()}
 
     def _layer(self, layer_id: int) -> Optional[torch.Tensor]:
         if layer_id in self._keys:
@@ -132,9 +146,14 @@ class OracleAlgorithm(BaseSparseAlgorithm):
         b, max_len = token_slots.shape
         if max_len > self.max_context_len:
             raise ValueError(f"token_slots has {max_len} positions > max_context_len={self.max_context_len}")
+        check_batch_rows(req_pool_indices)
+        req = req_pool_indices.to(token_slots.device).long()
+        if host_checks_enabled(self.validate):
+            raise_if_any([(req >= self.max_num_reqs,
+                           f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         pos = torch.arange(max_len, device=token_slots.device)[None, :]
-        valid = pos < seq_lens.to(token_slots.device).long()[:, None]
-        rows = req_pool_indices.to(token_slots.device).long()[:, None].expand(b, max_len)[valid]
+        valid = (pos < seq_lens.to(token_slots.device).long()[:, None]) & live_rows(req, self.max_num_reqs)[:, None]
+        rows = req[:, None].expand(b, max_len)[valid]
         cols = pos.expand(b, max_len)[valid]
         slots = token_slots[valid].long()
         pool[rows.to(pool.device), cols.to(pool.device)] = key_buffer[slots.to(key_buffer.device)].to(pool.device, pool.dtype)
@@ -150,23 +169,44 @@ class OracleAlgorithm(BaseSparseAlgorithm):
         pool = self._layer(layer_id)
         if pool is None:
             return
+        flat = self._keys_flat[layer_id]
+        b = check_batch_rows(req_pool_indices)
+        check_int_vector("positions", positions, b)
+        check_float_tensor("new_keys", new_keys, (b, self.kv_heads, self.head_dim), "[B, Hkv, D]")
         pos = positions.long().to(pool.device)
-        if bool(((pos < 0) | (pos >= self.max_context_len)).any()):
-            raise ValueError(f"positions must lie in [0, max_context_len={self.max_context_len})")
-        pool[req_pool_indices.long().to(pool.device), pos] = new_keys.to(pool.device, pool.dtype)
+        req = req_pool_indices.long().to(pool.device)
+        live = live_rows(req, self.max_num_reqs)
+        if host_checks_enabled(self.validate):
+            raise_if_any([
+                (req >= self.max_num_reqs,
+                 f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
+                (live & ((pos < 0) | (pos >= self.max_context_len)),
+                 f"positions must lie in [0, max_context_len={self.max_context_len})"),
+            ])
+        ok = live & (pos >= 0) & (pos < self.max_context_len)
+        idx = torch.where(ok, req * self.max_context_len + pos, torch.full_like(req, flat.shape[0] - 1))
+        flat[idx] = new_keys.to(pool.device, pool.dtype)
 
     def score(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """``[B, N] float32`` exact score of every logical id (pages or tokens)."""
         pool = self._layer(layer_id)
         if pool is None:
             raise ValueError(f"layer_id={layer_id} is dense for this algorithm: retrieve_topk is not defined there")
-        t = max(1, int(seq_lens.max()))  # an oracle may sync with the host
-        keys = pool[req_pool_indices.long().to(pool.device), :t]
+        if host_checks_enabled(True):
+            # eager: score only up to the longest row (an oracle may sync with the host)
+            t = min(max(1, int(seq_lens.max())), self.max_context_len)
+        else:
+            t = self.max_context_len  # capturing a CUDA graph: a fixed shape, no read-back
+        req = req_pool_indices.long().to(pool.device)
+        live = live_rows(req, self.max_num_reqs)
+        keys = pool[torch.where(live, req, torch.zeros_like(req)), :t]
         s = exact_token_scores(queries.to(pool.device), keys, self.head_reduce)
+        # padding rows score nothing
+        n = torch.where(live, seq_lens.to(s.device).long(), torch.zeros_like(req))
         if self.mode is SparseMode.TOKEN_WISE:
             pos = torch.arange(t, device=s.device)[None, :]
-            return torch.where(pos < seq_lens.to(s.device).long()[:, None], s, torch.full_like(s, float("-inf")))
-        return page_max_scores(s, seq_lens, self.page_size)
+            return torch.where(pos < n[:, None], s, torch.full_like(s, float("-inf")))
+        return page_max_scores(s, n, self.page_size)
 
     def retrieve_topk(
         self,
@@ -176,10 +216,17 @@ class OracleAlgorithm(BaseSparseAlgorithm):
         sparse_mask: torch.Tensor,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b = queries.shape[0]
+        b = check_batch_rows(req_pool_indices, sparse_mask)
+        if (not isinstance(queries, torch.Tensor) or queries.dim() != 3 or queries.shape[0] != b
+                or not queries.is_floating_point()):
+            got = (tuple(queries.shape), queries.dtype) if isinstance(queries, torch.Tensor) else type(queries).__name__
+            raise ValueError(f"queries must be a floating [B={b}, Hq, D] tensor, got {got}")
         seq_lens, cs, ce, top_k = selection_kwargs(kwargs, b, self.device)
+        if host_checks_enabled(self.validate):
+            raise_if_any([(req_pool_indices >= self.max_num_reqs,
+                           f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         scores = self.score(queries, layer_id, req_pool_indices, seq_lens)
         return masked_topk(scores, top_k, cs, ce, sparse_mask)
 
     def representation_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._keys.values())
+        return sum(t.numel() * t.element_size() for t in self._keys_flat.values())

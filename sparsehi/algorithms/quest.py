@@ -13,6 +13,13 @@ score with the same reduction (``Σ_h max_t ≥ max_t Σ_h``), which the propert
 checks. Sum is the default: at 32k context and a 2048-token budget it keeps 0.99 of the
 best top-k head-averaged attention mass vs 0.94 for max (benchmarks/results/fidelity.json). Top-k: torch sort on
 the masked scores (:func:`sparsehi.kernels.topk.masked_topk`).
+
+Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are
+ignored: ``update_representations`` sends their writes to one dump entry past the pool
+(never read), ``retrieve_topk`` returns ``valid_lengths == 0`` for them. Value checks
+(positions and request slots in range) read back to the host, so they run only with
+``sparse_extra_config["validate"]`` (default True) and never during CUDA-graph capture;
+shape / dtype checks always run.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.quest_score import quest_score
-from sparsehi.kernels.topk import masked_topk, selection_kwargs
+from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
+                                   live_rows, masked_topk, raise_if_any, selection_kwargs)
 
 
 @register_algorithm("quest")
@@ -42,12 +50,18 @@ class QuestAlgorithm(BaseSparseAlgorithm):
                              "(Quest bounds pages; token-wise selection is what dsa/oracle do)")
         self.page_size = ps
         self.head_reduce = head_reduce_of(config)
-        # position checks sync with the host; sparse_extra_config["validate"]=False drops them
+        # value checks read back to the host: skipped when False and during CUDA-graph capture
         self.validate = bool(config.sparse_extra_config.get("validate", True))
+        # flat [R * P + 1, Hkv, D] storage (the last entry absorbs padding rows' writes) and
+        # its [R, P, Hkv, D] view without that entry
+        self._kmin_flat: dict[int, torch.Tensor] = {}
+        self._kmax_flat: dict[int, torch.Tensor] = {}
         self._kmin: dict[int, torch.Tensor] = {}
         self._kmax: dict[int, torch.Tensor] = {}
         self.max_num_reqs = 0
         self.max_pages = 0
+        self.kv_heads = 0
+        self.head_dim = 0
 
     # ------------------------------------------------------------------ memory
     def initialize_representation_pool(
@@ -63,7 +77,8 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         **kwargs: Any,
     ) -> None:
         """Reserve min/max ``[max_num_reqs, ceil(max_context_len / page_size), kv_heads,
-        head_dim]`` (``dtype``) for every sparse layer in ``[start_layer, end_layer)``."""
+        head_dim]`` (``dtype``) for every sparse layer in ``[start_layer, end_layer)``, plus
+        one ``[kv_heads, head_dim]`` dump entry each for padding rows' writes."""
         for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len),
                         ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or v <= 0:
@@ -72,12 +87,15 @@ class QuestAlgorithm(BaseSparseAlgorithm):
             raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
         self.max_num_reqs = max_num_reqs
         self.max_pages = -(-max_context_len // self.page_size)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        flat_shape = (max_num_reqs * self.max_pages + 1, kv_heads, head_dim)
         shape = (max_num_reqs, self.max_pages, kv_heads, head_dim)
-        self._kmin, self._kmax = {}, {}
+        self._kmin_flat, self._kmax_flat, self._kmin, self._kmax = {}, {}, {}, {}
         for layer in range(start_layer, end_layer):
             if self.is_sparse_layer(layer):
-                self._kmin[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
-                self._kmax[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
+                for flat, view in ((self._kmin_flat, self._kmin), (self._kmax_flat, self._kmax)):
+                    flat[layer] = torch.zeros(flat_shape, dtype=dtype, device=self.device)
+                    view[layer] = flat[layer][:-1].view(shape)
 
     def _pools(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         if layer_id in self._kmin:
@@ -114,12 +132,13 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         req = req_pool_indices.to(dev).long()
         # One request at a time bounds the temporary to one row's keys.
         for i in range(b):
-            n = int(seq[i])
-            if n <= 0:
+            n, r = int(seq[i]), int(req[i])
+            if n <= 0 or r < 0:  # empty or padding row
                 continue
+            if r >= self.max_num_reqs:
+                raise ValueError(f"req_pool_indices[{i}]={r} is invalid: < max_num_reqs={self.max_num_reqs} (negative: padding)")
             k = key_buffer[token_slots[i, :n].to(key_buffer.device).long()].to(dev)
             full = n // ps
-            r = int(req[i])
             if full:
                 kp = k[: full * ps].view(full, ps, *k.shape[1:])
                 kmin[r, :full] = kp.amin(dim=1).to(kmin.dtype)
@@ -139,22 +158,35 @@ class QuestAlgorithm(BaseSparseAlgorithm):
     ) -> None:
         """Fold ``new_keys [B, Hkv, D]`` at ``positions [B]`` into their pages' running
         min/max; the first token of a page resets it (the slot may hold an old request's
-        bounds)."""
+        bounds). Rows with ``req_pool_indices < 0`` are padding and change nothing."""
         pools = self._pools(layer_id)
         if pools is None:
             return
-        kmin, kmax = pools
-        dev = kmin.device
+        kmin_flat, kmax_flat = self._kmin_flat[layer_id], self._kmax_flat[layer_id]
+        b = check_batch_rows(req_pool_indices)
+        check_int_vector("positions", positions, b)
+        check_float_tensor("new_keys", new_keys, (b, self.kv_heads, self.head_dim), "[B, Hkv, D]")
+        dev = kmin_flat.device
         pos = positions.to(dev).long()
-        if self.validate and bool(((pos < 0) | (pos >= self.max_pages * self.page_size)).any()):
-            raise ValueError(f"positions must lie in [0, max_context_len={self.max_pages * self.page_size})")
         req = req_pool_indices.to(dev).long()
-        page = pos // self.page_size
+        limit = self.max_pages * self.page_size
+        live = live_rows(req, self.max_num_reqs)
+        if host_checks_enabled(self.validate):
+            raise_if_any([
+                (req >= self.max_num_reqs,
+                 f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
+                (live & ((pos < 0) | (pos >= limit)), f"positions must lie in [0, max_context_len={limit})"),
+            ])
+        ok = live & (pos >= 0) & (pos < limit)
+        # Padding (and unchecked out-of-range) rows all write the dump entry past the pool;
+        # no real entry is touched, no host sync is needed to leave them out.
+        flat = torch.where(ok, req * self.max_pages + pos // self.page_size,
+                           torch.full_like(req, kmin_flat.shape[0] - 1))
         first = (pos % self.page_size == 0)[:, None, None]
-        k = new_keys.to(dev, kmin.dtype)
-        old_min, old_max = kmin[req, page], kmax[req, page]
-        kmin[req, page] = torch.where(first, k, torch.minimum(old_min, k))
-        kmax[req, page] = torch.where(first, k, torch.maximum(old_max, k))
+        k = new_keys.to(dev, kmin_flat.dtype)
+        old_min, old_max = kmin_flat[flat], kmax_flat[flat]
+        kmin_flat[flat] = torch.where(first, k, torch.minimum(old_min, k))
+        kmax_flat[flat] = torch.where(first, k, torch.maximum(old_max, k))
 
     # ------------------------------------------------------------------ select
     def score(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
@@ -164,8 +196,12 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         if pools is None:
             raise ValueError(f"layer_id={layer_id} is dense for quest (dense_layers={self.dense_layers()}): no retrieve_topk there")
         kmin, kmax = pools
-        num_pages = (seq_lens.to(kmin.device).long() + self.page_size - 1) // self.page_size
-        return quest_score(queries.to(kmin.device), kmin, kmax, req_pool_indices.to(kmin.device), num_pages, self.head_reduce)
+        dev = kmin.device
+        num_pages = (seq_lens.to(dev).long() + self.page_size - 1) // self.page_size
+        req = req_pool_indices.to(dev).long()
+        # padding / out-of-range rows -> -1: the kernel scores them -inf (nothing selected)
+        req = torch.where(live_rows(req, self.max_num_reqs), req, torch.full_like(req, -1))
+        return quest_score(queries.to(dev), kmin, kmax, req, num_pages, self.head_reduce)
 
     def retrieve_topk(
         self,
@@ -176,8 +212,22 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top ``top_k`` pages by the Quest bound among ``[candidate_start, candidate_end)``.
-        queries ``[B, Hq, D]`` (post-RoPE, as the keys in the cache)."""
-        seq_lens, cs, ce, top_k = selection_kwargs(kwargs, queries.shape[0], self.device)
+        queries ``[B, Hq, D]`` (post-RoPE, as the keys in the cache). Padding rows
+        (``req_pool_indices < 0``) return ``valid_lengths == 0``."""
+        b = check_batch_rows(req_pool_indices, sparse_mask)
+        if self._pools(layer_id) is None:
+            raise ValueError(f"layer_id={layer_id} is dense for quest (dense_layers={self.dense_layers()}): no retrieve_topk there")
+        if (not isinstance(queries, torch.Tensor) or queries.dim() != 3 or queries.shape[0] != b
+                or queries.shape[2] != self.head_dim or queries.shape[1] % self.kv_heads):
+            got = tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries).__name__
+            raise ValueError(f"queries must be [B={b}, Hq, D={self.head_dim}] with Hq a multiple of "
+                             f"Hkv={self.kv_heads}, got {got}")
+        if not queries.is_floating_point():
+            raise ValueError(f"queries must be a floating tensor, got {queries.dtype}")
+        seq_lens, cs, ce, top_k = selection_kwargs(kwargs, b, self.device)
+        if host_checks_enabled(self.validate):
+            raise_if_any([(req_pool_indices >= self.max_num_reqs,
+                           f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         scores = self.score(queries, layer_id, req_pool_indices, seq_lens)
         return masked_topk(scores, top_k, cs, ce, sparse_mask)
 
@@ -185,4 +235,4 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         """Nothing to clear: a page's bounds are reset when its first token is written."""
 
     def representation_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self._kmin, self._kmax) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self._kmin_flat, self._kmax_flat) for t in d.values())

@@ -11,7 +11,10 @@ pages, fewer candidates than ``top_k``, an empty candidate range, a ``sparse_mas
 row, request slots that are not the batch order), every ``retrieve_topk`` result against
 :func:`~sparsehi.algorithms.base.check_selection` (int32, ``[B, <= top_k]``, ``-1``
 padding after the valid ids, ids inside ``[candidate_start, candidate_end)``, no
-duplicates), determinism (same inputs → same output), and recall against the oracle on
+duplicates), determinism (same inputs → same output), padding rows (an
+``update_representations`` call whose rows all have ``req_pool_index == -1``, as the unused
+rows of a CUDA-graph batch do, must not change any live row's selection; the last request
+slot is in use so a ``-1`` that wraps around to it is caught), and recall against the oracle on
 planted-needle inputs: the fraction of planted needles selected, and the share of the
 best-possible top-k attention mass the selection captures.
 
@@ -263,9 +266,10 @@ def check_algorithm(
     lens = [max(1, n) for n in lens]
     sparse_mask = torch.tensor([True, True, True, True, False], device=dev)
     b = len(lens)
-    req = torch.tensor([3, 0, 5, 1, 4], dtype=torch.int64, device=dev)
-    max_ctx = context_len + decode_steps + ps
     max_reqs = 6
+    # the long row sits in the last slot: a padding row's -1 that wraps around lands there
+    req = torch.tensor([max_reqs - 1, 0, 3, 1, 4], dtype=torch.int64, device=dev)
+    max_ctx = context_len + decode_steps + ps
 
     alg.initialize_representation_pool(0, num_layers, max_reqs, max_ctx, kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
     report = AlgorithmReport(algorithm=name, mode=alg.mode.value, page_size=ps, top_k_units=k_units)
@@ -371,6 +375,25 @@ def check_algorithm(
                         "(update_representations disagrees with construct_representations)")
     report.deterministic = True
     report_checks.append("determinism")
+
+    # padding rows: strong needle keys written with req_pool_index -1 at the first position
+    # of candidate units of row 0 must change no selection
+    cs0, ce0 = (int(x[0]) for x in candidates(cur))
+    if ce0 > cs0:
+        units = cs0 + (torch.arange(b, device=dev) * (ce0 - cs0)) // b
+        pad_pos = units * ps
+        pad_req = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        for layer in sparse_layers:
+            pad = torch.zeros(b, kv_heads, head_dim, device=dev)
+            plant_needles(pad, q_layers[layer][0], torch.arange(b, device=dev), strength=20.0)
+            alg.update_representations(layer, pad_req, pad_pos, pad, **inputs.decode_kwargs(layer, pad))
+        for layer in sparse_layers:
+            s1, v1, _, _ = retrieve(alg, layer, cur)
+            s0, v0, _, _ = last[layer]
+            if not (torch.equal(torch.sort(s0, dim=1).values, torch.sort(s1, dim=1).values) and torch.equal(v0, v1)):
+                _fail(name, f"layer {layer}: update_representations with padding rows (req_pool_indices == -1) "
+                            "changed a live request's selection: padding rows must write nothing")
+    report_checks.append("padding rows")
 
     # recall vs the oracle on the planted needles (last step)
     for layer in sparse_layers:

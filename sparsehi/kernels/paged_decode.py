@@ -100,7 +100,7 @@ def _decode_stage1(
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    tokens_per_split, num_slots,
+    tokens_per_split, num_slots, row_units, table_len,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -133,8 +133,11 @@ def _decode_stage1(
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_row = offs_n < end
-        page = tl.load(Table + row + offs_n // PAGE_SIZE, mask=in_row, other=0).to(tl.int64)
+        # a length past the row's table width (paged) or past the end of the table (ragged)
+        # must not read the next row's / foreign entries: those tokens are not attended
+        entry = row + offs_n // PAGE_SIZE
+        in_row = (offs_n < end) & (offs_n // PAGE_SIZE < row_units) & (entry >= 0) & (entry < table_len)
+        page = tl.load(Table + entry, mask=in_row, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
         # negative (padding) or out-of-pool ids are masked, never dereferenced
         n_mask = in_row & (page >= 0) & (slot < num_slots)
@@ -260,6 +263,7 @@ def _check_table(page_table: torch.Tensor, cache_seqlens: torch.Tensor, B: int, 
 def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                       table: torch.Tensor, row_start: torch.Tensor, seqlens: torch.Tensor,
                       *, page_size: int, max_tokens: int, sm_scale: float,
+                      row_units: Optional[int] = None, table_len: Optional[int] = None,
                       config: Optional[DecodeLaunchConfig] = None) -> torch.Tensor:
     """Triton launch shared by the paged and ragged forms (inputs already validated).
 
@@ -268,6 +272,9 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
     row_start: ``[B]`` int offsets into ``table``.
     seqlens:   ``[B]`` tokens attended per row (0 allowed: output zeros).
     max_tokens: static upper bound of ``seqlens`` (sets the split count, never read back).
+    row_units: entries of ``table`` one row may read (paged: ``max_pages``; None: no
+               limit); tokens past them, or past ``table_len`` (default ``table.numel()``,
+               the entries from ``table``'s first element), are masked whatever ``seqlens`` says.
     Returns ``[B, Hq, Dv]`` in q's dtype.
     """
     B, Hq, D = q.shape
@@ -303,6 +310,8 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
         part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0, part.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         tps, k_buffer.shape[0],
+        2**31 - 1 if row_units is None else int(row_units),
+        table.numel() if table_len is None else int(table_len),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, V_DIM=Dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         SPLIT=splits > 1, DOT_F32=dot_in_fp32(q),
@@ -333,8 +342,8 @@ def paged_decode_triton(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
     page_table:    ``[B, max_pages]`` int32 physical pages in logical order; entries past
                    a row's length are never read (pad with 0, hicache's padding page, or
                    -1). Negative or out-of-pool pages inside a row are masked out.
-    cache_seqlens: ``[B]`` int32 tokens per row, ``<= max_pages * page_size`` (caller's
-                   contract, not checked: that would need a host sync).
+    cache_seqlens: ``[B]`` int32 tokens per row; tokens past ``max_pages * page_size`` are
+                   not attended (masked in the kernel, no host sync), as in the reference.
     Returns ``[B, Hq, Dv]`` in q's dtype; rows of length 0 are zeros.
     """
     B, *_ = check_decode_inputs(q, k_buffer, v_buffer, page_size)
@@ -342,9 +351,11 @@ def paged_decode_triton(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
     row_start = torch.arange(B, device=q.device, dtype=torch.int64) * page_table.stride(0)
+    # entries reachable from the table's first element (rows may be a strided view)
+    extent = (B - 1) * page_table.stride(0) + page_table.shape[1] if B > 0 else 0
     return decode_over_table(q, k_buffer, v_buffer, page_table, row_start, cache_seqlens,
                              page_size=page_size, max_tokens=page_table.shape[1] * page_size,
-                             sm_scale=sm_scale, config=config)
+                             sm_scale=sm_scale, row_units=page_table.shape[1], table_len=extent, config=config)
 
 
 def gathered_decode_reference(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,

@@ -44,13 +44,17 @@ def ragged_decode_triton(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     q ``[B, Hq, D]``; k_buffer ``[num_slots, Hkv, D]``; v_buffer ``[num_slots, Hkv, Dv]``;
     kv_indptr ``[B+1]`` int32 row bounds into kv_indices ``[nnz]`` int32 token slots;
     max_kv_len: static bound of ``kv_indptr[b+1] - kv_indptr[b]`` (sets the split count;
-    rows longer than it are cut). Returns ``[B, Hq, Dv]``; empty rows are zeros.
+    rows longer than it are cut; entries past the end of ``kv_indices`` are never read nor
+    attended). Returns ``[B, Hq, Dv]``; empty rows are zeros.
     """
     B, *_ = check_decode_inputs(q, k_buffer, v_buffer, 1)
     _check_ragged(kv_indptr, kv_indices, B, max_kv_len, q.device)
     lens = (kv_indptr[1:] - kv_indptr[:-1]).clamp(0, max_kv_len).to(torch.int32)
+    if kv_indices.stride(0) != 1:  # the kernel indexes the table as a flat array
+        kv_indices = kv_indices.contiguous()
     return decode_over_table(q, k_buffer, v_buffer, kv_indices, kv_indptr[:-1], lens,
-                             page_size=1, max_tokens=max_kv_len, sm_scale=sm_scale, config=config)
+                             page_size=1, max_tokens=max_kv_len, sm_scale=sm_scale,
+                             table_len=kv_indices.numel(), config=config)
 
 
 def ragged_decode_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -62,7 +66,8 @@ def ragged_decode_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     t = torch.arange(max_kv_len, device=q.device)
     start = kv_indptr[:-1].long()[:, None]
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long().clamp(0, max_kv_len)
-    mask = t[None, :] < lens[:, None]
+    # entries past the end of kv_indices are not attended (as in the kernel)
+    mask = (t[None, :] < lens[:, None]) & (start + t[None, :] >= 0) & (start + t[None, :] < kv_indices.numel())
     pos = torch.where(mask, start + t[None, :], torch.zeros_like(start))
     if kv_indices.numel() == 0:
         slots = torch.zeros_like(pos)
