@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from sparsehi.kernels.sparse_mla_decode import (
     MlaLaunchConfig,
+    MlaTwoPassConfig,
     sparse_mla_decode,
     sparse_mla_decode_reference,
     sparse_mla_decode_triton,
@@ -41,14 +42,26 @@ def _tol(dtype):
     return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=3e-3, rtol=3e-3)
 
 
+def _two_pass_cfg(splits, block_dv=16, block_n=16):
+    return MlaTwoPassConfig(score_block_h=16, score_block_n=block_n, score_block_k=16, score_warps=4, score_stages=1,
+                            pv_block_h=16, pv_block_n=16, pv_block_dv=block_dv, pv_warps=4, pv_stages=1,
+                            num_splits=splits)
+
+
+FUSED = [MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=None),
+         MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=3, row_load=True),
+         MlaLaunchConfig(block_h=32, block_n=16, num_warps=4, num_stages=1, num_splits=1)]
+# value blocks of 16 (two per head block) and 32 (one), split and unsplit, score tiles of 16 and 32 tokens
+TWO_PASS = [_two_pass_cfg(2), _two_pass_cfg(1, block_dv=32, block_n=32), _two_pass_cfg(None, block_n=32)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("splits,block_h,row_load", [(None, 16, False), (3, 16, True), (1, 32, False)])
-def test_triton_matches_reference_and_sdpa(dtype, splits, block_h, row_load):
+@pytest.mark.parametrize("cfg", FUSED + TWO_PASS)
+def test_triton_matches_reference_and_sdpa(dtype, cfg):
     Dl, Dr = 32, 16
     q, kv, idx = _case(3, 20, Dl, Dr, 40, 96, dtype)
     idx[0] = -1                     # empty row
     idx[1, ::3] = -1                # padding scattered through the row
-    cfg = MlaLaunchConfig(block_h=block_h, block_n=16, num_warps=4, num_stages=1, num_splits=splits, row_load=row_load)
     out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
     ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2)
     sdpa = _sdpa(q, kv, idx, Dl, 0.2)
@@ -58,10 +71,11 @@ def test_triton_matches_reference_and_sdpa(dtype, splits, block_h, row_load):
     assert torch.all(out[0] == 0)
 
 
-def test_order_and_location_invariance():
+@pytest.mark.parametrize("cfg", [MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=2),
+                                 _two_pass_cfg(2)])
+def test_order_and_location_invariance(cfg):
     Dl, Dr = 32, 16
     q, kv, idx = _case(2, 16, Dl, Dr, 24, 64, torch.float16, seed=4)
-    cfg = MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=2)
     out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
     # permute where rows live and the order of the index list: attention is a set function
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -72,12 +86,13 @@ def test_order_and_location_invariance():
     torch.testing.assert_close(out2.float(), out.float(), atol=2e-3, rtol=2e-3)
 
 
-def test_out_of_pool_indices_are_masked():
+@pytest.mark.parametrize("cfg", [MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1),
+                                 _two_pass_cfg(None)])
+def test_out_of_pool_indices_are_masked(cfg):
     Dl, Dr = 32, 16
     q, kv, idx = _case(1, 16, Dl, Dr, 16, 32, torch.float16, seed=2)
     bad = idx.clone()
     bad[0, 3] = 10_000
-    cfg = MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     out = sparse_mla_decode_triton(q, kv, bad, kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
     minus = idx.clone()
     minus[0, 3] = -1
@@ -114,9 +129,44 @@ def test_gpu_deepseek_shape(dtype):
     ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=192 ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
     for cfg in (MlaLaunchConfig(block_h=16, num_warps=4, num_splits=1), MlaLaunchConfig(block_h=32, num_warps=4),
-                MlaLaunchConfig(block_h=64, num_warps=8, num_splits=5, row_load=True)):
+                MlaLaunchConfig(block_h=64, num_warps=8, num_splits=5, row_load=True),
+                MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
+                MlaTwoPassConfig(), MlaTwoPassConfig(num_splits=3, pv_block_h=128, pv_block_dv=256, pv_stages=3)):
         out2 = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
         torch.testing.assert_close(out2.float(), ref.float(), **_tol(dtype))
+
+
+def test_two_pass_non_power_of_two_latent_and_empty_index_list():
+    # latent 48 padded to 64: four value blocks of 16, the last fully masked; K=0 gives zeros
+    Dl, Dr = 48, 16
+    q, kv, idx = _case(2, 16, Dl, Dr, 37, 64, torch.float16, seed=3)
+    cfg = _two_pass_cfg(2)
+    out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
+    ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-3, rtol=3e-3)
+    empty = sparse_mla_decode_triton(q, kv, idx[:, :0], kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
+    assert empty.shape == (2, 16, Dl) and torch.all(empty == 0)
+
+
+def test_bad_config_type_raises():
+    q, kv, idx = _case(1, 16, 32, 16, 8, 32, torch.float16)
+    with pytest.raises(ValueError, match="config"):
+        sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=32, sm_scale=0.1, config={"block_h": 16})
+
+
+def test_default_config_stages_follow_loop_length(monkeypatch):
+    import sparsehi.kernels.sparse_mla_decode as mla
+
+    monkeypatch.setattr(mla, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    # B=64: one split of 512+ tokens per program -> 3 stages; B=16, K=512: 4 splits of 128 -> 2
+    assert mla.default_mla_config(gpu, 128, 64, 2048).num_stages == 3
+    assert mla.default_mla_config(gpu, 128, 64, 512).num_stages == 3
+    assert mla.default_mla_config(gpu, 128, 16, 512).num_stages == 2
+    assert mla.default_mla_config(gpu, 128, 16, 2048).num_stages == 3
+    assert mla.default_mla_config(gpu, 128, 64).num_stages == 3
+    small = mla.default_mla_config(gpu, 128, 1, 2048)
+    assert (small.block_h, small.row_load) == (16, True)
 
 
 def test_split_heuristic_one_wave():

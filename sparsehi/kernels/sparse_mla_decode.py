@@ -6,13 +6,24 @@ MLA with the absorbed query: every head attends to the same latent KV rows
 ``kv[:, :kv_lora_rank]``. Each row attends to the slots ``indices[b]`` (``-1`` padding,
 anywhere in the row; out-of-pool slots are masked too, never read).
 
-Kernel shape (Triton): one program per (head block, request, split); the head block is
-the fastest grid axis so the programs reading the same KV rows run side by side and the
-repeat reads hit L2. Scores are two ``tl.dot`` (latent and rope parts), the value product
-reuses the latent tile already in registers (``tl.trans``), so each KV row is loaded once
-per head block. Split-K over the index list with a log-sum-exp merge (the merge kernel of
-``paged_decode``). At 128 heads the arithmetic intensity (~240 flop/byte) is near the
-H100/H200 ridge point, so this kernel may be compute-bound: the benchmark reports TFLOP/s.
+Fused kernel (default, :class:`MlaLaunchConfig`): one program per (head block, request,
+split); the head block is the fastest grid axis so the programs reading the same KV rows
+run side by side and the repeat reads hit L2. Scores are two ``tl.dot`` (latent and rope
+parts), the value product reuses the latent tile already in shared memory (``tl.trans``),
+so each KV row is loaded once per head block. Split-K over the index list with a
+log-sum-exp merge (the merge kernel of ``paged_decode``).
+
+Two-pass path (opt-in, :class:`MlaTwoPassConfig`): a score GEMM per request writes fp32
+scores ``[B, H, K]`` and per-block row maxima to a scratch buffer, then a value pass does
+``softmax(S) @ V`` with no rescaling in its loop. Same results; on the H200 it is within
+±10 % of the fused kernel (faster at B=16 and B=64/K=512, slower at B=1) and costs
+``B*H*K*4`` bytes of scratch, so it is not the default.
+
+At 128 heads the arithmetic intensity (~240 flop/byte) is at the H100/H200 ridge point;
+the fused kernel reaches ~210 TFLOP/s at B=64, K=2048 and is bound by its on-chip pipeline
+(duplicated score MMA across the two warpgroups, q re-read from shared memory, gathered
+loads overlapped only with the value MMA), not by HBM: see ``summary`` in
+benchmarks/results/attention.json.
 """
 from __future__ import annotations
 
@@ -41,17 +52,47 @@ class MlaLaunchConfig:
     ``[D, N]`` columns (value dot on the transposed view)."""
 
 
-def default_mla_config(device: torch.device, num_heads: int, batch: int = 1) -> MlaLaunchConfig:
+@dataclass(frozen=True)
+class MlaTwoPassConfig:
+    """Block sizes of the two-pass path: pass 1 is a score GEMM ``q [H, D] x kv[idx]^T``
+    per request (``score_*``, written to an fp32 scratch ``[B, H, K]`` with per-block row
+    maxima), pass 2 the value product over the stored scores (``pv_*``, split-K merged
+    like the fused kernel). ``num_splits`` None = heuristic."""
+
+    score_block_h: int = 128
+    score_block_n: int = 128
+    score_block_k: int = 64
+    score_warps: int = 8
+    score_stages: int = 3
+    pv_block_h: int = 64
+    pv_block_n: int = 64
+    pv_block_dv: int = 512
+    pv_warps: int = 8
+    pv_stages: int = 2
+    num_splits: Optional[int] = None
+
+
+def default_mla_config(device: torch.device, num_heads: int, batch: int = 1,
+                       num_idx: Optional[int] = None) -> MlaLaunchConfig:
     """Block sizes from the H200 sweeps in benchmarks/results/attention.json (``sweep_history``).
 
     Many rows (``batch * heads / 64 >= 8``): 64-head blocks, 64-token tiles, 8 warps —
-    the KV tile is read once per 64 heads and the dots are large. Few rows: 16-head
-    blocks (4x the programs) with row-layout loads, which won at B=1.
+    the KV tile is read once per 64 heads and the dots are large. 3 pipeline stages when
+    each program walks >= 8 tiles (``num_idx`` after the split heuristic; None = assume
+    long): the index tile is then fetched asynchronously too, where with 2 stages its
+    load sits on every iteration's critical path (-8 % time at B=64, K=2048); on short
+    loops the deeper prologue costs more than it hides (+6 % at B=16, K=512). Few rows:
+    16-head blocks (4x the programs) with row-layout loads, which won at B=1.
     """
     if device.type != "cuda":
         return MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
-    if batch * -(-num_heads // 64) >= 8:
-        return MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    head_blocks = -(-num_heads // 64)
+    if batch * head_blocks >= 8:
+        stages = 3
+        if num_idx is not None:
+            splits = mla_num_splits(batch * head_blocks, num_idx, 64, sm_count(device))
+            stages = 3 if -(-num_idx // splits) >= 8 * 64 else 2
+        return MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages)
     return MlaLaunchConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, row_load=True)
 
 
@@ -62,6 +103,45 @@ def mla_num_splits(work_items: int, num_idx: int, block_n: int, num_sms: int) ->
     want = max(1, num_sms // max(1, work_items))
     cap = max(1, -(-num_idx // max(block_n, 128)))
     return int(max(1, min(want, cap, _MAX_SPLITS)))
+
+
+@triton.jit
+def _load_rows(KV, idx, valid, stride_kvn, offs_d, d_mask, col0):
+    """[N, D] rows ``KV[idx, col0 + offs_d]`` (zeros where not valid)."""
+    base = tl.where(valid, idx, 0).to(tl.int64) * stride_kvn + col0
+    return tl.load(KV + base[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_cols(KV, idx, valid, stride_kvn, offs_d, d_mask, col0):
+    """[D, N] = rows transposed at load time."""
+    base = tl.where(valid, idx, 0).to(tl.int64) * stride_kvn + col0
+    return tl.load(KV + base[None, :] + offs_d[:, None], mask=valid[None, :] & d_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _valid(Idx, b, stride_ib, n0, end, num_slots, BLOCK_N: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    in_row = offs_n < end
+    idx = tl.load(Idx + b.to(tl.int64) * stride_ib + offs_n, mask=in_row, other=-1)
+    valid = in_row & (idx >= 0) & (idx < num_slots)
+    return idx, valid
+
+
+@triton.jit
+def _online_softmax_step(s, valid, m_i, l_i, acc, v_rows, qk_scale_log2):
+    """One flash-decoding step: scores ``s [H, N]`` (unscaled), value rows ``v_rows [N, DV]``."""
+    s = s * qk_scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a block of only padding leaves m at -inf; shift by 0 then (p = 0)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v_rows.dtype), v_rows, acc)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -93,47 +173,32 @@ def _mla_stage1(
     q_base = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_base + offs_dl[None, :], mask=h_mask[:, None] & dl_mask[None, :], other=0.0)
     q_pe = tl.load(q_base + D_LAT + offs_dr[None, :], mask=h_mask[:, None] & dr_mask[None, :], other=0.0)
+    if DOT_F32:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DL], dtype=tl.float32)
 
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_row = offs_n < end
-        idx = tl.load(Idx + b.to(tl.int64) * stride_ib + offs_n, mask=in_row, other=-1).to(tl.int64)
-        valid = in_row & (idx >= 0) & (idx < num_slots)
-        base = tl.where(valid, idx, 0) * stride_kvn
+        idx, valid = _valid(Idx, b, stride_ib, n0, end, num_slots, BLOCK_N)
         if ROW_LOAD:
             # rows as loaded [N, D]; the score dot takes the transposed view
-            kv_lat = tl.load(KV + base[:, None] + offs_dl[None, :], mask=valid[:, None] & dl_mask[None, :], other=0.0)
-            kv_pe = tl.load(KV + base[:, None] + D_LAT + offs_dr[None, :], mask=valid[:, None] & dr_mask[None, :], other=0.0)
+            kv_lat = _load_rows(KV, idx, valid, stride_kvn, offs_dl, dl_mask, 0)
             k_lat = tl.trans(kv_lat)
-            k_pe = tl.trans(kv_pe)
+            k_pe = tl.trans(_load_rows(KV, idx, valid, stride_kvn, offs_dr, dr_mask, D_LAT))
         else:
-            k_lat = tl.load(KV + base[None, :] + offs_dl[:, None], mask=valid[None, :] & dl_mask[:, None], other=0.0)
-            k_pe = tl.load(KV + base[None, :] + D_LAT + offs_dr[:, None], mask=valid[None, :] & dr_mask[:, None], other=0.0)
+            k_lat = _load_cols(KV, idx, valid, stride_kvn, offs_dl, dl_mask, 0)
             kv_lat = tl.trans(k_lat)
+            k_pe = _load_cols(KV, idx, valid, stride_kvn, offs_dr, dr_mask, D_LAT)
         if DOT_F32:
-            s = tl.dot(q_lat.to(tl.float32), k_lat.to(tl.float32))
-            s += tl.dot(q_pe.to(tl.float32), k_pe.to(tl.float32))
-        else:
-            s = tl.dot(q_lat, k_lat)
-            s += tl.dot(q_pe, k_pe)
-        s = s * qk_scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a block of only padding leaves m at -inf; shift by 0 then (p = 0)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pv = tl.dot(p, kv_lat.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(kv_lat.dtype), kv_lat)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            k_lat = k_lat.to(tl.float32)
+            kv_lat = kv_lat.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        s = tl.dot(q_lat, k_lat)
+        s = tl.dot(q_pe, k_pe, s)
+        m_i, l_i, acc = _online_softmax_step(s, valid, m_i, l_i, acc, kv_lat, qk_scale_log2)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -146,6 +211,106 @@ def _mla_stage1(
         tl.store(OutPartial + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
                  + split * stride_ps + offs_dl[None, :], out, mask=h_mask[:, None] & dl_mask[None, :])
         tl.store(LsePartial + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _mla_scores(
+    Q, KV, Idx, S, Mblk,
+    qk_scale_log2,
+    stride_qb, stride_qh, stride_kvn, stride_ib,
+    stride_sb, stride_sh, stride_mb, stride_mh,
+    num_heads, num_idx, num_slots,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Pass 1: ``S[b, h, n] = q[b, h] . kv[idx[b, n]] * scale * log2(e)`` (``-inf`` where the
+    index is invalid) for one [BLOCK_H, BLOCK_N] block, and that block's row maxima.
+    A plain GEMM loop over D: the gather addresses are fixed for the whole loop, so the
+    cp.async pipeline runs ahead with no index load on its critical path."""
+    nb = tl.program_id(0)
+    b = tl.program_id(1)
+    hb = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_mask = offs_h < num_heads
+    idx, valid = _valid(Idx, b, stride_ib, nb * BLOCK_N, num_idx, num_slots, BLOCK_N)
+    in_row = offs_n < num_idx
+    kv_base = tl.where(valid, idx, 0).to(tl.int64) * stride_kvn
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_k[None, :]
+    k_ptrs = KV + kv_base[None, :] + offs_k[:, None]
+    acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_mask = (k0 + offs_k) < D
+        a = tl.load(q_ptrs + k0, mask=h_mask[:, None] & k_mask[None, :], other=0.0)
+        kt = tl.load(k_ptrs + k0, mask=k_mask[:, None] & valid[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            kt = kt.to(tl.float32)
+        acc = tl.dot(a, kt, acc)
+    s = tl.where(valid[None, :], acc * qk_scale_log2, float("-inf"))
+    tl.store(S + b.to(tl.int64) * stride_sb + offs_h[:, None] * stride_sh + offs_n[None, :], s,
+             mask=h_mask[:, None] & in_row[None, :])
+    tl.store(Mblk + b.to(tl.int64) * stride_mb + offs_h * stride_mh + nb, tl.max(s, 1), mask=h_mask)
+
+
+@triton.jit
+def _mla_pv(
+    S, Mblk, KV, Idx, Out, OutPartial, LsePartial,
+    stride_sb, stride_sh, stride_mb, stride_mh,
+    stride_kvn, stride_ib,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    num_heads, num_idx, tokens_per_split, num_slots, num_blocks,
+    D_LAT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_NB: tl.constexpr, NUM_DVB: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Pass 2: ``out = softmax(S) @ kv[idx, :D_LAT]`` for one [BLOCK_H, BLOCK_DV] output block
+    and one token split. The row max is the max of pass 1's block maxima, so there is no
+    rescaling inside the loop and the only dot is the value product."""
+    pid0 = tl.program_id(0)
+    hb = pid0 // NUM_DVB
+    dvb = pid0 % NUM_DVB
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, num_idx)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_dv = dvb * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_nb = tl.arange(0, BLOCK_NB)
+    h_mask = offs_h < num_heads
+    dv_mask = offs_dv < D_LAT
+    mb = tl.load(Mblk + b.to(tl.int64) * stride_mb + offs_h[:, None] * stride_mh + offs_nb[None, :],
+                 mask=h_mask[:, None] & (offs_nb < num_blocks)[None, :], other=float("-inf"))
+    m = tl.max(mb, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s_base = S + b.to(tl.int64) * stride_sb + offs_h[:, None] * stride_sh
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        idx, valid = _valid(Idx, b, stride_ib, n0, end, num_slots, BLOCK_N)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        s = tl.load(s_base + offs_n[None, :], mask=h_mask[:, None] & (offs_n < end)[None, :], other=float("-inf"))
+        p = tl.exp2(s - m_safe[:, None])
+        l_i += tl.sum(p, 1)
+        v = _load_rows(KV, idx, valid, stride_kvn, offs_dv, dv_mask, 0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if not SPLIT:
+        tl.store(Out + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+    else:
+        lse = tl.where(has, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(OutPartial + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
+                 + split * stride_ps + offs_dv[None, :], out, mask=h_mask[:, None] & dv_mask[None, :])
+        # every value block of a head computes the same lse; block 0 writes it
+        tl.store(LsePartial + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse,
+                 mask=h_mask & ((offs_h * 0 + dvb) == 0))
 
 
 def _check_mla(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
@@ -177,14 +342,86 @@ def _check_mla(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, 
     return kv
 
 
+def _merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_dl: int) -> None:
+    B, H, splits, Dl = part.shape
+    _merge_splits[(B, H)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        splits,
+        V_DIM=Dl, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dl,
+        num_warps=4,
+    )
+
+
+def _split_tokens(K: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, tokens per split): splits clamped, each split a whole number of tiles."""
+    splits = max(1, min(int(splits), _MAX_SPLITS))
+    tps = -(-max(1, K) // splits)
+    tps = -(-tps // block_n) * block_n
+    return max(1, -(-max(1, K) // tps)), tps
+
+
+def _two_pass(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+              Dl: int, sm_scale: float, cfg: MlaTwoPassConfig) -> torch.Tensor:
+    B, H, Dq = q.shape
+    K = indices.shape[1]
+    if K == 0:
+        return out.zero_()
+    dot_f32 = dot_in_fp32(q)
+    bh1 = max(16, min(cfg.score_block_h, triton.next_power_of_2(H)))
+    nblk = -(-K // cfg.score_block_n)
+    scores = torch.empty((B, H, K), dtype=torch.float32, device=q.device)
+    mblk = torch.empty((B, H, nblk), dtype=torch.float32, device=q.device)
+    _mla_scores[(nblk, B, -(-H // bh1))](
+        q, kv, indices, scores, mblk,
+        float(sm_scale) * 1.4426950408889634,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+        scores.stride(0), scores.stride(1), mblk.stride(0), mblk.stride(1),
+        H, K, kv.shape[0],
+        D=Dq, BLOCK_H=bh1, BLOCK_N=cfg.score_block_n, BLOCK_K=cfg.score_block_k, DOT_F32=dot_f32,
+        num_warps=cfg.score_warps, num_stages=cfg.score_stages,
+    )
+    bh2 = max(16, min(cfg.pv_block_h, triton.next_power_of_2(H)))
+    block_dl = max(16, triton.next_power_of_2(Dl))
+    bdv = max(16, min(triton.next_power_of_2(cfg.pv_block_dv), block_dl))
+    num_dvb = block_dl // bdv
+    work = -(-H // bh2) * num_dvb
+    splits, tps = _split_tokens(K, cfg.num_splits or mla_num_splits(B * work, K, cfg.pv_block_n, sm_count(q.device)),
+                                cfg.pv_block_n)
+    if splits > 1:
+        part = torch.empty((B, H, splits, Dl), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+        pstr = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    else:
+        part, lse, pstr = out, out, (0, 0, 0, 0, 0)
+    _mla_pv[(work, B, splits)](
+        scores, mblk, kv, indices, out, part, lse,
+        scores.stride(0), scores.stride(1), mblk.stride(0), mblk.stride(1),
+        kv.stride(0), indices.stride(0),
+        out.stride(0), out.stride(1),
+        *pstr,
+        H, K, tps, kv.shape[0], nblk,
+        D_LAT=Dl, BLOCK_H=bh2, BLOCK_N=cfg.pv_block_n, BLOCK_DV=bdv,
+        BLOCK_NB=max(2, triton.next_power_of_2(nblk)), NUM_DVB=num_dvb, SPLIT=splits > 1, DOT_F32=dot_f32,
+        num_warps=cfg.pv_warps, num_stages=cfg.pv_stages,
+    )
+    if splits > 1:
+        _merge(part, lse, out, block_dl)
+    return out
+
+
 def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, *,
                              kv_lora_rank: int, sm_scale: float,
-                             config: Optional[MlaLaunchConfig] = None) -> torch.Tensor:
+                             config: Optional[MlaLaunchConfig | MlaTwoPassConfig] = None) -> torch.Tensor:
     """Triton sparse MLA decode.
 
     q:          ``[B, H, kv_lora_rank + rope_dim]`` fp16/bf16 absorbed query.
     kv_buffer:  ``[num_slots, 1, kv_lora_rank + rope_dim]`` (or ``[num_slots, Dl+Dr]``).
     indices:    ``[B, K]`` int32 slots, ``-1`` padding (masked wherever it is).
+    config:     :class:`MlaLaunchConfig` (fused kernel) or :class:`MlaTwoPassConfig`
+                (score GEMM + value pass); None = :func:`default_mla_config`.
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
     """
     kv = _check_mla(q, kv_buffer, indices, kv_lora_rank)
@@ -196,14 +433,15 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         return out
     if indices.stride(1) != 1:
         indices = indices.contiguous()
-    cfg = config or default_mla_config(q.device, H, B)
+    cfg = config or default_mla_config(q.device, H, B, K)
+    if isinstance(cfg, MlaTwoPassConfig):
+        return _two_pass(q, kv, indices, out, Dl, sm_scale, cfg)
+    if not isinstance(cfg, MlaLaunchConfig):
+        _fail("config", "an MlaLaunchConfig, an MlaTwoPassConfig or None", type(cfg).__name__)
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(H)))
     head_blocks = -(-H // block_h)
-    splits = cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sm_count(q.device))
-    splits = max(1, min(int(splits), _MAX_SPLITS))
-    tps = -(-max(1, K) // splits)
-    tps = -(-tps // cfg.block_n) * cfg.block_n
-    splits = max(1, -(-max(1, K) // tps))
+    splits, tps = _split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sm_count(q.device)),
+                                cfg.block_n)
     block_dl = max(16, triton.next_power_of_2(Dl))
     block_dr = max(16, triton.next_power_of_2(Dr))
     if splits > 1:
@@ -225,21 +463,13 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        _merge_splits[(B, H)](
-            part, lse, out,
-            part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            splits,
-            V_DIM=Dl, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dl,
-            num_warps=4,
-        )
+        _merge(part, lse, out, block_dl)
     return out
 
 
 def sparse_mla_decode_reference(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, *,
                                 kv_lora_rank: int, sm_scale: float,
-                                config: Optional[MlaLaunchConfig] = None) -> torch.Tensor:
+                                config: Optional[MlaLaunchConfig | MlaTwoPassConfig] = None) -> torch.Tensor:
     """Torch reference of :func:`sparse_mla_decode_triton` (same arguments and result)."""
     kv = _check_mla(q, kv_buffer, indices, kv_lora_rank)
     idx = indices.long()
@@ -253,7 +483,7 @@ def sparse_mla_decode_reference(q: torch.Tensor, kv_buffer: torch.Tensor, indice
 
 def sparse_mla_decode(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, *,
                       kv_lora_rank: int, sm_scale: float,
-                      config: Optional[MlaLaunchConfig] = None) -> torch.Tensor:
+                      config: Optional[MlaLaunchConfig | MlaTwoPassConfig] = None) -> torch.Tensor:
     """Sparse MLA decode; Triton on CUDA, torch reference on CPU."""
     if use_triton(q):
         announce_path("sparse_mla_decode", "triton")
