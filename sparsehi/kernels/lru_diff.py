@@ -191,75 +191,110 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
 
 # --------------------------------------------------------------------------- Triton
 @triton.jit
+def _exclusive_cumsum(x, N: tl.constexpr, R: tl.constexpr):
+    """Exclusive prefix sum of ``x`` ``[N] int32`` (``R`` a power of two <= N). R == 1:
+    ``tl.cumsum(x) - x``. Otherwise adjacent pairs are folded log2(R) times before the
+    block-wide scan, which then runs over N/R elements, and the pair offsets are added back
+    on the way out. The block-wide scan pays a cross-warp combine for every run of elements
+    a thread holds, so R = 4..8 roughly halves the kernel's scan instructions, at the price
+    of a few shared-memory layout changes (block barriers) per fold."""
+    if R == 1:
+        return tl.cumsum(x, 0) - x
+    else:
+        e, o = tl.split(tl.reshape(x, (N // 2, 2)))
+        pe = _exclusive_cumsum(e + o, N // 2, R // 2)
+        return tl.reshape(tl.join(pe, pe + e), (N,))
+
+
+@triton.jit
 def _lru_diff_kernel(
     topk_ptr, valid_ptr, rows_ptr, resident_ptr, last_used_ptr, order_ptr, slot_of_ptr, step_ptr,
     dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr,
-    K, S, M, stride_topk, stride_state, stride_slot_of, stride_out,
-    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    M, stride_topk, stride_state, stride_slot_of, stride_out,
+    K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
 ):
     # One program per batch row; the row's whole selection and buffer fit one block, so the
-    # phases only need block barriers between them (no cross-program sync).
+    # phases only need block barriers between them. The time is one row's latency: a few
+    # dependent global round trips plus instruction issue on one SM, so loads that do not
+    # depend on each other are issued together and K, S are compile-time constants (no
+    # bounds masks when they are powers of two).
     b = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    ss = tl.arange(0, BLOCK_S)
     row = tl.load(rows_ptr + b).to(tl.int64)
     step = tl.load(step_ptr)
     nvalid = tl.minimum(tl.load(valid_ptr + b), K)
-    st_base = row * stride_state
-    so_base = row * stride_slot_of
-    out_base = b.to(tl.int64) * stride_out
+    # topk is read whole (its -1 padding is masked by `valid` below), so it does not wait
+    # for `valid`.
+    if K == BLOCK_K:
+        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk)
+    else:
+        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+    res_p = resident_ptr + row * stride_state
+    lu_p = last_used_ptr + row * stride_state
+    ord_p = order_ptr + row * stride_state
+    so_p = slot_of_ptr + row * stride_slot_of
+    out = b.to(tl.int64) * stride_out
+    ds_p = dev_slots_ptr + out
+    li_p = load_ids_ptr + out
+    ls_p = load_slots_ptr + out
+    # The order and resident rows depend only on `row`: fetched now, their latency hides
+    # behind the reverse-map gather. (Nothing writes them before the barriers below.)
+    if S == BLOCK_S:
+        osl = tl.load(ord_p + ss)
+        res_row = tl.load(res_p + ss)
+    else:
+        osl = tl.load(ord_p + ss, mask=ss < S, other=0)
+        res_row = tl.load(res_p + ss, mask=ss < S, other=-1)
 
     # Phase 1: intersect via the reverse map (a gather, no K x S compare).
-    kk = tl.arange(0, BLOCK_K)
-    in_k = kk < K
     sel = kk < nvalid
-    ids = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=sel, other=0)
     # Ids are validated by the caller (check_lru_diff_values); clamping keeps a bad id from
     # touching another request's state when validation is off.
-    ids = tl.minimum(tl.maximum(ids, 0), M - 1)
-    slot = tl.load(slot_of_ptr + so_base + ids, mask=sel, other=-1)
-    hit = sel & (slot >= 0)
-    miss = sel & (slot < 0)
-    tl.store(last_used_ptr + st_base + slot, tl.zeros_like(slot) + step, mask=hit)
-    miss_i = miss.to(tl.int32)
-    mrank = tl.cumsum(miss_i, 0) - miss_i
+    ids = tl.minimum(tl.maximum(raw, 0), M - 1)
+    slot = tl.load(so_p + ids, mask=sel, other=-1)  # -1: miss or past valid
+    miss_i = (sel & (slot < 0)).to(tl.int32)
+    mrank = _exclusive_cumsum(miss_i, BLOCK_K, SCAN_R)
     nmiss = tl.sum(miss_i, 0)
-    tl.store(load_ids_ptr + out_base + mrank, ids, mask=miss)
-    tl.store(load_ids_ptr + out_base + kk, tl.full([BLOCK_K], -1, tl.int32), mask=in_k & (kk >= nmiss))
-    tl.store(load_slots_ptr + out_base + kk, tl.full([BLOCK_K], -1, tl.int32), mask=in_k & (kk >= nmiss))
-    tl.store(dev_slots_ptr + out_base + kk, slot, mask=in_k & (miss == 0))
+    # Marking hits in last_used is both the state update and the slot-indexed scatter that
+    # phase 2 reads back (registers cannot scatter). Misses are compacted by rank.
+    tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=slot >= 0)
+    tl.store(li_p + mrank, ids, mask=miss_i != 0)
+    pad = (kk >= nmiss) & (kk < K)
+    tl.store(li_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
+    tl.store(ls_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
     tl.store(num_loads_ptr + b, nmiss)
     tl.debug_barrier()
 
-    # Phase 2: victims = the first nmiss non-hit slots in LRU order. The state rows are read
-    # coalesced once and indexed in registers (random global gathers would serialise on
-    # the one SM that owns the row).
-    ss = tl.arange(0, BLOCK_S)
-    in_s = ss < S
-    osl = tl.load(order_ptr + st_base + ss, mask=in_s, other=0)
-    lu_row = tl.load(last_used_ptr + st_base + ss, mask=in_s, other=0)
-    res_row = tl.load(resident_ptr + st_base + ss, mask=in_s, other=-1)
-    lu_o = tl.gather(lu_row, osl, 0)
-    nonhit = in_s & (lu_o != step)
-    nh_i = nonhit.to(tl.int32)
-    nrank = tl.cumsum(nh_i, 0) - nh_i
-    evict = nonhit & (nrank < nmiss)
-    surv = nonhit & (nrank >= nmiss)
-    old = tl.where(evict, tl.gather(res_row, osl, 0), -1)
-    tl.store(load_slots_ptr + out_base + nrank, osl, mask=evict)
+    # Phase 2: victims = the first nmiss non-hit slots in LRU order (hits were just marked
+    # with `step` in last_used). The row is read coalesced and indexed in registers (random
+    # global gathers would serialise on the one SM that owns the row).
+    if S == BLOCK_S:
+        lu_row = tl.load(lu_p + ss)
+        nh_i = (tl.gather(lu_row, osl, 0) != step).to(tl.int32)
+    else:
+        lu_row = tl.load(lu_p + ss, mask=ss < S, other=0)
+        nh_i = ((tl.gather(lu_row, osl, 0) != step) & (ss < S)).to(tl.int32)
+    nrank = _exclusive_cumsum(nh_i, BLOCK_S, SCAN_R)
+    evict = (nh_i != 0) & (nrank < nmiss)
+    old = tl.gather(res_row, osl, 0)
+    tl.store(ls_p + nrank, osl, mask=evict)
+    tl.store(ord_p + (nrank - nmiss), osl, mask=(nh_i != 0) & (nrank >= nmiss))  # survivors
+    tl.store(so_p + old, tl.full([BLOCK_S], -1, tl.int32), mask=evict & (old >= 0))
     tl.debug_barrier()
 
-    # Phase 3: install misses, drop evicted ids from the reverse map, rebuild the order:
+    # Phase 3: each miss takes the victim of its rank; install it and finish the order:
     # [survivors][hits in column order][refills in miss order].
-    tl.store(order_ptr + st_base + (nrank - nmiss), osl, mask=surv)
-    tl.store(slot_of_ptr + so_base + old, tl.full([BLOCK_S], -1, tl.int32), mask=evict & (old >= 0))
-    ms = tl.load(load_slots_ptr + out_base + mrank, mask=miss, other=0)
-    tl.store(dev_slots_ptr + out_base + kk, ms, mask=miss)
-    tl.store(resident_ptr + st_base + ms, ids, mask=miss)
-    tl.store(last_used_ptr + st_base + ms, tl.zeros_like(ms) + step, mask=miss)
-    tl.store(slot_of_ptr + so_base + ids, ms, mask=miss)
+    miss = miss_i != 0
+    ms = tl.load(ls_p + mrank, mask=miss, other=0)
+    tl.store(res_p + ms, ids, mask=miss)
+    tl.store(lu_p + ms, tl.zeros_like(ms) + step, mask=miss)
+    tl.store(so_p + ids, ms, mask=miss)
+    dev = tl.where(miss, ms, slot)  # slot of every selected id; -1 past valid
+    tl.store(ds_p + kk, dev, mask=kk < K)
+    # hits at tail + (hits before them), refills after all hits, in miss order
     tail = S - nvalid
-    nhit = nvalid - nmiss
-    tl.store(order_ptr + st_base + tail + (kk - mrank), slot, mask=hit)
-    tl.store(order_ptr + st_base + tail + nhit + mrank, ms, mask=miss)
+    tl.store(ord_p + tail + tl.where(miss, (nvalid - nmiss) + mrank, kk - mrank), dev, mask=sel)
 
 
 # Warps per program by buffer block size (overrides of the default below; the benchmark
@@ -267,22 +302,38 @@ def _lru_diff_kernel(
 NUM_WARPS_BY_BLOCK_S: dict[int, int] = {}
 
 
+# Pair-folding depth of the prefix sums (``_exclusive_cumsum``'s R) by buffer block size,
+# overrides of DEFAULT_SCAN_R (the benchmark sweeps it with num_warps).
+SCAN_R_BY_BLOCK_S: dict[int, int] = {}
+DEFAULT_SCAN_R = 4
+
+
+def default_scan_r(block_s: int) -> int:
+    return SCAN_R_BY_BLOCK_S.get(block_s, DEFAULT_SCAN_R)
+
+
 def default_num_warps(block_s: int) -> int:
     if block_s in NUM_WARPS_BY_BLOCK_S:
         return NUM_WARPS_BY_BLOCK_S[block_s]
-    # H200 sweep at B=64, K=2048 (benchmarks/results/lru_diff.json): 8 warps best for
-    # S = 2048..8192 (4 warps 1.2-2.8x slower, 16/32 warps 5-50 % slower).
+    # H200, B=64, K=2048 (benchmarks/results/lru_diff.json): 8 and 16 warps are within
+    # 0.5-3 % of each other for S = 2048..8192 at scan_r 2..8 (scan_r 1, the plain
+    # tl.cumsum, is 12-28 % slower); 4 warps spill. The benchmark re-sweeps and records its
+    # pick beside this default.
     return 8 if block_s >= 2048 else 4
 
 
 def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                     slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, order: Optional[torch.Tensor] = None,
                     rows: Optional[torch.Tensor] = None, out: Optional[LruDiffResult] = None,
-                    num_warps: Optional[int] = None) -> LruDiffResult:
+                    num_warps: Optional[int] = None, scan_r: Optional[int] = None) -> LruDiffResult:
     """Triton LRU diff: one launch, one program per batch row. ``out`` reuses result buffers
     (fixed addresses for CUDA graphs). Without ``order`` one is derived from ``last_used``
-    (an argsort: pass the manager's ``order`` on the hot path)."""
+    (an argsort: pass the manager's ``order`` on the hot path). ``K`` and ``S`` are
+    compile-time constants of the kernel: one compile per (top-k width, buffer size), which
+    a deployment fixes (the coordinator pads top-k to ``K``)."""
     _check_args(topk, valid, resident, last_used, slot_of, order, rows)
+    if scan_r is not None and (not isinstance(scan_r, int) or scan_r < 1 or scan_r & (scan_r - 1)):
+        raise ValueError(f"scan_r must be a power of two >= 1 (1, 2, 4, 8, ...), got {scan_r!r}")
     dev = topk.device
     b, k = topk.shape
     s = resident.shape[1]
@@ -302,12 +353,14 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
         return out
     topk_c = topk if topk.stride(1) == 1 else topk.contiguous()
     block_s = triton.next_power_of_2(s)
+    block_k = triton.next_power_of_2(k)
     nw = num_warps if num_warps is not None else default_num_warps(block_s)
+    r = min(scan_r if scan_r is not None else default_scan_r(block_s), block_k)
     _lru_diff_kernel[(b,)](
         topk_c, valid, rows_t, resident, last_used, order, slot_of, st,
         out.device_slots, out.load_ids, out.load_slots, out.num_loads,
-        k, s, slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
-        BLOCK_K=triton.next_power_of_2(k), BLOCK_S=block_s, num_warps=nw,
+        slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
+        K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, num_warps=nw,
     )
     return out
 
