@@ -8,6 +8,8 @@ pages per request and layer in the GPU LRU buffer.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,6 +19,15 @@ from hicache.config import IO_BACKENDS  # noqa: E402  (defined once, in hicache)
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
+
+
+def _is_int(x: Any) -> bool:
+    """An integer that is not a bool (``True`` is an ``int`` to Python, never a size here)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass
@@ -31,9 +42,14 @@ class SparseConfig:
     device_buffer_size: int = 4096
     """Tokens of LRU buffer per request and layer on the GPU; must be >= top_k."""
     host_to_device_ratio: float = 2.0
+    """Accepted and validated for SGLang compatibility; sparsehi does not read it. The host
+    pool's size is set where it is built (``hicache.host_pool.HostKVPool(hicache_ratio=...)``)."""
     page_size: int = 64
     min_sparse_prompt_len: int = 2048
-    """Requests with shorter prompts decode densely (all their pages selected)."""
+    """Accepted and validated for SGLang compatibility; the coordinator does not read it.
+    Every row, whatever its prompt length, attends all its candidate pages exactly (no
+    retrieve) while they fit in ``top_k`` and sparsely after that (docs/coordinator.md,
+    "Short prompts")."""
     sink_tokens: int = 64
     """Leading tokens always attended (rounded up to whole pages)."""
     recent_tokens: int = 64
@@ -72,31 +88,34 @@ class SparseConfig:
 
         if not isinstance(self.algorithm, str) or not self.algorithm:
             bad("algorithm", "a registered algorithm name or 'module.path:ClassName'")
-        if self.backend not in SPARSE_BACKENDS:
+        if not isinstance(self.backend, str) or self.backend not in SPARSE_BACKENDS:
             bad("backend", f"one of {SPARSE_BACKENDS}")
-        if not isinstance(self.page_size, int) or not _is_pow2(self.page_size) or self.page_size > 256:
-            bad("page_size", "a power of two in [1, 256]")
-        if not isinstance(self.top_k, int) or self.top_k <= 0:
-            bad("top_k", "an integer > 0 (tokens)")
+        if not _is_int(self.page_size) or not _is_pow2(self.page_size) or self.page_size > 256:
+            bad("page_size", "a power of two in [1, 256] (an int, not a bool)")
+        if not _is_int(self.top_k) or self.top_k <= 0:
+            bad("top_k", "an integer > 0 (tokens; not a bool)")
         if self.top_k % self.page_size:
             bad("top_k", f"a multiple of page_size={self.page_size}")
-        if not isinstance(self.device_buffer_size, int) or self.device_buffer_size < self.top_k:
-            bad("device_buffer_size", f"an integer >= top_k={self.top_k} (tokens)")
+        if not _is_int(self.device_buffer_size) or self.device_buffer_size < self.top_k:
+            bad("device_buffer_size", f"an integer >= top_k={self.top_k} (tokens; not a bool)")
         if self.device_buffer_size % self.page_size:
             bad("device_buffer_size", f"a multiple of page_size={self.page_size}")
-        if not (self.host_to_device_ratio > 1):
-            bad("host_to_device_ratio", "a number > 1")
-        if not isinstance(self.min_sparse_prompt_len, int) or self.min_sparse_prompt_len < 0:
-            bad("min_sparse_prompt_len", "an integer >= 0 (tokens)")
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            bad("sink_tokens", "an integer >= 0")
-        if not isinstance(self.recent_tokens, int) or self.recent_tokens < 1:
-            bad("recent_tokens", "an integer >= 1")
+        if (not _is_real(self.host_to_device_ratio) or not math.isfinite(self.host_to_device_ratio)
+                or not self.host_to_device_ratio > 1):
+            bad("host_to_device_ratio", "a finite number > 1 (int or float, not a bool or string)")
+        if not _is_int(self.min_sparse_prompt_len) or self.min_sparse_prompt_len < 0:
+            bad("min_sparse_prompt_len", "an integer >= 0 (tokens; not a bool)")
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            bad("sink_tokens", "an integer >= 0 (not a bool)")
+        if not _is_int(self.recent_tokens) or self.recent_tokens < 1:
+            bad("recent_tokens", "an integer >= 1 (not a bool)")
         if self.dense_layers is not None:
-            if any((not isinstance(x, int)) or x < 0 for x in self.dense_layers):
-                bad("dense_layers", "None or a tuple of layer ids >= 0")
-            self.dense_layers = tuple(self.dense_layers)
-        if self.io_backend not in IO_BACKENDS:
+            if not isinstance(self.dense_layers, (tuple, list)):
+                bad("dense_layers", "None or a tuple/list of integer layer ids >= 0")
+            if any(not _is_int(x) or x < 0 for x in self.dense_layers):
+                bad("dense_layers", "None or a tuple/list of integer layer ids >= 0 (not bools)")
+            self.dense_layers = tuple(int(x) for x in self.dense_layers)
+        if not isinstance(self.io_backend, str) or self.io_backend not in IO_BACKENDS:
             bad("io_backend", f"one of {IO_BACKENDS}")
         if not isinstance(self.sparse_extra_config, dict):
             bad("sparse_extra_config", "a dict")

@@ -119,6 +119,9 @@ class SparseCoordinator:
         self.device_pool = device_pool
         num_layers = device_pool.spec.num_layers
         self.num_layers = num_layers
+        if config.dense_layers is not None and any(x >= num_layers for x in config.dense_layers):
+            raise ValueError(f"SparseConfig.dense_layers={config.dense_layers} is invalid for a {num_layers}-layer "
+                             f"model: layer ids in [0, {num_layers})")
         sparse = [layer for layer in range(num_layers) if algorithm.is_sparse_layer(layer)]
         self.manager = SparseKVCacheManager(
             config, device_pool, mode=mode, host_pool=host_pool, transfer=transfer, sparse_layers=sparse,
@@ -257,9 +260,10 @@ class SparseCoordinator:
         step = self._step(batch)
         if k is None:
             raise ValueError("decode attention_end needs k (the new token's key, [B, Hkv, D])")
+        # Back up first: if the backup raises, the representations have not moved either.
+        self.manager.backup_token(layer_id, step, k, v)
         if sparse:
             self.algorithm.update_representations(layer_id, batch.req_pool_indices, batch.positions, k, **algo_kw)
-        self.manager.backup_token(layer_id, step, k, v)
 
     def forward_end(self, batch: ForwardBatch, host_slots: Optional[list[torch.Tensor]] = None,
                     free_device_kv: bool = True) -> None:

@@ -14,6 +14,7 @@ The manager holds no selection policy; the coordinator asks it for slots and pag
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -138,6 +139,7 @@ class SparseKVCacheManager:
         self.transfer = None
         self.dense_pool: Optional[DeviceKVPool] = None
         self._pending = []  # transfer handles of prefill offloads not yet waited on
+        self._diff_step: dict[int, int] = {}  # sparse layer -> step of its last LRU diff (host int, no sync)
         if mode == "hierarchical":
             self.transfer = transfer if transfer is not None else _default_transfer(device_pool, host_pool, config.io_backend)
             self.host_page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int64, device=dev)
@@ -173,11 +175,17 @@ class SparseKVCacheManager:
             self.lru.reset_rows(rows)
 
     def end_request(self, row: int) -> RequestKV:
+        """Free what the manager owns for ``row`` and hand its KV to the runtime.
+
+        Hierarchical: the returned host slots are complete and visible to CPU readers (tree
+        insert, L3 write): decode backups run asynchronously on the current stream (kernel io
+        backend), so this waits for that stream once per request before returning."""
         req = self._req(row)
         self.wait_offloads()
         n = req.seq_len
         out = RequestKV(seq_len=n)
         if self.mode == "hierarchical":
+            self._sync_host_writes()
             hp = torch.tensor(req.host_pages, dtype=torch.int64)
             out.host_pages = hp
             out.host_slots = (hp[:, None] * self.ps + torch.arange(self.ps)[None, :]).reshape(-1)[:n]
@@ -194,6 +202,12 @@ class SparseKVCacheManager:
         del self.reqs[row]
         return out
 
+    def _sync_host_writes(self) -> None:
+        """Block the host until every device->host write queued so far on the current stream
+        has landed (no-op on CPU, where copies are synchronous)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int], token_slots: torch.Tensor,
                        host_slots: Optional[list[torch.Tensor]] = None, free_device_kv: bool = True) -> None:
@@ -206,6 +220,13 @@ class SparseKVCacheManager:
         """
         ps = self.ps
         b = len(rows)
+        if len(seq_lens) != b or len(prefix_lens) != b:
+            raise ValueError(f"req_pool_indices ({b} rows), seq_lens ({len(seq_lens)}) and prefix_lens "
+                             f"({len(prefix_lens)}) must have one entry per batch row")
+        if len(set(rows)) != b:
+            raise ValueError(f"req_pool_indices must be distinct within a batch, got {list(rows)}")
+        if token_slots.dim() != 2 or token_slots.shape[0] != b:
+            raise ValueError(f"token_slots must be [B={b}, max_len] int64, got {tuple(token_slots.shape)}")
         if host_slots is not None and len(host_slots) != b:
             raise ValueError(f"host_slots must hold one tensor per batch row ({b}), got {len(host_slots)}")
         reqs = [self._req(r) for r in rows]
@@ -235,9 +256,15 @@ class SparseKVCacheManager:
 
     def _finish_prefill_hier(self, rows, reqs, seq_lens, prefix_lens, ts_cpu, dev_pages, host_slots, free_device_kv) -> None:
         ps, sink, R, S = self.ps, self.sink, self.R, self.S
+        alloc = self.device_pool.allocator
+        need = sink + R + S
+        # 1. Every page the batch needs (host, sparse buffer, dense pool) is taken before
+        # anything moves or any request changes: running out of one pool part-way through
+        # gives everything back and leaves the manager as it was.
         host_lists, src_all, dst_all = [], [], []
-        # 1. host pages: tree-owned (prefix reuse) or ours.
-        allocated: list[torch.Tensor] = []
+        got_host: list[torch.Tensor] = []
+        got_buf: list[torch.Tensor] = []
+        got_dense: list[torch.Tensor] = []
         try:
             for i, seq in enumerate(seq_lens):
                 P = _cdiv(seq, ps)
@@ -254,34 +281,49 @@ class SparseKVCacheManager:
                 else:
                     got = self.host_pool.alloc(P * ps)
                     if got is None:
-                        raise RuntimeError(f"host pool is out of space: need {P} pages for req_pool_index={rows[i]}")
-                    allocated.append(got)
+                        raise RuntimeError(f"host pool is out of space: need {P} pages for req_pool_index={rows[i]} "
+                                           f"(prefill of req_pool_indices={list(rows)} rolled back)")
+                    got_host.append(got)
                     hp = got[::ps] // ps
                     start = 0
                 host_lists.append(hp)
                 pos = torch.arange(start, seq)
                 src_all.append(ts_cpu[i, start:seq])
                 dst_all.append(hp[pos // ps] * ps + pos % ps)
+            for i, r in enumerate(rows):
+                pages = alloc.alloc_pages(need)
+                if pages is None:
+                    raise RuntimeError(f"device pool is out of space for the sparse buffer of req_pool_index={r}: "
+                                       f"need {need} pages, {alloc.num_free_pages()} free "
+                                       f"(prefill of req_pool_indices={list(rows)} rolled back)")
+                got_buf.append(pages.cpu())
+                if self.dense_pool is not None:
+                    P = _cdiv(seq_lens[i], ps)
+                    dp = self.dense_pool.allocator.alloc_pages(P)
+                    if dp is None:
+                        raise RuntimeError(f"dense-layer pool is out of space for req_pool_index={r}: need {P} pages, "
+                                           f"{self.dense_pool.allocator.num_free_pages()} free "
+                                           f"(prefill of req_pool_indices={list(rows)} rolled back)")
+                    got_dense.append(dp.cpu())
         except Exception:
-            for got in allocated:
+            for got in got_host:
                 self.host_pool.free(got)
+            for pages in got_buf:
+                alloc.free_pages(pages)
+            for dp in got_dense:
+                self.dense_pool.allocator.free_pages(dp)
             raise
         # 2. one all-layer offload for the whole batch.
         src = torch.cat(src_all).to(self.device)
         dst = torch.cat(dst_all)
         handle = self.transfer.backup(src, dst, None) if src.numel() else None
         # 3. GPU buffers: sink + ring + LRU pages per request (all layers share the page ids).
-        alloc = self.device_pool.allocator
-        need = sink + R + S
         kv = self.device_pool.kv_data  # [bufs, layers, slots, H, D]
+        dl = torch.tensor(self.dense_layers, dtype=torch.int64, device=self.device)
         for i, (r, req) in enumerate(zip(rows, reqs)):
             seq = seq_lens[i]
             P = _cdiv(seq, ps)
-            pages = alloc.alloc_pages(need)
-            if pages is None:
-                raise RuntimeError(f"device pool is out of space for the sparse buffer of req_pool_index={r}: "
-                                   f"need {need} pages, {alloc.num_free_pages()} free")
-            pages = pages.cpu()
+            pages = got_buf[i]
             req.sink_pages, req.ring_pages, req.lru_pages = pages[:sink], pages[sink:sink + R], pages[sink + R:]
             req.host_pages = host_lists[i].tolist()
             self.host_page_table[r, :P] = host_lists[i].to(self.device)
@@ -299,18 +341,17 @@ class SparseKVCacheManager:
                 s_sl = (torch.tensor(src_p)[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
                 d_sl = (torch.tensor(dst_p)[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
                 kv[:, :, d_sl] = kv[:, :, s_sl]
-            # dense layers: the whole context into the dense pool.
+            # dense layers: the whole context into the dense pool. Index layers and the
+            # request's slots together so only [bufs, dense layers, its slots] is gathered
+            # (``kv[:, dl]`` would copy every slot of the pool for the dense layers).
             if self.dense_pool is not None:
-                dp = self.dense_pool.allocator.alloc_pages(P)
-                if dp is None:
-                    raise RuntimeError(f"dense-layer pool is out of space for req_pool_index={r}: need {P} pages")
-                req.dense_pages = dp.cpu().tolist()
+                dp = got_dense[i]
+                req.dense_pages = dp.tolist()
                 self.page_table[r, :P] = dp.to(self.device, torch.int32)
                 s_sl = (dev_pages[i][:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
-                d_sl = (dp.cpu()[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
-                dl = torch.tensor(self.dense_layers, device=self.device)
+                d_sl = (dp[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
                 dkv = self.dense_pool.kv_data
-                dkv[:, :, d_sl] = kv[:, dl][:, :, s_sl]
+                dkv[:, :, d_sl] = kv[:, dl[:, None], s_sl[None, :]]
             req.seq_len, req.prefilled = seq, True
         # 4. release the new tokens' device pages once the offload has read them.
         if handle is not None:
@@ -331,6 +372,13 @@ class SparseKVCacheManager:
     def begin_decode(self, rows: list[int], seq_lens: list[int], seq_lens_t: torch.Tensor) -> DecodeStep:
         """Place each row's new token: pick its slots (allocating host / dense / gpu_only
         pages when it opens a page) and advance the step counter."""
+        if len(seq_lens) != len(rows):
+            raise ValueError(f"req_pool_indices ({len(rows)} rows) and seq_lens ({len(seq_lens)}) must have one "
+                             f"entry per batch row")
+        if seq_lens_t.numel() != len(rows):
+            raise ValueError(f"seq_lens tensor has {seq_lens_t.numel()} entries, req_pool_indices {len(rows)}")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"req_pool_indices must be distinct within a batch, got {list(rows)}")
         self.wait_offloads()
         ps, sink, R = self.ps, self.sink, self.R
         reqs = [self._req(r) for r in rows]
@@ -341,8 +389,6 @@ class SparseKVCacheManager:
                 raise ValueError(f"decode seq_len={seq} of req_pool_index={r} must be its previous length + 1 = {req.seq_len + 1}")
             if seq > self.max_context_len:
                 raise ValueError(f"seq_len={seq} of req_pool_index={r} exceeds max_context_len={self.max_context_len}")
-        if len(set(rows)) != len(rows):
-            raise ValueError("req_pool_indices must be distinct within a batch")
         new_pages = [(i, r, req, (seq - 1) // ps) for i, (r, req, seq) in enumerate(zip(rows, reqs, seq_lens))
                      if (seq - 1) % ps == 0]
         n_new = len(new_pages)
@@ -456,8 +502,14 @@ class SparseKVCacheManager:
         if self.validate:
             lim = candidate_end if candidate_end is not None else step.num_pages
             check_lru_diff_values(topk, valid, lim.to(topk.device), rows=step.rows, num_rows=self.max_num_reqs)
+        if self._diff_step.get(layer) == self.step:
+            # A second diff with the same step would see its own hits as "used this step"
+            # and corrupt the LRU state (and read stale load slots).
+            raise ValueError(f"layer_id={layer} already ran its LRU diff in decode step {self.step}: each sparse "
+                             f"layer runs once per step (begin_decode starts the next step)")
         res, lu, so, order = self.lru.layer(li)
         r = lru_diff(topk, valid, res, lu, so, self.step_t, order=order, rows=step.rows)
+        self._diff_step[layer] = self.step
         rows = step.rows[:, None]
         ids = r.load_ids.long()
         m = ids >= 0
@@ -488,35 +540,44 @@ class SparseKVCacheManager:
         self.transfer.load_layer_now(layer, host_slots, device_slots)
 
     # ------------------------------------------------------------------ counters
+    STATS_HISTORY = 4096
+    """Closed steps kept individually for ``stats()["per_step"]``; totals cover every step."""
+
     def reset_stats(self) -> None:
         L = self.device_pool.spec.num_layers
         self._hits = torch.zeros(L, dtype=torch.int64, device=self.device)
         self._misses = torch.zeros(L, dtype=torch.int64, device=self.device)
-        self._history: list[tuple[int, torch.Tensor]] = []
+        # Running per-layer totals (device, no sync) and a bounded ring of the last
+        # STATS_HISTORY steps: memory stays flat however long the server runs.
+        self._tot_hits = torch.zeros(L, dtype=torch.int64, device=self.device)
+        self._tot_misses = torch.zeros(L, dtype=torch.int64, device=self.device)
+        self._steps_closed = 0
+        self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=self.STATS_HISTORY)
 
     def end_step(self) -> None:
         """Close a decode step: keep its per-layer hits/misses (no host sync)."""
+        self._tot_hits += self._hits
+        self._tot_misses += self._misses
+        self._steps_closed += 1
         self._history.append((self.step, torch.stack([self._hits, self._misses])))
         self._hits = torch.zeros_like(self._hits)
         self._misses = torch.zeros_like(self._misses)
 
     def stats(self) -> dict:
-        """Counters of every closed decode step (syncs with the device)."""
+        """Counters (syncs with the device): totals and per-layer hit rates over every
+        closed decode step since ``reset_stats``; ``per_step`` holds the last
+        ``STATS_HISTORY`` steps only."""
         per_step = []
-        tot_h = tot_m = 0
-        L = self.device_pool.spec.num_layers
-        lh, lm = [0] * L, [0] * L
         for step, hm in self._history:
             h, m = hm[0].tolist(), hm[1].tolist()
             sh, sm = sum(h), sum(m)
-            tot_h, tot_m = tot_h + sh, tot_m + sm
-            lh = [a + b for a, b in zip(lh, h)]
-            lm = [a + b for a, b in zip(lm, m)]
             per_step.append({"step": step, "hits": h, "misses": m,
                              "bytes_loaded": [x * self._page_bytes for x in m],
                              "hit_rate": sh / (sh + sm) if sh + sm else 1.0})
+        lh, lm = self._tot_hits.tolist(), self._tot_misses.tolist()
+        tot_h, tot_m = sum(lh), sum(lm)
         return {
-            "steps": len(per_step), "hits": tot_h, "misses": tot_m, "bytes_loaded": tot_m * self._page_bytes,
+            "steps": self._steps_closed, "hits": tot_h, "misses": tot_m, "bytes_loaded": tot_m * self._page_bytes,
             "hit_rate": tot_h / (tot_h + tot_m) if tot_h + tot_m else 1.0,
             "per_layer_hit_rate": [h / (h + m) if h + m else 1.0 for h, m in zip(lh, lm)],
             "per_step": per_step,

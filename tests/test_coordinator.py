@@ -237,3 +237,60 @@ def test_gpu_hierarchical_matches_gpu_only(page_size):
     assert all(torch.equal(a, b) for a, b in zip(sel_h, sel_g))
     torch.testing.assert_close(out_h, out_g, atol=1e-5, rtol=1e-5)
     assert c_h.stats()["misses"] > 0
+
+
+def test_dense_layers_beyond_the_model_are_rejected():
+    cfg = _cfg(dense_layers=(0, L))
+    spec = KVCacheSpec("mha", L, HKV, D, torch.float32, cfg.page_size)
+    pool = DeviceKVPool(spec, num_slots=cfg.page_size * 32, device="cpu")
+    with pytest.raises(ValueError, match=r"SparseConfig\.dense_layers=\(0, 3\).*\[0, 3\)"):
+        SparseCoordinator(cfg, create_algorithm(cfg, "cpu"), pool, mode="gpu_only", max_num_reqs=2, max_context_len=64)
+
+
+def _tensor_state(obj) -> dict:
+    out = {}
+    for name, val in vars(obj).items():
+        if isinstance(val, torch.Tensor):
+            out[name] = val.clone()
+        elif isinstance(val, dict):
+            out.update({f"{name}[{k}]": t.clone() for k, t in val.items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def test_failed_backup_leaves_representations_unchanged(monkeypatch):
+    cfg = _cfg(algorithm="quest", dense_layers=(0,))
+    kv = ToyKV(1, 256, seed=11)
+    coord, _, _ = run_mode("hierarchical", cfg, kv, [61], steps=2)
+    seq = 64
+    batch = ForwardBatch.decode(torch.tensor([0]), torch.tensor([seq], dtype=torch.int32))
+    coord.forward_begin(batch)
+    layer = 2
+    q = kv.q[layer, [0], seq - 1]
+    k, v = kv.k[layer, [0], seq - 1] * 5, kv.v[layer, [0], seq - 1]  # a key that moves Quest's page bounds
+    plan = coord.attention_begin(layer, batch, q=q)
+    plan.write_kv(k, v)
+    before = _tensor_state(coord.algorithm)
+    assert before, "the algorithm keeps its representations in tensors"
+
+    def failing_backup(*a, **kw):
+        raise RuntimeError("host backup failed")
+
+    monkeypatch.setattr(coord.manager.transfer, "backup_layer_now", failing_backup)
+    with pytest.raises(RuntimeError, match="host backup failed"):
+        coord.attention_end(layer, batch, k=k, v=v)
+    after = _tensor_state(coord.algorithm)
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    monkeypatch.undo()
+    coord.attention_end(layer, batch, k=k, v=v)  # the retry backs up and then updates
+    after = _tensor_state(coord.algorithm)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_min_sparse_prompt_len_is_documented_as_unused():
+    """docs/coordinator.md: the coordinator does not read min_sparse_prompt_len (rows attend
+    all their pages while they fit in top_k, sparsely after, whatever their prompt length)."""
+    kv = ToyKV(2, 256, seed=12)
+    _, out_a, sel_a = run_mode("gpu_only", _cfg(min_sparse_prompt_len=0), kv, [61, 23], steps=3)
+    _, out_b, sel_b = run_mode("gpu_only", _cfg(min_sparse_prompt_len=10**6), kv, [61, 23], steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(sel_a, sel_b)) and torch.equal(out_a, out_b)
+    assert int((sel_a[-1][0] >= 0).sum()) < -(-64 // 4)  # the 61-token prompt really decodes sparsely

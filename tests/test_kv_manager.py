@@ -9,12 +9,14 @@ from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.transfer import KVTransferEngine
 from sparsehi.config import SparseConfig
+from sparsehi.kernels import lru_diff as lru_diff_mod
 from sparsehi.kv_manager import SparseKVCacheManager
 
 L, H, D = 2, 2, 4
 
 
-def make_manager(ps=2, top_k_pages=4, buf_pages=6, sink=1, recent=2, io_backend="direct", layers_sparse=(0, 1)):
+def make_manager(ps=2, top_k_pages=4, buf_pages=6, sink=1, recent=2, io_backend="direct", layers_sparse=(0, 1),
+                 dense_pool_tokens=None):
     cfg = SparseConfig(algorithm="oracle", page_size=ps, top_k=top_k_pages * ps, device_buffer_size=buf_pages * ps,
                        sink_tokens=sink * ps, recent_tokens=recent * ps, min_sparse_prompt_len=0)
     spec = KVCacheSpec("mha", L, H, D, torch.float32, ps)
@@ -22,7 +24,8 @@ def make_manager(ps=2, top_k_pages=4, buf_pages=6, sink=1, recent=2, io_backend=
     host = HostKVPool(dev, hicache_ratio=3.0, pin_memory=False)
     eng = KVTransferEngine(dev, host, io_backend=io_backend)
     mgr = SparseKVCacheManager(cfg, dev, mode="hierarchical", host_pool=host, transfer=eng,
-                               sparse_layers=layers_sparse, max_num_reqs=4, max_context_len=128)
+                               sparse_layers=layers_sparse, max_num_reqs=4, max_context_len=128,
+                               dense_pool_tokens=dense_pool_tokens)
     return mgr
 
 
@@ -78,7 +81,14 @@ def naive_lru(resident, order, ids):
 
 
 @pytest.mark.parametrize("io_backend", ["direct", "kernel"])
-def test_long_random_trace_invariants(io_backend):
+def test_long_random_trace_invariants(io_backend, monkeypatch):
+    triton_calls = []
+    if io_backend == "kernel":
+        # Really run the (interpreted) Triton LRU diff and transfer kernels, not the torch
+        # references the CPU dispatch would otherwise pick.
+        monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
+        real = lru_diff_mod.lru_diff_triton
+        monkeypatch.setattr(lru_diff_mod, "lru_diff_triton", lambda *a, **kw: triton_calls.append(1) or real(*a, **kw))
     mgr = make_manager(io_backend=io_backend)
     truth = Truth(3, seed=5)
     rows, seq = [0, 2], [21, 16]
@@ -132,6 +142,8 @@ def test_long_random_trace_invariants(io_backend):
         mgr.end_step()
     st = mgr.stats()
     assert st["steps"] == steps and st["hits"] > 0 and st["misses"] > 0
+    if io_backend == "kernel":
+        assert len(triton_calls) == steps * L
     assert st["bytes_loaded"] == st["misses"] * mgr.device_pool.spec.page_bytes_per_layer
 
 
@@ -197,3 +209,179 @@ def test_prefill_offload_buffers_and_release():
     out = mgr.end_request(1)
     assert torch.equal(out.host_slots, hs)
     assert mgr.device_pool.allocator.num_free_pages() == free0
+
+
+# --------------------------------------------------------------------------- review fixes
+def _alloc_prompts(mgr, truth, rows, prompts):
+    ts = torch.full((len(rows), max(prompts)), -1, dtype=torch.int64)
+    for b, (r, n) in enumerate(zip(rows, prompts)):
+        ts[b, :n] = mgr.device_pool.allocator.alloc(n)[:n]
+        for layer in range(L):
+            mgr.device_pool.set_kv(layer, ts[b, :n], truth.k[layer, r, :n], truth.v[layer, r, :n])
+    return ts
+
+
+def _free_counts(mgr):
+    dense = mgr.dense_pool.allocator.num_free_pages() if mgr.dense_pool is not None else None
+    return mgr.device_pool.allocator.num_free_pages(), mgr.host_pool.available_size(), dense
+
+
+@pytest.mark.parametrize("short", ["device", "dense", "host"])
+def test_prefill_out_of_memory_rolls_back(short):
+    """Running out of any pool for the second request of a batch gives back every page taken
+    for the batch and leaves both requests un-prefilled; after freeing space the same
+    prefill succeeds."""
+    mgr = make_manager(layers_sparse=(1,), dense_pool_tokens=2 * 40)  # layer 0 dense
+    truth = Truth(2, seed=3)
+    rows, prompts = [0, 1], [30, 30]  # 15 pages each
+    for r in rows:
+        mgr.begin_request(r)
+    ts = _alloc_prompts(mgr, truth, rows, prompts)
+    if short == "device":
+        hog = mgr.device_pool.allocator.alloc_pages(mgr.device_pool.allocator.num_free_pages() - (mgr.sink + mgr.R + mgr.S) - 1)
+        release = lambda: mgr.device_pool.allocator.free_pages(hog)  # noqa: E731
+    elif short == "dense":
+        hog = mgr.dense_pool.allocator.alloc_pages(mgr.dense_pool.allocator.num_free_pages() - 15 - 1)
+        release = lambda: mgr.dense_pool.allocator.free_pages(hog)  # noqa: E731
+    else:
+        hog = mgr.host_pool.alloc((mgr.host_pool.available_size() // mgr.ps - 15 - 1) * mgr.ps)
+        release = lambda: mgr.host_pool.free(hog)  # noqa: E731
+    before = _free_counts(mgr)
+    with pytest.raises(RuntimeError, match="out of space.*rolled back"):
+        mgr.finish_prefill(rows, prompts, [0, 0], ts)
+    assert _free_counts(mgr) == before
+    for r in rows:
+        req = mgr.reqs[r]
+        assert not req.prefilled and req.host_pages == [] and req.dense_pages == [] and req.sink_pages is None
+    release()
+    mgr.finish_prefill(rows, prompts, [0, 0], ts)
+    for r in rows:
+        hs = (torch.tensor(mgr.reqs[r].host_pages)[:, None] * mgr.ps + torch.arange(mgr.ps)).reshape(-1)[:30]
+        assert torch.equal(mgr.host_pool.read_tokens(1, hs)[0], truth.k[1, r, :30])
+
+
+def test_prefill_rejects_duplicate_rows_and_length_mismatch():
+    mgr = make_manager()
+    mgr.begin_request(0)
+    free0 = _free_counts(mgr)
+    ts = torch.stack([mgr.device_pool.allocator.alloc(10)[:10] for _ in range(2)])
+    free1 = _free_counts(mgr)
+    with pytest.raises(ValueError, match="req_pool_indices must be distinct"):
+        mgr.finish_prefill([0, 0], [10, 10], [0, 0], ts)
+    with pytest.raises(ValueError, match="one entry per batch row"):
+        mgr.finish_prefill([0], [10, 10], [0, 0], ts[:1])
+    assert _free_counts(mgr) == free1 and not mgr.reqs[0].prefilled
+    mgr.device_pool.allocator.free(ts.reshape(-1))
+    mgr.end_request(0)
+    assert _free_counts(mgr) == free0
+
+
+def test_begin_decode_rejects_length_mismatch():
+    mgr = make_manager()
+    prefill(mgr, Truth(2, seed=4), [0, 1], [9, 12])
+    with pytest.raises(ValueError, match="one entry per batch row"):
+        mgr.begin_decode([0, 1], [10], torch.tensor([10], dtype=torch.int32))
+    assert mgr.step == 0 and [mgr.reqs[r].seq_len for r in (0, 1)] == [9, 12]
+
+
+def test_dense_layer_copy_gathers_only_the_requests_slots(monkeypatch):
+    """The prefill copy into the dense-layer pool must not materialise every slot of the
+    big pool for the dense layers (``kv[:, dense_layers]``): only the request's slots."""
+    ps = 2
+    cfg = SparseConfig(algorithm="oracle", page_size=ps, top_k=4 * ps, device_buffer_size=6 * ps, sink_tokens=ps,
+                       recent_tokens=2 * ps)
+    spec = KVCacheSpec("mha", 4, 1, 4, torch.float32, ps)
+    dev = DeviceKVPool(spec, 1 << 16, "cpu")  # 1 MiB per layer and buffer
+    host = HostKVPool(dev, hicache_ratio=2.0, pin_memory=False)
+    mgr = SparseKVCacheManager(cfg, dev, mode="hierarchical", host_pool=host,
+                               transfer=KVTransferEngine(dev, host, io_backend="direct"), sparse_layers=(2, 3),
+                               max_num_reqs=2, max_context_len=64, dense_pool_tokens=128)
+    mgr.begin_request(0)
+    ts = dev.allocator.alloc(32)[None, :32]
+    vals = torch.randn(32, 1, 4)
+    for layer in range(4):
+        dev.set_kv(layer, ts[0], vals + layer, vals - layer)
+    largest = [0]
+    orig = torch.Tensor.__getitem__
+
+    def spy(self, idx):
+        out = orig(self, idx)
+        # Views share the pool's storage (no copy); only new tensors are temporaries.
+        if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() != self.untyped_storage().data_ptr():
+            largest[0] = max(largest[0], out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
+    mgr.finish_prefill([0], [32], [0], ts)
+    monkeypatch.undo()
+    # request data: 2 buffers x 2 dense layers x 32 slots x 4 floats = 2 KiB; the pool slice is 2 MiB
+    assert largest[0] <= 64 * 1024, largest[0]
+    dk, dv = mgr.dense_pool.layer_buffers(1)
+    d_sl = (torch.tensor(mgr.reqs[0].dense_pages)[:, None] * ps + torch.arange(ps)).reshape(-1)[:32]
+    assert torch.equal(dk[d_sl], vals + 1) and torch.equal(dv[d_sl], vals - 1)
+
+
+def test_same_layer_twice_in_one_step_is_rejected():
+    mgr = make_manager()
+    truth = Truth(1, seed=6)
+    prefill(mgr, truth, [0], [30])
+    step = decode_step(mgr, truth, [0], [31])
+    cs, _ = candidates(mgr, 31)
+    topk = torch.tensor([[cs, cs + 1, -1, -1]], dtype=torch.int32)
+    valid = torch.tensor([2], dtype=torch.int32)
+    mgr.sparse_physical(0, step, topk, valid)
+    before = _snapshot(mgr)
+    with pytest.raises(ValueError, match="layer_id=0 already ran its LRU diff"):
+        mgr.sparse_physical(0, step, topk, valid)
+    assert _same(before, _snapshot(mgr))
+    mgr.sparse_physical(1, step, topk, valid)  # another layer in the same step is fine
+    mgr.end_step()
+    step = decode_step(mgr, truth, [0], [32])
+    mgr.sparse_physical(0, step, topk, valid)  # the next step is fine
+    assert mgr.lru.last_used[0, 0].max().item() == 2
+
+
+def test_stats_history_is_bounded_but_totals_cover_every_step():
+    mgr = make_manager()
+    mgr.STATS_HISTORY = 3
+    mgr.reset_stats()
+    truth = Truth(1, seed=8)
+    prefill(mgr, truth, [0], [30])
+    seq = 30
+    for _ in range(5):
+        seq += 1
+        step = decode_step(mgr, truth, [0], [seq])
+        cs, _ = candidates(mgr, seq)
+        ids = [cs + (seq % 5), cs + 5 + (seq % 3)]
+        r = mgr.sparse_physical(0, step, torch.tensor([ids + [-1, -1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))
+        assert bool((r[0, :2] >= 0).all())
+        mgr.end_step()
+    st = mgr.stats()
+    assert st["steps"] == 5 and len(st["per_step"]) == 3
+    assert [x["step"] for x in st["per_step"]] == [3, 4, 5]
+    assert st["hits"] + st["misses"] == 10  # all five steps, not just the kept three
+    misses = st["misses"]
+    assert st["bytes_loaded"] == misses * mgr.device_pool.spec.page_bytes_per_layer
+    assert st["per_layer_hit_rate"][0] == pytest.approx(st["hits"] / 10)
+
+
+def test_end_request_waits_for_device_to_host_writes(monkeypatch):
+    """Decode backups (kernel io backend) are asynchronous on the current stream: the host
+    slots handed to the runtime must be complete, so end_request synchronises that stream
+    before returning them. (On CPU copies are synchronous; the stream is stood in for.)"""
+    mgr = make_manager()
+    truth = Truth(1, seed=9)
+    prefill(mgr, truth, [0], [12])
+    decode_step(mgr, truth, [0], [13])
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    mgr.device = torch.device("cuda", 0)  # only the sync decision reads it in end_request
+    out = mgr.end_request(0)
+    events.append("returned")
+    assert events == ["sync", "returned"]
+    assert out.host_slots.shape == (13,)

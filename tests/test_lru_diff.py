@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings, strategies as st
 
+from sparsehi.kernels import lru_diff as lru_diff_mod
 from sparsehi.kernels.lru_diff import (
     _exclusive_cumsum,
     check_lru_diff_values,
@@ -183,14 +184,27 @@ def test_rows_map_batch_rows_to_state_rows():
             assert torch.equal(st_tri[name][r], untouched[name][r])
 
 
-def test_step_as_tensor_and_dispatch_match():
+@interpreted
+def test_step_as_tensor_and_dispatch_match(monkeypatch):
+    # Force the dispatcher onto the (interpreted) Triton kernel: on CPU it would otherwise
+    # pick the reference and compare the reference with itself.
+    monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
+    calls = []
+    real = lru_diff_mod.lru_diff_triton
+    monkeypatch.setattr(lru_diff_mod, "lru_diff_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     k, s, m = 4, 8, 16
     st1, st2 = new_state(2, s, m), new_state(2, s, m)
-    topk, valid = make_topk([[1, 2], [3]], k)
-    a = lru_diff(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], torch.tensor([7], dtype=torch.int32), order=st1["order"])
-    b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], 7, order=st2["order"])
-    assert torch.equal(a.device_slots, b.device_slots) and torch.equal(st1["last_used"], st2["last_used"])
-    assert int(st1["last_used"].max()) == 7
+    for step, ids in ((7, [[1, 2], [3]]), (9, [[2, 5, 6, 7], [8, 3]])):
+        topk, valid = make_topk(ids, k)
+        a = lru_diff(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], torch.tensor([step], dtype=torch.int32),
+                     order=st1["order"])
+        b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], step, order=st2["order"])
+        for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for name in st1:
+            assert torch.equal(st1[name], st2[name]), name
+    assert calls == [1, 1]
+    assert int(st1["last_used"].max()) == 9
 
 
 @interpreted

@@ -52,3 +52,34 @@ def test_dense_layers_list_becomes_tuple():
 def test_buffer_equal_to_top_k_is_allowed():
     c = SparseConfig(top_k=1024, device_buffer_size=1024)
     assert c.top_k_units == c.buffer_units
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"host_to_device_ratio": "3"}, "host_to_device_ratio"),
+        ({"host_to_device_ratio": None}, "host_to_device_ratio"),
+        ({"host_to_device_ratio": float("inf")}, "host_to_device_ratio"),
+        ({"host_to_device_ratio": True}, "host_to_device_ratio"),
+        ({"dense_layers": 3}, "dense_layers"),
+        ({"dense_layers": (True,)}, "dense_layers"),
+        ({"dense_layers": (0, 1.0)}, "dense_layers"),
+        ({"page_size": True, "top_k": 1, "device_buffer_size": 4}, "page_size"),
+        ({"page_size": 1, "top_k": True, "device_buffer_size": 4}, "top_k"),
+        ({"page_size": 1, "top_k": 2, "device_buffer_size": 2.0}, "device_buffer_size"),
+        ({"min_sparse_prompt_len": False}, "min_sparse_prompt_len"),
+        ({"sink_tokens": "64"}, "sink_tokens"),
+        ({"recent_tokens": True}, "recent_tokens"),
+        ({"io_backend": ["kernel"]}, "io_backend"),
+        ({"backend": ["triton"]}, "backend"),
+    ],
+)
+def test_wrong_types_and_bools_name_the_field(kw, field):
+    """Wrong types (strings, None, bools standing in for ints) are a ValueError naming the
+    field, never a TypeError from a comparison or a silently accepted ``True == 1``."""
+    with pytest.raises(ValueError, match=rf"SparseConfig\.{field}="):
+        SparseConfig(**kw)
+
+
+def test_integer_ratio_is_accepted():
+    assert SparseConfig(host_to_device_ratio=3).host_to_device_ratio == 3

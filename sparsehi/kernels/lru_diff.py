@@ -27,8 +27,11 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
     order     ``[R, S] int32`` slots, least recently used first                 (updated)
               (None: derived from ``last_used``, ties by slot index — exact only for
               states that never had two slots used in one step, e.g. fresh ones)
-    step      int or ``[1] int32`` tensor (graph-safe); larger than every earlier step used
-              with this state
+    step      int or ``[1] int32`` tensor (graph-safe); strictly larger than every earlier
+              step used with this state. Repeating a step is not detected here (it would
+              need a host sync) and corrupts the state: the kernel takes slots stamped with
+              the current step as this step's hits. SparseKVCacheManager keeps each layer's
+              last step on the host and rejects a second diff in one step.
     rows      ``[B] int64`` state row of each batch row (distinct), optional
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
