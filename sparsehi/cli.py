@@ -1,16 +1,230 @@
-"""`sparsehi` console script (placeholder until the runtime lands)."""
+"""`sparsehi` console script: ``sparsehi run`` (the long-context decode demo, every mode
+side by side) and ``sparsehi bench`` (sweeps of context x batch x mode)."""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
+
+import torch
+
+from hicache.config import HOST_LAYOUTS
+from sparsehi.config import IO_BACKENDS, SparseConfig
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FLAG_OF = {"device_buffer_size": "--buffer-size", "top_k": "--top-k", "page_size": "--page-size",
+            "sink_tokens": "--sink-tokens", "recent_tokens": "--recent-tokens", "io_backend": "--io-backend"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sparsehi", description="Hierarchical sparse attention demo and benchmarks")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="long-context decode demo")
+def _positive(name: str):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {v}")
+        return v
+    return conv
+
+
+def _nonneg(name: str):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+    return conv
+
+
+def _fraction(name: str):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not 0.0 <= v < 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in [0, 1), got {v}")
+        return v
+    return conv
+
+
+def _int_list(name: str):
+    def conv(text: str) -> list[int]:
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a comma list of integers, got {text!r}") from None
+        if not vals or any(v <= 0 for v in vals):
+            raise argparse.ArgumentTypeError(f"{name} must hold integers > 0, got {text!r}")
+        return vals
+    return conv
+
+
+def _modes(text: str) -> list[str]:
+    from sparsehi.runtime.modes import parse_modes
+
+    try:
+        return parse_modes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    from sparsehi.runtime.model_config import BUILTIN_CONFIGS
+    from sparsehi.runtime.modes import ADAPTORS, MODE_HELP
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(BUILTIN_CONFIGS), default="tiny-gqa",
+                   help="built-in config with fixed-seed random weights (default: tiny-gqa). tiny-gqa / tiny-dsa "
+                        "are CPU-sized; llama-8b-shape and dsv32-shape have real attention shapes (fewer layers / "
+                        "smaller MLP, stated in the output)")
+    g.add_argument("--model-path", default=None,
+                   help="local HF-layout Llama/Qwen2 checkpoint directory (config.json + model*.safetensors); "
+                        "overrides --model")
+    g.add_argument("--num-layers", type=_positive("--num-layers"), default=None,
+                   help="override the built-in config's layer count")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    g = p.add_argument_group("sparse attention")
+    g.add_argument("--modes", type=_modes, default=None,
+                   help="comma list or 'all' (default all): " + "; ".join(f"{k}: {v}" for k, v in MODE_HELP.items()))
+    g.add_argument("--algorithm", default="auto",
+                   help="Top-k algorithm: quest, oracle, dsa or 'module:Class' (default auto: quest for GQA "
+                        "models, dsa for MLA models)")
+    g.add_argument("--top-k", type=_positive("--top-k"), default=None,
+                   help="tokens selected per step and layer, sink and recent window excluded "
+                        "(default: context/16, at least 64, at most 2048)")
+    g.add_argument("--buffer-size", type=_positive("--buffer-size"), default=None,
+                   help="tokens of GPU LRU buffer per request and layer, >= --top-k (default 4 x top-k)")
+    g.add_argument("--page-size", type=_positive("--page-size"), default=None,
+                   help="tokens per KV page, a power of two (default 16 for GQA, 1 for MLA/DSA, which is token-wise)")
+    g.add_argument("--sink-tokens", type=_nonneg("--sink-tokens"), default=64,
+                   help="leading tokens always attended (default 64)")
+    g.add_argument("--recent-tokens", type=_positive("--recent-tokens"), default=64,
+                   help="trailing tokens always attended (default 64)")
+    g.add_argument("--adaptor", choices=ADAPTORS, default=None,
+                   help="attention backend adaptor for sparse decode: none = the coordinator's torch attention over "
+                        "the selected pages; auto = flashattention (GQA) / dsa (MLA) (default: auto on CUDA, none "
+                        "on CPU)")
+    g = p.add_argument_group("memory tiers")
+    g.add_argument("--host-layout", choices=HOST_LAYOUTS, default="layer_first",
+                   help="host KV pool layout (default layer_first)")
+    g.add_argument("--io-backend", choices=IO_BACKENDS, default="kernel",
+                   help="host->device loads: kernel (Triton zero-copy gather) or direct (default kernel)")
+    g = p.add_argument_group("execution")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                   help="model and KV dtype (default auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--threads", type=_positive("--threads"), default=1,
+                   help="torch CPU threads (default 1: the tiny models' small matmuls run fastest, and "
+                        "unaffected by other load, on one thread)")
+    g.add_argument("--output-dir", default="outputs", help="where JSON and PNG files go (default outputs/)")
+
+
+def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context: int):
+    from sparsehi.runtime.model_config import get_model_config
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    if not (device == "cpu" or device.startswith("cuda")):
+        parser.error(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    family = "gqa"
+    if args.model_path is None:
+        family = get_model_config(args.model).family
+    algorithm = args.algorithm if args.algorithm != "auto" else ("dsa" if family == "mla" else "quest")
+    page = args.page_size or (1 if family == "mla" else 16)
+    top_k = args.top_k or max(64, min(2048, context // 16))
+    top_k = max(page, top_k // page * page)
+    buf = args.buffer_size or 4 * top_k
+    try:
+        sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
+                          min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
+                          io_backend=args.io_backend)
+    except ValueError as e:
+        msg = str(e)
+        for field_name, flag in _FLAG_OF.items():
+            msg = msg.replace(f"SparseConfig.{field_name}", flag).replace(field_name, flag)
+        parser.error(msg)
+    from sparsehi.algorithms.registry import resolve_algorithm
+
+    try:
+        resolve_algorithm(algorithm)
+    except ValueError as e:
+        parser.error(f"--algorithm: {e}")
+    if family == "mla" and page != 1:
+        parser.error(f"--page-size must be 1 for the MLA/DSA model {args.model} (DSA selects tokens)")
+    if args.adaptor is None:
+        args.adaptor = "auto" if device.startswith("cuda") else "none"
+    return device, dtype, sc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparsehi",
+        description="Hierarchical sparse attention: full KV in host memory, a per-request LRU buffer of Top-k "
+                    "pages on the GPU. 'run' compares the four modes on one batch; 'bench' sweeps.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench}")
+    run = sub.add_parser("run", help="long-context decode demo: every mode on one batch, summary table, JSON, PNG",
+                         description="Prefill a batch of long random prompts, decode greedily in each mode "
+                                     "(dense, sparse-gpu, sparse-hier, offload-full) and compare tokens/s, buffer "
+                                     "hit rate, load volume, KV memory and token agreement.")
+    run.add_argument("--context", type=_positive("--context"), default=4096, help="prompt tokens (default 4096)")
+    run.add_argument("--batch", type=_positive("--batch"), default=2, help="requests decoded together (default 2)")
+    run.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=64,
+                     help="decode steps per request (default 64)")
+    run.add_argument("--shared-prefix", type=_fraction("--shared-prefix"), default=0.5,
+                     help="share of request 0's prompt that later requests start with (default 0.5); sparse-hier "
+                          "reuses it from the host tier through the HiRadixTree")
+    run.add_argument("--no-forced", action="store_true",
+                     help="skip the teacher-forced re-runs that measure next-token agreement with dense")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_common(run)
+    bench = sub.add_parser("bench", help="sweep contexts x batches x modes; JSON of tokens/s, hit rate, memory",
+                           description="Decode throughput sweep with the runtime (synthetic prompts). For the GPU "
+                                       "benchmark of the issue see benchmarks/bench_decode.py.")
+    bench.add_argument("--contexts", type=_int_list("--contexts"), default=[1024, 2048],
+                       help="comma list of prompt lengths (default 1024,2048)")
+    bench.add_argument("--batches", type=_int_list("--batches"), default=[1, 2],
+                       help="comma list of batch sizes (default 1,2)")
+    bench.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=16,
+                       help="decode steps per point (default 16)")
+    _add_common(bench)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    print(f"sparsehi {args.command}: not implemented yet")
+    torch.set_num_threads(args.threads)
+    from sparsehi.runtime.modes import RUNTIME_MODES
+
+    modes = args.modes or list(RUNTIME_MODES)
+    if args.command == "run":
+        from sparsehi.runtime.demo import DemoConfig, run_demo
+
+        device, dtype, sc = _resolve(args, parser, args.context)
+        cfg = DemoConfig(model=args.model, model_path=args.model_path, num_layers=args.num_layers,
+                         context=args.context, batch=args.batch, decode_tokens=args.decode_tokens, modes=modes,
+                         sparse=sc, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
+                         seed=args.seed, shared_prefix=args.shared_prefix, forced=not args.no_forced,
+                         output_dir=args.output_dir,
+                         progress=not args.no_progress)
+        run_demo(cfg)
+        return 0
+    from sparsehi.runtime.bench import BenchConfig, run_bench
+
+    device, dtype, sc = _resolve(args, parser, min(args.contexts))
+    run_bench(BenchConfig(model=args.model, model_path=args.model_path, num_layers=args.num_layers,
+                          contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens,
+                          modes=modes, sparse=sc, device=device, dtype=dtype, adaptor=args.adaptor,
+                          host_layout=args.host_layout, seed=args.seed, output_dir=args.output_dir))
     return 0
 
 

@@ -1,0 +1,596 @@
+"""Long-context decode throughput: dense vs sparse-gpu vs sparse-hier vs offload-full.
+
+llama-8b-shape (all 32 layers; MLP 4096 wide instead of 14336, stated in the output) at
+contexts 16k / 32k / 64k, Quest page 16, K = 2048 tokens, LRU buffer 2 x K; plus
+dsv32-shape (8 of 61 layers, budgets scaled by 8/61) with DSA at 32k. Two memory scenarios:
+
+  a  serving a large model: GPU KV budget 16 GiB (the rest of HBM stands for weights),
+     host KV budget 96 GiB;
+  b  the whole free HBM (after this run's weights, minus a working margin) for KV.
+
+Per mode the batch is swept in powers of two up to what the mode holds (GPU budget for
+dense / sparse-gpu; GPU and host budgets for sparse-hier / offload-full), computed from
+per-request bytes. Prefill is synthesised (random KV written straight into the pools and
+the algorithm's representations built from it; see sparsehi/runtime/synth.py): a decode
+benchmark does not time prefill. Host modes share one prompt's host pages across the
+batch (as prefix reuse would), so pinned memory fits the benchmark machine; every request
+still has its own GPU buffer, representations, decode pages and loads.
+
+Queries. ``trace85``: each sparse layer's selection query (GQA q; DSA index q) follows an
+AR(1) drift whose rho is calibrated per context so that the algorithm's own adjacent-step
+Top-k overlap on these representations is 85 % (003's figure for real models); every row
+reports the overlap it measured (``topk_overlap``). ``model``: the random-weight model's
+own queries (one sparse-hier row per context, for contrast).
+
+Per step: tokens/s over the timed steps (eager PyTorch, no CUDA graphs: Python launch
+overhead is part of every mode), then a profiled step split with CUDA events into
+attention, lru_diff, io (host<->device), scoring (Quest bound / DSA indexer + top-k) and
+other (projections, MLP, norms, selection bookkeeping, launch gaps).
+
+    PYTHONPATH=. python benchmarks/bench_decode.py            # GPU run (~6 min)
+    PYTHONPATH=. python benchmarks/bench_decode.py --quick    # tiny CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS_DIR, device_info, large_h2d_copy_gbps, write_result  # noqa: E402
+from sparsehi.config import SparseConfig  # noqa: E402
+from sparsehi.runtime.backends import Request  # noqa: E402
+from sparsehi.runtime.model_config import get_model_config  # noqa: E402
+from sparsehi.runtime.modes import RuntimeConfig, round_up  # noqa: E402
+from sparsehi.runtime.profiling import SPLIT_KEYS, wrap_method  # noqa: E402
+from sparsehi.runtime.runner import ModelRunner  # noqa: E402
+from sparsehi.runtime.synth import synth_prefill  # noqa: E402
+from sparsehi.runtime.traces import QueryTrace, calibrate_rho, topk_overlap  # noqa: E402
+from sparsehi.runtime.weights import build_model  # noqa: E402
+
+GIB = 1 << 30
+TRACE_SOURCES = {
+    "trace85": "synthetic AR(1) drift of each layer's selection query (GQA q / DSA index q), rho calibrated per "
+               "context so the algorithm's own adjacent-step Top-k overlap on the synthesised representations is "
+               "0.85 (003's figure for real models); topk_overlap is what the row measured",
+    "model": "the random-weight model's own queries (no trace)",
+}
+PREFILL_NOTE = ("prefill synthesised: random KV written into the pools and the algorithm's representations built from "
+                "it; host modes share one prompt's host pages across the batch (capacity computed per request)")
+MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- sizing
+def representation_bytes_per_request(model, sc: SparseConfig, ctx: int, device) -> int:
+    from sparsehi.algorithms.registry import create_algorithm
+
+    algo = create_algorithm(replace(sc, sparse_extra_config=_extra(model, sc)), device)
+    spec_heads, spec_dim = model.cfg.cache_heads, model.cfg.cache_head_dim
+    algo.initialize_representation_pool(0, model.cfg.num_layers, 1, ctx, kv_heads=spec_heads, head_dim=spec_dim,
+                                        dtype=next(model.parameters()).dtype)
+    n = algo.representation_bytes()
+    del algo
+    return n
+
+
+def _extra(model, sc: SparseConfig) -> dict:
+    extra = dict(sc.sparse_extra_config)
+    if model.cfg.family == "mla":
+        extra.setdefault("index_head_dim", model.cfg.index_head_dim)
+    extra["validate"] = False  # no host read-backs on the decode path
+    return extra
+
+
+def per_request_bytes(model, mode: str, ctx: int, sc: SparseConfig, steps: int, rep_bytes: int,
+                      n_dense_layers: int, dtype) -> tuple[int, int]:
+    """(GPU bytes, host bytes) one request of ``ctx`` tokens holds in ``mode``."""
+    cfg = model.cfg
+    es = torch.empty((), dtype=dtype).element_size()
+    per_layer = cfg.cache_heads * cfg.cache_head_dim * es * (2 if cfg.family == "gqa" else 1)
+    tb = per_layer * cfg.num_layers
+    ps = sc.page_size
+    tokens = round_up(ctx + steps + 1, ps) + ps
+    if mode == "dense":
+        return tokens * tb, 0
+    if mode == "sparse-gpu":
+        return tokens * tb + rep_bytes, 0
+    if mode == "sparse-hier":
+        buf = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
+        return buf + n_dense_layers * per_layer * tokens + rep_bytes, tokens * tb
+    return tokens * per_layer, tokens * tb  # offload-full: one-layer staging on GPU
+
+
+def batches_up_to(cap: int, limit: Optional[int] = None) -> list[int]:
+    if cap < 1:
+        return []
+    out = [1 << i for i in range(int(math.log2(cap)) + 1)]
+    if out[-1] != cap:
+        out.append(cap)
+    if limit is not None:
+        out = [b for b in out if b <= limit]
+    return out
+
+
+# ----------------------------------------------------------------------------- one point
+HOST_POOLS: dict = {}
+
+
+def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
+    """One pinned HostKVPool per model, reused by every point (pinning is slow)."""
+    from hicache.device_pool import DeviceKVPool
+    from hicache.host_pool import HostKVPool
+    from sparsehi.runtime.backends import kv_spec_for
+
+    key = model.cfg.name
+    hp = HOST_POOLS.get(key)
+    if hp is not None and hp.num_slots >= n_tokens:
+        return hp
+    HOST_POOLS.pop(key, None)
+    _free(device)
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, dtype=dtype)
+    spec = kv_spec_for(model.cfg, rt)
+    ps = sc.page_size
+    dummy = DeviceKVPool(spec, 2 * ps, device)
+    n = round_up(max(n_tokens, 3 * ps), ps)
+    hp = HostKVPool(dummy, hicache_ratio=n / dummy.num_slots + 1e-6, layout="layer_first")
+    HOST_POOLS[key] = hp
+    log(f"pinned host pool for {key}: {hp.nbytes() / GIB:.1f} GiB")
+    return hp
+
+
+def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> ModelRunner:
+    rt = RuntimeConfig(mode=mode, sparse=replace(sc, sparse_extra_config=_extra(model, sc)), device=str(device),
+                       dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
+                       adaptor="auto" if torch.device(device).type == "cuda" else "none",
+                       prefix_cache=False, validate=False)
+    if mode in ("sparse-hier", "offload-full"):
+        need = ctx + batch * round_up(steps + 2 * sc.page_size, sc.page_size) + 4 * sc.page_size
+        rt.host_kv_tokens = need
+        rt.host_pool = shared_host_pool(model, sc, need, device, dtype)
+    return ModelRunner(model, rt)
+
+
+def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tuple[dict[str, float], float]:
+    """Time ``steps`` decode steps with sections; returns (mean ms per section, mean step ms)."""
+    import sparsehi.kv_manager as kvm
+
+    be = runner.backend
+    timer = be.timer
+    undo = []
+    coord = getattr(be, "coord", None)
+    orig_diff = kvm.lru_diff
+    if coord is not None:
+        undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
+        undo.append(wrap_method(coord.manager, "_load_layer", timer, "io"))
+        undo.append(wrap_method(coord.manager, "backup_token", timer, "io"))
+
+        def timed_diff(*a, **kw):
+            with timer.section("lru_diff"):
+                return orig_diff(*a, **kw)
+        kvm.lru_diff = timed_diff
+    timer.enabled = True
+    acc = {k: 0.0 for k in SPLIT_KEYS}
+    total = 0.0
+    try:
+        for _ in range(steps):
+            timer.collect()
+            dev = be.device
+            if dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                runner.decode_step(reqs)
+                b.record()
+                torch.cuda.synchronize()
+                step_ms = a.elapsed_time(b)
+            else:
+                t = time.perf_counter()
+                runner.decode_step(reqs)
+                step_ms = (time.perf_counter() - t) * 1e3
+            parts = timer.collect()
+            for k, v in parts.items():
+                acc[k] = acc.get(k, 0.0) + v
+            total += step_ms
+    finally:
+        timer.enabled = False
+        kvm.lru_diff = orig_diff
+        for u in undo:
+            u()
+    n = max(1, steps)
+    split = {k: acc.get(k, 0.0) / n for k in SPLIT_KEYS if k != "other"}
+    split["other"] = max(0.0, total / n - sum(split.values()))
+    return split, total / n
+
+
+def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rho: Optional[float],
+              warmup: int, timed: int, profiled: int, device, dtype) -> dict[str, Any]:
+    steps_total = warmup + timed + profiled
+    runner = make_runner(model, mode, ctx, batch, sc, steps_total, device, dtype)
+    be = runner.backend
+    reqs = runner.new_requests([[0]] * batch)
+    synth_prefill(be, reqs, ctx, seed=1)
+    dsa = model.cfg.family == "mla"
+    if trace_rho is not None:
+        be.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
+    rec_layer = None
+    if hasattr(be, "coord"):
+        sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+        rec_layer = sparse_layers[0] if sparse_layers else None
+    for _ in range(warmup):
+        runner.decode_step(reqs)
+    if hasattr(be, "coord"):
+        be.coord.reset_stats()
+        be.record_layer = rec_layer
+        be.recorded.clear()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(timed):
+        runner.decode_step(reqs)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    row: dict[str, Any] = {"mode": mode, "context": ctx, "batch": batch, "tokens_per_s": batch * timed / dt,
+                           "step_ms": 1e3 * dt / timed, "hit_rate": None, "topk_overlap": None}
+    if hasattr(be, "coord"):
+        be.record_layer = None
+        if mode == "sparse-hier":
+            st = be.coord.stats()
+            row["hit_rate"] = st["hit_rate"]
+            row["misses_per_step"] = st["misses"] / max(1, st["steps"])
+            row["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
+        rec = be.recorded
+        if len(rec) >= 2:
+            ps = sc.page_size
+            lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
+            hi = torch.full((batch,), ctx // ps - sc.recent_units, device=rec[0].device)
+            ov = [topk_overlap(a, b, lo, hi).mean().item() for a, b in zip(rec[:-1], rec[1:])]
+            row["topk_overlap"] = sum(ov) / len(ov)
+        be.recorded.clear()
+    if mode == "offload-full":
+        row["mib_loaded_per_step"] = be.step_bytes[-1] / (1 << 20)
+    split, prof_ms = profiled_split(runner, reqs, profiled)
+    row["split_ms"] = split
+    row["profiled_step_ms"] = prof_ms
+    mem = be.memory()
+    row["gpu_kv_gib"] = (mem.get("gpu_kv_bytes", 0) + mem.get("representation_bytes", 0)) / GIB
+    row["gpu_kv_only_gib"] = mem.get("gpu_kv_bytes", 0) / GIB
+    row["representation_gib"] = mem.get("representation_bytes", 0) / GIB
+    del runner, be, reqs
+    _free(device)
+    return row
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device) -> None:
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- calibration
+def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, device, dtype) -> tuple[float, float]:
+    """rho of the query trace whose adjacent-step Top-k overlap (the algorithm's own, on
+    synthesised representations, one sparse layer, 2 requests) is ``target``."""
+    runner = make_runner(model, "sparse-gpu", ctx, 2, sc, 4, device, dtype)
+    be = runner.backend
+    reqs = runner.new_requests([[0]] * 2)
+    synth_prefill(be, reqs, ctx, seed=1)
+    algo = be.algorithm
+    layer = [x for x in range(model.cfg.num_layers) if algo.is_sparse_layer(x)][0]
+    cfg = model.cfg
+    dev = torch.device(device)
+    B = len(reqs)
+    ps = sc.page_size
+    P = ctx // ps
+    cs = torch.full((B,), sc.sink_units, dtype=torch.int32, device=dev)
+    ce = torch.full((B,), P - sc.recent_units, dtype=torch.int32, device=dev)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    rpi = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
+    mask = torch.ones(B, dtype=torch.bool, device=dev)
+    if cfg.family == "mla":
+        shape = (B, cfg.index_n_heads, cfg.index_head_dim)
+        w = torch.ones(B, cfg.index_n_heads, device=dev) * (cfg.index_n_heads ** -0.5)
+    else:
+        shape = (B, cfg.num_heads, cfg.head_dim)
+        w = None
+
+    def measure(rho: float) -> float:
+        tr = QueryTrace(rho, seed=3)
+        like = torch.empty(shape, device=dev, dtype=torch.float32)
+        prev, ovs = None, []
+        for _ in range(10):
+            q = tr.next(layer, like).to(dtype)
+            kw = {"weights": w} if w is not None else {}
+            sel, _ = algo.retrieve_topk(q, layer, rpi, mask, seq_lens=seq, candidate_start=cs, candidate_end=ce,
+                                        top_k=sc.top_k_units, **kw)
+            if prev is not None:
+                ovs.append(topk_overlap(prev, sel, cs, ce).mean().item())
+            prev = sel
+        return sum(ovs) / len(ovs)
+
+    rho, got = calibrate_rho(measure, target, iters=iters)
+    del runner, be
+    _free(device)
+    return rho, got
+
+
+# ----------------------------------------------------------------------------- plots
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    groups = sorted({(r["model"], r["context"]) for r in rows})
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4), squeeze=False)
+    colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3"}
+    for ax, (model, ctx) in zip(axes[0], groups):
+        for scen, style in (("a", "-"), ("b", "--")):
+            for mode in MODES:
+                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
+                             if r["model"] == model and r["context"] == ctx and r["scenario"] == scen
+                             and r["mode"] == mode and r.get("trace_source") == "trace85")
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", ms=3, color=colors[mode], label=f"{mode} ({scen})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        label = f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+        ax.set_title(f"{model}, {label} context", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle("decode throughput vs batch (a: 16 GiB GPU KV budget, solid; b: whole free HBM, dashed)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- targets
+def targets(rows: list[dict], caps: dict, ctx: int, model: str) -> list[str]:
+    sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
+           and r.get("trace_source") == "trace85"]
+    if not sel:
+        return [f"no scenario-a rows at {ctx} tokens"]
+
+    def best(mode):
+        rs = [r for r in sel if r["mode"] == mode]
+        return max(rs, key=lambda r: r["tokens_per_s"]) if rs else None
+
+    out = []
+    cap = caps.get((model, ctx, "a"), {})
+    bd, bg, bh = best("dense"), best("sparse-gpu"), best("sparse-hier")
+    if cap.get("dense") and cap.get("sparse-hier"):
+        ratio = cap["sparse-hier"] / cap["dense"]
+        out.append(f"batch held: sparse-hier {cap['sparse-hier']} vs dense {cap['dense']} = {ratio:.1f}x "
+                   f"(target >= 6x): {'MET' if ratio >= 6 else 'MISSED'}")
+    for name, other, goal in (("dense", bd, 3.0), ("sparse-gpu", bg, 1.5)):
+        if bh and other:
+            r = bh["tokens_per_s"] / other["tokens_per_s"]
+            out.append(f"best tokens/s: sparse-hier {bh['tokens_per_s']:.0f} (B={bh['batch']}) vs {name} "
+                       f"{other['tokens_per_s']:.0f} (B={other['batch']}) = {r:.2f}x (target >= {goal}x): "
+                       f"{'MET' if r >= goal else 'MISSED'}")
+    offl = {r["batch"]: r for r in sel if r["mode"] == "offload-full"}
+    hier = {r["batch"]: r for r in sel if r["mode"] == "sparse-hier"}
+    common = sorted(set(offl) & set(hier))
+    if common:
+        b = common[-1]
+        r = hier[b]["tokens_per_s"] / offl[b]["tokens_per_s"]
+        out.append(f"sparse-hier vs offload-full at B={b}: {r:.1f}x (target >= 5x): {'MET' if r >= 5 else 'MISSED'}")
+    if bh and bh.get("hit_rate") is not None:
+        out.append(f"sparse-hier hit rate at its best batch: {bh['hit_rate']:.3f} (target >= 0.90): "
+                   f"{'MET' if bh['hit_rate'] >= 0.9 else 'MISSED'}; measured top-k overlap {bh.get('topk_overlap')}")
+    if bh:
+        sp = bh["split_ms"]
+        bound = max(sp, key=sp.get)
+        out.append("sparse-hier split at its best batch (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in sp.items())
+                   + f"; largest term: {bound}")
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny models, tiny contexts: a CPU smoke run of every path")
+    ap.add_argument("--time-budget", type=float, default=390.0, help="seconds; later points are skipped past it")
+    ap.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
+    ap.add_argument("--skip-b", action="store_true", help="skip scenario b")
+    ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
+    ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
+    args = ap.parse_args(argv)
+    deadline = Deadline(args.time_budget)
+    cuda = torch.cuda.is_available() and not args.quick
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        torch.set_num_threads(1)
+    out_dir = Path(args.out or os.environ.get("OUT") or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        llama = get_model_config("tiny-gqa", num_layers=4)
+        dsv = get_model_config("tiny-dsa", num_layers=2)
+        contexts = [512, 1024]
+        dsv_ctx = 512
+        K, ps = 64, 16
+        budget_a = (2 * (1024 + 64) * llama.kv_bytes_per_token(dtype), 16 * (1024 + 64) * llama.kv_bytes_per_token(dtype))
+        warmup, timed, profiled = 1, 2, 1
+        cal_iters = 3
+        max_batch = 8
+    else:
+        llama = get_model_config("llama-8b-shape")
+        dsv = get_model_config("dsv32-shape")
+        contexts = [65536, 32768, 16384]
+        dsv_ctx = 32768
+        K, ps = 2048, 16
+        budget_a = (16 * GIB, 96 * GIB)
+        warmup, timed, profiled = 2, 8, 1
+        cal_iters = 8
+        max_batch = 256
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
+    info = device_info()
+    log(f"device {info['device']}; budget {args.time_budget:.0f}s")
+    h2d = large_h2d_copy_gbps(1 << 30) if cuda else None
+    if h2d:
+        log(f"pinned host->device copy: {h2d:.1f} GB/s")
+    rows: list[dict] = []
+    caps: dict = {}
+    notes: list[str] = []
+    calib: dict = {}
+
+    def save(final: bool = False) -> None:
+        payload = {
+            "model": llama.name, "models": {llama.name: llama.note, dsv.name: dsv.note},
+            "prefill": PREFILL_NOTE, "rows": rows, "capacity": {f"{m}|{c}|{s}": v for (m, c, s), v in caps.items()},
+            "calibration": calib, "h2d_gbps": h2d, "notes": notes, "trace_sources": TRACE_SOURCES,
+            "settings": {"top_k_tokens": K, "buffer_tokens": 2 * K, "page_size_gqa": ps, "sink_tokens": 64,
+                         "recent_tokens": 64, "warmup_steps": warmup, "timed_steps": timed,
+                         "profiled_steps": profiled, "quick": args.quick,
+                         "scenario_a": {"gpu_kv_gib": budget_a[0] / GIB, "host_kv_gib": budget_a[1] / GIB}},
+            "complete": final,
+        }
+        write_result("decode.json", payload, out_dir)
+
+    def sweep(model, ctx: int, sc: SparseConfig, scen: str, gpu_budget: float, host_budget: float,
+              modes=MODES, scale: float = 1.0) -> None:
+        cfg = model.cfg
+        steps = warmup + timed + profiled
+        rep = representation_bytes_per_request(model, sc, ctx + steps + 2, device)
+        probe = create_probe(model, sc)
+        n_dense = len(probe.dense_layers())
+        cap: dict[str, int] = {}
+        for mode in modes:
+            g, h = per_request_bytes(model, mode, ctx, sc, steps, rep, n_dense, dtype)
+            c = int(gpu_budget // g)
+            if h:
+                c = min(c, int(host_budget // h))
+            cap[mode] = c
+        caps[(cfg.name, ctx, scen)] = {**cap, "gpu_budget_gib": gpu_budget / GIB, "host_budget_gib": host_budget / GIB}
+        log(f"{cfg.name} {ctx} scenario {scen}: capacity {cap}")
+        rho = calib.get(f"{cfg.name}|{ctx}", {}).get("rho")
+        if rho is None:
+            rho, got = calibrate(model, ctx, sc, 0.85, cal_iters, device, dtype)
+            calib[f"{cfg.name}|{ctx}"] = {"rho": rho, "calibrated_overlap": got}
+            log(f"trace calibrated: rho={rho:.5f} -> overlap {got:.3f}")
+        plan: list[tuple[str, int, Optional[float]]] = []
+        for mode in modes:
+            limit = 4 if mode == "offload-full" else max_batch
+            for b in batches_up_to(cap[mode], limit):
+                plan.append((mode, b, rho))
+        if scen == "a" and cap.get("sparse-hier"):
+            plan.append(("sparse-hier", batches_up_to(cap["sparse-hier"], max_batch)[-1], None))
+        for mode, b, r in plan:
+            if deadline.left() < 20:
+                notes.append(f"skipped {cfg.name} {ctx} {scen} {mode} B={b}: time budget")
+                continue
+            t = time.perf_counter()
+            try:
+                t_steps = timed if mode != "offload-full" else max(2, timed // 4)
+                row = run_point(model, mode, ctx, b, sc, r, warmup if mode != "offload-full" else 1, t_steps,
+                                profiled if mode != "offload-full" else 1, device, dtype)
+            except Exception as e:  # a point that does not fit or fails is reported, not fatal
+                notes.append(f"{cfg.name} {ctx} {scen} {mode} B={b} failed: {type(e).__name__}: {e}")
+                log(notes[-1])
+                traceback.print_exc()
+                _free(device)
+                continue
+            row.update({"scenario": scen, "model": cfg.name, "trace_source": "trace85" if r is not None else "model",
+                        "host_kv_gib": per_request_bytes(model, mode, ctx, sc, steps, rep, n_dense, dtype)[1] * b / GIB,
+                        "capacity": cap[mode], "budget_scale": scale})
+            rows.append(row)
+            sp = row["split_ms"]
+            log(f"{scen} {cfg.name} {ctx:>6} {mode:>12} B={b:<4} {row['tokens_per_s']:9.1f} tok/s  "
+                f"step {row['step_ms']:.1f} ms  hit {row['hit_rate']}  ov {row['topk_overlap']}  "
+                f"split " + " ".join(f"{k}={v:.2f}" for k, v in sp.items()) + f"  ({time.perf_counter() - t:.1f}s)")
+            save()
+
+    def create_probe(model, sc):
+        from sparsehi.algorithms.registry import create_algorithm
+
+        return create_algorithm(replace(sc, sparse_extra_config=_extra(model, sc)), device)
+
+    gqa = build_model(config=llama, device=device, dtype=dtype)
+    sc_gqa = SparseConfig(algorithm="quest", top_k=K, device_buffer_size=2 * K, page_size=ps, min_sparse_prompt_len=0,
+                          sink_tokens=64 if not args.quick else 16, recent_tokens=64 if not args.quick else 16)
+    free_b = None
+    steps_all = warmup + timed + profiled
+    shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps, device, dtype)
+    for ctx in contexts:
+        sweep(gqa, ctx, sc_gqa, "a", *budget_a)
+    if not args.skip_dsv32 and deadline.left() > 60:
+        del gqa
+        _free(device)
+        HOST_POOLS.clear()
+        _free(device)
+        mla = build_model(config=dsv, device=device, dtype=dtype)
+        scale = dsv.num_layers / 61 if not args.quick else 1.0
+        sc_dsa = SparseConfig(algorithm="dsa", top_k=K if not args.quick else 64,
+                              device_buffer_size=2 * (K if not args.quick else 64), page_size=1,
+                              min_sparse_prompt_len=0, sink_tokens=64 if not args.quick else 8,
+                              recent_tokens=64 if not args.quick else 8)
+        notes.append(f"dsv32-shape: {dsv.num_layers} of 61 layers, so its GPU/host budgets are scaled by "
+                     f"{scale:.3f} (capacity as for the full model)")
+        shared_host_pool(mla, sc_dsa, dsv_ctx + max_batch * (steps_all + 4) + 8, device, dtype)
+        sweep(mla, dsv_ctx, sc_dsa, "a", budget_a[0] * scale, budget_a[1] * scale, scale=scale)
+        del mla
+        HOST_POOLS.clear()
+        _free(device)
+        gqa = None
+    if not args.skip_b and deadline.left() > 60:
+        if gqa is None:
+            gqa = build_model(config=llama, device=device, dtype=dtype)
+        shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps,
+                         device, dtype)
+        if cuda:
+            free_b = torch.cuda.mem_get_info()[0] - 8 * GIB
+        else:
+            free_b = 4 * budget_a[0]
+        notes.append(f"scenario b: GPU KV budget = free HBM after weights minus an 8 GiB working margin = "
+                     f"{free_b / GIB:.1f} GiB; host budget 96 GiB")
+        for ctx in contexts:
+            sweep(gqa, ctx, sc_gqa, "b", free_b, budget_a[1], modes=("dense", "sparse-gpu", "sparse-hier"))
+    lines = []
+    for ctx in contexts:
+        lines += [f"[{llama.name} {ctx}] " + t for t in targets(rows, caps, ctx, llama.name)]
+    notes.extend(lines)
+    for line in lines:
+        log(line)
+    save(final=True)
+    plot(rows, out_dir / "decode.png")
+    log(f"wrote {out_dir / 'decode.json'} and decode.png; {deadline.left():.0f}s of budget left")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

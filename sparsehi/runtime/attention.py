@@ -1,0 +1,61 @@
+"""Plain-torch attention used by the runtime's dense paths (prefill in every mode, dense
+decode on CPU) and as the fallback sparse decode when no backend adaptor is present.
+
+Both functions take the cache rows a query may see; GQA groups are expanded here, MLA
+passes ``k = kv [S, 1, r + rope]`` and ``v = kv[..., :r]``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                     q_offset: int) -> torch.Tensor:
+    """Prefill attention of one request.
+
+    q: ``[T, Hq, D]`` the new tokens at positions ``q_offset .. q_offset+T-1``;
+    k: ``[S, Hkv, D]``, v: ``[S, Hkv, Dv]`` the whole context (S = q_offset + T).
+    Returns ``[T, Hq, Dv]`` in q's dtype (computed in float32 on CPU for determinism).
+    """
+    T, Hq, _ = q.shape
+    S, Hkv, _ = k.shape
+    if S != q_offset + T:
+        raise ValueError(f"causal_attention: k has {S} rows, expected q_offset + T = {q_offset + T}")
+    group = Hq // Hkv
+    cdt = torch.float32 if q.device.type == "cpu" else q.dtype
+    qh = q.to(cdt).transpose(0, 1)                                  # [Hq, T, D]
+    kh = k.to(cdt).transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+    vh = v.to(cdt).transpose(0, 1).repeat_interleave(group, dim=0)
+    if q_offset == 0:  # plain causal: lets SDPA take its fused (flash) path
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh[None], kh[None], vh[None], is_causal=True, scale=sm_scale)[0]
+    else:
+        rows = torch.arange(T, device=q.device)[:, None] + q_offset
+        cols = torch.arange(S, device=q.device)[None, :]
+        mask = cols <= rows                                         # [T, S]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh[None], kh[None], vh[None], attn_mask=mask[None, None], scale=sm_scale)[0]
+    return o.transpose(0, 1).to(q.dtype)
+
+
+def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slots: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Decode attention over explicit cache rows.
+
+    q: ``[B, Hq, D]``; k_cache ``[N, Hkv, D]``, v_cache ``[N, Hkv, Dv]``;
+    slots: ``[B, L] int64`` cache rows per request, ``-1`` padded. Returns ``[B, Hq, Dv]``.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    valid = slots >= 0
+    idx = slots.clamp_min(0)
+    cdt = torch.float32 if q.device.type == "cpu" else q.dtype
+    kg = k_cache[idx].to(cdt)                                       # [B, L, Hkv, D]
+    vg = v_cache[idx].to(cdt)
+    qg = q.to(cdt).view(B, Hkv, group, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, kg) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(cdt)
+    o = torch.einsum("bhgl,blhd->bhgd", p, vg)
+    return o.reshape(B, Hq, -1).to(q.dtype)

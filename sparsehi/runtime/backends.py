@@ -1,0 +1,250 @@
+"""KV management + attention of one runtime mode, behind one small interface the runner
+drives (see :class:`ModeBackend`). Prefill is dense in every mode: the prompt's KV is
+written to the device pool and attended with plain causal attention; the modes differ in
+where that KV goes afterwards and what decode attends.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from hicache.device_pool import DeviceKVPool
+from hicache.kv_spec import KVCacheSpec
+from hicache.req_to_token import ReqToTokenPool
+from sparsehi.runtime.attention import causal_attention
+from sparsehi.runtime.model_config import ModelConfig
+from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.profiling import SectionTimer
+
+logger = logging.getLogger(__name__)
+
+QueryHook = Callable[[int, torch.Tensor, dict], torch.Tensor]
+"""``hook(layer, q, extra) -> q``: replaces a decode step's queries (benchmarks drive
+selection with a calibrated query trace); it may also replace ``extra["index_q"]`` (DSA)."""
+
+
+@dataclass
+class Request:
+    """One generation request."""
+
+    rid: int
+    prompt: list[int]
+    req_pool_idx: int = -1
+    output: list[int] = field(default_factory=list)
+    """Predicted tokens (greedy argmax): the first from prefill, then one per decode step."""
+    fed: list[int] = field(default_factory=list)
+    """Tokens consumed by decode steps (= output[:-1] unless teacher-forced)."""
+    seq_len: int = 0
+    """Tokens whose KV is cached (the prompt, then +1 per decode step)."""
+    prefix_hit: int = 0
+    """Prompt tokens whose KV came from the host tier (HiRadixTree match)."""
+    device_slots: Optional[torch.Tensor] = None
+    host_slots: Optional[torch.Tensor] = None
+    tree_node: Any = None
+
+    def all_tokens(self) -> list[int]:
+        """Prompt + the tokens whose KV was computed by decode steps."""
+        return self.prompt + self.fed
+
+
+def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
+    kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
+    return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
+                       head_dim=cfg.cache_head_dim, dtype=rt.dtype, page_size=rt.page_size, **kw)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ModeBackend:
+    """Base: owns the device pool and the request slots; subclasses add the mode."""
+
+    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
+        self.cfg = cfg
+        self.rt = rt
+        self.device = torch.device(rt.device)
+        self.spec = kv_spec_for(cfg, rt)
+        n_dev = rt.device_kv_tokens or rt.auto_device_tokens()
+        self.pool = DeviceKVPool(self.spec, round_up(n_dev, rt.page_size), self.device)
+        self.req_pool = ReqToTokenPool(rt.max_num_reqs, round_up(rt.max_context_len, rt.page_size) + rt.page_size,
+                                       self.device)
+        self.peak_device_tokens = 0
+        self.query_hook: Optional[QueryHook] = None
+        self.timer = SectionTimer(self.device)
+        """Benchmarks enable it to split a decode step into attention / io / ... sections."""
+
+    # -- accounting ---------------------------------------------------------------------
+    def device_tokens_in_use(self) -> int:
+        a = self.pool.allocator
+        return (a.num_pages - 1 - a.num_free_pages()) * a.page_size
+
+    def sample_memory(self) -> None:
+        self.peak_device_tokens = max(self.peak_device_tokens, self.device_tokens_in_use())
+
+    def memory(self) -> dict[str, float]:
+        """Peak KV bytes held during decode: ``gpu_kv_bytes`` (device pool pages in use +
+        extra pools; the transient prefill staging of the host modes is not counted),
+        ``host_kv_bytes`` (host pool pages in use)."""
+        return {"gpu_kv_bytes": self.peak_device_tokens * self.spec.token_bytes + self.extra_gpu_bytes(),
+                "host_kv_bytes": 0.0}
+
+    def extra_gpu_bytes(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    # -- request lifecycle ------------------------------------------------------------
+    def begin_request(self, req: Request) -> int:
+        """Take a request row; returns the prompt prefix length whose KV is reused."""
+        idx = self.req_pool.alloc()
+        if idx is None:
+            raise ValueError(f"max_num_reqs={self.rt.max_num_reqs} requests are already running")
+        req.req_pool_idx = idx
+        n = len(req.prompt)
+        if n + 1 > self.rt.max_context_len:
+            raise ValueError(f"prompt of {n} tokens does not fit max_context_len={self.rt.max_context_len}")
+        return 0
+
+    def _alloc_device(self, n: int) -> torch.Tensor:
+        slots = self.pool.allocator.alloc(n)
+        if slots is None:
+            raise ValueError(f"device KV pool is full ({self.pool.num_slots} slots): raise device_kv_tokens "
+                             f"or lower the batch / context")
+        return slots.to(self.device)
+
+    def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
+        """Device slots for the whole prompt: whole pages, so ``[round_up(n, ps)] int64``
+        (position ``p`` at index ``p``); kept in ``req.device_slots``."""
+        slots = self._alloc_device(len(req.prompt))
+        req.device_slots = slots
+        return slots
+
+    def prefill_attention(self, req: Request, prefix_len: int) -> Callable:
+        """The model's AttentionFn for one request's prefill (tokens [prefix_len, n))."""
+        n = len(req.prompt)
+        slots = req.device_slots[:n]
+        new = slots[prefix_len:n]
+        scale = self.cfg.sm_scale
+
+        def attn(layer: int, q, k, v, extra):
+            self.pool.set_kv(layer, new, k, v)
+            kb = self.pool.get_key_buffer(layer)[slots]
+            vb = self.pool.get_value_buffer(layer)[slots]
+            o = causal_attention(q, kb, vb, scale, prefix_len)
+            self.after_prefill_layer(req, layer, k, v, extra, prefix_len)
+            return o
+
+        return attn
+
+    def after_prefill_layer(self, req, layer, k, v, extra, prefix_len) -> None:
+        pass
+
+    def end_prefill(self, req: Request, prefix_len: int) -> None:
+        req.seq_len = len(req.prompt)
+
+    def decode_attention(self, reqs: list[Request]) -> Callable:
+        raise NotImplementedError
+
+    def end_decode(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.seq_len += 1
+        self.sample_memory()
+
+    def end_request(self, req: Request) -> None:
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = -1
+
+    def close(self) -> None:
+        pass
+
+    def _host_pool(self, n_tokens: int):
+        """The mode's HostKVPool: ``rt.host_pool`` reused (allocator cleared) or a new one
+        of at least ``n_tokens`` slots (and more than the device pool, as HiCache requires)."""
+        from hicache.host_pool import HostKVPool
+
+        hp = self.rt.host_pool
+        if hp is not None:
+            if hp.spec != self.spec:
+                raise ValueError(f"RuntimeConfig.host_pool has spec {hp.spec}, this model needs {self.spec}")
+            if hp.num_slots < n_tokens:
+                raise ValueError(f"RuntimeConfig.host_pool holds {hp.num_slots} slots < {n_tokens} needed")
+            hp.allocator.clear()
+            return hp
+        ratio = max(n_tokens / self.pool.num_slots, 1.0) + 1e-6
+        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout)
+
+    def _hook(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
+        return q if self.query_hook is None else self.query_hook(layer, q, extra)
+
+
+# ============================================================================== dense
+class DenseBackend(ModeBackend):
+    """All KV in the device pool; decode attends every token with the paged decode kernel
+    (Triton on CUDA, its torch reference on CPU)."""
+
+    def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
+        slots = super().prefill_slots(req, prefix_len)
+        self.req_pool.write(req.req_pool_idx, slice(0, slots.numel()), slots)
+        return slots
+
+    def _ensure_slots(self, reqs: list[Request]) -> torch.Tensor:
+        """Device slot of each request's new token ``[B] int64`` (a page is allocated
+        when a request crosses into a new page)."""
+        ps = self.rt.page_size
+        out = []
+        for r in reqs:
+            pos = r.seq_len
+            if pos >= self.rt.max_context_len:
+                raise ValueError(f"request {r.rid} exceeds max_context_len={self.rt.max_context_len}")
+            if pos % ps == 0:
+                page = self._alloc_device(ps)
+                r.device_slots = torch.cat([r.device_slots, page])
+                self.req_pool.write(r.req_pool_idx, slice(pos, pos + ps), page)
+            out.append(pos)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
+        return self.req_pool.req_to_token[rows, torch.tensor(out, device=self.device)]
+
+    def decode_attention(self, reqs: list[Request]) -> Callable:
+        from sparsehi.kernels.paged_decode import paged_decode
+        from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode
+
+        ps = self.rt.page_size
+        new_slots = self._ensure_slots(reqs)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
+        lens = torch.tensor([r.seq_len + 1 for r in reqs], device=self.device, dtype=torch.int32)
+        max_len = max(r.seq_len + 1 for r in reqs)
+        scale = self.cfg.sm_scale
+        mla = self.cfg.family == "mla"
+        if mla:
+            cols = torch.arange(max_len, device=self.device)
+            idx = self.req_pool.req_to_token[rows, :max_len]
+            idx = torch.where(cols[None, :] < lens[:, None], idx, torch.full_like(idx, -1)).to(torch.int32)
+        else:
+            n_pages = -(-max_len // ps)
+            table = (self.req_pool.req_to_token[rows][:, : n_pages * ps: ps] // ps).to(torch.int32)
+
+        def attn(layer: int, q, k, v, extra):
+            q = self._hook(layer, q, extra)
+            bufs = self.pool.layer_buffers(layer)
+            # direct index_copy_: set_kv validates slot ranges with a host sync per layer
+            bufs[0].index_copy_(0, new_slots, k.to(bufs[0].dtype))
+            if not mla:
+                bufs[1].index_copy_(0, new_slots, v.to(bufs[1].dtype))
+                with self.timer.section("attention"):
+                    return paged_decode(q, bufs[0], bufs[1], table, lens, page_size=ps, sm_scale=scale)
+            with self.timer.section("attention"):
+                return sparse_mla_decode(q, bufs[0], idx, kv_lora_rank=self.cfg.kv_lora_rank, sm_scale=scale)
+
+        return attn
+
+    def end_request(self, req: Request) -> None:
+        if req.device_slots is not None:
+            self.pool.allocator.free(req.device_slots)
+            req.device_slots = None
+        super().end_request(req)

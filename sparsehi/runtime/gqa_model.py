@@ -1,0 +1,115 @@
+"""Llama/Qwen2-style decoder with grouped-query attention.
+
+Module names follow the HF checkpoints (``embed_tokens``, ``layers.{i}.self_attn.q_proj``,
+``mlp.gate_proj``, ``input_layernorm``, ``norm``, ``lm_head``) so safetensors load by name.
+Attention itself is not computed here: each layer hands post-RoPE ``q, k, v`` to the
+runner's :class:`~sparsehi.runtime.layers.AttentionFn`, which owns the KV cache.
+"""
+from __future__ import annotations
+
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsehi.runtime.layers import AttentionFn, RMSNorm, SwiGLU, apply_rope, init_linear, rope_cos_sin, seeded_normal_, tie_rows
+from sparsehi.runtime.model_config import ModelConfig
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self._qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    def qkv_weight(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """q/k/v projections as one matrix (one GEMM launch per layer instead of three),
+        built on first use: weights are fixed once loaded or initialised."""
+        if self._qkv is None:
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+            b = None
+            if self.q_proj.bias is not None:
+                b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+            self._qkv = (w, b)
+        return self._qkv
+
+
+class GQALayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GQAAttention(cfg, bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class GQAModel(nn.Module):
+    """Decoder-only GQA transformer; ``forward`` returns the final hidden states."""
+
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
+        super().__init__()
+        if cfg.family != "gqa":
+            raise ValueError(f"GQAModel needs a 'gqa' config, got family={cfg.family!r}")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GQALayer(cfg, qkv_bias) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def random_init(self) -> None:
+        """Fixed-seed init (``cfg.seed``); see model_config for the q/k tie that makes
+        attention peaky."""
+        cfg = self.cfg
+        for layer in self.layers:
+            layer.self_attn._qkv = None
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(cfg.seed)
+        seeded_normal_(self.embed_tokens.weight, gen, 1.0)
+        group = cfg.num_heads // cfg.num_kv_heads
+        d = cfg.head_dim
+        for layer in self.layers:
+            a = layer.self_attn
+            init_linear(a.q_proj, gen, cfg.qk_gain)
+            init_linear(a.k_proj, gen, cfg.qk_gain)
+            if cfg.qk_tie > 0:
+                for j in range(cfg.num_kv_heads):
+                    src = a.q_proj.weight[j * group * d:(j * group + 1) * d]
+                    tie_rows(a.k_proj.weight[j * d:(j + 1) * d], src, cfg.qk_tie, gen)
+            init_linear(a.v_proj, gen)
+            init_linear(a.o_proj, gen, cfg.mix_gain)
+            init_linear(layer.mlp.gate_proj, gen)
+            init_linear(layer.mlp.up_proj, gen)
+            init_linear(layer.mlp.down_proj, gen, cfg.mix_gain)
+        init_linear(self.lm_head, gen)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions: ``[T] int64`` (one decode token per request, or the
+        concatenated prefill tokens). Returns hidden ``[T, hidden]`` after the final norm."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            w, b = a.qkv_weight()
+            qkv = F.linear(x, w, b).view(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            nqk = cfg.num_heads + cfg.num_kv_heads
+            qk = apply_rope(qkv[:, :nqk], cos, sin)  # q and k rotated in one pass
+            q, k, v = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:], qkv[:, nqk:]
+            o = attn(i, q, k, v, {})
+            h = h + a.o_proj(o.reshape(T, -1).to(h.dtype))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,106 @@
+"""Small building blocks shared by the two model families: RMSNorm, RoPE, SwiGLU MLP,
+the per-layer attention callback type, and seeded init helpers."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class AttentionFn(Protocol):
+    """What a model calls for attention in each layer; the runner implements it per mode.
+
+    GQA: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` (post-RoPE) -> ``o [T, Hq, D]``.
+    MLA: ``q [T, H, kv_lora_rank + rope]`` (weight-absorbed), ``k`` = the latent cache
+    entry ``[T, 1, kv_lora_rank + rope]``, ``v`` None -> ``o [T, H, kv_lora_rank]``.
+    ``extra`` carries algorithm inputs (MLA: ``index_q [T, Hi, Di]``, ``index_k [T, Di]``,
+    ``index_w [T, Hi]``).
+    """
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+                 extra: dict[str, Any]) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused op instead of ~7 launches per norm on the decode path
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def llama3_inv_freq(inv: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama-3.1 ``rope_scaling`` (``rope_type: llama3``): long wavelengths slowed by
+    ``factor``, short ones kept, a smooth blend in between."""
+    low_wl = original_max_position_embeddings / low_freq_factor
+    high_wl = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float,
+                 scaling: Optional[tuple[float, float, float, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, dim]`` float32 for the rotate-half (HF Llama) RoPE convention;
+    ``scaling`` = llama3 (factor, low_freq_factor, high_freq_factor, original_max_pos)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, *scaling)
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, dim]`` by position (rotate-half convention)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def seeded_normal_(t: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tensor:
+    """Fill ``t`` from ``gen`` (a generator on ``t``'s device: big models init on the GPU)
+    scaled by ``std``."""
+    with torch.no_grad():
+        t.copy_(torch.randn(t.shape, generator=gen, device=gen.device, dtype=torch.float32).mul_(std))
+    return t
+
+
+def init_linear(lin: nn.Linear, gen: torch.Generator, gain: float = 1.0) -> None:
+    seeded_normal_(lin.weight, gen, gain / math.sqrt(lin.in_features))
+    if lin.bias is not None:
+        with torch.no_grad():
+            lin.bias.zero_()
+
+
+def tie_rows(dst: torch.Tensor, src: torch.Tensor, tie: float, gen: torch.Generator) -> None:
+    """dst = tie * src + sqrt(1 - tie^2) * fresh noise of src's scale (keeps the norm)."""
+    with torch.no_grad():
+        noise = torch.randn(src.shape, generator=gen, device=gen.device, dtype=torch.float32)
+        noise = noise * src.float().std()
+        dst.copy_(tie * src.float() + math.sqrt(max(0.0, 1 - tie * tie)) * noise)

@@ -1,0 +1,140 @@
+"""DeepSeek-V3.2-style decoder: multi-head latent attention (MLA) plus the lightning
+indexer that scores tokens for DSA Top-k selection.
+
+Attention runs in the weight-absorbed form for prefill and decode alike, so every mode
+reads the same latent cache entry per token: ``kv = [rmsnorm(c_kv) (kv_lora_rank) ;
+rope(k_pe) (qk_rope_head_dim)]`` (576 wide for DeepSeek). The query handed to attention
+is ``[q_nope @ W_UK ; rope(q_pe)]``, keys are the whole entry, values its first
+``kv_lora_rank`` columns; the latent output is mapped back through ``W_UV``.
+
+Indexer (per token): ``index_q [Hi, Di]`` from the query latent, ``index_k [Di]`` from
+the hidden state (LayerNorm), RoPE on their first ``qk_rope_head_dim`` dims, and
+``index_w [Hi]`` = ``weights_proj(x) * Hi^-0.5 * Di^-0.5``; the DSA score of token t is
+``sum_h index_w[h] * relu(index_q[h] . index_k[t])``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparsehi.runtime.layers import AttentionFn, RMSNorm, SwiGLU, apply_rope, init_linear, rope_cos_sin, seeded_normal_, tie_rows
+from sparsehi.runtime.model_config import ModelConfig
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H = cfg.num_heads
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+
+class MLALayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(cfg)
+        self.indexer = Indexer(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class MLAModel(nn.Module):
+    """Decoder-only MLA transformer with a lightning indexer per layer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.family != "mla":
+            raise ValueError(f"MLAModel needs an 'mla' config, got family={cfg.family!r}")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MLALayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def random_init(self) -> None:
+        """Fixed-seed init. With ``qk_tie`` the query path mirrors the latent key path
+        (same down-projection, ``W_q_nope = W_UK`` per head) so a token's absorbed query
+        scores ``|W_UK c|^2 > 0`` against earlier keys of the same token id; the indexer's
+        key projection is tied to its head-0 query path the same way."""
+        cfg = self.cfg
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(cfg.seed)
+        seeded_normal_(self.embed_tokens.weight, gen, 1.0)
+        H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        for layer in self.layers:
+            a = layer.self_attn
+            init_linear(a.q_a_proj, gen)
+            init_linear(a.q_b_proj, gen)
+            init_linear(a.kv_a_proj_with_mqa, gen)
+            init_linear(a.kv_b_proj, gen)
+            init_linear(a.o_proj, gen, cfg.mix_gain)
+            ix = layer.indexer
+            init_linear(ix.wq_b, gen)
+            init_linear(ix.wk, gen)
+            init_linear(ix.weights_proj, gen)
+            if cfg.qk_tie > 0 and cfg.q_lora_rank == r:
+                tie_rows(a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight[:r], cfg.qk_tie, gen)
+                wkv = a.kv_b_proj.weight.view(H, dn + dv, r)
+                wkv[:, :dn].mul_(cfg.qk_gain)
+                wq = a.q_b_proj.weight.view(H, dn + dr, cfg.q_lora_rank)
+                wq[:, :dn].copy_(wkv[:, :dn])
+                wq[:, dn:].mul_(cfg.qk_gain)
+                wqi = ix.wq_b.weight.view(cfg.index_n_heads, cfg.index_head_dim, cfg.q_lora_rank)
+                for h in range(1, cfg.index_n_heads):
+                    tie_rows(wqi[h], wqi[0], cfg.qk_tie, gen)
+                ix.wk.weight.copy_(wqi[0] @ a.q_a_proj.weight * cfg.q_lora_rank ** 0.5)
+            init_linear(layer.mlp.gate_proj, gen)
+            init_linear(layer.mlp.up_proj, gen)
+            init_linear(layer.mlp.down_proj, gen, cfg.mix_gain)
+        init_linear(self.lm_head, gen)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions ``[T] int64``; returns hidden ``[T, hidden]`` after the final norm."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, dr, cfg.rope_theta)
+        w_scale = (Hi ** -0.5) * (Di ** -0.5)
+        for i, layer in enumerate(self.layers):
+            a, ix = layer.self_attn, layer.indexer
+            x = layer.input_layernorm(h)
+            cq = a.q_a_layernorm(a.q_a_proj(x))
+            q = a.q_b_proj(cq).view(T, H, dn + dr)
+            q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
+            kv_a = a.kv_a_proj_with_mqa(x)
+            c_kv = a.kv_a_layernorm(kv_a[:, :r])
+            k_pe = apply_rope(kv_a[:, None, r:], cos, sin)
+            w_kv = a.kv_b_proj.weight.view(H, dn + dv, r)
+            q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
+            q_full = torch.cat([q_lat, q_pe], dim=-1)
+            kv = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
+            iq = ix.wq_b(cq).view(T, Hi, Di)
+            iq = torch.cat([apply_rope(iq[..., :dr], cos, sin), iq[..., dr:]], dim=-1)
+            ik = ix.k_norm(ix.wk(x))
+            ik = torch.cat([apply_rope(ik[:, None, :dr], cos, sin)[:, 0], ik[:, dr:]], dim=-1)
+            iw = ix.weights_proj(x).float() * w_scale
+            o_lat = attn(i, q_full, kv, None, {"index_q": iq, "index_k": ik, "index_w": iw})
+            o = torch.einsum("thc,hvc->thv", o_lat.to(h.dtype), w_kv[:, dn:])
+            h = h + a.o_proj(o.reshape(T, H * dv))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,111 @@
+"""The four runtime modes and the settings one run of a mode needs.
+
+| mode           | KV lives                  | decode attends                     |
+|----------------|---------------------------|------------------------------------|
+| ``dense``      | device pool (all of it)   | every token (paged decode)         |
+| ``sparse-gpu`` | device pool (all of it)   | sink + Top-k + recent (coordinator ``gpu_only``) |
+| ``sparse-hier``| host pool; GPU LRU buffer | same selection, misses loaded host->device (coordinator ``hierarchical``) |
+| ``offload-full``| host pool                | every token, all of it loaded host->device each step |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sparsehi.config import SparseConfig
+
+RUNTIME_MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
+SPARSE_MODES = ("sparse-gpu", "sparse-hier")
+HOST_MODES = ("sparse-hier", "offload-full")
+ADAPTORS = ("none", "auto", "flashattention", "triton", "dsa")
+
+MODE_HELP = {
+    "dense": "all KV on the GPU, full attention",
+    "sparse-gpu": "all KV on the GPU, Top-k attention (coordinator gpu_only)",
+    "sparse-hier": "KV in host memory, per-request LRU buffer of Top-k pages on the GPU",
+    "offload-full": "KV in host memory, every page loaded host->device each step",
+}
+
+
+def parse_modes(text: str) -> list[str]:
+    """``"all"`` or a comma list of RUNTIME_MODES -> ordered unique list."""
+    if text.strip() == "all":
+        return list(RUNTIME_MODES)
+    out: list[str] = []
+    for m in (x.strip() for x in text.split(",")):
+        if m not in RUNTIME_MODES:
+            raise ValueError(f"mode {m!r} is unknown: allowed {RUNTIME_MODES} or 'all'")
+        if m not in out:
+            out.append(m)
+    if not out:
+        raise ValueError(f"modes must name at least one of {RUNTIME_MODES}")
+    return out
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass
+class RuntimeConfig:
+    """One runtime instance (one mode) of the model runner."""
+
+    mode: str
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_num_reqs: int = 4
+    max_context_len: int = 8192
+    """Prompt + generated tokens of any request."""
+    device_kv_tokens: Optional[int] = None
+    """Device pool slots; None: sized for the mode (all requests' KV, or buffers + one
+    prompt's prefill staging for the host modes)."""
+    host_kv_tokens: Optional[int] = None
+    """Host pool slots (host modes); None: room for twice the live requests' KV so the
+    radix tree can keep finished requests for prefix reuse."""
+    host_layout: str = "layer_first"
+    adaptor: str = "none"
+    """Backend adaptor for sparse decode: ``none`` = the coordinator's torch fallback,
+    ``auto`` = flashattention for GQA / dsa for MLA, or a name for create_adaptor."""
+    prefix_cache: bool = True
+    """sparse-hier: match prompts in the HiRadixTree and reuse host-resident prefixes."""
+    validate: bool = True
+    """Coordinator host-side selection checks (sync per layer; off for benchmarks)."""
+    host_pool: Optional[Any] = None
+    """Host modes: an existing ``HostKVPool`` of the same KV spec to use instead of
+    allocating one (benchmarks: pinning tens of GiB per run point is slow). Its allocator
+    is cleared: whatever it held is forgotten."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in RUNTIME_MODES:
+            raise ValueError(f"RuntimeConfig.mode={self.mode!r}: allowed {RUNTIME_MODES}")
+        if self.adaptor not in ADAPTORS:
+            raise ValueError(f"RuntimeConfig.adaptor={self.adaptor!r}: allowed {ADAPTORS}")
+        if self.max_num_reqs < 1 or self.max_context_len < 2:
+            raise ValueError("RuntimeConfig.max_num_reqs must be >= 1 and max_context_len >= 2")
+
+    @property
+    def page_size(self) -> int:
+        return self.sparse.page_size
+
+    def buffer_tokens_per_request(self) -> int:
+        """Device slots one request's sparse-hier buffer takes (sink + recent ring + LRU
+        region, plus a page of slack for the page being written)."""
+        s = self.sparse
+        return (s.sink_units + s.recent_units + s.buffer_units + 1) * s.page_size
+
+    def auto_device_tokens(self) -> int:
+        ps = self.page_size
+        ctx = round_up(self.max_context_len, ps)
+        if self.mode in ("dense", "sparse-gpu"):
+            need = self.max_num_reqs * (ctx + ps)
+        elif self.mode == "sparse-hier":
+            need = ctx + self.max_num_reqs * self.buffer_tokens_per_request()
+        else:  # offload-full: one prompt's prefill staging
+            need = ctx + ps
+        return round_up(need, ps) + 2 * ps  # page 0 is reserved as padding
+
+    def auto_host_tokens(self) -> int:
+        return round_up(2 * self.max_num_reqs * round_up(self.max_context_len, self.page_size), self.page_size) + 2 * self.page_size

@@ -1,0 +1,144 @@
+"""Model runner: a batch of requests through prefix match, prefill and greedy decode in
+one runtime mode. The mode's KV handling lives in a :class:`ModeBackend`; the runner only
+sequences the model calls and times them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from sparsehi.runtime.backends import ModeBackend, Request, _sync
+from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.weights import Model
+
+
+def make_backend(model: Model, rt: RuntimeConfig) -> ModeBackend:
+    """The ModeBackend of ``rt.mode``."""
+    from sparsehi.runtime import backends
+
+    if rt.mode == "dense":
+        return backends.DenseBackend(model.cfg, rt)
+    if rt.mode in ("sparse-gpu", "sparse-hier"):
+        from sparsehi.runtime.sparse_backend import CoordinatorBackend
+
+        return CoordinatorBackend(model.cfg, rt)
+    from sparsehi.runtime.offload_backend import OffloadFullBackend
+
+    return OffloadFullBackend(model.cfg, rt)
+
+
+@dataclass
+class GenerationResult:
+    """What one ``generate`` call produced and measured."""
+
+    mode: str
+    tokens: list[list[int]]
+    """Generated token ids per request (first from prefill, then one per decode step)."""
+    prefix_hits: list[int]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    batch_size: int
+    memory: dict[str, float]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps * self.batch_size / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class ModelRunner:
+    """Runs ``model`` in one mode; the backend (pools, tree, coordinator) persists across
+    ``generate`` calls, so a later request can reuse an earlier one's prefix."""
+
+    def __init__(self, model: Model, rt: RuntimeConfig) -> None:
+        self.model = model
+        self.rt = rt
+        self.backend = make_backend(model, rt)
+        self._next_rid = 0
+
+    @torch.no_grad()
+    def prefill(self, req: Request) -> int:
+        """Prefill one request; returns its first generated token."""
+        be = self.backend
+        prefix = be.begin_request(req)
+        be.prefill_slots(req, prefix)
+        n = len(req.prompt)
+        dev = be.device
+        ids = torch.tensor(req.prompt[prefix:], dtype=torch.int64, device=dev)
+        pos = torch.arange(prefix, n, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, pos, be.prefill_attention(req, prefix))
+        be.end_prefill(req, prefix)
+        tok = int(self.model.logits(hidden[-1:]).argmax(-1)[0])
+        req.output.append(tok)
+        return tok
+
+    @torch.no_grad()
+    def decode_step(self, reqs: list[Request], feed: Optional[list[int]] = None) -> list[int]:
+        """One greedy decode step for every request of the batch. ``feed`` (teacher
+        forcing) overrides the token each request consumes; its own argmax is still
+        recorded."""
+        be = self.backend
+        dev = be.device
+        last = feed if feed is not None else [r.output[-1] for r in reqs]
+        for r, t in zip(reqs, last):
+            r.fed.append(int(t))
+        ids = torch.tensor(last, dtype=torch.int64, device=dev)
+        pos = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=dev)
+        attn = be.decode_attention(reqs)
+        hidden = self.model(ids, pos, attn)
+        be.end_decode(reqs)
+        toks = self.model.logits(hidden).argmax(-1).tolist()
+        for r, t in zip(reqs, toks):
+            r.output.append(int(t))
+        return toks
+
+    def new_requests(self, prompts: list[list[int]]) -> list[Request]:
+        out = []
+        for p in prompts:
+            out.append(Request(rid=self._next_rid, prompt=list(p)))
+            self._next_rid += 1
+        return out
+
+    def generate(self, prompts: list[list[int]], decode_steps: int,
+                 progress: Optional[Callable[[str, int], None]] = None,
+                 force_tokens: Optional[list[list[int]]] = None) -> GenerationResult:
+        """Prefill every prompt (one at a time), then ``decode_steps`` batched greedy
+        steps; requests end afterwards. ``progress(phase, n)`` is called per unit done.
+
+        force_tokens: per request, the tokens to consume at decode steps ``0..n-1``
+        (teacher forcing with another run's output, ``tokens[r][t]`` is then this run's
+        prediction given the *forced* context); None = free-running greedy decode."""
+        if decode_steps < 0:
+            raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
+        if force_tokens is not None and (len(force_tokens) != len(prompts)
+                                         or any(len(f) < decode_steps for f in force_tokens)):
+            raise ValueError("force_tokens must hold >= decode_steps tokens for every prompt")
+        be = self.backend
+        reqs = self.new_requests(prompts)
+        _sync(be.device)
+        t0 = time.perf_counter()
+        for r in reqs:
+            self.prefill(r)
+            if progress:
+                progress("prefill", 1)
+        _sync(be.device)
+        t1 = time.perf_counter()
+        for t in range(decode_steps):
+            self.decode_step(reqs, None if force_tokens is None else [f[t] for f in force_tokens])
+            if progress:
+                progress("decode", 1)
+        _sync(be.device)
+        t2 = time.perf_counter()
+        stats = be.stats()
+        memory = be.memory()
+        for r in reqs:
+            be.end_request(r)
+        return GenerationResult(
+            mode=self.rt.mode, tokens=[r.output for r in reqs], prefix_hits=[r.prefix_hit for r in reqs],
+            prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=decode_steps, batch_size=len(reqs),
+            memory=memory, stats=stats,
+        )

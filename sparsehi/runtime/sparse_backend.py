@@ -1,0 +1,230 @@
+"""``sparse-gpu`` and ``sparse-hier``: decode through the SparseCoordinator hooks (see
+docs/coordinator.md). Both modes run the same algorithm and selection logic; only the
+coordinator mode differs (``gpu_only`` vs ``hierarchical``).
+
+sparse-hier also keeps a HiRadixTree over the host pool: a prompt's longest host-resident
+prefix is matched, loaded back into device slots for the prefill, and handed to the
+coordinator as tree-owned host slots, so prefix reuse and hierarchical sparsity work
+together. DSA requests skip the match: the indexer keys of a reused prefix are not kept
+(they live on the GPU only and are freed with the request), so the prefix is recomputed.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from hicache.transfer import KVTransferEngine
+from sparsehi.algorithms.registry import create_algorithm
+from sparsehi.coordinator import SparseCoordinator
+from sparsehi.forward_batch import ForwardBatch
+from sparsehi.runtime.backends import ModeBackend, Request
+from sparsehi.runtime.model_config import ModelConfig
+from sparsehi.runtime.modes import RuntimeConfig, round_up
+
+
+def default_adaptor_name(cfg: ModelConfig) -> str:
+    return "flashattention" if cfg.family == "gqa" else "dsa"
+
+
+class CoordinatorBackend(ModeBackend):
+    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
+        super().__init__(cfg, rt)
+        self.hier = rt.mode == "sparse-hier"
+        ps = rt.page_size
+        sc = rt.sparse
+        extra = dict(sc.sparse_extra_config)
+        if cfg.family == "mla" and sc.algorithm == "dsa":
+            extra.setdefault("index_head_dim", cfg.index_head_dim)
+        if not rt.validate:
+            # the algorithms' value checks read tensors back to the host: two syncs per
+            # sparse layer and step, which serialise CPU launches with GPU work
+            extra.setdefault("validate", False)
+        sc.sparse_extra_config = extra
+        self.algorithm = create_algorithm(sc, self.device)
+        self.is_dsa = cfg.family == "mla"
+        adaptor = None
+        if rt.adaptor != "none":
+            from sparsehi.adapters import create_adaptor
+
+            name = default_adaptor_name(cfg) if rt.adaptor == "auto" else rt.adaptor
+            adaptor = create_adaptor(name, kv_lora_rank=cfg.kv_lora_rank) if name == "dsa" else create_adaptor(name)
+        self.host = self.transfer = self.tree = None
+        max_ctx = round_up(rt.max_context_len, ps)
+        if self.hier:
+            n_host = round_up(rt.host_kv_tokens or rt.auto_host_tokens(), ps)
+            self.host = self._host_pool(n_host)
+            self.transfer = KVTransferEngine(self.pool, self.host, sc.io_backend, validate=rt.validate)
+            if rt.prefix_cache:
+                from hicache.controller import HiCacheController
+                from hicache.radix_tree import HiRadixTree
+
+                self.controller = HiCacheController(self.pool, self.host, io_backend=sc.io_backend,
+                                                    transfer=self.transfer)
+                self.tree = HiRadixTree(self.controller)
+        self.coord = SparseCoordinator(
+            sc, self.algorithm, self.pool, mode="hierarchical" if self.hier else "gpu_only",
+            host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
+            max_context_len=max_ctx, validate=rt.validate,
+            dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
+        )
+        self.peak_host_tokens = 0
+        self.peak_dense_tokens = 0
+        self._batch: dict[int, ForwardBatch] = {}
+        self.record_layer: Optional[int] = None
+        """When set, each decode step's selection of that layer is kept in ``recorded``
+        (benchmarks measure adjacent-step Top-k overlap from it)."""
+        self.recorded: list[torch.Tensor] = []
+
+    # -- accounting ---------------------------------------------------------------------
+    def sample_memory(self) -> None:
+        super().sample_memory()
+        dp = self.coord.manager.dense_pool
+        if dp is not None:
+            a = dp.allocator
+            self.peak_dense_tokens = max(self.peak_dense_tokens, (a.num_pages - 1 - a.num_free_pages()) * a.page_size)
+        if self.host is not None:
+            a = self.host.allocator
+            self.peak_host_tokens = max(self.peak_host_tokens, (a.num_pages - 1 - a.num_free_pages()) * a.page_size)
+
+    def extra_gpu_bytes(self) -> int:
+        dp = self.coord.manager.dense_pool
+        return 0 if dp is None else self.peak_dense_tokens * dp.spec.token_bytes
+
+    def memory(self) -> dict[str, float]:
+        out = super().memory()
+        out["host_kv_bytes"] = float(self.peak_host_tokens * self.spec.token_bytes)
+        out["representation_bytes"] = float(self.algorithm.representation_bytes())
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return self.coord.stats()
+
+    # -- requests -------------------------------------------------------------------------
+    def begin_request(self, req: Request) -> int:
+        super().begin_request(req)
+        self.coord.on_request_begin(req.req_pool_idx)
+        if self.tree is None or self.is_dsa:
+            return 0
+        ps = self.rt.page_size
+        n = len(req.prompt)
+        m = self.tree.match_prefix(req.prompt)
+        h = min(m.backed_length, (n - 1) // ps * ps)  # at least one token left to prefill
+        if h > 0:
+            self.tree.inc_host_lock(m.last_backed_node)
+            req.tree_node = m.last_backed_node
+            req.host_slots = m.backed_host_indices[:h].clone()
+        req.prefix_hit = h
+        return h
+
+    def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
+        slots = super().prefill_slots(req, prefix_len)
+        if prefix_len > 0:  # host-resident prefix back into device slots for the prefill
+            self.transfer.load(req.host_slots[:prefix_len], slots[:prefix_len]).wait()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        n = len(req.prompt)
+        self._batch[req.rid] = ForwardBatch.prefill(
+            torch.tensor([req.req_pool_idx], device=self.device), torch.tensor([n], dtype=torch.int32, device=self.device),
+            slots[:n][None, :], prefix_lens=torch.tensor([prefix_len], dtype=torch.int32, device=self.device),
+            out_cache_loc=slots[prefix_len:n])
+        return slots
+
+    def after_prefill_layer(self, req, layer, k, v, extra, prefix_len) -> None:
+        kw = {"index_keys": extra["index_k"][None]} if self.is_dsa else {}
+        self.coord.attention_end(layer, self._batch[req.rid], k=k, v=v, **kw)
+
+    def end_prefill(self, req: Request, prefix_len: int) -> None:
+        batch = self._batch.pop(req.rid)
+        n = len(req.prompt)
+        ps = self.rt.page_size
+        if self.hier:
+            new = self.host.alloc(n - prefix_len)
+            if new is None:
+                raise ValueError(f"host KV pool is full ({self.host.num_slots} slots): raise host_kv_tokens")
+            prefix = req.host_slots[:prefix_len] if prefix_len else new[:0]
+            hs = torch.cat([prefix.cpu(), new])
+            self.coord.forward_end(batch, host_slots=[hs])
+            if prefix_len:  # the prefix's device copy was ours, only needed by the prefill
+                self.pool.allocator.free(req.device_slots[:prefix_len])
+            req.device_slots = None
+            req.host_slots = hs
+            if self.tree is not None and not self.is_dsa:
+                n_al = n // ps * ps
+                if n_al:
+                    res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al])
+                    self.tree.inc_host_lock(res.last_node)
+                    if req.tree_node is not None:
+                        self.tree.dec_host_lock(req.tree_node)
+                    req.tree_node = res.last_node
+                    # slots the tree did not adopt are reported again by the insert at
+                    # request end, which frees them (we still read them until then)
+        else:
+            self.coord.forward_end(batch)
+            req.device_slots = None  # the coordinator owns them until on_request_end
+        req.seq_len = n
+
+    def decode_attention(self, reqs: list[Request]) -> Callable:
+        dev = self.device
+        batch = ForwardBatch.decode(torch.tensor([r.req_pool_idx for r in reqs], device=dev),
+                                    torch.tensor([r.seq_len + 1 for r in reqs], dtype=torch.int32, device=dev))
+        self.coord.forward_begin(batch)
+        self._decode_batch = batch
+        scale = self.cfg.sm_scale
+        coord = self.coord
+
+        def attn(layer: int, q, k, v, extra):
+            q = self._hook(layer, q, extra)
+            if self.is_dsa:
+                plan = coord.attention_begin(layer, batch, q=extra["index_q"], weights=extra["index_w"])
+                plan.write_kv(k)
+            else:
+                plan = coord.attention_begin(layer, batch, q=q)
+                plan.write_kv(k, v)
+            if layer == self.record_layer:
+                self.recorded.append(plan.selection.logical_ids.clone())
+            with self.timer.section("attention"):
+                o = plan.attend(q, scale)
+            if self.is_dsa:
+                coord.attention_end(layer, batch, k=k, v=None, index_keys=extra["index_k"])
+            else:
+                coord.attention_end(layer, batch, k=k, v=v)
+            return o
+
+        return attn
+
+    def end_decode(self, reqs: list[Request]) -> None:
+        self.coord.forward_end(self._decode_batch)
+        self._decode_batch = None
+        super().end_decode(reqs)
+
+    def end_request(self, req: Request) -> None:
+        kv = self.coord.on_request_end(req.req_pool_idx)
+        ps = self.rt.page_size
+        if self.hier:
+            hs = kv.host_slots
+            pages = kv.host_pages
+            keep = 0
+            if self.tree is not None and not self.is_dsa:
+                seq_al = kv.seq_len // ps * ps
+                toks = req.all_tokens()[:seq_al]
+                if seq_al:
+                    res = self.tree.insert(toks, host_indices=hs[:seq_al])
+                    self._free_host_slots(res.host_unused)
+                    keep = seq_al // ps
+                if req.tree_node is not None:
+                    self.tree.dec_host_lock(req.tree_node)
+                    req.tree_node = None
+            tail = pages[keep:]
+            if tail.numel():
+                self.host.allocator.free_pages(tail)
+        elif kv.device_pages is not None and kv.device_pages.numel():
+            self.pool.allocator.free_pages(kv.device_pages)
+        req.host_slots = None
+        super().end_request(req)
+
+    def _free_host_slots(self, slots) -> None:
+        if slots is None or slots.numel() == 0:
+            return
+        pages = torch.unique(slots.cpu() // self.rt.page_size)
+        self.host.allocator.free_pages(pages)

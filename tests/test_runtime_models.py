@@ -1,0 +1,301 @@
+"""Runtime models: configs, RoPE, the MLA absorbed form, the peaky init, HF weight loading,
+and the dense / offload-full KV caches against a cache-free recomputation."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sparsehi.config import SparseConfig
+from sparsehi.runtime.attention import causal_attention
+from sparsehi.runtime.layers import apply_rope, rope_cos_sin
+from sparsehi.runtime.model_config import BUILTIN_CONFIGS, ModelConfig, get_model_config
+from sparsehi.runtime.modes import RuntimeConfig, parse_modes
+from sparsehi.runtime.runner import ModelRunner
+from sparsehi.runtime.weights import build_model, load_hf_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # small matmuls: one thread is faster and immune to other processes' load
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(name: str, layers: int = 2) -> ModelConfig:
+    return get_model_config(name, num_layers=layers)
+
+
+def full_attention_fn(cfg: ModelConfig):
+    """AttentionFn of a cache-free forward over a whole sequence (positions 0..T-1)."""
+    def attn(layer, q, k, v, extra):
+        if v is None:
+            v = k[..., : cfg.kv_lora_rank]
+        return causal_attention(q, k, v, cfg.sm_scale, 0)
+    return attn
+
+
+def greedy_no_cache(model, prompt: list[int], steps: int) -> list[int]:
+    """Reference generation: recompute the whole sequence every step (no KV cache)."""
+    seq = list(prompt)
+    out = []
+    for _ in range(steps + 1):
+        ids = torch.tensor(seq)
+        h = model(ids, torch.arange(len(seq)), full_attention_fn(model.cfg))
+        t = int(model.logits(h[-1:]).argmax(-1)[0])
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+def test_builtin_configs_have_the_stated_shapes():
+    ll = BUILTIN_CONFIGS["llama-8b-shape"]
+    assert (ll.num_heads, ll.num_kv_heads, ll.head_dim, ll.num_layers) == (32, 8, 128, 32)
+    ds = BUILTIN_CONFIGS["dsv32-shape"]
+    assert (ds.num_heads, ds.kv_lora_rank, ds.qk_rope_head_dim, ds.index_head_dim, ds.index_n_heads) == (128, 512, 64, 128, 64)
+    assert ds.cache_head_dim == 576 and ds.attention == "mla"
+    for cfg in BUILTIN_CONFIGS.values():
+        assert cfg.note
+
+
+def test_bad_config_values_raise_valueerror():
+    with pytest.raises(ValueError, match="family"):
+        replace(BUILTIN_CONFIGS["tiny-gqa"], family="rnn")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        replace(BUILTIN_CONFIGS["tiny-gqa"], num_kv_heads=3)
+    with pytest.raises(ValueError, match="allowed"):
+        get_model_config("gpt-5")
+    with pytest.raises(ValueError, match="mode"):
+        RuntimeConfig(mode="sparse")
+    with pytest.raises(ValueError, match="unknown"):
+        parse_modes("dense,fast")
+
+
+# ----------------------------------------------------------------------------- rope
+def test_rope_scores_depend_only_on_relative_position():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 16, generator=g)
+    k = torch.randn(1, 2, 16, generator=g)
+
+    def score(pq: int, pk: int) -> torch.Tensor:
+        cq, sq = rope_cos_sin(torch.tensor([pq]), 16, 1e4)
+        ck, sk = rope_cos_sin(torch.tensor([pk]), 16, 1e4)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum(-1)
+
+    torch.testing.assert_close(score(10, 3), score(107, 100), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(score(10, 3), score(10, 9), atol=1e-3)
+    c, s = rope_cos_sin(torch.tensor([5]), 16, 1e4)
+    torch.testing.assert_close(apply_rope(q, c, s).norm(dim=-1), q.norm(dim=-1))
+
+
+# ----------------------------------------------------------------------------- models
+def test_random_init_is_deterministic_and_seeded():
+    a = build_model(config=tiny("tiny-gqa"))
+    b = build_model(config=tiny("tiny-gqa"))
+    c = build_model(config=replace(tiny("tiny-gqa"), seed=1))
+    assert torch.equal(a.layers[1].self_attn.k_proj.weight, b.layers[1].self_attn.k_proj.weight)
+    assert not torch.equal(a.layers[1].self_attn.k_proj.weight, c.layers[1].self_attn.k_proj.weight)
+
+
+def _attention_mass_top_pages(cfg: ModelConfig, S: int = 512, ps: int = 16) -> float:
+    """Mean share of the last query's attention (self page excluded) in its top 1/8 pages."""
+    model = build_model(config=cfg)
+    ids = torch.randint(0, cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(0))
+    shares = []
+
+    def attn(layer, q, k, v, extra):
+        group = q.shape[1] // k.shape[1]
+        kk = k.repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("hd,shd->hs", q[-1], kk) * cfg.sm_scale, -1)
+        pages = p[:, : S - ps].reshape(p.shape[0], -1, ps).sum(-1)
+        pages = pages / pages.sum(-1, keepdim=True)
+        shares.append(pages.topk(pages.shape[1] // 8, -1).values.sum(-1).mean().item())
+        return causal_attention(q, k, v, cfg.sm_scale, 0)
+
+    with torch.no_grad():
+        model(ids, torch.arange(S), attn)
+    return sum(shares) / len(shares)
+
+
+def test_tied_qk_init_makes_attention_peaky():
+    peaky = _attention_mass_top_pages(tiny("tiny-gqa"))
+    flat = _attention_mass_top_pages(replace(tiny("tiny-gqa"), qk_tie=0.0, qk_gain=1.0))
+    assert peaky > 0.8, peaky
+    assert flat < 0.5, flat
+
+
+def test_mla_absorbed_attention_equals_naive_multi_head_form():
+    cfg = tiny("tiny-dsa", layers=1)
+    model = build_model(config=cfg)
+    a = model.layers[0].self_attn
+    H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    T = 24
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(3))
+    got = {}
+
+    def attn(layer, q, kv, v, extra):
+        o = causal_attention(q, kv, kv[..., :r], cfg.sm_scale, 0)
+        got["q"], got["kv"], got["o"] = q, kv, o
+        return o
+
+    with torch.no_grad():
+        h = model.embed_tokens(ids)
+        model(ids, torch.arange(T), attn)
+        x = model.layers[0].input_layernorm(h)
+        q = a.q_b_proj(a.q_a_layernorm(a.q_a_proj(x))).view(T, H, dn + dr)
+        w = a.kv_b_proj.weight.view(H, dn + dv, r)
+        c = got["kv"][:, 0, :r]
+        k_nope = torch.einsum("tc,hnc->thn", c, w[:, :dn])
+        vals = torch.einsum("tc,hvc->thv", c, w[:, dn:])
+        q_pe = got["q"][..., r:]
+        k_pe = got["kv"][:, :, r:].expand(T, H, dr)
+        qf = torch.cat([q[..., :dn], q_pe], -1)
+        kf = torch.cat([k_nope, k_pe], -1)
+        naive = causal_attention(qf, kf, vals, cfg.sm_scale, 0)
+        absorbed = torch.einsum("thc,hvc->thv", got["o"], w[:, dn:])
+    torch.testing.assert_close(absorbed, naive, rtol=1e-4, atol=1e-4)
+
+
+def test_mla_model_exposes_indexer_outputs():
+    cfg = tiny("tiny-dsa", layers=1)
+    model = build_model(config=cfg)
+    seen = {}
+
+    def attn(layer, q, kv, v, extra):
+        seen.update(extra)
+        return causal_attention(q, kv, kv[..., : cfg.kv_lora_rank], cfg.sm_scale, 0)
+
+    with torch.no_grad():
+        model(torch.arange(10), torch.arange(10), attn)
+    assert seen["index_q"].shape == (10, cfg.index_n_heads, cfg.index_head_dim)
+    assert seen["index_k"].shape == (10, cfg.index_head_dim)
+    assert seen["index_w"].shape == (10, cfg.index_n_heads)
+
+
+# ----------------------------------------------------------------------------- caches
+@pytest.mark.parametrize("name,ps", [("tiny-gqa", 16), ("tiny-dsa", 1)])
+def test_dense_and_offload_full_match_cache_free_generation(name, ps):
+    model = build_model(config=tiny(name))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 50)]
+    ref = [greedy_no_cache(model, p, 6) for p in prompts]
+    algo = "dsa" if ps == 1 else "quest"
+    for mode in ("dense", "offload-full"):
+        sc = SparseConfig(algorithm=algo, page_size=ps, top_k=16, device_buffer_size=32)
+        rt = RuntimeConfig(mode=mode, sparse=sc, max_num_reqs=2, max_context_len=64)
+        res = ModelRunner(model, rt).generate(prompts, 6)
+        assert res.tokens == ref, mode
+
+
+# ----------------------------------------------------------------------------- weights
+def _write_checkpoint(tmp_path, model_type: str, bias: bool):
+    from safetensors.torch import save_file
+
+    from sparsehi.runtime.gqa_model import GQAModel
+
+    hf = {"model_type": model_type, "vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "rope_theta": 10000.0,
+          "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    cfg = ModelConfig(name="ckpt", family="gqa", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, intermediate_size=48, seed=7)
+    src = GQAModel(cfg, qkv_bias=bias)
+    src.random_init()
+    with torch.no_grad():
+        for p in src.parameters():  # non-trivial norms and biases too
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.contiguous()
+             for k, v in src.state_dict().items()}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    return src
+
+
+@pytest.mark.parametrize("model_type,bias", [("llama", False), ("qwen2", True)])
+def test_hf_safetensors_checkpoint_loads(tmp_path, model_type, bias):
+    src = _write_checkpoint(tmp_path, model_type, bias)
+    model = load_hf_model(tmp_path)
+    assert model.layers[0].self_attn.q_proj.bias is not None if bias else model.layers[0].self_attn.q_proj.bias is None
+    ids = torch.arange(12)
+    with torch.no_grad():
+        want = src.logits(src(ids, torch.arange(12), full_attention_fn(src.cfg)))
+        got = model.logits(model(ids, torch.arange(12), full_attention_fn(model.cfg)))
+    torch.testing.assert_close(got, want)
+
+
+def test_hf_checkpoint_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_model(tmp_path)
+    _write_checkpoint(tmp_path, "llama", False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type"):
+        load_hf_model(tmp_path)
+    cfg["model_type"] = "llama"
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="lacks"):
+        load_hf_model(tmp_path)
+
+
+# ----------------------------------------------------------------------------- traces
+def test_topk_overlap_counts_only_the_topk_range():
+    from sparsehi.runtime.traces import topk_overlap
+
+    prev = torch.tensor([[0, 5, 6, 7, 20, -1], [1, 2, 3, 4, -1, -1]])
+    cur = torch.tensor([[0, 5, 6, 9, 20, -1], [9, 8, 3, -1, -1, -1]])
+    lo = torch.tensor([1, 1])
+    hi = torch.tensor([20, 20])
+    got = topk_overlap(prev, cur, lo, hi)  # row 0: {5,6,9} vs {5,6,7}; row 1: {9,8,3} vs {1,2,3,4}
+    torch.testing.assert_close(got, torch.tensor([2 / 3, 1 / 3]))
+
+
+def test_query_trace_drifts_with_the_calibrated_correlation():
+    from sparsehi.runtime.traces import QueryTrace
+
+    tr = QueryTrace(0.9, seed=0)
+    like = torch.empty(64, 8, 32)
+    a = tr.next(3, like)
+    b = tr.next(3, like)
+    corr = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert abs(float(corr) - 0.9) < 0.03
+    q = torch.randn(2, 4, 16)
+    out = tr(0, q, {})
+    torch.testing.assert_close(out.norm(dim=-1), q.norm(dim=-1))  # keeps the model's per-head norm
+    extra = {"index_q": torch.randn(2, 4, 16), "index_w": -torch.ones(2, 4)}
+    dsa = QueryTrace(0.5, dsa=True)
+    same_q = dsa(0, q, extra)
+    assert same_q is q and bool((extra["index_w"] > 0).all())
+
+
+def test_calibrate_rho_hits_the_target_of_a_monotone_measure():
+    from sparsehi.runtime.traces import calibrate_rho
+
+    rho, got = calibrate_rho(lambda r: r ** 8, target=0.85, iters=12)
+    assert abs(got - 0.85) < 0.01 and abs(rho ** 8 - got) < 1e-12
+
+
+def test_llama3_rope_scaling_slows_only_long_wavelengths():
+    from sparsehi.runtime.layers import llama3_inv_freq
+    from sparsehi.runtime.weights import hf_config_to_model_config
+
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    got = llama3_inv_freq(inv, 8.0, 1.0, 4.0, 8192)
+    wl = 2 * torch.pi / inv
+    torch.testing.assert_close(got[wl < 8192 / 4], inv[wl < 8192 / 4])          # short: unchanged
+    torch.testing.assert_close(got[wl > 8192], inv[wl > 8192] / 8.0)             # long: / factor
+    mid = (wl >= 8192 / 4) & (wl <= 8192)
+    assert bool(((got[mid] < inv[mid]) & (got[mid] > inv[mid] / 8.0)).all())
+    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 8}
+    cfg, _ = hf_config_to_model_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}}, "x")
+    assert cfg.rope_scaling == (8.0, 1.0, 4.0, 8192)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        hf_config_to_model_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
