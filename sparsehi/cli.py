@@ -138,8 +138,17 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context:
     family = "gqa"
     if args.model_path is None:
         family = get_model_config(args.model).family
+    else:
+        from pathlib import Path
+
+        root = Path(args.model_path)
+        if not (root / "config.json").is_file() or not any(root.glob("model*.safetensors")):
+            parser.error(f"--model-path {args.model_path}: expected a local HF-layout checkpoint directory "
+                         f"with config.json and model*.safetensors")
     algorithm = args.algorithm if args.algorithm != "auto" else ("dsa" if family == "mla" else "quest")
     page = args.page_size or (1 if family == "mla" else 16)
+    if args.top_k is not None and args.top_k % page:
+        parser.error(f"--top-k {args.top_k} must be a multiple of --page-size {page} (tokens, whole pages)")
     top_k = args.top_k or max(64, min(2048, context // 16))
     top_k = max(page, top_k // page * page)
     buf = args.buffer_size or 4 * top_k
@@ -152,14 +161,24 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context:
         for field_name, flag in _FLAG_OF.items():
             msg = msg.replace(f"SparseConfig.{field_name}", flag).replace(field_name, flag)
         parser.error(msg)
-    from sparsehi.algorithms.registry import resolve_algorithm
-
-    try:
-        resolve_algorithm(algorithm)
-    except ValueError as e:
-        parser.error(f"--algorithm: {e}")
     if family == "mla" and page != 1:
         parser.error(f"--page-size must be 1 for the MLA/DSA model {args.model} (DSA selects tokens)")
+    from sparsehi.algorithms.dsa import DSAAlgorithm
+    from sparsehi.algorithms.registry import create_algorithm, resolve_algorithm
+
+    try:
+        cls = resolve_algorithm(algorithm)
+        # constructing checks the algorithm's own constraints (Quest: page >= 2; token-wise: page 1)
+        create_algorithm(sc, "cpu")
+    except ValueError as e:
+        parser.error(f"--algorithm {algorithm}: {e}")
+    model_name = args.model_path or args.model
+    if family == "mla" and not issubclass(cls, DSAAlgorithm):
+        parser.error(f"--algorithm {algorithm}: the MLA model {model_name} selects with its lightning indexer, "
+                     f"so it runs only dsa (or a DSAAlgorithm subclass)")
+    if family != "mla" and issubclass(cls, DSAAlgorithm):
+        parser.error(f"--algorithm {algorithm}: dsa needs an MLA model with a lightning indexer "
+                     f"(tiny-dsa, dsv32-shape); {model_name} is GQA")
     if args.adaptor is None:
         args.adaptor = "auto" if device.startswith("cuda") else "none"
     return device, dtype, sc
@@ -186,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip the teacher-forced re-runs that measure next-token agreement with dense")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_common(run)
+    run.set_defaults(subparser=run)
     bench = sub.add_parser("bench", help="sweep contexts x batches x modes; JSON of tokens/s, hit rate, memory",
                            description="Decode throughput sweep with the runtime (synthetic prompts). For the GPU "
                                        "benchmark of the issue see benchmarks/bench_decode.py.")
@@ -196,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=16,
                        help="decode steps per point (default 16)")
     _add_common(bench)
+    bench.set_defaults(subparser=bench)
     return parser
 
 
@@ -209,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "run":
         from sparsehi.runtime.demo import DemoConfig, run_demo
 
-        device, dtype, sc = _resolve(args, parser, args.context)
+        device, dtype, sc = _resolve(args, args.subparser, args.context)
         cfg = DemoConfig(model=args.model, model_path=args.model_path, num_layers=args.num_layers,
                          context=args.context, batch=args.batch, decode_tokens=args.decode_tokens, modes=modes,
                          sparse=sc, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
@@ -220,7 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from sparsehi.runtime.bench import BenchConfig, run_bench
 
-    device, dtype, sc = _resolve(args, parser, min(args.contexts))
+    device, dtype, sc = _resolve(args, args.subparser, min(args.contexts))
     run_bench(BenchConfig(model=args.model, model_path=args.model_path, num_layers=args.num_layers,
                           contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens,
                           modes=modes, sparse=sc, device=device, dtype=dtype, adaptor=args.adaptor,

@@ -45,6 +45,12 @@ def test_help_explains_every_option(capsys):
     (["run", "--model", "gpt-9"], "invalid choice"),
     (["bench", "--contexts", "1024,x"], "--contexts must be a comma list"),
     (["run", "--shared-prefix", "1.5"], "--shared-prefix must be in [0, 1)"),
+    (["run", "--model-path", "/nonexistent/ckpt"], "--model-path /nonexistent/ckpt: expected a local HF-layout"),
+    (["run", "--model", "tiny-dsa", "--algorithm", "oracle"], "runs only dsa"),
+    (["run", "--model", "tiny-gqa", "--algorithm", "dsa", "--page-size", "1"], "dsa needs an MLA model"),
+    (["run", "--algorithm", "quest", "--page-size", "1"], "invalid for quest"),
+    (["run", "--top-k", "24", "--page-size", "16"], "--top-k 24 must be a multiple of --page-size 16"),
+    (["bench", "--top-k", "24"], "sparsehi bench: error"),
 ])
 def test_bad_options_get_clear_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
