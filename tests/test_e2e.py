@@ -58,6 +58,7 @@ CASES = [
     pytest.param("tiny-gqa", "quest", 16, 64, 128, 16, (300, 333), id="gqa-quest-page16"),
     pytest.param("tiny-gqa", "quest", 64, 128, 256, 64, (700, 640), id="gqa-quest-page64"),
     pytest.param("tiny-gqa", "oracle", 16, 64, 96, 16, (280, 300), id="gqa-oracle-page16"),
+    pytest.param("tiny-gqa", "oracle", 1, 48, 96, 8, (260, 231), id="gqa-oracle-page1"),
     pytest.param("tiny-dsa", "dsa", 1, 48, 96, 8, (300, 257), id="mla-dsa-page1"),
 ]
 
@@ -76,7 +77,8 @@ def test_sparse_hier_generates_exactly_what_sparse_gpu_does(name, algo, ps, top_
     # the hierarchical path really ran: pages missed the buffer and were loaded from host
     assert st["steps"] == STEPS and st["misses"] > 0 and st["bytes_loaded"] > 0
     assert 0.0 < st["hit_rate"] < 1.0
-    # ... and the GPU held less KV than the full context
+    # ... and the full KV sits in host memory (at these tiny contexts the GPU buffer plus
+    # the dense layers' KV is not smaller than the context; the benchmark measures that)
     assert hier.memory["host_kv_bytes"] > 0
 
 
