@@ -243,6 +243,18 @@ def test_hf_checkpoint_errors_name_the_problem(tmp_path):
         load_hf_model(tmp_path)
 
 
+def test_hf_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path):
+    # a Llama checkpoint with attention biases (attention_bias: true) must not load as a bias-free model
+    from safetensors.torch import load_file, save_file
+
+    _write_checkpoint(tmp_path, "llama", False)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not use"):
+        load_hf_model(tmp_path)
+
+
 # ----------------------------------------------------------------------------- traces
 def test_topk_overlap_counts_only_the_topk_range():
     from sparsehi.runtime.traces import topk_overlap

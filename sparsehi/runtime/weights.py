@@ -72,6 +72,13 @@ def load_hf_model(path: Union[str, Path], device: Union[str, torch.device] = "cp
     missing = sorted(k for k in expected if k not in state or state[k] is None)
     if missing:
         raise ValueError(f"--model-path {root}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    # a tensor the model has no place for (attention bias, sliding-window extras, ...) means
+    # an architecture this runner does not implement: refuse rather than drop it silently
+    buffers = {k for k, _ in model.named_buffers()}
+    unexpected = sorted(k for k in state if k not in expected and k not in buffers and not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"--model-path {root}: checkpoint has {len(unexpected)} tensors this model does not use, "
+                         f"e.g. {unexpected[:3]} (unsupported architecture variant)")
     for k, p in expected.items():
         if tuple(state[k].shape) != tuple(p.shape):
             raise ValueError(f"--model-path {root}: {k} has shape {tuple(state[k].shape)}, config implies {tuple(p.shape)}")
