@@ -22,6 +22,37 @@ from sparsehi.selection import SparseSelection
 __all__ = ["SparseCoordinator", "LayerPlan", "RequestKV", "COORDINATOR_MODES", "gathered_attention"]
 
 _STEP_KEY = "_sparse_decode_step"
+_INT32_MAX = 2**31 - 1
+_ARANGE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.arange(n)`` cached per (n, device, dtype): read-only, shared between layers
+    and steps (one allocation and launch saved per use on the decode path)."""
+    key = (n, device, dtype)
+    t = _ARANGE.get(key)
+    if t is None:
+        t = _ARANGE[key] = torch.arange(n, device=device, dtype=dtype)
+    return t
+
+
+@dataclass
+class _StepTables:
+    """Per-step, layer-independent tensors of the sparse selection (see ``_step_tables``)."""
+
+    cs: torch.Tensor  # [B] int32 candidate start (= sink pages in context)
+    ce: torch.Tensor  # [B] int32 candidate end (= recent window start)
+    ncand: torch.Tensor  # [B] int32
+    all_ids: torch.Tensor  # [B, K] int32 every candidate, for rows that are not sparse
+    sparse_mask: torch.Tensor  # [B] bool
+    any_sparse: bool
+    all_sparse: bool
+    sink_keys: torch.Tensor  # [B, sink] int32 sink ids, INT32_MAX padded (sort keys)
+    rec_keys: torch.Tensor  # [B, R] int32 recent ids, INT32_MAX padded
+    sink_phys: torch.Tensor  # [B, sink] int32
+    rec_phys: torch.Tensor  # [B, R] int32
+    base_valid: torch.Tensor  # [B] int32 valid sink + recent entries
+    colk: torch.Tensor  # [1, K] int32 column index
 
 
 def gathered_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, selection: SparseSelection,
@@ -177,21 +208,34 @@ class SparseCoordinator:
         if self.algorithm.is_sparse_layer(layer_id):
             selection = self._sparse_selection(layer_id, batch, step, q, algo_kw)
             sparse = True
+            meta = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
         else:
             selection = self._dense_selection(layer_id, step)
             sparse = False
-        meta = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
+            if "dense_metadata" not in step.memo:  # shared by the dense layers, like the selection
+                step.memo["dense_metadata"] = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
+            meta = step.memo["dense_metadata"]
         return LayerPlan(layer_id, bufs, kbuf, vbuf, m.write_loc(layer_id, step), selection, meta, sparse, self.adaptor)
 
     def _dense_selection(self, layer_id: int, step: DecodeStep) -> SparseSelection:
-        dev = step.rows.device
-        logical = torch.arange(step.max_pages, device=dev, dtype=torch.int32)[None, :].expand(len(step.rows_cpu), -1)
-        logical = torch.where(logical < step.num_pages[:, None], logical, torch.full_like(logical, -1))
-        phys = self.manager.fixed_physical(layer_id, step, logical)
-        return SparseSelection(logical.contiguous(), phys, step.num_pages.clone(), step.seq_lens, self.config.page_size, self.sel_mode)
+        # Every dense layer attends the same pages (gpu_only: the request's own pages;
+        # hierarchical: the dense pool's, shared by the dense layers): build once per step.
+        sel = step.memo.get("dense_selection")
+        if sel is None:
+            logical = _arange(step.max_pages, step.rows.device, torch.int32)[None, :].expand(len(step.rows_cpu), -1)
+            logical = torch.where(logical < step.num_pages[:, None], logical, -1)
+            phys = self.manager.fixed_physical(layer_id, step, logical)
+            sel = SparseSelection(logical.contiguous(), phys, step.num_pages.clone(), step.seq_lens, self.config.page_size,
+                                  self.sel_mode)
+            step.memo["dense_selection"] = sel
+        return sel
 
-    def _sparse_selection(self, layer_id: int, batch: ForwardBatch, step: DecodeStep, q: torch.Tensor,
-                          algo_kw: dict) -> SparseSelection:
+    def _step_tables(self, layer_id: int, step: DecodeStep) -> "_StepTables":
+        """Layer-independent parts of a sparse layer's selection, built once per step: the
+        candidate range, the sink and recent ids and their (always resident) pages."""
+        t = step.memo.get("sparse_tables")
+        if t is not None:
+            return t
         m = self.manager
         K, sink, R = m.K, m.sink, m.R
         dev = step.rows.device
@@ -201,48 +245,62 @@ class SparseCoordinator:
         recent_start = torch.maximum(n_sink, P - R)
         cs, ce = n_sink.to(torch.int32), recent_start.to(torch.int32)
         ncand = ce - cs
-        cols = torch.arange(K, device=dev, dtype=torch.int32)[None, :]
-        all_ids = torch.where(cols < ncand[:, None], cs[:, None] + cols, torch.full_like(cols, -1).expand(B, -1))
-        topk, valid = all_ids, ncand.clone()
+        cols = _arange(K, dev, torch.int32)[None, :]
+        all_ids = torch.where(cols < ncand[:, None], cs[:, None] + cols, -1).to(torch.int32)
         # Whether any row is sparse is known on the host (no sync): P - sink - R > K.
         ps = self.config.page_size
-        if any(-(-s // ps) - min(sink, -(-s // ps)) - R > K for s in step.seq_lens_cpu):
-            sparse_mask = ncand > K
+        row_sparse = [-(-s // ps) - min(sink, -(-s // ps)) - R > K for s in step.seq_lens_cpu]
+        any_sparse, all_sparse = any(row_sparse), all(row_sparse)
+        sc = _arange(max(sink, 0), dev, torch.int32)[None, :].expand(B, -1)
+        sink_ids = torch.where(sc < n_sink[:, None], sc, -1).to(torch.int32)
+        rec = recent_start[:, None] + _arange(R, dev, torch.int32)[None, :]
+        rec_ids = torch.where(rec < P[:, None], rec, -1).to(torch.int32)
+        # sink and recent pages never move during a step (sink/ring tables in hierarchical
+        # mode, the request's own pages in gpu_only mode): the same for every sparse layer
+        fixed_phys = m.fixed_physical(layer_id, step, torch.cat([sink_ids, rec_ids], 1))
+        n_rec = (P - recent_start).clamp(min=0)
+        t = _StepTables(cs=cs, ce=ce, ncand=ncand, all_ids=all_ids, sparse_mask=ncand > K, any_sparse=any_sparse,
+                        all_sparse=all_sparse, sink_keys=sink_ids.masked_fill(sink_ids < 0, _INT32_MAX),
+                        rec_keys=rec_ids.masked_fill(rec_ids < 0, _INT32_MAX), sink_phys=fixed_phys[:, :sink],
+                        rec_phys=fixed_phys[:, sink:], base_valid=(n_sink + n_rec).to(torch.int32),
+                        colk=_arange(K, dev, torch.int32)[None, :])
+        step.memo["sparse_tables"] = t
+        return t
+
+    def _sparse_selection(self, layer_id: int, batch: ForwardBatch, step: DecodeStep, q: torch.Tensor,
+                          algo_kw: dict) -> SparseSelection:
+        m = self.manager
+        K = m.K
+        dev = step.rows.device
+        B = len(step.rows_cpu)
+        t = self._step_tables(layer_id, step)
+        topk, valid = t.all_ids, t.ncand
+        if t.any_sparse:
             sel, val = self.algorithm.retrieve_topk(
-                q, layer_id, batch.req_pool_indices, sparse_mask, seq_lens=step.seq_lens, candidate_start=cs,
-                candidate_end=ce, top_k=K, **algo_kw,
+                q, layer_id, batch.req_pool_indices, t.sparse_mask, seq_lens=step.seq_lens, candidate_start=t.cs,
+                candidate_end=t.ce, top_k=K, **algo_kw,
             )
             if self.validate:
-                check_selection(sel, val, K, cs, ce)
+                check_selection(sel, val, K, t.cs, t.ce)
             if sel.shape[1] < K:
                 sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
-            topk = torch.where(sparse_mask[:, None], sel.to(dev), all_ids)
-            valid = torch.where(sparse_mask, val.to(dev), ncand)
+            if t.all_sparse:  # known on the host: no row takes its plain candidate list
+                topk, valid = sel.to(dev), val.to(dev)
+            else:
+                topk = torch.where(t.sparse_mask[:, None], sel.to(dev), t.all_ids)
+                valid = torch.where(t.sparse_mask, val.to(dev), t.ncand)
         if self.validate and bool((valid.long() > K).any()):
             raise ValueError(f"more than top_k={K} ids selected in a row")
-        phys_topk = m.sparse_physical(layer_id, step, topk.contiguous(), valid.to(torch.int32).contiguous(), ce)
-        # Ascending ids: sink < candidates < recent, so sort only the top-k part.
-        colk = torch.arange(K, device=dev)[None, :]
-        in_k = colk < valid[:, None]
-        key = torch.where(in_k, topk.long(), torch.full_like(topk, 1 << 40, dtype=torch.long))
+        valid = valid.to(torch.int32)
+        phys_topk = m.sparse_physical(layer_id, step, topk.to(torch.int32).contiguous(), valid.contiguous(), t.ce)
+        # Ascending ids with the -1 padding last, in one sort: sink < candidates < recent,
+        # and every invalid entry is keyed INT32_MAX (the valid ids of a row are distinct,
+        # so the order is unique). Invalid entries' pages are already -1.
+        key = torch.cat([t.sink_keys, torch.where(t.colk < valid[:, None], topk, _INT32_MAX), t.rec_keys], 1)
         key, perm = torch.sort(key, dim=1)
-        topk_sorted = torch.where(in_k, key, -1).to(torch.int32)
-        phys_sorted = torch.where(in_k, phys_topk.gather(1, perm), -1).to(torch.int32)
-        sc = torch.arange(max(sink, 0), device=dev, dtype=torch.int32)[None, :].expand(B, -1)
-        sink_ids = torch.where(sc < n_sink[:, None], sc, -1)
-        rc = torch.arange(R, device=dev, dtype=torch.int32)[None, :]
-        rec = recent_start[:, None] + rc
-        rec_ids = torch.where(rec < P[:, None], rec, -1).to(torch.int32)
-        fixed = torch.cat([sink_ids, rec_ids], 1)
-        fixed_phys = m.fixed_physical(layer_id, step, fixed)
-        logical = torch.cat([sink_ids, topk_sorted, rec_ids], 1)
-        phys = torch.cat([fixed_phys[:, :sink], phys_sorted, fixed_phys[:, sink:]], 1)
-        ok = logical >= 0
-        order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices
-        logical = logical.gather(1, order)
-        phys = phys.gather(1, order)
-        num_valid = ok.sum(1).to(torch.int32)
-        return SparseSelection(logical, phys, num_valid, step.seq_lens, ps, self.sel_mode)
+        logical = key.masked_fill_(key == _INT32_MAX, -1)
+        phys = torch.cat([t.sink_phys, phys_topk.to(torch.int32), t.rec_phys], 1).gather(1, perm)
+        return SparseSelection(logical, phys, t.base_valid + valid, step.seq_lens, self.config.page_size, self.sel_mode)
 
     def attention_end(self, layer_id: int, batch: ForwardBatch, k: Optional[torch.Tensor] = None,
                       v: Optional[torch.Tensor] = None, **algo_kw: Any) -> None:

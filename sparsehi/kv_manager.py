@@ -23,7 +23,7 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
-from sparsehi.kernels.lru_diff import check_lru_diff_values, lru_diff
+from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
 from sparsehi.lru_buffer import LruState, RequestBuffers
 
 COORDINATOR_MODES = ("hierarchical", "gpu_only")
@@ -68,6 +68,9 @@ class DecodeStep:
     out_loc: torch.Tensor
     dense_loc: Optional[torch.Tensor] = None
     host_loc: Optional[torch.Tensor] = None
+    memo: dict = dataclasses.field(default_factory=dict)
+    """Per-step values every layer shares (the coordinator's selection tables, the LRU
+    diff's output buffers); built by the first layer that needs them."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -380,6 +383,7 @@ class SparseKVCacheManager:
         if len(set(rows)) != len(rows):
             raise ValueError(f"req_pool_indices must be distinct within a batch, got {list(rows)}")
         self.wait_offloads()
+        self._fold_step_counts()  # a step left open (no end_step) still counts
         ps, sink, R = self.ps, self.sink, self.R
         reqs = [self._req(r) for r in rows]
         for r, req, seq in zip(rows, reqs, seq_lens):
@@ -508,22 +512,42 @@ class SparseKVCacheManager:
             raise ValueError(f"layer_id={layer} already ran its LRU diff in decode step {self.step}: each sparse "
                              f"layer runs once per step (begin_decode starts the next step)")
         res, lu, so, order = self.lru.layer(li)
-        r = lru_diff(topk, valid, res, lu, so, self.step_t, order=order, rows=step.rows)
+        B, K = topk.shape
+        t = step.memo.get("lru_tables")
+        if t is None or t[0].shape[1:] != (B, K):
+            t = self._lru_step_tables(step, B, K, topk.device)
+            step.memo["lru_tables"] = t
+        out3, idx3, pages2, loads, host_pt, buf_pt, buf_pt32 = t
+        r = lru_diff(topk, valid, res, lu, so, self.step_t, order=order, rows=step.rows,
+                     out=LruDiffResult(out3[0], out3[1], out3[2], loads[li]))
         self._diff_step[layer] = self.step
-        rows = step.rows[:, None]
-        ids = r.load_ids.long()
-        m = ids >= 0
-        host_pages = torch.where(m, self.host_page_table[rows, ids.clamp(min=0)], torch.full_like(ids, -1))
-        dev_pages = torch.where(m, self.buf_pages[rows, r.load_slots.long().clamp(min=0)].long(), torch.full_like(ids, -1))
-        off = self._offsets
-        host_sl = torch.where(m[..., None], host_pages[..., None] * self.ps + off, -1).reshape(-1)
-        dev_sl = torch.where(m[..., None], dev_pages[..., None] * self.ps + off, -1).reshape(-1)
-        self._load_layer(layer, host_sl, dev_sl)
-        nl = r.num_loads.long().sum()
-        self._hits[layer] += valid.long().sum() - nl
-        self._misses[layer] += nl
-        phys = self.buf_pages[rows, r.device_slots.long().clamp(min=0)]
-        return torch.where(r.device_slots >= 0, phys, torch.full_like(phys, -1))
+        step.memo["valid"][li] = valid
+        self._step_counts = (loads, step.memo["valid"])
+        # The step's tables carry a -1 column in front, so ``id + 1`` indexes them with
+        # -1 (no load / no slot) landing on it: one add and three gathers, no masks.
+        torch.add(out3, 1, out=idx3)
+        torch.gather(host_pt, 1, idx3[1], out=pages2[0])
+        torch.gather(buf_pt, 1, idx3[2], out=pages2[1])
+        # page -1 gives slots in [-ps, -1]: clamp them to the -1 the transfer engine skips
+        slots = (pages2[..., None] * self.ps + self._offsets).clamp_(min=-1).view(2, -1)
+        self._load_layer(layer, slots[0], slots[1])
+        return buf_pt32.gather(1, idx3[0])
+
+    def _lru_step_tables(self, step: DecodeStep, B: int, K: int, dev: torch.device) -> tuple:
+        """Per-step buffers and row tables of ``sparse_physical`` (shared by its layers):
+        LRU diff outputs ``[3, B, K] int32`` (each layer consumes its own before the next
+        diff is queued on the stream), their ``+1`` indices ``[3, B, K] int64``, the load
+        pages ``[2, B, K] int64``, per-layer load counts ``[n_sparse, B] int32`` and the
+        batch rows of the host page table / buffer pages with a leading -1 column."""
+        rows = step.rows
+        pad = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
+        host_pt = torch.cat([pad, self.host_page_table.index_select(0, rows)], 1)
+        buf_pt = torch.cat([pad, self.buf_pages.index_select(0, rows).long()], 1)
+        step.memo["valid"] = {}
+        return (torch.empty(3, B, K, dtype=torch.int32, device=dev), torch.empty(3, B, K, dtype=torch.int64, device=dev),
+                torch.empty(2, B, K, dtype=torch.int64, device=dev),
+                torch.zeros(len(self.sparse_layers), B, dtype=torch.int32, device=dev),
+                host_pt, buf_pt, buf_pt.to(torch.int32))
 
     def backup_token(self, layer: int, step: DecodeStep, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
         """Hierarchical: copy the new token of ``layer`` to its host slot (per layer, so the
@@ -552,10 +576,28 @@ class SparseKVCacheManager:
         self._tot_hits = torch.zeros(L, dtype=torch.int64, device=self.device)
         self._tot_misses = torch.zeros(L, dtype=torch.int64, device=self.device)
         self._steps_closed = 0
+        self._step_counts = None  # (loads [n_sparse, B], {sparse layer index: valid [B]}) of the open step
         self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=self.STATS_HISTORY)
+
+    def _fold_step_counts(self) -> None:
+        """Add the step's LRU-diff counts (kept per sparse layer by ``sparse_physical``,
+        summed here once instead of per layer) to ``_hits`` / ``_misses``."""
+        if self._step_counts is None:
+            return
+        loads, valid = self._step_counts
+        self._step_counts = None
+        if not valid:
+            return
+        lis = sorted(valid)
+        idx = torch.tensor([self.sparse_layers[i] for i in lis], dtype=torch.int64, device=self.device)
+        v = torch.stack([valid[i] for i in lis]).long().sum(1)
+        nl = (loads if len(lis) == loads.shape[0] else loads[lis]).long().sum(1)
+        self._hits.index_add_(0, idx, v - nl)
+        self._misses.index_add_(0, idx, nl)
 
     def end_step(self) -> None:
         """Close a decode step: keep its per-layer hits/misses (no host sync)."""
+        self._fold_step_counts()
         self._tot_hits += self._hits
         self._tot_misses += self._misses
         self._steps_closed += 1

@@ -31,7 +31,7 @@ from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.quest_score import quest_score
-from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
+from sparsehi.kernels.topk import (IdentityMemo, check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
                                    live_rows, masked_topk, raise_if_any, selection_kwargs)
 
 
@@ -62,6 +62,8 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         self.max_pages = 0
         self.kv_heads = 0
         self.head_dim = 0
+        self._update_memo = IdentityMemo()
+        self._score_memo = IdentityMemo()
 
     # ------------------------------------------------------------------ memory
     def initialize_representation_pool(
@@ -167,26 +169,32 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         check_int_vector("positions", positions, b)
         check_float_tensor("new_keys", new_keys, (b, self.kv_heads, self.head_dim), "[B, Hkv, D]")
         dev = kmin_flat.device
-        pos = positions.to(dev).long()
-        req = req_pool_indices.to(dev).long()
         limit = self.max_pages * self.page_size
-        live = live_rows(req, self.max_num_reqs)
         if host_checks_enabled(self.validate):
+            pos = positions.to(dev).long()
+            req = req_pool_indices.to(dev).long()
+            live = live_rows(req, self.max_num_reqs)
             raise_if_any([
                 (req >= self.max_num_reqs,
                  f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
                 (live & ((pos < 0) | (pos >= limit)), f"positions must lie in [0, max_context_len={limit})"),
             ])
-        ok = live & (pos >= 0) & (pos < limit)
-        # Padding (and unchecked out-of-range) rows all write the dump entry past the pool;
-        # no real entry is touched, no host sync is needed to leave them out.
-        flat = torch.where(ok, req * self.max_pages + pos // self.page_size,
-                           torch.full_like(req, kmin_flat.shape[0] - 1))
-        first = (pos % self.page_size == 0)[:, None, None]
+
+        def targets() -> tuple[torch.Tensor, torch.Tensor]:
+            pos = positions.to(dev).long()
+            req = req_pool_indices.to(dev).long()
+            ok = live_rows(req, self.max_num_reqs) & (pos >= 0) & (pos < limit)
+            # Padding (and unchecked out-of-range) rows all write the dump entry past the
+            # pool; no real entry is touched, no host sync is needed to leave them out.
+            flat = torch.where(ok, req * self.max_pages + pos // self.page_size, kmin_flat.shape[0] - 1)
+            return flat, (pos % self.page_size == 0)[:, None, None]
+
+        # every sparse layer of a step gets the same rows and positions: derive the entries once
+        flat, first = self._update_memo.get((req_pool_indices, positions), (dev, kmin_flat.shape[0]), targets)
         k = new_keys.to(dev, kmin_flat.dtype)
-        old_min, old_max = kmin_flat[flat], kmax_flat[flat]
-        kmin_flat[flat] = torch.where(first, k, torch.minimum(old_min, k))
-        kmax_flat[flat] = torch.where(first, k, torch.maximum(old_max, k))
+        old_min, old_max = kmin_flat.index_select(0, flat), kmax_flat.index_select(0, flat)
+        kmin_flat.index_copy_(0, flat, torch.where(first, k, torch.minimum(old_min, k)))
+        kmax_flat.index_copy_(0, flat, torch.where(first, k, torch.maximum(old_max, k)))
 
     # ------------------------------------------------------------------ select
     def score(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
@@ -197,10 +205,15 @@ class QuestAlgorithm(BaseSparseAlgorithm):
             raise ValueError(f"layer_id={layer_id} is dense for quest (dense_layers={self.dense_layers()}): no retrieve_topk there")
         kmin, kmax = pools
         dev = kmin.device
-        num_pages = (seq_lens.to(dev).long() + self.page_size - 1) // self.page_size
-        req = req_pool_indices.to(dev).long()
-        # padding / out-of-range rows -> -1: the kernel scores them -inf (nothing selected)
-        req = torch.where(live_rows(req, self.max_num_reqs), req, torch.full_like(req, -1))
+
+        def rows() -> tuple[torch.Tensor, torch.Tensor]:
+            # int32 pages / int64 rows: the dtypes the Triton launcher takes (no per-layer casts)
+            num_pages = ((seq_lens.to(dev).long() + self.page_size - 1) // self.page_size).to(torch.int32)
+            req = req_pool_indices.to(dev).long()
+            # padding / out-of-range rows -> -1: the kernel scores them -inf (nothing selected)
+            return num_pages, torch.where(live_rows(req, self.max_num_reqs), req, -1)
+
+        num_pages, req = self._score_memo.get((req_pool_indices, seq_lens), (dev,), rows)
         return quest_score(queries.to(dev), kmin, kmax, req, num_pages, self.head_reduce)
 
     def retrieve_topk(

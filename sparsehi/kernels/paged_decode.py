@@ -350,12 +350,25 @@ def paged_decode_triton(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
     _check_table(page_table, cache_seqlens, B, q.device)
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
-    row_start = torch.arange(B, device=q.device, dtype=torch.int64) * page_table.stride(0)
+    row_start = _row_starts(B, page_table.stride(0), q.device)
     # entries reachable from the table's first element (rows may be a strided view)
     extent = (B - 1) * page_table.stride(0) + page_table.shape[1] if B > 0 else 0
     return decode_over_table(q, k_buffer, v_buffer, page_table, row_start, cache_seqlens,
                              page_size=page_size, max_tokens=page_table.shape[1] * page_size,
                              sm_scale=sm_scale, row_units=page_table.shape[1], table_len=extent, config=config)
+
+
+_ROW_STARTS: dict = {}
+
+
+def _row_starts(b: int, stride: int, device: torch.device) -> torch.Tensor:
+    """``arange(b) * stride`` (int64), cached read-only per (b, stride, device): every
+    decode layer of a step asks for the same one."""
+    key = (b, stride, device)
+    t = _ROW_STARTS.get(key)
+    if t is None:
+        t = _ROW_STARTS[key] = torch.arange(b, device=device, dtype=torch.int64) * stride
+    return t
 
 
 def gathered_decode_reference(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,

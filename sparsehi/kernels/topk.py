@@ -11,6 +11,42 @@ from typing import Optional
 import torch
 
 
+class IdentityMemo:
+    """One cached value keyed by the identity (and in-place version) of some tensors plus a
+    few plain values: decode steps pass the same per-step tensors (req_pool_indices,
+    seq_lens, candidate ranges) to every layer, so what is derived from them alone is
+    computed by the first layer and reused by the others. A tensor modified in place
+    bumps its version and misses the cache; the cached tensors are kept alive with the
+    value, so an ``id`` cannot be reused while it is cached."""
+
+    def __init__(self) -> None:
+        self._tensors: tuple = ()
+        self._versions: tuple = ()
+        self._extra: tuple = ()
+        self._value = None
+
+    def get(self, tensors: tuple, extra: tuple, build):
+        if (len(tensors) == len(self._tensors) and extra == self._extra
+                and all(a is b for a, b in zip(tensors, self._tensors))
+                and tuple(t._version for t in tensors) == self._versions):
+            return self._value
+        value = build()
+        self._tensors, self._versions, self._extra = tuple(tensors), tuple(t._version for t in tensors), extra
+        self._value = value
+        return value
+
+
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, device)
+    t = _ARANGE.get(key)
+    if t is None:
+        t = _ARANGE[key] = torch.arange(n, device=device)
+    return t
+
+
 def candidate_mask(
     num_ids: int,
     candidate_start: torch.Tensor,
@@ -22,7 +58,7 @@ def candidate_mask(
     candidate_start / candidate_end: ``[B]`` int, the half-open id range ``[start, end)``.
     sparse_mask: ``[B] bool`` or None; rows with False select nothing.
     """
-    ids = torch.arange(num_ids, device=candidate_start.device)[None, :]
+    ids = _arange(num_ids, candidate_start.device)[None, :]
     mask = (ids >= candidate_start.long()[:, None]) & (ids < candidate_end.long()[:, None])
     if sparse_mask is not None:
         mask &= sparse_mask.to(device=mask.device, dtype=torch.bool)[:, None]
@@ -53,14 +89,14 @@ def masked_topk(
         raise ValueError(f"scores must be [B, N], got shape {tuple(scores.shape)}")
     bsz, n = scores.shape
     dev = scores.device
-    cs = candidate_start.to(dev).long().clamp(0, n)
-    ce = candidate_end.to(dev).long().clamp(0, n)
+    masks = (candidate_start, candidate_end) + (() if sparse_mask is None else (sparse_mask,))
+    cand = _MASK_MEMO.get(masks, (n, dev), lambda: candidate_mask(
+        n, candidate_start.to(dev).long().clamp(0, n), candidate_end.to(dev).long().clamp(0, n), sparse_mask))
     # A score of -inf (or NaN) means "not selectable" (e.g. a position the index does not
     # cover yet): such ids are neither selected nor counted in valid.
     s = torch.nan_to_num(scores.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
-    mask = candidate_mask(n, cs, ce, sparse_mask) & (s > float("-inf"))
-    s = torch.where(mask, s, torch.full_like(s, float("-inf")))
-    valid = mask.sum(dim=1).clamp(max=top_k)
+    s = torch.where(cand, s, float("-inf"))
+    valid = (s > float("-inf")).sum(dim=1, dtype=torch.int32).clamp_(max=top_k)
     k_eff = min(top_k, n)
     if k_eff > 0:
         # stable sort gives lower-id-first among ties on every device
@@ -68,10 +104,17 @@ def masked_topk(
         idx = order[:, :k_eff]
     else:
         idx = torch.empty(bsz, 0, dtype=torch.long, device=dev)
-    out = torch.full((bsz, top_k), -1, dtype=torch.int32, device=dev)
-    cols = torch.arange(k_eff, device=dev)[None, :]
-    out[:, :k_eff] = torch.where(cols < valid[:, None], idx, torch.full_like(idx, -1)).to(torch.int32)
-    return out, valid.to(torch.int32)
+    cols = _arange(k_eff, dev)[None, :]
+    sel = torch.where(cols < valid[:, None], idx, -1).to(torch.int32)
+    if k_eff < top_k:
+        out = torch.full((bsz, top_k), -1, dtype=torch.int32, device=dev)
+        out[:, :k_eff] = sel
+        sel = out
+    return sel, valid
+
+
+_MASK_MEMO = IdentityMemo()
+_KWARGS_MEMO = IdentityMemo()
 
 
 def selection_kwargs(
@@ -82,13 +125,15 @@ def selection_kwargs(
     Returns ``(seq_lens [B] int64, candidate_start [B] int64, candidate_end [B] int64,
     top_k int)`` on ``device``; raises ValueError naming a missing or malformed one.
     """
-    out = []
+    ts = []
     for name in ("seq_lens", "candidate_start", "candidate_end"):
         t = kwargs.get(name)
         if not isinstance(t, torch.Tensor) or t.shape != (batch,):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"retrieve_topk needs {name}: a [B={batch}] int tensor, got {got}")
-        out.append(t.to(device=device, dtype=torch.long))
+        ts.append(t)
+    # the same per-step tensors come with every layer: convert once
+    out = _KWARGS_MEMO.get(tuple(ts), (device,), lambda: [t.to(device=device, dtype=torch.long) for t in ts])
     top_k = kwargs.get("top_k")
     if isinstance(top_k, torch.Tensor) and top_k.numel() == 1:
         top_k = int(top_k)
