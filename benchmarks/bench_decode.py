@@ -22,6 +22,14 @@ Top-k overlap on these representations is 85 % (003's figure for real models); e
 reports the overlap it measured (``topk_overlap``). ``model``: the random-weight model's
 own queries (one sparse-hier row per context, for contrast).
 
+Real weights. ``--model-path DIR`` (a local HF-layout Llama/Qwen2 checkpoint) replaces the
+llama-shape model; its own-query rows are then ``real``, and the benchmark first RECORDS a
+real trace: a real prefill of ``--trace-prompt`` (token ids; default fixed-seed random ids of
+the largest context, capped at ``--trace-context``) and ``--trace-steps`` greedy decode
+steps in sparse-gpu mode with the benchmark's SparseConfig, keeping every sparse layer's
+selection per step; ``real_trace`` in the result holds the measured adjacent-step Top-k
+overlap per layer (sink and recent window excluded).
+
 Per step: tokens/s over the timed steps (eager PyTorch, no CUDA graphs: Python launch
 overhead is part of every mode), then a profiled step split with CUDA events into
 attention, lru_diff, io (host<->device), scoring (Quest bound / DSA indexer + top-k) and
@@ -64,6 +72,8 @@ TRACE_SOURCES = {
                "context so the algorithm's own adjacent-step Top-k overlap on the synthesised representations is "
                "0.85 (003's figure for real models); topk_overlap is what the row measured",
     "model": "the random-weight model's own queries (no trace)",
+    "real": "the real-weight model's own queries (--model-path); real_trace holds the adjacent-step Top-k "
+            "overlap measured on a real prefill + greedy decode",
 }
 PREFILL_NOTE = ("prefill synthesised: random KV written into the pools and the algorithm's representations built from "
                 "it; host modes share one prompt's host pages across the batch (capacity computed per request)")
@@ -294,6 +304,89 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
+# ----------------------------------------------------------------------------- real traces
+def read_trace_prompt(path: str, vocab_size: int) -> list[int]:
+    """Token ids from ``path``: a JSON list of ints, or ints separated by whitespace/commas."""
+    text = Path(path).read_text()
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError:
+        ids = [int(x) for x in text.replace(",", " ").split()]
+    if not isinstance(ids, list) or not ids or any(isinstance(x, bool) or not isinstance(x, int) for x in ids):
+        raise ValueError(f"--trace-prompt {path}: expected a non-empty list of integer token ids")
+    if any(x < 0 or x >= vocab_size for x in ids):
+        raise ValueError(f"--trace-prompt {path}: token ids must be in [0, {vocab_size})")
+    return ids
+
+
+def record_real_trace(model, sc: SparseConfig, prompt: list[int], steps: int, device, dtype,
+                      model_path: Optional[str] = None) -> dict[str, Any]:
+    """Real prefill of ``prompt`` plus ``steps`` greedy decode steps in sparse-gpu mode,
+    recording every sparse layer's selection per step; returns the measured
+    adjacent-step Top-k overlap per sparse layer (sink and recent window excluded, as in
+    run_point) and the selections themselves (``selections[layer]``: per step
+    ``[1, N] int`` logical unit ids, -1 padded)."""
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 to measure adjacent-step overlap, got {steps}")
+    if len(prompt) < 1:
+        raise ValueError("prompt must hold at least one token")
+    runner = make_runner(model, "sparse-gpu", len(prompt), 1, sc, steps, device, dtype)
+    be = runner.backend
+    sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+    if not sparse_layers:
+        raise ValueError(f"the model's {model.cfg.num_layers} layers are all dense under this SparseConfig: "
+                         "nothing to record")
+    sel: dict[int, list[torch.Tensor]] = {layer: [] for layer in sparse_layers}
+    inner_decode_attention = be.decode_attention
+
+    # The backend records one layer's selection (record_layer); pointing it at each sparse
+    # layer as that layer runs records them all without touching the runtime. The clones
+    # stay on the device: no host sync per layer.
+    def recording_decode_attention(reqs):
+        inner = inner_decode_attention(reqs)
+
+        def attn(layer: int, q, k, v, extra):
+            be.record_layer = layer if layer in sel else None
+            try:
+                return inner(layer, q, k, v, extra)
+            finally:
+                be.record_layer = None
+                if be.recorded:
+                    sel[layer].append(be.recorded.pop())
+
+        return attn
+
+    be.decode_attention = recording_decode_attention
+    try:
+        runner.generate([prompt], steps)
+    finally:
+        be.decode_attention = inner_decode_attention
+    per_layer = topk_overlap_per_layer(sel, len(prompt), sc)
+    vals = list(per_layer.values())
+    result = {"model_path": model_path, "context": len(prompt), "steps": steps,
+              "topk_overlap_mean": sum(vals) / len(vals),
+              "topk_overlap_per_layer": {str(k): v for k, v in per_layer.items()}, "source": "real",
+              "selections": {layer: [t.cpu() for t in ts] for layer, ts in sel.items()}}
+    del runner, be
+    _free(device)
+    return result
+
+
+def topk_overlap_per_layer(selections: dict[int, list[torch.Tensor]], ctx: int, sc: SparseConfig) -> dict[int, float]:
+    """Mean adjacent-step Top-k overlap per layer of recorded selections (``[B, N] int``
+    per step); the Top-k part is the units in ``[sink_units, ctx // page_size - recent_units)``."""
+    out: dict[int, float] = {}
+    for layer, rec in selections.items():
+        if len(rec) < 2:
+            raise ValueError(f"layer {layer}: {len(rec)} recorded steps, need >= 2")
+        b = rec[0].shape[0]
+        lo = torch.full((b,), sc.sink_units, device=rec[0].device)
+        hi = torch.full((b,), ctx // sc.page_size - sc.recent_units, device=rec[0].device)
+        ov = [topk_overlap(x, y, lo, hi).mean().item() for x, y in zip(rec[:-1], rec[1:])]
+        out[layer] = sum(ov) / len(ov)
+    return out
+
+
 # ----------------------------------------------------------------------------- calibration
 def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, device, dtype) -> tuple[float, float]:
     """rho of the query trace whose adjacent-step Top-k overlap (the algorithm's own, on
@@ -428,6 +521,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--skip-b", action="store_true", help="skip scenario b")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
+    ap.add_argument("--model-path", default=None,
+                    help="local HF-layout Llama/Qwen2 checkpoint: real weights replace the llama-shape model "
+                         "and a real query trace is recorded")
+    ap.add_argument("--trace-prompt", default=None,
+                    help="token-id file (JSON list or whitespace/comma separated) for the real trace; default "
+                         "fixed-seed random ids of the largest context")
+    ap.add_argument("--trace-context", type=int, default=None,
+                    help="cap on the real trace's prompt length (default 8192; 256 with --quick)")
+    ap.add_argument("--trace-steps", type=int, default=None,
+                    help="greedy decode steps of the real trace (default 32; 6 with --quick)")
     args = ap.parse_args(argv)
     deadline = Deadline(args.time_budget)
     cuda = torch.cuda.is_available() and not args.quick
@@ -459,6 +562,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_batch = 256
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
+    trace_context = args.trace_context if args.trace_context is not None else (256 if args.quick else 8192)
+    trace_steps = args.trace_steps if args.trace_steps is not None else (6 if args.quick else 32)
+    if trace_context < 1:
+        raise ValueError(f"--trace-context must be >= 1, got {trace_context}")
+    if trace_steps < 2:
+        raise ValueError(f"--trace-steps must be >= 2, got {trace_steps}")
+    gqa = None
+    if args.model_path:
+        gqa = build_model(model_path=args.model_path, device=device, dtype=dtype)
+        llama = gqa.cfg
     info = device_info()
     log(f"device {info['device']}; budget {args.time_budget:.0f}s")
     h2d = large_h2d_copy_gbps(1 << 30) if cuda else None
@@ -468,6 +581,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     caps: dict = {}
     notes: list[str] = []
     calib: dict = {}
+    real_trace: Optional[dict] = None
 
     def save(final: bool = False) -> None:
         payload = {
@@ -480,10 +594,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "scenario_a": {"gpu_kv_gib": budget_a[0] / GIB, "host_kv_gib": budget_a[1] / GIB}},
             "complete": final,
         }
+        if real_trace is not None:
+            payload["real_trace"] = real_trace
         write_result("decode.json", payload, out_dir)
 
     def sweep(model, ctx: int, sc: SparseConfig, scen: str, gpu_budget: float, host_budget: float,
-              modes=MODES, scale: float = 1.0) -> None:
+              modes=MODES, scale: float = 1.0, real: bool = False) -> None:
         cfg = model.cfg
         steps = warmup + timed + profiled
         rep = representation_bytes_per_request(model, sc, ctx + steps + 2, device)
@@ -525,7 +641,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 traceback.print_exc()
                 _free(device)
                 continue
-            row.update({"scenario": scen, "model": cfg.name, "trace_source": "trace85" if r is not None else "model",
+            src = "trace85" if r is not None else ("real" if real else "model")
+            row.update({"scenario": scen, "model": cfg.name, "trace_source": src,
                         "host_kv_gib": per_request_bytes(model, mode, ctx, sc, steps, rep, n_dense, dtype)[1] * b / GIB,
                         "capacity": cap[mode], "budget_scale": scale})
             rows.append(row)
@@ -540,14 +657,34 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return create_algorithm(replace(sc, sparse_extra_config=_extra(model, sc)), device)
 
-    gqa = build_model(config=llama, device=device, dtype=dtype)
+    if gqa is None:
+        gqa = build_model(config=llama, device=device, dtype=dtype)
     sc_gqa = SparseConfig(algorithm="quest", top_k=K, device_buffer_size=2 * K, page_size=ps, min_sparse_prompt_len=0,
                           sink_tokens=64 if not args.quick else 16, recent_tokens=64 if not args.quick else 16)
     free_b = None
     steps_all = warmup + timed + profiled
     shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps, device, dtype)
+    real = args.model_path is not None
+    if real:
+        if args.trace_prompt:
+            prompt = read_trace_prompt(args.trace_prompt, llama.vocab_size)[:trace_context]
+        else:
+            g = torch.Generator().manual_seed(0)
+            prompt = torch.randint(0, llama.vocab_size, (min(max(contexts), trace_context),), generator=g).tolist()
+        t = time.perf_counter()
+        rt_full = record_real_trace(gqa, sc_gqa, prompt, trace_steps, device, dtype, model_path=args.model_path)
+        real_trace = {k: v for k, v in rt_full.items() if k != "selections"}
+        real_trace["prompt"] = args.trace_prompt or f"fixed-seed random token ids (seed 0), {len(prompt)} tokens"
+        del rt_full
+        log(f"real trace: {len(prompt)} tokens, {trace_steps} steps, Top-k overlap mean "
+            f"{real_trace['topk_overlap_mean']:.3f} ({time.perf_counter() - t:.1f}s)")
+        notes.append(f"real trace recorded from {args.model_path}: real prefill of {len(prompt)} tokens and "
+                     f"{trace_steps} greedy decode steps in sparse-gpu mode (benchmark SparseConfig); measured "
+                     f"adjacent-step Top-k overlap {real_trace['topk_overlap_mean']:.3f} (mean over sparse layers; "
+                     "per layer in real_trace) vs the 0.85 the trace85 rows are calibrated to")
+        save()
     for ctx in contexts:
-        sweep(gqa, ctx, sc_gqa, "a", *budget_a)
+        sweep(gqa, ctx, sc_gqa, "a", *budget_a, real=real)
     if not args.skip_dsv32 and deadline.left() > 60:
         del gqa
         _free(device)
@@ -569,7 +706,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         gqa = None
     if not args.skip_b and deadline.left() > 60:
         if gqa is None:
-            gqa = build_model(config=llama, device=device, dtype=dtype)
+            gqa = build_model(model_path=args.model_path, config=llama, device=device, dtype=dtype)
         shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps,
                          device, dtype)
         if cuda:
@@ -582,13 +719,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "stages one layer on the GPU, so a larger GPU budget changes nothing for it; its rows "
                      "in scenario a stand for both scenarios")
         for ctx in contexts:
-            sweep(gqa, ctx, sc_gqa, "b", free_b, budget_a[1], modes=("dense", "sparse-gpu", "sparse-hier"))
+            sweep(gqa, ctx, sc_gqa, "b", free_b, budget_a[1], modes=("dense", "sparse-gpu", "sparse-hier"), real=real)
     notes.append("offload-full is swept only up to batch 4 (its capacity is larger): it loads every page "
                  "every step, so its step time grows linearly with batch (PCIe-bound) and its tokens/s is "
                  "flat past batch 2; larger batches would spend the time budget without changing the picture")
-    notes.append("query traces: 'trace85' (synthetic, calibrated to 85 % adjacent-step Top-k overlap) and "
-                 "'model' (the random-weight model's own queries); no real-weight traces were recorded "
-                 "(no local checkpoint on the GPU machine)")
+    if real:
+        notes.append("query traces: 'trace85' (synthetic, calibrated to 85 % adjacent-step Top-k overlap) and "
+                     "'real' (the real-weight model's own queries); the dsv32-shape rows keep random weights "
+                     "('model'); real_trace holds the recorded real trace's measured overlap")
+    else:
+        notes.append("query traces: 'trace85' (synthetic, calibrated to 85 % adjacent-step Top-k overlap) and "
+                     "'model' (the random-weight model's own queries); no real-weight traces were recorded "
+                     "(no --model-path given)")
     lines = []
     for ctx in contexts:
         lines += [f"[{llama.name} {ctx}] " + t for t in targets(rows, caps, ctx, llama.name)]
