@@ -66,6 +66,15 @@ class BaseSparseAlgorithm(ABC):
     def is_sparse_layer(self, layer_id: int) -> bool:
         return layer_id not in self.dense_layers()
 
+    def layer_representation(self, pools: dict[int, Any], layer_id: int) -> Any:
+        """``pools[layer_id]``; None for a dense layer (nothing to build or score); a
+        ValueError for a sparse layer that initialize_representation_pool did not reserve."""
+        if layer_id in pools:
+            return pools[layer_id]
+        if not self.is_sparse_layer(layer_id):
+            return None
+        raise ValueError(f"layer_id={layer_id} has no representation pool: reserved layers are {sorted(pools)}")
+
     # ------------------------------------------------------------------ hooks
     @abstractmethod
     def initialize_representation_pool(

@@ -125,11 +125,7 @@ class DSAAlgorithm(BaseSparseAlgorithm):
             self._indexed[layer] = torch.zeros(max_num_reqs + 1, dtype=torch.int64, device=self.device)
 
     def _layer(self, layer_id: int) -> Optional[torch.Tensor]:
-        if layer_id in self._keys:
-            return self._keys[layer_id]
-        if not self.is_sparse_layer(layer_id):
-            return None
-        raise ValueError(f"layer_id={layer_id} has no representation pool: reserved layers are {sorted(self._keys)}")
+        return self.layer_representation(self._keys, layer_id)
 
     def _store(self, layer_id: int, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor,
                ok: Optional[torch.Tensor] = None) -> None:

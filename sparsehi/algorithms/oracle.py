@@ -125,11 +125,7 @@ class OracleAlgorithm(BaseSparseAlgorithm):
                       for layer, t in self._keys_flat.items()}
 
     def _layer(self, layer_id: int) -> Optional[torch.Tensor]:
-        if layer_id in self._keys:
-            return self._keys[layer_id]
-        if not self.is_sparse_layer(layer_id):
-            return None
-        raise ValueError(f"layer_id={layer_id} has no representation pool: initialize_representation_pool reserved layers {sorted(self._keys)}")
+        return self.layer_representation(self._keys, layer_id)
 
     def construct_representations(
         self,

@@ -100,11 +100,8 @@ class QuestAlgorithm(BaseSparseAlgorithm):
                     view[layer] = flat[layer][:-1].view(shape)
 
     def _pools(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        if layer_id in self._kmin:
-            return self._kmin[layer_id], self._kmax[layer_id]
-        if not self.is_sparse_layer(layer_id):
-            return None
-        raise ValueError(f"layer_id={layer_id} has no representation pool: reserved layers are {sorted(self._kmin)}")
+        kmin = self.layer_representation(self._kmin, layer_id)
+        return None if kmin is None else (kmin, self._kmax[layer_id])
 
     # ------------------------------------------------------------------ build / update
     def construct_representations(
