@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsehi.kernels.sparse_mla_decode import (
+    MlaGluonConfig,
     MlaLaunchConfig,
     MlaTwoPassConfig,
     sparse_mla_decode,
@@ -131,6 +132,8 @@ def test_gpu_deepseek_shape(dtype):
     for cfg in (MlaLaunchConfig(block_h=16, num_warps=4, num_splits=1), MlaLaunchConfig(block_h=32, num_warps=4),
                 MlaLaunchConfig(block_h=64, num_warps=8, num_splits=5, row_load=True),
                 MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
+                MlaGluonConfig(), MlaGluonConfig(num_splits=3), MlaGluonConfig(late_issue=True, num_splits=2),
+                MlaGluonConfig(block_n=32, num_buf=4, num_splits=7), MlaGluonConfig(block_n=32, num_buf=1),
                 MlaTwoPassConfig(), MlaTwoPassConfig(num_splits=3, pv_block_h=128, pv_block_dv=256, pv_stages=3)):
         out2 = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
         torch.testing.assert_close(out2.float(), ref.float(), **_tol(dtype))
@@ -152,6 +155,14 @@ def test_bad_config_type_raises():
     q, kv, idx = _case(1, 16, 32, 16, 8, 32, torch.float16)
     with pytest.raises(ValueError, match="config"):
         sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=32, sm_scale=0.1, config={"block_h": 16})
+
+
+@pytest.mark.gpu
+def test_gpu_bad_gluon_config_raises():
+    q, kv, idx = _case(1, 64, 512, 64, 8, 32, torch.bfloat16)
+    for cfg in (MlaGluonConfig(block_n=128), MlaGluonConfig(num_buf=1, late_issue=True)):
+        with pytest.raises(ValueError, match="config"):
+            sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
 
 
 def test_default_config_stages_follow_loop_length(monkeypatch):
@@ -176,3 +187,33 @@ def test_split_heuristic_one_wave():
     assert mla_num_splits(32, 2048, 64, 132) == 4
     assert mla_num_splits(8, 2048, 64, 132) == 2048 // 128   # capped: >= 128 indices per split
     assert mla_num_splits(8, 100, 64, 132) == 1
+
+
+@pytest.mark.parametrize("cfg", [MlaGluonConfig(), MlaGluonConfig(block_n=32, num_buf=4, late_issue=True, num_splits=2)])
+def test_gluon_config_matches_reference_or_falls_back(cfg):
+    # CPU / interpreter: the Gluon config falls back to the Triton kernel (logged once)
+    Dl, Dr = 32, 16
+    q, kv, idx = _case(2, 20, Dl, Dr, 40, 96, torch.float16, seed=5)
+    idx[1, ::4] = -1
+    out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
+    ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.2)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [MlaGluonConfig(), MlaGluonConfig(late_issue=True),
+                                 MlaGluonConfig(block_n=32, num_buf=3, late_issue=True, num_splits=5)])
+def test_gpu_gluon_odd_shapes(dtype, cfg):
+    # H not a multiple of 64, K not a multiple of the tile, empty and short rows, bad slots
+    q, kv, idx = _case(3, 80, 512, 64, 1000, 4096, dtype, seed=7)
+    idx[0] = -1
+    idx[1, 13:] = -1
+    idx[2, ::5] = -1
+    idx[2, 7] = 10_000
+    out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
+    bad = idx.clone()
+    bad[2, 7] = -1
+    ref = sparse_mla_decode_reference(q, kv, bad, kv_lora_rank=512, sm_scale=192 ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+    assert torch.all(out[0] == 0)
