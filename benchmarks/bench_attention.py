@@ -2,7 +2,8 @@
 
 Kernels: ``paged_decode`` (Llama-8B layer shape: 32 q / 8 kv heads, d=128, pages of 64 and
 16 tokens), ``ragged_decode`` (same shape, token slots = the TritonAdaptor path),
-``sparse_mla_decode`` (DeepSeek MLA: 128 heads, 576 = 512 latent + 64 rope, token mode),
+``sparse_mla_decode`` (DeepSeek MLA: 128 heads, 576 = 512 latent + 64 rope, token mode;
+``sparse_mla_decode_gluon`` = the same op through the Hopper Gluon kernel, ``MlaGluonConfig``),
 and torch SDPA over the same KV already gathered dense (the bytes-equal baseline).
 B in {1, 16, 64}, K in {512, 2048, 4096} attended tokens per request, KV scattered over a
 pool 1.25x the working set (random pages / slots). Times are CUDA-graph replays (no
@@ -25,10 +26,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cuda_time_us, hbm_copy_gbps, write_result
+from benchmarks.common import bf16_gemm_tflops, cuda_time_us, hbm_copy_gbps, write_result
 from sparsehi.kernels.paged_decode import DecodeLaunchConfig, paged_decode_reference, paged_decode_triton
 from sparsehi.kernels.ragged_decode import ragged_decode_triton
-from sparsehi.kernels.sparse_mla_decode import MlaLaunchConfig, sparse_mla_decode_reference, sparse_mla_decode_triton
+from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, MlaLaunchConfig, default_mla_config,
+                                                sparse_mla_decode_reference, sparse_mla_decode_triton)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -172,6 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     Hq, Hkv, D = shapes["mha"]
     H, Dl, Dr = shapes["mla"]
+    gemm = bf16_gemm_tflops() if CUDA else 1.0
+    print(f"compute ceiling (bf16 GEMM) {gemm:.1f} TFLOP/s", flush=True)
+
+    def mla_row(name: str, B: int, K: int, heads: int, us: float) -> dict:
+        # roofline model: the larger of the byte time at the copy rate and the flop time at
+        # the GEMM rate measured above
+        nbytes, flops = mla_bytes(B, K, heads, Dl, Dr), mla_flops(B, K, heads, Dl, Dr)
+        bound_us = max(nbytes / (roof * 1e9), flops / (gemm * 1e12)) * 1e6
+        return row(name, B, K, us, nbytes, roof, heads=heads, tflops=round(flops / (us * 1e-6) / 1e12, 1),
+                   frac_roofline_model=round(bound_us / us, 3))
+
     rows: list[dict] = []
     for B in batches:
         for K in ks:
@@ -198,9 +211,19 @@ def main(argv: list[str] | None = None) -> int:
                     del kd, vd
                 del q, k, v, pt, sl
             q, kv, idx = mla_case(B, K, H, Dl, Dr)
-            us = timed(lambda: sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1))
-            rows.append(row("sparse_mla_decode", B, K, us, mla_bytes(B, K, H, Dl, Dr), roof,
-                            tflops=round(mla_flops(B, K, H, Dl, Dr) / (us * 1e-6) / 1e12, 1)))
+            mla_variants = [("sparse_mla_decode", None),  # default dispatch
+                            ("sparse_mla_decode_fused", default_mla_config(q.device, H, B, K))]
+            if CUDA:
+                mla_variants.append(("sparse_mla_decode_gluon", MlaGluonConfig()))
+            for name, cfg in mla_variants:
+                us = timed(lambda: sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1, config=cfg))
+                rows.append(mla_row(name, B, K, H, us))
+            if CUDA and B == batches[-1] and K == ks[1]:
+                # the per-GPU head count of DeepSeek under TP=8: 16 heads, memory-bound
+                q16 = q[:, :16].contiguous()
+                us = timed(lambda: sparse_mla_decode_triton(q16, kv, idx, kv_lora_rank=Dl, sm_scale=0.1))
+                rows.append(mla_row("sparse_mla_decode_h16", B, K, 16, us))
+                del q16
             kvd = kv[idx.long()].view(B, 1, K, Dl + Dr)
             vd = kvd[..., :Dl].contiguous()
             q4 = q.view(B, 1, H, Dl + Dr)  # all heads share the one latent KV: heads as query rows
@@ -215,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
 
     payload: dict[str, Any] = {"rows": rows, "roofline_method": "benchmarks.common.hbm_copy_gbps (2 GiB d2d, read+write)",
+                               "compute_ceiling_tflops": round(gemm, 1),
+                               "compute_ceiling_method": "bf16 8192^3 torch.matmul, CUDA-graph timed (MLA rows: "
+                                                         "frac_roofline_model = max(byte time, flop time) / time)",
                                "dtype": str(DTYPE), "shapes": shapes, "quick": args.quick}
     target_b, target_k = (batches[-1], ks[1])
     payload["target_check"] = {

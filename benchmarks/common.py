@@ -102,6 +102,15 @@ def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+def bf16_gemm_tflops(n: int = 8192) -> float:
+    """``n^3`` bf16 matmul on random data, TFLOP/s: the tensor-core ceiling as the library
+    reaches it on this device (the compute side of a roofline)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    us = cuda_time_us(lambda: a @ b, iters=10, warmup=3, graph=True)
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
 def write_result(name: str, payload: dict[str, Any], out_dir: str | os.PathLike | None = None) -> Path:
     """Write ``payload`` (device and date added when missing) as JSON to ``out_dir``
     (default: $OUT when set, else benchmarks/results) and return the path."""

@@ -1,0 +1,48 @@
+"""Where the sparse MLA default should switch from the fused Triton kernel to the Hopper
+Gluon kernel: both (and the default dispatch) at DeepSeek dims (128 heads, 512 + 64),
+K=2048, B in {1, 2, 4, 8, 16}, each checked against the torch reference and CUDA-graph timed.
+
+Usage (GPU): ``PYTHONPATH=. python3 benchmarks/mla_dispatch.py``; writes
+``mla_dispatch.json`` under $OUT (or /tmp). Its rows are kept in
+benchmarks/results/attention.json under ``mla_dispatch``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_attention import mla_case, mla_flops  # noqa: E402
+from benchmarks.common import cuda_time_us  # noqa: E402
+from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_config,  # noqa: E402
+                                                sparse_mla_decode_reference, sparse_mla_decode_triton)
+
+H, DL, DR, K = 128, 512, 64, 2048
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("mla_dispatch.py times GPU kernels: run it on a CUDA machine")
+    rows = []
+    for b in (1, 2, 4, 8, 16):
+        q, kv, idx = mla_case(b, K, H, DL, DR)
+        ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1).float()
+        for name, cfg in (("fused", default_mla_config(q.device, H, b, K)), ("gluon", MlaGluonConfig()),
+                          ("default", None)):
+            def fn(cfg=cfg):
+                return sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
+            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            us = cuda_time_us(fn, iters=20, warmup=3, graph=True)
+            rows.append({"B": b, "K": K, "H": H, "kernel": name, "us": round(us, 2), "rel_err": round(err, 5),
+                         "tflops": round(mla_flops(b, K, H, DL, DR) / (us * 1e-6) / 1e12, 1)})
+            print(rows[-1], flush=True)
+    Path(os.environ.get("OUT", "/tmp"), "mla_dispatch.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Sparse MLA decode on one GPU: the fused Triton kernel (old default) vs the Hopper Gluon
+kernel (:class:`MlaGluonConfig`) variants.
+
+For each variant: correctness against the torch reference on fresh random inputs (with
+``-1`` padding, an out-of-pool index and an empty row) and the CUDA-graph time (two
+timings) at H=128, Dl=512, Dr=64, K=2048, B in {64, 16, 1}. Prints a compact table; writes
+``mla_experiments.json`` under $OUT (or benchmarks/results).
+
+Usage: ``PYTHONPATH=. python3 benchmarks/mla_experiments.py [--batches 64,1] [--only a,b]``;
+``--profile VARIANT`` runs one variant 3x for ``ncu -k regex:_mla --launch-skip 1 -c 1``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_attention import mla_bytes, mla_case, mla_flops
+from benchmarks.common import cuda_time_us, device_info
+from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_config, sparse_mla_decode_reference,
+                                                sparse_mla_decode_triton)
+
+H, DL, DR, K = 128, 512, 64, 2048
+
+
+def variants(B: int) -> list[tuple[str, object]]:
+    dev = torch.device("cuda")
+    out = [("old_default", default_mla_config(dev, H, B, K)),
+           ("gl_n64_b2", MlaGluonConfig(64, 2)),
+           ("gl_n64_b2_late", MlaGluonConfig(64, 2, late_issue=True))]
+    if B == 64:
+        out += [("gl_n32_b4_late", MlaGluonConfig(32, 4, late_issue=True))]
+    if B == 1:
+        out += [("gl_n64_b2_sp32", MlaGluonConfig(64, 2, num_splits=32)),
+                ("gl_n64_b2_late_sp32", MlaGluonConfig(64, 2, late_issue=True, num_splits=32)),
+                ("gl_n32_b2_sp32", MlaGluonConfig(32, 2, num_splits=32))]
+    return out
+
+
+def _dump(rows, env=None) -> None:
+    base = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "mla_experiments.json").write_text(json.dumps({"rows": rows, "env": env}, indent=1) + "\n")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="64,16,1")
+    ap.add_argument("--only", default=None, help="comma list of variant names")
+    ap.add_argument("--profile", default=None, help="run this variant 3x at the first batch (for ncu) and exit")
+    args = ap.parse_args()
+    if args.profile:
+        B = int(args.batches.split(",")[0])
+        q, kv, idx = mla_case(B, K, H, DL, DR)
+        cfg = dict(variants(B))[args.profile]
+        for _ in range(3):
+            sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
+        torch.cuda.synchronize()
+        return 0
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        q, kv, idx = mla_case(B, K, H, DL, DR)
+        # correctness on fresh inputs with padding and an out-of-pool index
+        q2, kv2, idx2 = mla_case(B, K, H, DL, DR, seed=123)
+        idx2[:, 5::7] = -1
+        idx2[0, 3] = kv2.shape[0] + 10
+        if B > 1:
+            idx2[1] = -1
+        ref2 = sparse_mla_decode_reference(q2, kv2, idx2, kv_lora_rank=DL, sm_scale=192 ** -0.5)
+        ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1)
+        for name, cfg in variants(B):
+            if args.only and name not in args.only.split(","):
+                continue
+            r = {"B": B, "K": K, "variant": name, "cfg": cfg.__dict__}
+            try:
+                o2 = sparse_mla_decode_triton(q2, kv2, idx2, kv_lora_rank=DL, sm_scale=192 ** -0.5, config=cfg)
+                r["rel_err_pad"] = rel_err(o2, ref2)
+                r["nan"] = bool(torch.isnan(o2).any())
+                r["empty_row_zero"] = bool(B == 1 or torch.all(o2[1] == 0))
+                fn = lambda: sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)  # noqa: E731
+                r["rel_err"] = rel_err(fn(), ref)
+                r["max_err"] = (fn().float() - ref.float()).abs().max().item()
+                us = cuda_time_us(fn, iters=20, warmup=3, graph=True)
+                us2 = cuda_time_us(fn, iters=20, warmup=1, graph=True)
+                r["us"] = round(min(us, us2), 2)
+                r["us_runs"] = [round(us, 2), round(us2, 2)]
+                r["tflops"] = round(mla_flops(B, K, H, DL, DR) / (r["us"] * 1e-6) / 1e12, 1)
+                r["gbps"] = round(mla_bytes(B, K, H, DL, DR) / (r["us"] * 1e-6) / 1e9, 1)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = repr(e)[:300]
+                traceback.print_exc()
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            _dump(rows)
+        del q, kv, idx, q2, kv2, idx2
+        torch.cuda.empty_cache()
+    _dump(rows, device_info())
+    print(f"\n{'B':>3} {'variant':<18} {'us':>8} {'TF/s':>7} {'rel_err':>9} {'rel_pad':>9} ok")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['B']:>3} {r['variant']:<18} ERROR {r['error'][:90]}")
+            continue
+        ok = r["rel_err"] < 1e-2 and r["rel_err_pad"] < 1e-2 and not r["nan"] and r["empty_row_zero"]
+        print(f"{r['B']:>3} {r['variant']:<18} {r['us']:>8.2f} {r['tflops']:>7.1f} {r['rel_err']:>9.2e} "
+              f"{r['rel_err_pad']:>9.2e} {'ok' if ok else 'BAD'} {r['us_runs']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
