@@ -633,22 +633,32 @@ def _gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
     head_blocks = -(-H // 64)
     splits, tps = _split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sm_count(q.device)),
                                 cfg.block_n)
+    return _launch_split(_mla_gluon_kernel, (head_blocks, B, splits), q, kv, indices, out, sm_scale, tps, splits,
+                         D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
+                         LATE_ISSUE=cfg.late_issue, num_warps=8)
+
+
+def _launch_split(kernel, grid: tuple[int, int, int], q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                  out: torch.Tensor, sm_scale: float, tokens_per_split: int, splits: int, **meta) -> torch.Tensor:
+    """Launch an MLA decode kernel (the fused Triton one or the Gluon one: same leading
+    arguments) over ``grid = (head blocks, B, splits)``; with ``splits > 1`` each split writes
+    fp32 partials ``[B, H, splits, Dl]`` and their log-sum-exp, merged into ``out``."""
+    B, H, _ = q.shape
+    Dl = out.shape[2]
     if splits > 1:
         part = torch.empty((B, H, splits, Dl), dtype=torch.float32, device=q.device)
         lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
         pstr = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     else:
         part, lse, pstr = out, out, (0, 0, 0, 0, 0)
-    _mla_gluon_kernel[(head_blocks, B, splits)](
+    kernel[grid](
         q, kv, indices, out, part, lse,
         float(sm_scale) * 1.4426950408889634,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         out.stride(0), out.stride(1),
         *pstr,
-        H, K, tps, kv.shape[0],
-        D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
-        LATE_ISSUE=cfg.late_issue, SPLIT=splits > 1,
-        num_warps=8,
+        H, indices.shape[1], tokens_per_split, kv.shape[0],
+        SPLIT=splits > 1, **meta,
     )
     if splits > 1:
         _merge(part, lse, out, max(16, triton.next_power_of_2(Dl)))
@@ -665,7 +675,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     indices:    ``[B, K]`` int32 slots, ``-1`` padding (masked wherever it is).
     config:     :class:`MlaLaunchConfig` (fused kernel), :class:`MlaGluonConfig` (Hopper
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
-                (score GEMM + value pass); None = :func:`default_mla_config`.
+                (score GEMM + value pass); None = the Gluon kernel on Hopper for launches of
+                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks, else :func:`default_mla_config`.
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
     """
     kv = _check_mla(q, kv_buffer, indices, kv_lora_rank)
@@ -696,29 +707,11 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     head_blocks = -(-H // block_h)
     splits, tps = _split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sm_count(q.device)),
                                 cfg.block_n)
-    block_dl = max(16, triton.next_power_of_2(Dl))
-    block_dr = max(16, triton.next_power_of_2(Dr))
-    if splits > 1:
-        part = torch.empty((B, H, splits, Dl), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-        pstr = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
-    else:
-        part, lse, pstr = out, out, (0, 0, 0, 0, 0)
-    _mla_stage1[(head_blocks, B, splits)](
-        q, kv, indices, out, part, lse,
-        float(sm_scale) * 1.4426950408889634,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        out.stride(0), out.stride(1),
-        *pstr,
-        H, K, tps, kv.shape[0],
-        D_LAT=Dl, D_ROPE=Dr, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        BLOCK_DL=block_dl, BLOCK_DR=block_dr,
-        SPLIT=splits > 1, DOT_F32=dot_in_fp32(q), ROW_LOAD=cfg.row_load,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        _merge(part, lse, out, block_dl)
-    return out
+    return _launch_split(_mla_stage1, (head_blocks, B, splits), q, kv, indices, out, sm_scale, tps, splits,
+                         D_LAT=Dl, D_ROPE=Dr, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+                         BLOCK_DL=max(16, triton.next_power_of_2(Dl)), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
+                         DOT_F32=dot_in_fp32(q), ROW_LOAD=cfg.row_load,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def sparse_mla_decode_reference(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, *,
