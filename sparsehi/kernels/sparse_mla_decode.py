@@ -34,6 +34,18 @@ fused Triton kernel; pass a config to pick one explicitly. Un-chaining the
 dots inside plain Triton (P through a global scratch; all dots then get ``[4, 2]``) gave
 171 vs 172 us: the L2 round trip and extra barriers ate the saved MMA; a softmax/value-MMA
 skew needs a third KV buffer, which only fits at 32-token tiles, and was slower (168 us).
+Second pass (same H200, K=2048, B=64; none kept, the kernel is unchanged): timing variants
+that drop the MMAs or the gathers put H=128 at 87 us compute-only and 57 us gather-only
+(110 us whole), H=16 at 45 us compute-only (the 64-row padded MMAs) and 44 us gather-only
+(60 us whole). Tried and slower: the next tile's score MMA issued behind the running value
+MMA (rotated loop, wgmma wait 1) 134 vs 110 us (H=16: 79 vs 60), with 32-token tiles x 4
+164 us; an L2 bulk prefetch of the rows 1-3 tiles ahead of the ring 164-168 us (H=16:
+87-98 us); for 16 heads a transposed kernel (tokens / latent dims on the wgmma M side,
+heads on N: no padding, q only 16 rows, 68 m64n16 wgmmas per tile): 27 us compute-only and
+44 us gather-only but 67 us whole with 4 warps (no overlap; 73 with 8 warps, 63 with two
+1-slot CTAs per SM), and with the rope rows through registers to fit a third latent slot
+40 us gather-only, 53 compute-only, 70 whole;
+32-token tiles x 4 at 16 heads 73 us.
 """
 from __future__ import annotations
 
