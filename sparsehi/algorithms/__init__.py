@@ -5,7 +5,7 @@ either ``@register_algorithm("name")`` it or point ``SparseConfig.algorithm`` at
 ``"your.module:YourClass"``. Check it with :func:`sparsehi.algorithms.testing.check_algorithm`.
 Built-ins (``oracle``, ``quest``, ``dsa``) load lazily on first lookup.
 """
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_selection
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args, check_selection
 from sparsehi.algorithms.registry import (
     create_algorithm,
     register_algorithm,
@@ -16,6 +16,7 @@ from sparsehi.algorithms.registry import (
 __all__ = [
     "BaseSparseAlgorithm",
     "SparseMode",
+    "check_pool_args",
     "check_selection",
     "create_algorithm",
     "register_algorithm",

@@ -168,6 +168,17 @@ class BaseSparseAlgorithm(ABC):
         return 0
 
 
+def check_pool_args(start_layer: int, end_layer: int, **sizes: int) -> None:
+    """Arguments of ``initialize_representation_pool``: every ``sizes`` value an integer
+    > 0 and ``[start_layer, end_layer)`` a non-empty range >= 0. Raises ValueError naming
+    the parameter (shared by the built-in algorithms; authors may call it too)."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
+    if not (0 <= start_layer < end_layer):
+        raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
+
+
 def check_selection(
     selected: torch.Tensor,
     valid: torch.Tensor,

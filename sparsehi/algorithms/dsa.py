@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
 from sparsehi.kernels.topk import (check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
@@ -104,11 +104,7 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         ``[max_num_reqs, max_context_len] float32``) per sparse layer, plus one dump entry
         for padding rows' writes. ``kv_heads``, ``head_dim``, ``dtype`` describe the
         attention cache and are not needed here."""
-        for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
-        if not (0 <= start_layer < end_layer):
-            raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
+        check_pool_args(start_layer, end_layer, max_num_reqs=max_num_reqs, max_context_len=max_context_len)
         self.max_num_reqs, self.max_context_len = max_num_reqs, max_context_len
         self._keys_flat, self._scales_flat, self._keys, self._scales, self._indexed = {}, {}, {}, {}, {}
         n = max_num_reqs * max_context_len + 1

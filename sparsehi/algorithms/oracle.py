@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
                                    live_rows, masked_topk, raise_if_any, selection_kwargs)
@@ -108,12 +108,8 @@ class OracleAlgorithm(BaseSparseAlgorithm):
     ) -> None:
         """Keys ``[max_num_reqs, max_context_len, kv_heads, head_dim]`` per sparse layer (+ one
         dump entry for padding rows' writes)."""
-        for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len),
-                        ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
-        if not (0 <= start_layer < end_layer):
-            raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
+        check_pool_args(start_layer, end_layer, max_num_reqs=max_num_reqs, max_context_len=max_context_len,
+                        kv_heads=kv_heads, head_dim=head_dim)
         self.max_num_reqs, self.max_context_len = max_num_reqs, max_context_len
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self._keys_flat = {

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.quest_score import quest_score
@@ -81,12 +81,8 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         """Reserve min/max ``[max_num_reqs, ceil(max_context_len / page_size), kv_heads,
         head_dim]`` (``dtype``) for every sparse layer in ``[start_layer, end_layer)``, plus
         one ``[kv_heads, head_dim]`` dump entry each for padding rows' writes."""
-        for name, v in (("max_num_reqs", max_num_reqs), ("max_context_len", max_context_len),
-                        ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
-        if not (0 <= start_layer < end_layer):
-            raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
+        check_pool_args(start_layer, end_layer, max_num_reqs=max_num_reqs, max_context_len=max_context_len,
+                        kv_heads=kv_heads, head_dim=head_dim)
         self.max_num_reqs = max_num_reqs
         self.max_pages = -(-max_context_len // self.page_size)
         self.kv_heads, self.head_dim = kv_heads, head_dim
