@@ -60,3 +60,21 @@ def test_register_rules():
         register_algorithm("test-bad")(dict)
     with pytest.raises(ValueError, match="name"):
         register_algorithm("a:b")
+
+
+@pytest.mark.parametrize("algorithm,extra", [
+    ("oracle", {}), ("quest", {}), ("dsa", {"index_head_dim": 8, "index_dtype": "fp32"}),
+])
+@pytest.mark.parametrize("bad,match", [
+    ({"max_num_reqs": 0}, "max_num_reqs=0"),
+    ({"max_context_len": -4}, "max_context_len=-4"),
+    ({"start_layer": 2, "end_layer": 2}, "start_layer=2, end_layer=2"),
+])
+def test_builtin_algorithms_reject_bad_pool_arguments(algorithm, extra, bad, match):
+    cfg = SparseConfig(algorithm=algorithm, page_size=1 if algorithm == "dsa" else 4, top_k=16,
+                       device_buffer_size=64, sparse_extra_config=extra)
+    alg = create_algorithm(cfg, "cpu")
+    args = {"start_layer": 0, "end_layer": 2, "max_num_reqs": 2, "max_context_len": 64, **bad}
+    with pytest.raises(ValueError, match=match):
+        alg.initialize_representation_pool(args["start_layer"], args["end_layer"], args["max_num_reqs"],
+                                           args["max_context_len"], kv_heads=2, head_dim=8, dtype=torch.float32)
