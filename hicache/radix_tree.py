@@ -49,7 +49,7 @@ import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -639,6 +639,15 @@ class HiRadixTree:
         self.stats_.backup_tokens += n
         return n
 
+    def _agreed_results(self, ready_here: int, pop: Callable[[], Any]) -> list[tuple[Any, int]]:
+        """Pop the transfer results every TP rank has (MIN of ``ready_here`` over the ranks)
+        and pair each with its outcome agreed over the ranks: a copy that failed on any rank
+        counts as failed on all (dropping a good copy is safe; keeping a bad one is not), so
+        the trees stay identical."""
+        group = self.controller.tp_group
+        batches = [pop() for _ in range(tp_sync.agree_min(ready_here, group))]
+        return list(zip(batches, tp_sync.agree_min_many([int(b.ok) for b in batches], group)))
+
     def writing_check(self, block: bool = False) -> int:
         """Issue queued writes and retire acknowledged ones (unlock, mark complete). TP ranks
         agree (MIN) on how many acks to retire. block=True waits for every write in flight.
@@ -647,12 +656,8 @@ class HiRadixTree:
         c.start_writing()
         if block:
             c.wait_writes()
-        ready = tp_sync.agree_min(c.write_acks_ready(), c.tp_group)
-        batches = [c.pop_write_result() for _ in range(ready)]
-        # A copy that failed on any rank counts as failed on all (dropping a good host copy
-        # is safe; keeping a bad one is not), so the trees stay identical.
-        oks = tp_sync.agree_min_many([int(b.ok) for b in batches], c.tp_group)
-        for batch, ok in zip(batches, oks):
+        results = self._agreed_results(c.write_acks_ready(), c.pop_write_result)
+        for batch, ok in results:
             for ack in batch.ack_ids:
                 if not ok:
                     self._fail_write(ack)
@@ -661,7 +666,7 @@ class HiRadixTree:
                 for nd in nodes:
                     nd.write_ack = None
                 self.dec_lock_ref(nodes[0])
-        return ready
+        return len(results)
 
     def _subtree_postorder(self, top: TreeNode) -> list[TreeNode]:
         """``top`` and its descendants, children before parents."""
@@ -921,10 +926,8 @@ class HiRadixTree:
         if block:
             c.start_loading()
             c.wait_loads()
-        ready = tp_sync.agree_min(c.load_acks_ready(), c.tp_group)
-        batches = [c.pop_load_result() for _ in range(ready)]
-        oks = tp_sync.agree_min_many([int(b.ok) for b in batches], c.tp_group)
-        for batch, ok in zip(batches, oks):
+        results = self._agreed_results(c.load_acks_ready(), c.pop_load_result)
+        for batch, ok in results:
             for ack in batch.ack_ids:
                 ancestor, last = self.ongoing_load.pop(ack)
                 chain = []
@@ -936,7 +939,7 @@ class HiRadixTree:
                 self.dec_lock_ref(last)
                 if not ok:
                     self._fail_load(chain)
-        return ready
+        return len(results)
 
     def _fail_load(self, chain: list[TreeNode]) -> None:
         """A load-back of ``chain`` (last node first) failed: its device slots hold no valid
