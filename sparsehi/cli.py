@@ -220,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setup_kwargs(args: argparse.Namespace, modes: list[str], sparse, device: str, dtype: torch.dtype) -> dict:
+    """The :class:`~sparsehi.runtime.run_setup.RunSetup` fields both commands take from the
+    common options."""
+    return dict(model=args.model, model_path=args.model_path, num_layers=args.num_layers, modes=modes,
+                sparse=sparse, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
+                seed=args.seed, output_dir=args.output_dir)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -231,21 +239,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         from sparsehi.runtime.demo import DemoConfig, run_demo
 
         device, dtype, sc = _resolve(args, args.subparser, args.context)
-        cfg = DemoConfig(model=args.model, model_path=args.model_path, num_layers=args.num_layers,
-                         context=args.context, batch=args.batch, decode_tokens=args.decode_tokens, modes=modes,
-                         sparse=sc, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
-                         seed=args.seed, shared_prefix=args.shared_prefix, forced=not args.no_forced,
-                         output_dir=args.output_dir,
-                         progress=not args.no_progress)
+        cfg = DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
+                         context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
+                         shared_prefix=args.shared_prefix, forced=not args.no_forced, progress=not args.no_progress)
         run_demo(cfg)
         return 0
     from sparsehi.runtime.bench import BenchConfig, run_bench
 
     device, dtype, sc = _resolve(args, args.subparser, min(args.contexts))
-    run_bench(BenchConfig(model=args.model, model_path=args.model_path, num_layers=args.num_layers,
-                          contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens,
-                          modes=modes, sparse=sc, device=device, dtype=dtype, adaptor=args.adaptor,
-                          host_layout=args.host_layout, seed=args.seed, output_dir=args.output_dir))
+    run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
+                          contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))
     return 0
 
 

@@ -9,34 +9,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from sparsehi.config import SparseConfig
 from sparsehi.runtime.demo import make_prompts
 from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.report import MIB, write_json
+from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
 
 @dataclass
-class BenchConfig:
-    model: str = "tiny-gqa"
-    model_path: Optional[str] = None
-    num_layers: Optional[int] = None
+class BenchConfig(RunSetup):
     contexts: list[int] = field(default_factory=lambda: [1024, 2048])
     batches: list[int] = field(default_factory=lambda: [1, 2])
     decode_tokens: int = 16
-    modes: list[str] = field(default_factory=lambda: ["dense", "sparse-gpu", "sparse-hier", "offload-full"])
-    sparse: SparseConfig = field(default_factory=SparseConfig)
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    adaptor: str = "none"
-    host_layout: str = "layer_first"
-    seed: int = 0
-    output_dir: str = "outputs"
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:

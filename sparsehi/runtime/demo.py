@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from sparsehi.config import SparseConfig
 from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.report import (MIB, forced_agreement, free_running_agreement, plot_run, summary_table,
                                      write_json)
+from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import GenerationResult, ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -30,25 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DemoConfig:
-    model: str = "tiny-gqa"
-    model_path: Optional[str] = None
-    num_layers: Optional[int] = None
+class DemoConfig(RunSetup):
     context: int = 4096
     batch: int = 2
     decode_tokens: int = 64
-    modes: list[str] = field(default_factory=lambda: ["dense", "sparse-gpu", "sparse-hier", "offload-full"])
-    sparse: SparseConfig = field(default_factory=SparseConfig)
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    adaptor: str = "none"
-    host_layout: str = "layer_first"
-    seed: int = 0
     shared_prefix: float = 0.5
     """Share of request 0's prompt that every later request starts with (a common system
     prompt / document): sparse-hier reuses it from the host tier via the HiRadixTree."""
     forced: bool = True
-    output_dir: str = "outputs"
     progress: bool = True
 
 

@@ -1,0 +1,25 @@
+"""What ``sparsehi run`` (the demo) and ``sparsehi bench`` (the sweep) share: the model,
+the modes to compare, the sparse settings and where the runtime places things."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from sparsehi.config import SparseConfig
+
+
+@dataclass
+class RunSetup:
+    model: str = "tiny-gqa"
+    model_path: Optional[str] = None
+    num_layers: Optional[int] = None
+    modes: list[str] = field(default_factory=lambda: ["dense", "sparse-gpu", "sparse-hier", "offload-full"])
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    adaptor: str = "none"
+    host_layout: str = "layer_first"
+    seed: int = 0
+    output_dir: str = "outputs"
