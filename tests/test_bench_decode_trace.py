@@ -36,12 +36,7 @@ def _write_checkpoint(tmp_path) -> None:
     save_file(state, str(tmp_path / "model.safetensors"))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_recorded_real_trace_overlap_matches_its_selections(tmp_path):

@@ -21,12 +21,7 @@ from sparsehi.runtime.weights import build_model
 STEPS = 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _MODELS: dict = {}

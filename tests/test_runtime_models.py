@@ -17,13 +17,7 @@ from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model, load_hf_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # small matmuls: one thread is faster and immune to other processes' load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(name: str, layers: int = 2) -> ModelConfig:
