@@ -163,19 +163,29 @@ def _decode_stage1(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    _store_split_result(acc, l_i, m_i, Out, OutPartial, LsePartial, b, split, q_heads, offs_dv, h_mask, dv_mask, h_mask,
+                        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, SPLIT)
+
+
+@triton.jit
+def _store_split_result(acc, l_i, m_log2, Out, OutPartial, LsePartial, b, split, offs_h, offs_d, h_mask, d_mask, lse_mask,
+                        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                        SPLIT: tl.constexpr):
+    """Epilogue of a flash-decoding program: ``acc / l`` (``[H, D]``; rows with ``l = 0``
+    give zeros) into ``Out``, or with ``SPLIT`` the fp32 partial into ``OutPartial`` and
+    its natural-log LSE (from the base-2 running max ``m_log2``; -inf marks an empty
+    split) into ``LsePartial`` where ``lse_mask``, for :func:`_merge_splits`."""
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
     if not SPLIT:
-        tl.store(Out + b.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_dv[None, :],
-                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+        tl.store(Out + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
-        # natural-log LSE of the split; -inf marks an empty split
-        lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(OutPartial + b.to(tl.int64) * stride_pb + q_heads[:, None] * stride_ph
-                 + split * stride_ps + offs_dv[None, :],
-                 out, mask=h_mask[:, None] & dv_mask[None, :])
-        tl.store(LsePartial + b.to(tl.int64) * stride_lb + q_heads * stride_lh + split, lse, mask=h_mask)
+        lse = tl.where(has, (m_log2 + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(OutPartial + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
+                 + split * stride_ps + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(LsePartial + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=lse_mask)
 
 
 @triton.jit

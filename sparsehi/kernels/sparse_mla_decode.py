@@ -57,7 +57,8 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, interpreter_enabled, use_triton
-from sparsehi.kernels.paged_decode import _FLOAT_DTYPES, _MAX_SPLITS, _fail, _merge_splits, dot_in_fp32, sm_count
+from sparsehi.kernels.paged_decode import (_FLOAT_DTYPES, _MAX_SPLITS, _fail, _merge_splits, _store_split_result,
+                                           dot_in_fp32, sm_count)
 
 
 @dataclass(frozen=True)
@@ -243,17 +244,8 @@ def _mla_stage1(
         s = tl.dot(q_pe, k_pe, s)
         m_i, l_i, acc = _online_softmax_step(s, valid, m_i, l_i, acc, kv_lat, qk_scale_log2)
 
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if not SPLIT:
-        tl.store(Out + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_dl[None, :],
-                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dl_mask[None, :])
-    else:
-        lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(OutPartial + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
-                 + split * stride_ps + offs_dl[None, :], out, mask=h_mask[:, None] & dl_mask[None, :])
-        tl.store(LsePartial + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=h_mask)
+    _store_split_result(acc, l_i, m_i, Out, OutPartial, LsePartial, b, split, offs_h, offs_dl, h_mask, dl_mask, h_mask,
+                        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, SPLIT)
 
 
 @triton.jit
@@ -341,19 +333,10 @@ def _mla_pv(
         if DOT_F32:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc)
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if not SPLIT:
-        tl.store(Out + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
-                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-    else:
-        lse = tl.where(has, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(OutPartial + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
-                 + split * stride_ps + offs_dv[None, :], out, mask=h_mask[:, None] & dv_mask[None, :])
-        # every value block of a head computes the same lse; block 0 writes it
-        tl.store(LsePartial + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse,
-                 mask=h_mask & ((offs_h * 0 + dvb) == 0))
+    # every value block of a head computes the same lse; block 0 writes it
+    _store_split_result(acc, l_i, m_safe, Out, OutPartial, LsePartial, b, split, offs_h, offs_dv, h_mask, dv_mask,
+                        h_mask & ((offs_h * 0 + dvb) == 0),
+                        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, SPLIT)
 
 
 # ----------------------------------------------------------------------------- Gluon (Hopper)
