@@ -74,15 +74,15 @@ def make_topk(rows_ids: list[list[int]], k: int):
     return topk, torch.tensor([len(x) for x in rows_ids], dtype=torch.int32)
 
 
-def run_both(topk, valid, st_ref, st_tri, step, rows=None):
+def run_both(topk, valid, st_ref, st_tri, step, rows=None, **triton_kw):
     a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step,
                            order=st_ref["order"], rows=rows)
     b = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step,
-                        order=st_tri["order"], rows=rows)
+                        order=st_tri["order"], rows=rows, **triton_kw)
     for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     for name in st_ref:
-        assert torch.equal(st_ref[name], st_tri[name]), name
+        assert torch.equal(st_ref[name], st_tri[name]), (step, name)
     return a
 
 
@@ -293,15 +293,7 @@ def test_scan_depths_give_identical_results(scan_r):
     for step in range(1, 6):
         rows_ids = [torch.randperm(m, generator=g)[: int(torch.randint(0, k + 1, (1,), generator=g))].tolist()
                     for _ in range(2)]
-        topk, valid = make_topk(rows_ids, k)
-        a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step,
-                               order=st_ref["order"])
-        c = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step,
-                            order=st_tri["order"], scan_r=scan_r)
-        for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
-            assert torch.equal(getattr(a, name), getattr(c, name)), name
-        for name in st_ref:
-            assert torch.equal(st_ref[name], st_tri[name]), name
+        run_both(*make_topk(rows_ids, k), st_ref, st_tri, step, scan_r=scan_r)
 
 
 def test_bad_scan_r_is_a_clear_error():
@@ -333,13 +325,7 @@ def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r):
         prev = torch.stack([torch.tensor((r + list(range(m)))[:k]) for r in rows])
         topk, valid = make_topk(rows, k)
         topk, valid = topk.to(dev), valid.to(dev)
-        a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step, order=st_ref["order"])
-        c = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step, order=st_tri["order"],
-                            num_warps=num_warps, scan_r=scan_r)
-        for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
-            assert torch.equal(getattr(a, name), getattr(c, name)), (step, name)
-        for name in st_ref:
-            assert torch.equal(st_ref[name], st_tri[name]), (step, name)
+        run_both(topk, valid, st_ref, st_tri, step, num_warps=num_warps, scan_r=scan_r)
 
 
 @interpreted
