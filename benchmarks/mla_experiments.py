@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
 from benchmarks.bench_attention import mla_bytes, mla_case, mla_flops
-from benchmarks.common import cuda_time_us, device_info
+from benchmarks.common import cuda_time_us, device_info, write_result
 from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_config, sparse_mla_decode_reference,
                                                 sparse_mla_decode_triton)
 
@@ -42,9 +40,7 @@ def variants(B: int, H: int) -> list[tuple[str, object]]:
 
 
 def _dump(rows, env=None) -> None:
-    base = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    base.mkdir(parents=True, exist_ok=True)
-    (base / "mla_experiments.json").write_text(json.dumps({"rows": rows, "env": env}, indent=1) + "\n")
+    write_result("mla_experiments.json", {"rows": rows, "env": env})
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
