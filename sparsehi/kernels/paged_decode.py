@@ -328,16 +328,23 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        _merge_splits[(B, Hq)](
-            part, lse, out,
-            part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            splits,
-            V_DIM=Dv, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dv,
-            num_warps=4,
-        )
+        merge_splits(part, lse, out, block_dv)
     return out
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_dv: int) -> None:
+    """Log-sum-exp merge of split-K partials ``part [B, H, splits, Dv] float32`` with their
+    ``lse [B, H, splits]`` into ``out [B, H, Dv]`` (one program per (request, head))."""
+    B, H, splits, Dv = part.shape
+    _merge_splits[(B, H)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        splits,
+        V_DIM=Dv, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dv,
+        num_warps=4,
+    )
 
 
 # ----------------------------------------------------------------------------- paged form

@@ -57,8 +57,8 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, interpreter_enabled, use_triton
-from sparsehi.kernels.paged_decode import (_FLOAT_DTYPES, _MAX_SPLITS, _fail, _merge_splits, _store_split_result,
-                                           dot_in_fp32, sm_count)
+from sparsehi.kernels.paged_decode import (_FLOAT_DTYPES, _MAX_SPLITS, _fail, _store_split_result, dot_in_fp32,
+                                           merge_splits, sm_count)
 
 
 @dataclass(frozen=True)
@@ -539,19 +539,6 @@ def _check_mla(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, 
     return kv
 
 
-def _merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_dl: int) -> None:
-    B, H, splits, Dl = part.shape
-    _merge_splits[(B, H)](
-        part, lse, out,
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        splits,
-        V_DIM=Dl, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dl,
-        num_warps=4,
-    )
-
-
 def _split_tokens(K: int, splits: int, block_n: int) -> tuple[int, int]:
     """(splits, tokens per split): splits clamped, each split a whole number of tiles."""
     splits = max(1, min(int(splits), _MAX_SPLITS))
@@ -605,7 +592,7 @@ def _two_pass(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: tor
         num_warps=cfg.pv_warps, num_stages=cfg.pv_stages,
     )
     if splits > 1:
-        _merge(part, lse, out, block_dl)
+        merge_splits(part, lse, out, block_dl)
     return out
 
 
@@ -656,7 +643,7 @@ def _launch_split(kernel, grid: tuple[int, int, int], q: torch.Tensor, kv: torch
         SPLIT=splits > 1, **meta,
     )
     if splits > 1:
-        _merge(part, lse, out, max(16, triton.next_power_of_2(Dl)))
+        merge_splits(part, lse, out, max(16, triton.next_power_of_2(Dl)))
     return out
 
 
