@@ -511,14 +511,14 @@ class SparseKVCacheManager:
             # and corrupt the LRU state (and read stale load slots).
             raise ValueError(f"layer_id={layer} already ran its LRU diff in decode step {self.step}: each sparse "
                              f"layer runs once per step (begin_decode starts the next step)")
-        res, lu, so, order = self.lru.layer(li)
+        res, lu, so = self.lru.layer(li)
         B, K = topk.shape
         t = step.memo.get("lru_tables")
         if t is None or t[0].shape[1:] != (B, K):
             t = self._lru_step_tables(step, B, K, topk.device)
             step.memo["lru_tables"] = t
         out3, idx3, pages2, loads, host_pt, buf_pt, buf_pt32 = t
-        r = lru_diff(topk, valid, res, lu, so, self.step_t, order=order, rows=step.rows,
+        r = lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
                      out=LruDiffResult(out3[0], out3[1], out3[2], loads[li]))
         self._diff_step[layer] = self.step
         step.memo["valid"][li] = valid

@@ -17,13 +17,12 @@ class LruState:
 
     resident:  ``[L, R, S] int32`` logical id held by each buffer slot, ``-1`` empty.
     last_used: ``[L, R, S] int32`` step of last use, ``-1`` never.
-    order:     ``[L, R, S] int32`` slots, least recently used first (see kernels/lru_diff.py).
-    slot_of:   ``[L, R, M] int32`` reverse map logical id -> slot, ``-1`` not resident.
+    slot_of:   ``[L, R, M] int32`` reverse map logical id -> slot it was last installed in,
+               ``-1`` never; valid only where ``resident`` agrees (see kernels/lru_diff.py).
     """
 
     resident: torch.Tensor
     last_used: torch.Tensor
-    order: torch.Tensor
     slot_of: torch.Tensor
 
     @classmethod
@@ -31,7 +30,6 @@ class LruState:
         st = cls(
             resident=torch.empty(num_layers, num_rows, slots, dtype=torch.int32, device=device),
             last_used=torch.empty(num_layers, num_rows, slots, dtype=torch.int32, device=device),
-            order=torch.empty(num_layers, num_rows, slots, dtype=torch.int32, device=device),
             slot_of=torch.empty(num_layers, num_rows, num_ids, dtype=torch.int32, device=device),
         )
         st.reset_rows(torch.arange(num_rows, device=device))
@@ -39,18 +37,16 @@ class LruState:
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Empty the buffers of ``rows`` (``[n] int64``) in every layer."""
-        s = self.resident.shape[2]
         self.resident[:, rows] = -1
         self.last_used[:, rows] = -1
-        self.order[:, rows] = torch.arange(s, dtype=torch.int32, device=self.order.device)
         self.slot_of[:, rows] = -1
 
-    def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(resident, last_used, slot_of, order)`` planes of sparse layer index ``li``."""
-        return self.resident[li], self.last_used[li], self.slot_of[li], self.order[li]
+    def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(resident, last_used, slot_of)`` planes of sparse layer index ``li``."""
+        return self.resident[li], self.last_used[li], self.slot_of[li]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.resident, self.last_used, self.order, self.slot_of))
+        return sum(t.numel() * t.element_size() for t in (self.resident, self.last_used, self.slot_of))
 
 
 @dataclass

@@ -64,20 +64,18 @@ def candidates(mgr, seq):
     return cs, max(cs, P - mgr.R)
 
 
-def naive_lru(resident, order, ids):
-    """Exact LRU, one buffer: ``order`` lists slots least recently used first; the used
-    slots move to the tail (hits in selection order, then refills)."""
+def naive_lru(resident, last_used, ids, step):
+    """Exact LRU, one buffer: the misses evict the non-selected slots with the smallest
+    (last_used, slot), the j-th miss taking the j-th victim in slot order."""
     where = {x: i for i, x in enumerate(resident) if x >= 0}
-    hits = [where[x] for x in ids if x in where]
-    victims = [sl for sl in order if sl not in set(hits)]
-    refills = []
-    for x in ids:
-        if x not in where:
-            slot = victims[len(refills)]
-            refills.append(slot)
-            resident[slot] = x
-    used = set(hits) | set(refills)
-    order[:] = [sl for sl in order if sl not in used] + hits + refills
+    hits = {where[x] for x in ids if x in where}
+    misses = [x for x in ids if x not in where]
+    coldest = sorted((last_used[sl], sl) for sl in range(len(resident)) if sl not in hits)
+    victims = sorted(sl for _, sl in coldest[: len(misses)])
+    for x, sl in zip(misses, victims):
+        resident[sl] = x
+    for sl in hits | set(victims):
+        last_used[sl] = step
 
 
 @pytest.mark.parametrize("io_backend", ["direct", "kernel"])
@@ -95,7 +93,7 @@ def test_long_random_trace_invariants(io_backend, monkeypatch):
     prefill(mgr, truth, rows, seq)
     ps, S = mgr.ps, mgr.S
     g = torch.Generator().manual_seed(7)
-    naive = {(li, r): ([-1] * S, list(range(S))) for li in range(L) for r in rows}
+    naive = {(li, r): ([-1] * S, [-1] * S) for li in range(L) for r in rows}
     prev = {(li, r): [] for li in range(L) for r in rows}
     steps = 30 if io_backend == "direct" else 12
     for _ in range(steps):
@@ -119,10 +117,10 @@ def test_long_random_trace_invariants(io_backend, monkeypatch):
             phys = mgr.sparse_physical(layer, step, topk, valid, ce_t)
             li = mgr.layer_index[layer]
             for b, (r, ids) in enumerate(zip(rows, sel_rows)):
-                naive_lru(*naive[(li, r)], ids)
+                naive_lru(*naive[(li, r)], ids, mgr.step)
                 # exact LRU: the manager's buffer holds what the naive model holds, slot for slot
                 assert mgr.lru.resident[li, r].tolist() == naive[(li, r)][0]
-                assert mgr.lru.order[li, r].tolist() == naive[(li, r)][1]
+                assert mgr.lru.last_used[li, r].tolist() == naive[(li, r)][1]
                 res = mgr.lru.resident[li, r]
                 held = res[res >= 0]
                 assert held.unique().numel() == held.numel(), "a slot holds two ids / an id in two slots"
@@ -148,7 +146,7 @@ def test_long_random_trace_invariants(io_backend, monkeypatch):
 
 
 def _snapshot(mgr):
-    return [t.clone() for t in (mgr.lru.resident, mgr.lru.last_used, mgr.lru.slot_of, mgr.lru.order,
+    return [t.clone() for t in (mgr.lru.resident, mgr.lru.last_used, mgr.lru.slot_of,
                                 mgr.device_pool.kv_data)]
 
 

@@ -1,5 +1,6 @@
 """LRU diff kernel: Triton (interpreted on CPU) == torch reference == a naive per-slot
-exact-LRU model, on random traces and edge cases; bad input rejected."""
+exact-LRU model, on random traces and edge cases (helper programs on and off, sparse stamps
+that need the kernel's fallback searches); bad input rejected."""
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,6 @@ def new_state(rows: int, s: int, m: int, device="cpu"):
         "resident": torch.full((rows, s), -1, dtype=torch.int32, device=device),
         "last_used": torch.full((rows, s), -1, dtype=torch.int32, device=device),
         "slot_of": torch.full((rows, m), -1, dtype=torch.int32, device=device),
-        "order": torch.arange(s, dtype=torch.int32, device=device).repeat(rows, 1),
     }
 
 
@@ -43,27 +43,27 @@ def clone(state):
     return {k: v.clone() for k, v in state.items()}
 
 
-def naive_step(resident: list[int], order: list[int], ids: list[int]):
-    """Exact LRU on python lists, one row (``order``: slots, least recently used first).
-    Returns (device_slots, load_ids, load_slots); updates resident and order."""
+def naive_step(resident: list[int], last_used: list[int], ids: list[int], step: int):
+    """Exact LRU on python lists, one row: the misses evict the non-selected slots with the
+    smallest (last_used, slot), the j-th miss taking the j-th victim in slot order.
+    Returns (device_slots, load_ids, load_slots); updates resident and last_used."""
     where = {x: i for i, x in enumerate(resident) if x >= 0}
-    hits = [where[x] for x in ids if x in where]
-    victims = [sl for sl in order if sl not in set(hits)]
-    dev, lids, lslots = [], [], []
-    j = 0
+    hits = {where[x] for x in ids if x in where}
+    misses = [x for x in ids if x not in where]
+    coldest = sorted((last_used[sl], sl) for sl in range(len(resident)) if sl not in hits)
+    victims = sorted(sl for _, sl in coldest[: len(misses)])
+    dev, j = [], 0
     for x in ids:
         if x in where:
             dev.append(where[x])
         else:
             dev.append(victims[j])
-            lids.append(x)
-            lslots.append(victims[j])
             j += 1
-    for x, slot in zip(lids, lslots):
-        resident[slot] = x
-    used = set(dev)
-    order[:] = [sl for sl in order if sl not in used] + hits + lslots
-    return dev, lids, lslots
+    for x, sl in zip(misses, victims):
+        resident[sl] = x
+    for sl in dev:
+        last_used[sl] = step
+    return dev, misses, victims
 
 
 def make_topk(rows_ids: list[list[int]], k: int):
@@ -75,10 +75,9 @@ def make_topk(rows_ids: list[list[int]], k: int):
 
 
 def run_both(topk, valid, st_ref, st_tri, step, rows=None, **triton_kw):
-    a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step,
-                           order=st_ref["order"], rows=rows)
-    b = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step,
-                        order=st_tri["order"], rows=rows, **triton_kw)
+    a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], step, rows=rows)
+    b = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], step, rows=rows,
+                        **triton_kw)
     for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
         assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     for name in st_ref:
@@ -86,12 +85,12 @@ def run_both(topk, valid, st_ref, st_tri, step, rows=None, **triton_kw):
     return a
 
 
-def check_against_naive(res, rows_ids, naive_rows, state=None):
+def check_against_naive(res, rows_ids, naive_rows, state=None, step=0):
     for i, ids in enumerate(rows_ids):
-        resident, order = naive_rows[i]
-        dev, lids, lslots = naive_step(resident, order, ids)
+        resident, last_used = naive_rows[i]
+        dev, lids, lslots = naive_step(resident, last_used, ids, step)
         if state is not None:
-            assert state["resident"][i].tolist() == resident and state["order"][i].tolist() == order
+            assert state["resident"][i].tolist() == resident and state["last_used"][i].tolist() == last_used
         n = len(ids)
         assert res.device_slots[i, :n].tolist() == dev
         assert (res.device_slots[i, n:] == -1).all()
@@ -106,7 +105,7 @@ def test_random_trace_matches_naive_lru_and_reference():
     g = torch.Generator().manual_seed(0)
     b, k, s, m = 3, 8, 12, 48
     st_ref, st_tri = new_state(b, s, m), new_state(b, s, m)
-    naive_rows = [([-1] * s, list(range(s))) for _ in range(b)]
+    naive_rows = [([-1] * s, [-1] * s) for _ in range(b)]
     prev = [[] for _ in range(b)]
     for step in range(1, 40):
         rows_ids = []
@@ -120,17 +119,18 @@ def test_random_trace_matches_naive_lru_and_reference():
             prev[i] = ids
         topk, valid = make_topk(rows_ids, k)
         res = run_both(topk, valid, st_ref, st_tri, step)
-        check_against_naive(res, rows_ids, naive_rows, st_tri)
-        # resident/slot_of are inverse maps; last_used never decreases along the LRU order
+        check_against_naive(res, rows_ids, naive_rows, st_tri, step)
+        # slot_of finds every resident id; its stale entries (evicted ids) never point at a
+        # slot that holds that id
         for i in range(b):
             r = st_tri["resident"][i]
             held = r[r >= 0]
             assert held.unique().numel() == held.numel()
             assert torch.equal(st_tri["slot_of"][i, held.long()], torch.nonzero(r >= 0).flatten().int())
-            assert int((st_tri["slot_of"][i] >= 0).sum()) == held.numel()
-        assert torch.equal(st_tri["order"].sort(1).values, torch.arange(s, dtype=torch.int32).expand(b, s))
-        lu_in_order = st_tri["last_used"].gather(1, st_tri["order"].long())
-        assert bool((lu_in_order[:, 1:] >= lu_in_order[:, :-1]).all())
+            so = st_tri["slot_of"][i]
+            stale = torch.nonzero(so >= 0).flatten()
+            stale = stale[~torch.isin(stale, held.long())]
+            assert not bool((r[so[stale].long()] == stale.int()).any())
 
 
 @interpreted
@@ -139,16 +139,16 @@ def test_edge_cases(case):
     k, s, m = 6, 6 if case == "k_equals_s" else 10, 40
     b = 2
     st_ref, st_tri = new_state(b, s, m), new_state(b, s, m)
-    naive_rows = [([-1] * s, list(range(s))) for _ in range(b)]
+    naive_rows = [([-1] * s, [-1] * s) for _ in range(b)]
     warm = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
     if case == "exactly_full":
         warm = [list(range(i * 10, i * 10 + min(k, s))) for i in range(b)]
     res = run_both(*make_topk(warm, k), st_ref, st_tri, 1)
-    check_against_naive(res, warm, naive_rows, st_tri)
+    check_against_naive(res, warm, naive_rows, st_tri, 1)
     if case == "exactly_full":  # fill the rest of the buffer so every slot holds an id
         extra = [list(range(i * 10 + k, i * 10 + k + (s - k))) for i in range(b)]
         res = run_both(*make_topk(extra, k), st_ref, st_tri, 2)
-        check_against_naive(res, extra, naive_rows, st_tri)
+        check_against_naive(res, extra, naive_rows, st_tri, 2)
         assert bool((st_tri["resident"] >= 0).all())
     nxt = {
         "all_hits": [[6, 5, 4, 3, 2, 1], [12, 7]],
@@ -159,7 +159,7 @@ def test_edge_cases(case):
         "padding_rows": [[], [7, 20]],
     }[case]
     res = run_both(*make_topk(nxt, k), st_ref, st_tri, 3)
-    check_against_naive(res, nxt, naive_rows, st_tri)
+    check_against_naive(res, nxt, naive_rows, st_tri, 3)
     if case == "all_hits":
         assert res.num_loads.tolist() == [0, 0]
     if case == "all_misses":
@@ -196,9 +196,8 @@ def test_step_as_tensor_and_dispatch_match(monkeypatch):
     st1, st2 = new_state(2, s, m), new_state(2, s, m)
     for step, ids in ((7, [[1, 2], [3]]), (9, [[2, 5, 6, 7], [8, 3]])):
         topk, valid = make_topk(ids, k)
-        a = lru_diff(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], torch.tensor([step], dtype=torch.int32),
-                     order=st1["order"])
-        b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], step, order=st2["order"])
+        a = lru_diff(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], torch.tensor([step], dtype=torch.int32))
+        b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], step)
         for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         for name in st1:
@@ -208,14 +207,44 @@ def test_step_as_tensor_and_dispatch_match(monkeypatch):
 
 
 @interpreted
-def test_triton_without_order_derives_it():
-    k, s, m = 4, 8, 16
-    st1, st2 = new_state(1, s, m), new_state(1, s, m)
-    for step, ids in enumerate([[1, 2, 3, 4], [5, 6, 1], [7, 8, 9, 10]], start=1):
-        topk, valid = make_topk([ids], k)
-        a = lru_diff_triton(topk, valid, st1["resident"], st1["last_used"], st1["slot_of"], step)
-        b = lru_diff_reference(topk, valid, st2["resident"], st2["last_used"], st2["slot_of"], step, order=st2["order"])
-        assert torch.equal(a.device_slots, b.device_slots) and torch.equal(a.load_slots, b.load_slots)
+@pytest.mark.parametrize("helpers", [0, 1, 2, 4])
+@pytest.mark.parametrize("stride", [1, 5])
+def test_helpers_and_sparse_stamps_give_identical_results(helpers, stride):
+    # stride 5: steps far apart, so the window of the oldest stamp values rarely holds the
+    # victims and the distinct-minimum rounds / bisection run
+    k, s, m = 8, 20, 60
+    g = torch.Generator().manual_seed(helpers * 10 + stride)
+    st_ref, st_tri = new_state(2, s, m), new_state(2, s, m)
+    naive_rows = [([-1] * s, [-1] * s) for _ in range(2)]
+    prev = [[], []]
+    for i in range(1, 16):
+        step = i * stride
+        rows_ids = []
+        for r in range(2):
+            n = int(torch.randint(0, k + 1, (1,), generator=g))
+            keep = [x for x in prev[r] if torch.rand(1, generator=g).item() < 0.6][:n]
+            rest = [x for x in torch.randperm(m, generator=g).tolist() if x not in keep]
+            rows_ids.append(keep + rest[: n - len(keep)])
+            prev[r] = rows_ids[-1]
+        res = run_both(*make_topk(rows_ids, k), st_ref, st_tri, step, helpers=helpers)
+        check_against_naive(res, rows_ids, naive_rows, st_tri, step)
+
+
+@interpreted
+@pytest.mark.parametrize("old_hits", [1, 3, 4, 6])
+def test_hits_among_the_oldest_slots(old_hits):
+    # Step 3 reselects old_hits ids of step 1 (the oldest stamps) next to two new ids: the
+    # victims must skip those hits, which the kernel knows per slot only by reading their
+    # stamps back.
+    k, s, m = 8, 16, 40
+    st_ref, st_tri = new_state(1, s, m), new_state(1, s, m)
+    naive_rows = [([-1] * s, [-1] * s)]
+    for step, ids in ((1, list(range(8))), (2, list(range(8, 16))), (3, list(range(old_hits)) + [20, 21])):
+        res = run_both(*make_topk([ids], k), st_ref, st_tri, step)
+        check_against_naive(res, [ids], naive_rows, st_tri, step)
+    assert res.num_loads.tolist() == [2]
+    assert sorted(res.load_slots[0, :2].tolist()) == res.load_slots[0, :2].tolist()
+    assert set(res.load_slots[0, :2].tolist()) == {old_hits, old_hits + 1}
 
 
 def test_k_greater_than_s_is_a_clear_error():
@@ -223,7 +252,7 @@ def test_k_greater_than_s_is_a_clear_error():
     topk, valid = make_topk([[1, 2]], 6)
     for fn in (lru_diff_reference, lru_diff_triton):
         with pytest.raises(ValueError, match="K must be <= S"):
-            fn(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, order=st["order"])
+            fn(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1)
 
 
 def test_bad_dtypes_and_values():
@@ -260,7 +289,7 @@ def test_property_triton_equals_naive(k, extra, m, steps, seed, overlap):
     s = k + extra
     g = torch.Generator().manual_seed(seed)
     st_ref, st_tri = new_state(2, s, m), new_state(2, s, m)
-    naive_rows = [([-1] * s, list(range(s))) for _ in range(2)]
+    naive_rows = [([-1] * s, [-1] * s) for _ in range(2)]
     prev = [[], []]
     for step in range(1, steps + 1):
         rows_ids = []
@@ -272,7 +301,7 @@ def test_property_triton_equals_naive(k, extra, m, steps, seed, overlap):
             rows_ids.append(ids)
             prev[i] = ids
         res = run_both(*make_topk(rows_ids, k), st_ref, st_tri, step)
-        check_against_naive(res, rows_ids, naive_rows, st_tri)
+        check_against_naive(res, rows_ids, naive_rows, st_tri, step)
 
 
 @pytest.mark.parametrize("n,r", [(1, 1), (2, 2), (16, 2), (8, 4), (8, 8), (64, 8), (256, 1)])
@@ -300,16 +329,26 @@ def test_bad_scan_r_is_a_clear_error():
     st = new_state(1, 8, 16)
     topk, valid = make_topk([[1, 2]], 4)
     with pytest.raises(ValueError, match="scan_r must be a power of two"):
-        lru_diff_triton(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, order=st["order"], scan_r=3)
+        lru_diff_triton(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, scan_r=3)
+    with pytest.raises(ValueError, match="helpers must be one of"):
+        lru_diff_triton(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, helpers=3)
+
+
+def test_buffer_beyond_kernel_limit_is_a_clear_error():
+    st = new_state(1, lru_diff_mod.MAX_SLOTS + 1, 4)
+    topk, valid = make_topk([[1]], 2)
+    with pytest.raises(ValueError, match="device_buffer_size"):
+        lru_diff_reference(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r", [
-    (64, 2048, 4096, 16384, None, None), (64, 2048, 4096, 16384, 8, 1), (64, 2048, 4096, 16384, 16, 8),
-    (64, 2048, 4096, 16384, 4, 2), (16, 2048, 8192, 16384, 16, 4),
-    (8, 1000, 3000, 6000, None, None),  # K, S not powers of two (masked paths)
+@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers", [
+    (64, 2048, 4096, 16384, None, None, None), (64, 2048, 4096, 16384, 8, 1, 0), (64, 2048, 4096, 16384, 16, 8, 1),
+    (64, 2048, 4096, 16384, 4, 2, 2), (16, 2048, 8192, 16384, 16, 4, 4), (128, 2048, 4096, 16384, None, None, None),
+    (8, 1000, 3000, 6000, None, None, None),  # K, S not powers of two (masked paths)
+    (4, 512, 16000, 60000, None, None, 1),  # the largest buffer the kernel takes (padded to 16384)
 ])
-def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r):
+def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, helpers):
     dev = "cuda"
     g = torch.Generator(device="cpu").manual_seed(1)
     st_ref, st_tri = new_state(b, s, m, dev), new_state(b, s, m, dev)
@@ -325,7 +364,7 @@ def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r):
         prev = torch.stack([torch.tensor((r + list(range(m)))[:k]) for r in rows])
         topk, valid = make_topk(rows, k)
         topk, valid = topk.to(dev), valid.to(dev)
-        run_both(topk, valid, st_ref, st_tri, step, num_warps=num_warps, scan_r=scan_r)
+        run_both(topk, valid, st_ref, st_tri, step * 4 + step % 3, num_warps=num_warps, scan_r=scan_r, helpers=helpers)
 
 
 @interpreted

@@ -2,20 +2,33 @@
 evict for the rest, and the host->device load map — one launch for a whole batch of one
 layer.
 
-Policy: exact LRU. Each state row keeps its slots in recency order (``order``, least
-recently used first). Each step the ``num_misses`` least recently used slots that this step
-did not select are evicted and refilled, the j-th miss (in ``topk`` column order) taking
-the j-th victim. The new order is ``[slots not used this step, old order kept][hit slots,
-in topk column order][refilled slots, in miss order]`` — so ties between slots used in the
-same step are broken by their column in ``topk``, hits before refills. A fresh state
-(``order = arange``, ``last_used = -1``) takes empty slots in slot order.
+Policy: exact LRU over ``(last_used, slot)``. Each step the ``num_misses`` slots that this
+step did not select and that have the smallest ``(last_used, slot)`` are evicted and
+refilled; the j-th miss (in ``topk`` column order) takes the j-th victim in slot order.
+Hits and refills get ``last_used = step``. A fresh state (``last_used = -1``) takes empty
+slots in slot order.
 
-Why an ``order`` array: ranking slots by recency would need a sort of ``S`` keys per row
-every layer. With the order kept, the victims are the first ``num_misses`` non-hit entries
-of ``order`` (one prefix sum), the survivors keep their order (same prefix sum) and the
-used slots go to the tail at positions known from the ``topk`` columns. No ``K x S``
-compare, no sort: phase 1 is a gather through the reverse map ``slot_of``; the buffer-side
-work reads each state row once, coalesced, and gathers within registers.
+Reverse map: ``slot_of[id]`` is where ``id`` was last installed. It is exact for resident
+ids; entries of evicted ids are left stale (clearing them would cost one random store per
+eviction), so an id is resident iff ``slot_of[id] >= 0 and resident[slot_of[id]] == id``.
+
+How the kernel finds victims without a sort or an order array: the eviction threshold ``T``
+is the smallest stamp with at least ``num_misses`` non-hit slots stamped ``<= T``. The
+buffer side counts the slots of the ``WINDOW`` oldest stamp values in one packed reduction
+(while the reverse-map gather is in flight); the selection side subtracts the hits among
+them (each hit's old stamp is gathered from the buffer row in registers). When those
+values do not hold enough victims, distinct-minimum rounds and then a bisection over the
+stamps take over. Victims are the non-hit slots below ``T`` and the first ties at ``T`` in
+slot order: one packed prefix sum. Only hits stamped ``<= T`` (few) must be known per
+slot; they are stamped and read back.
+
+Cost model (H200, benchmarks/results/lru_diff.json): one row's work runs on one SM, and
+what an SM does slowest is random stores (~2.5 cycles each, several times a random load;
+benchmarks/results/lru_primitives.json). The K stamps of the hits are most of them, so
+``helpers`` extra programs per row stamp the hits (and write the hits' device slots) while
+the main program, which no longer waits for those stamps, selects and installs victims. Races between them are benign: a helper only writes
+``last_used = step`` to slots that hold a selected id, which is what they end with anyway,
+and the main program's threshold counts use one snapshot of the row on both sides.
 
 Shapes (``B`` batch rows, ``K`` top-k width, ``S`` buffer slots, ``M`` logical ids per
 request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state rows):
@@ -23,10 +36,7 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
     valid     ``[B] int32``
     resident  ``[R, S] int32`` logical id held by each slot, ``-1`` empty       (updated)
     last_used ``[R, S] int32`` step of last use, ``-1`` never                   (updated)
-    slot_of   ``[R, M] int32`` logical id -> slot, ``-1`` not resident          (updated)
-    order     ``[R, S] int32`` slots, least recently used first                 (updated)
-              (None: derived from ``last_used``, ties by slot index — exact only for
-              states that never had two slots used in one step, e.g. fresh ones)
+    slot_of   ``[R, M] int32`` logical id -> slot it was last installed in, ``-1`` never (updated)
     step      int or ``[1] int32`` tensor (graph-safe); strictly larger than every earlier
               step used with this state. Repeating a step is not detected here (it would
               need a host sync) and corrupts the state: the kernel takes slots stamped with
@@ -35,6 +45,8 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
     rows      ``[B] int64`` state row of each batch row (distinct), optional
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
+Limits: ``S <= 16384`` (the buffer row is held in registers and gathered through shared
+memory), ``K <= 32767`` (counts travel in 16-bit fields).
 """
 from __future__ import annotations
 
@@ -46,6 +58,11 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
+
+MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
+MAX_TOPK = 32767
+INT_MAX = tl.constexpr(2147483647)
+INT_MIN = tl.constexpr(-2147483648)
 
 
 @dataclass
@@ -59,7 +76,7 @@ class LruDiffResult:
 
 
 # --------------------------------------------------------------------------- validation
-def _check_args(topk, valid, resident, last_used, slot_of, order, rows) -> None:
+def _check_args(topk, valid, resident, last_used, slot_of, rows) -> None:
     """Shape/dtype checks only: no host sync, safe inside CUDA graphs."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -74,15 +91,15 @@ def _check_args(topk, valid, resident, last_used, slot_of, order, rows) -> None:
     need(last_used.shape == (r, s) and last_used.dtype == torch.int32, f"last_used must be [R={r}, S={s}] int32, got {tuple(last_used.shape)} {last_used.dtype}")
     need(slot_of.dim() == 2 and slot_of.shape[0] == r and slot_of.dtype == torch.int32,
          f"slot_of must be [R={r}, M] int32, got {tuple(slot_of.shape)} {slot_of.dtype}")
-    if order is not None:
-        need(order.shape == (r, s) and order.dtype == torch.int32, f"order must be [R={r}, S={s}] int32, got {tuple(order.shape)} {order.dtype}")
+    need(s <= MAX_SLOTS, f"buffer slots S={s} exceed {MAX_SLOTS} (the kernel holds a buffer row on one SM): "
+                         f"lower device_buffer_size or raise page_size")
+    need(k <= MAX_TOPK, f"topk width K={k} exceeds {MAX_TOPK}: lower top_k or raise page_size")
     if rows is None:
         need(r == b, f"without rows, state must have B={b} rows, got {r}")
     else:
         need(rows.shape == (b,), f"rows must be [B={b}] int64, got {tuple(rows.shape)}")
-    for name, t in (("resident", resident), ("last_used", last_used), ("slot_of", slot_of), ("order", order)):
-        if t is not None:
-            need(t.stride(1) == 1, f"{name} must be contiguous in its last dim")
+    for name, t in (("resident", resident), ("last_used", last_used), ("slot_of", slot_of)):
+        need(t.stride(1) == 1, f"{name} must be contiguous in its last dim")
     for name, t in (("valid", valid), ("resident", resident), ("last_used", last_used), ("slot_of", slot_of)):
         need(t.device == topk.device, f"{name} is on {t.device}, topk on {topk.device}: all on one device")
 
@@ -116,13 +133,6 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
             raise ValueError(f"rows must lie in [0, {num_rows})")
 
 
-def order_from_last_used(last_used: torch.Tensor) -> torch.Tensor:
-    """``[R, S] int32`` slots sorted by (last_used, slot): the LRU order of a state."""
-    s = last_used.shape[1]
-    key = last_used.long() * s + torch.arange(s, device=last_used.device)
-    return torch.argsort(key, dim=1).to(torch.int32)
-
-
 def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
     if isinstance(step, torch.Tensor):
         if step.numel() != 1:
@@ -135,59 +145,49 @@ def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.
 
 # --------------------------------------------------------------------------- reference
 def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
-                       slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, order: Optional[torch.Tensor] = None,
+                       slot_of: torch.Tensor, step: Union[int, torch.Tensor], *,
                        rows: Optional[torch.Tensor] = None) -> LruDiffResult:
     """Plain-torch LRU diff (same contract and results as the kernel)."""
-    _check_args(topk, valid, resident, last_used, slot_of, order, rows)
+    _check_args(topk, valid, resident, last_used, slot_of, rows)
     dev = topk.device
     b, k = topk.shape
     s = resident.shape[1]
     st = _step_tensor(step, dev).long()
     ridx = torch.arange(b, device=dev) if rows is None else rows.to(dev).long()
     res, lu, so = resident[ridx].long(), last_used[ridx].long(), slot_of[ridx].long()
-    od = order_from_last_used(last_used[ridx]).long() if order is None else order[ridx].long()
+    m = so.shape[1]
     cols = torch.arange(k, device=dev)[None, :]
     sel = cols < valid.long().clamp(0, k)[:, None]
-    ids = torch.where(sel, topk.long(), torch.zeros_like(topk, dtype=torch.long))
-    ids = ids.clamp(0, so.shape[1] - 1)  # as the kernel: unvalidated bad ids stay inside the row
-    slot = torch.where(sel, so.gather(1, ids), torch.full_like(ids, -1))
-    hit = slot >= 0
+    # as the kernel: unvalidated bad ids are clamped so they stay inside their own row
+    ids = torch.where(sel, topk.long(), 0).clamp(0, m - 1)
+    hint = torch.where(sel, so.gather(1, ids), -1)
+    hit = (hint >= 0) & (res.gather(1, hint.clamp(min=0)) == ids)
+    slot = torch.where(hit, hint, -1)
     miss = sel & ~hit
     nmiss = miss.sum(1)
+    mrank = torch.cumsum(miss.long(), 1) - miss.long()
     hit_mask = torch.zeros(b, s + 1, dtype=torch.bool, device=dev)
     hit_mask.scatter_(1, torch.where(hit, slot, s), True)
-    nonhit = ~hit_mask[:, :s].gather(1, od)  # in order-position space
-    # victims: the non-hit entries of the order, least recent first
-    victims = od.gather(1, torch.sort((~nonhit).to(torch.int8), dim=1, stable=True).indices)
-    mrank = torch.cumsum(miss.long(), 1) - miss.long()
-    miss_slot = victims.gather(1, torch.where(miss, mrank, 0))
-    device_slots = torch.where(hit, slot, torch.where(miss, miss_slot, torch.full_like(slot, -1)))
-    load_valid = cols.expand(b, k) < nmiss[:, None]
-    load_slots = torch.where(load_valid, victims[:, :k], torch.full_like(victims[:, :k], -1))
+    ar = torch.arange(s, device=dev)[None, :]
+    key = torch.where(hit_mask[:, :s], 1 << 40, lu + 1) * s + ar  # non-hits by (last_used, slot)
+    lru_rank = torch.argsort(torch.argsort(key, dim=1), dim=1)
+    victim = lru_rank < nmiss[:, None]
+    vlist = torch.sort(torch.where(victim, ar, s + ar), dim=1).values[:, :k]  # victims in slot order first
+    device_slots = torch.where(hit, slot, torch.where(miss, vlist.gather(1, torch.where(miss, mrank, 0)), -1))
+    load_valid = cols < nmiss[:, None]
+    load_slots = torch.where(load_valid, vlist, -1)
     spill = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
     spill.scatter_(1, torch.where(miss, mrank, k), ids)  # non-misses land in the spill column k
     load_ids = spill[:, :k]
-    # state: drop evicted ids from the reverse map, install the misses
-    old = torch.where(load_valid, res.gather(1, torch.where(load_valid, load_slots, 0)), -1)
-    m = so.shape[1]
     so_ext = torch.cat([so, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)  # spill column m
-    so_ext.scatter_(1, torch.where(old >= 0, old, m), -1)
     so_ext.scatter_(1, torch.where(miss, ids, m), torch.where(miss, device_slots, -1))
     res_ext = torch.cat([res, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
     res_ext.scatter_(1, torch.where(miss, device_slots, s), ids)
     lu_ext = torch.cat([lu, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
     lu_ext.scatter_(1, torch.where(sel, device_slots, s), st.expand(b, k).clone())
-    # new order: survivors (old order) | hits (column order) | refills (miss order)
-    nrank = torch.cumsum(nonhit.long(), 1) - nonhit.long()
-    surv = nonhit & (nrank >= nmiss[:, None])
-    key = torch.cat([torch.where(surv, 0, 3), torch.where(hit, 1, torch.where(miss, 2, 3))], 1)
-    vals = torch.cat([od, device_slots], 1)
-    new_order = vals.gather(1, torch.sort(key.to(torch.int8), dim=1, stable=True).indices)[:, :s]
     resident[ridx] = res_ext[:, :s].to(torch.int32)
     last_used[ridx] = lu_ext[:, :s].to(torch.int32)
     slot_of[ridx] = so_ext[:, :m].to(torch.int32)
-    if order is not None:
-        order[ridx] = new_order.to(torch.int32)
     return LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
                          nmiss.to(torch.int32))
 
@@ -210,105 +210,174 @@ def _exclusive_cumsum(x, N: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _min_count(m1, c1, m2, c2):
+    m = tl.minimum(m1, m2)
+    return m, tl.where(m1 == m, c1, 0) + tl.where(m2 == m, c2, 0)
+
+
+@triton.jit
 def _lru_diff_kernel(
-    topk_ptr, valid_ptr, rows_ptr, resident_ptr, last_used_ptr, order_ptr, slot_of_ptr, step_ptr,
+    topk_ptr, valid_ptr, rows_ptr, resident_ptr, last_used_ptr, slot_of_ptr, step_ptr,
     dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr,
     M, stride_topk, stride_state, stride_slot_of, stride_out,
     K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
+    WINDOW: tl.constexpr, MAX_ROUNDS: tl.constexpr, HELPERS: tl.constexpr,
 ):
-    # One program per batch row; the row's whole selection and buffer fit one block, so the
-    # phases only need block barriers between them. The time is one row's latency: a few
-    # dependent global round trips plus instruction issue on one SM, so loads that do not
-    # depend on each other are issued together and K, S are compile-time constants (no
-    # bounds masks when they are powers of two).
-    b = tl.program_id(0)
-    kk = tl.arange(0, BLOCK_K)
-    ss = tl.arange(0, BLOCK_S)
+    # Grid (1 + HELPERS, B): program 0 of a row selects and installs victims, programs
+    # 1..HELPERS stamp the row's hits (a column chunk each). Nothing waits for a helper.
+    p = tl.program_id(0)
+    b = tl.program_id(1)
     row = tl.load(rows_ptr + b).to(tl.int64)
     step = tl.load(step_ptr)
     nvalid = tl.minimum(tl.load(valid_ptr + b), K)
-    # topk is read whole (its -1 padding is masked by `valid` below), so it does not wait
-    # for `valid`.
-    if K == BLOCK_K:
-        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk)
-    else:
-        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
     res_p = resident_ptr + row * stride_state
     lu_p = last_used_ptr + row * stride_state
-    ord_p = order_ptr + row * stride_state
     so_p = slot_of_ptr + row * stride_slot_of
-    out = b.to(tl.int64) * stride_out
-    ds_p = dev_slots_ptr + out
-    li_p = load_ids_ptr + out
-    ls_p = load_slots_ptr + out
-    # The order and resident rows depend only on `row`: fetched now, their latency hides
-    # behind the reverse-map gather. (Nothing writes them before the barriers below.)
-    if S == BLOCK_S:
-        osl = tl.load(ord_p + ss)
-        res_row = tl.load(res_p + ss)
+    ds_p = dev_slots_ptr + b.to(tl.int64) * stride_out
+    if (HELPERS > 0) & (p > 0):
+        CH: tl.constexpr = BLOCK_K // max(HELPERS, 1)
+        kc = (p - 1) * CH + tl.arange(0, CH)
+        rawc = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kc, mask=kc < K, other=0)
+        selc = kc < nvalid
+        idc = tl.minimum(tl.maximum(rawc, 0), M - 1)
+        hintc = tl.load(so_p + idc, mask=selc, other=-1)
+        hitc = (hintc >= 0) & (tl.load(res_p + hintc, mask=hintc >= 0, other=-1) == idc)
+        tl.store(lu_p + hintc, tl.zeros_like(hintc) + step, mask=hitc)
+        # device slots of hits and of padding; the main program writes the misses'
+        tl.store(ds_p + kc, tl.where(hitc, hintc, -1), mask=(kc < K) & (hitc | ~selc))
+
     else:
-        osl = tl.load(ord_p + ss, mask=ss < S, other=0)
+        kk = tl.arange(0, BLOCK_K)
+        ss = tl.arange(0, BLOCK_S)
+        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+        li_p = load_ids_ptr + b.to(tl.int64) * stride_out
+        ls_p = load_slots_ptr + b.to(tl.int64) * stride_out
+        lu_row = tl.load(lu_p + ss, mask=ss < S, other=INT_MAX)
         res_row = tl.load(res_p + ss, mask=ss < S, other=-1)
+        sel = kk < nvalid
+        # Ids are validated by the caller (check_lru_diff_values); clamping keeps a bad id
+        # from touching another request's state when validation is off.
+        ids = tl.minimum(tl.maximum(raw, 0), M - 1)
+        hint = tl.load(so_p + ids, mask=sel, other=-1)
+        # Buffer side, independent of the gather in flight: the oldest stamp and the number
+        # of slots holding each of the WINDOW oldest stamp values (16-bit fields of one sum).
+        lo_stamp = tl.min(lu_row, 0)
+        d = lu_row - lo_stamp
+        cs = tl.sum(tl.where((d >= 0) & (d < WINDOW), tl.full([BLOCK_S], 1, tl.int64) << (16 * d).to(tl.int64), 0), 0)
+        hit = (hint >= 0) & (tl.gather(res_row, tl.maximum(hint, 0), 0) == ids)
+        slot = tl.where(hit, hint, -1)
+        miss = sel & ~hit
+        miss_i = miss.to(tl.int32)
+        mrank = _exclusive_cumsum(miss_i, BLOCK_K, SCAN_R)
+        if HELPERS == 0:
+            tl.store(ds_p + kk, slot, mask=(kk < K) & ~miss)
+        # old stamp of each hit's slot; the hits' counts per window value, with the number
+        # of misses in the top field
+        hk = tl.where(hit, tl.gather(lu_row, tl.maximum(slot, 0), 0), INT_MAX)
+        dh = hk - lo_stamp
+        packed = tl.sum(tl.where(hit & (dh < WINDOW), tl.full([BLOCK_K], 1, tl.int64) << (16 * dh).to(tl.int64), 0)
+                        + (miss_i.to(tl.int64) << 48), 0)
+        nmiss = (packed >> 48).to(tl.int32)
+        ch = packed & 0xFFFFFFFFFFFF
+        # misses to their rank, every other column to the -1 tail: one dense store each;
+        # load_slots carries the miss's column until its victim replaces it. (Only this
+        # program knows the misses: a helper may already see this launch's refills.)
+        dst = tl.where(miss, mrank, nmiss + kk - mrank)
+        tl.store(li_p + dst, tl.where(miss, ids, -1), mask=kk < K)
+        tl.store(ls_p + dst, tl.where(miss, kk, -1), mask=kk < K)
+        tl.store(num_loads_ptr + b, nmiss)
 
-    # Phase 1: intersect via the reverse map (a gather, no K x S compare).
-    sel = kk < nvalid
-    # Ids are validated by the caller (check_lru_diff_values); clamping keeps a bad id from
-    # touching another request's state when validation is off.
-    ids = tl.minimum(tl.maximum(raw, 0), M - 1)
-    slot = tl.load(so_p + ids, mask=sel, other=-1)  # -1: miss or past valid
-    miss_i = (sel & (slot < 0)).to(tl.int32)
-    mrank = _exclusive_cumsum(miss_i, BLOCK_K, SCAN_R)
-    nmiss = tl.sum(miss_i, 0)
-    # Marking hits in last_used is both the state update and the slot-indexed scatter that
-    # phase 2 reads back (registers cannot scatter). Misses are compacted by rank.
-    tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=slot >= 0)
-    tl.store(li_p + mrank, ids, mask=miss_i != 0)
-    pad = (kk >= nmiss) & (kk < K)
-    tl.store(li_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
-    tl.store(ls_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
-    tl.store(num_loads_ptr + b, nmiss)
-    tl.debug_barrier()
+        # Threshold T; below = non-hit slots stamped < T; rel = hits stamped <= T.
+        zero = nmiss * 0
+        T = zero + INT_MIN
+        below = zero
+        rel = zero
+        acc = zero
+        acc_h = zero
+        for w in tl.static_range(WINDOW):
+            cs_w = ((cs >> (16 * w)) & 0xFFFF).to(tl.int32)
+            ch_w = ((ch >> (16 * w)) & 0xFFFF).to(tl.int32)
+            nxt = acc + cs_w - ch_w
+            first = (T == INT_MIN) & (nxt >= nmiss) & (nmiss > 0)
+            T = tl.where(first, lo_stamp + w, T)
+            below = tl.where(first, acc, below)
+            rel = tl.where(first, acc_h + ch_w, rel)
+            acc = nxt
+            acc_h = acc_h + ch_w
+        nonhits = S - (nvalid - nmiss)
+        if (nmiss > 0) & (T == INT_MIN) & (nmiss >= nonhits):
+            # every non-hit slot is a victim (K close to S): no search
+            T = zero + (INT_MAX - 1)
+            below = nonhits
+            rel = nvalid - nmiss
+        if (nmiss > 0) & (T == INT_MIN):
+            # the window's stamps hold too few victims: next distinct stamps, then bisect
+            lo = lo_stamp + (WINDOW - 1)
+            go = nmiss > 0
+            r = zero
+            while go:
+                cand = tl.where(lu_row > lo, lu_row, INT_MAX)
+                mn, c = tl.reduce((cand, tl.full([BLOCK_S], 1, tl.int32)), 0, _min_count)
+                c = c - tl.sum((hk == mn).to(tl.int32), 0)
+                found = acc + c >= nmiss
+                T = tl.where(found, mn, T)
+                below = tl.where(found, acc, below)
+                acc = acc + c
+                lo = mn
+                r += 1
+                go = (found == 0) & (r < MAX_ROUNDS)
+            if T == INT_MIN:
+                hi = tl.max(tl.where(lu_row < INT_MAX, lu_row, INT_MIN), 0)
+                lb = lo
+                while hi - lb > 1:
+                    mid = lb + (hi - lb) // 2
+                    c = tl.sum((lu_row <= mid).to(tl.int32), 0) - tl.sum((hk <= mid).to(tl.int32), 0)
+                    big = c >= nmiss
+                    hi = tl.where(big, mid, hi)
+                    lb = tl.where(big, lb, mid)
+                T = hi
+                below = tl.sum((lu_row < T).to(tl.int32), 0) - tl.sum((hk < T).to(tl.int32), 0)
+            rel = tl.sum((hk <= T).to(tl.int32), 0)
+        cand = lu_row <= T
+        if rel > 0:
+            # hits among the eviction candidates: stamp them and read the candidates back
+            # (extracting up to four of them in registers instead measured slower)
+            tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=hit & (hk <= T))
+            tl.debug_barrier()
+            now = tl.load(lu_p + ss, mask=cand & (ss < S), other=0)
+            nonhit = cand & (now != step)
+        else:
+            nonhit = cand
+        rem = nmiss - below
+        gt = nonhit & (lu_row < T)
+        eq = nonhit & (lu_row == T)
+        ex = _exclusive_cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), BLOCK_S, SCAN_R)
+        gt_b = ex & 0xFFFF
+        eq_b = ex >> 16
+        vrank = gt_b + tl.minimum(eq_b, rem)
+        # (vrank < nmiss always holds for validated input; the guard keeps unvalidated
+        # duplicates from reading past the miss list)
+        victim = (gt | (eq & (eq_b < rem))) & (vrank < nmiss)
+        # each victim takes the miss of its rank (written above by other threads)
+        tl.debug_barrier()
+        new_id = tl.load(li_p + vrank, mask=victim, other=0)
+        col = tl.load(ls_p + vrank, mask=victim, other=0)
+        tl.store(ls_p + vrank, ss, mask=victim)
+        tl.store(lu_p + ss, tl.zeros_like(ss) + step, mask=victim)
+        tl.store(res_p + ss, new_id, mask=victim)
+        tl.store(so_p + new_id, ss, mask=victim)
+        tl.store(ds_p + col, ss, mask=victim)
+        if HELPERS == 0:
+            tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=hit)
 
-    # Phase 2: victims = the first nmiss non-hit slots in LRU order (hits were just marked
-    # with `step` in last_used). The row is read coalesced and indexed in registers (random
-    # global gathers would serialise on the one SM that owns the row).
-    if S == BLOCK_S:
-        lu_row = tl.load(lu_p + ss)
-        nh_i = (tl.gather(lu_row, osl, 0) != step).to(tl.int32)
-    else:
-        lu_row = tl.load(lu_p + ss, mask=ss < S, other=0)
-        nh_i = ((tl.gather(lu_row, osl, 0) != step) & (ss < S)).to(tl.int32)
-    nrank = _exclusive_cumsum(nh_i, BLOCK_S, SCAN_R)
-    evict = (nh_i != 0) & (nrank < nmiss)
-    old = tl.gather(res_row, osl, 0)
-    tl.store(ls_p + nrank, osl, mask=evict)
-    tl.store(ord_p + (nrank - nmiss), osl, mask=(nh_i != 0) & (nrank >= nmiss))  # survivors
-    tl.store(so_p + old, tl.full([BLOCK_S], -1, tl.int32), mask=evict & (old >= 0))
-    tl.debug_barrier()
 
-    # Phase 3: each miss takes the victim of its rank; install it and finish the order:
-    # [survivors][hits in column order][refills in miss order].
-    miss = miss_i != 0
-    ms = tl.load(ls_p + mrank, mask=miss, other=0)
-    tl.store(res_p + ms, ids, mask=miss)
-    tl.store(lu_p + ms, tl.zeros_like(ms) + step, mask=miss)
-    tl.store(so_p + ids, ms, mask=miss)
-    dev = tl.where(miss, ms, slot)  # slot of every selected id; -1 past valid
-    tl.store(ds_p + kk, dev, mask=kk < K)
-    # hits at tail + (hits before them), refills after all hits, in miss order
-    tail = S - nvalid
-    tl.store(ord_p + tail + tl.where(miss, (nvalid - nmiss) + mrank, kk - mrank), dev, mask=sel)
-
-
-# Warps per program by buffer block size (overrides of the default below; the benchmark
-# fills it from its sweep).
+# Launch defaults by buffer block size (overrides below; the benchmark fills them from its
+# sweep and records its pick beside the built-in default).
 NUM_WARPS_BY_BLOCK_S: dict[int, int] = {}
-
-
-# Pair-folding depth of the prefix sums (``_exclusive_cumsum``'s R) by buffer block size,
-# overrides of DEFAULT_SCAN_R (the benchmark sweeps it with num_warps).
 SCAN_R_BY_BLOCK_S: dict[int, int] = {}
 DEFAULT_SCAN_R = 4
+WINDOW = 3
+MAX_ROUNDS = 4
 
 
 def default_scan_r(block_s: int) -> int:
@@ -318,34 +387,37 @@ def default_scan_r(block_s: int) -> int:
 def default_num_warps(block_s: int) -> int:
     if block_s in NUM_WARPS_BY_BLOCK_S:
         return NUM_WARPS_BY_BLOCK_S[block_s]
-    # H200, B=64, K=2048 (benchmarks/results/lru_diff.json): 8 and 16 warps are within
-    # 0.5-3 % of each other for S = 2048..8192 at scan_r 2..8 (scan_r 1, the plain
-    # tl.cumsum, is 12-28 % slower); 4 warps spill. The benchmark re-sweeps and records its
-    # pick beside this default.
-    return 8 if block_s >= 2048 else 4
+    # H200 (benchmarks/results/lru_diff.json): 8 warps from S = 2048; 16 from 8192, where
+    # 8 warps run out of registers (the buffer row is held in registers).
+    return 16 if block_s >= 8192 else 8 if block_s >= 2048 else 4
+
+
+def default_helpers(batch: int, device: torch.device) -> int:
+    """Helper programs per row: one while every row's two programs get an SM of their own
+    (a helper sharing an SM with a main program slows both down), else none."""
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one by one; exercise the helper path
+    return 1 if 2 * batch <= torch.cuda.get_device_properties(device).multi_processor_count else 0
 
 
 def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
-                    slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, order: Optional[torch.Tensor] = None,
-                    rows: Optional[torch.Tensor] = None, out: Optional[LruDiffResult] = None,
-                    num_warps: Optional[int] = None, scan_r: Optional[int] = None) -> LruDiffResult:
-    """Triton LRU diff: one launch, one program per batch row. ``out`` reuses result buffers
-    (fixed addresses for CUDA graphs). Without ``order`` one is derived from ``last_used``
-    (an argsort: pass the manager's ``order`` on the hot path). ``K`` and ``S`` are
-    compile-time constants of the kernel: one compile per (top-k width, buffer size), which
-    a deployment fixes (the coordinator pads top-k to ``K``)."""
-    _check_args(topk, valid, resident, last_used, slot_of, order, rows)
+                    slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
+                    out: Optional[LruDiffResult] = None, num_warps: Optional[int] = None,
+                    scan_r: Optional[int] = None, helpers: Optional[int] = None) -> LruDiffResult:
+    """Triton LRU diff: one launch, ``1 + helpers`` programs per batch row. ``out`` reuses
+    result buffers (fixed addresses for CUDA graphs). ``K`` and ``S`` are compile-time
+    constants: one compile per (top-k width, buffer size), which a deployment fixes (the
+    coordinator pads top-k to ``K``)."""
+    _check_args(topk, valid, resident, last_used, slot_of, rows)
     if scan_r is not None and (not isinstance(scan_r, int) or scan_r < 1 or scan_r & (scan_r - 1)):
         raise ValueError(f"scan_r must be a power of two >= 1 (1, 2, 4, 8, ...), got {scan_r!r}")
+    if helpers is not None and helpers not in (0, 1, 2, 4):
+        raise ValueError(f"helpers must be one of 0, 1, 2, 4 (programs per row that stamp hits), got {helpers!r}")
     dev = topk.device
     b, k = topk.shape
     s = resident.shape[1]
     st = _step_tensor(step, dev)
     rows_t = torch.arange(b, device=dev, dtype=torch.int64) if rows is None else rows.to(dev, torch.int64)
-    own_order = order is None
-    if own_order:
-        order = torch.empty_like(resident)
-        order[rows_t] = order_from_last_used(last_used[rows_t])
     if out is None:
         out = LruDiffResult(
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, k, dtype=torch.int32, device=dev),
@@ -359,24 +431,27 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
     block_k = triton.next_power_of_2(k)
     nw = num_warps if num_warps is not None else default_num_warps(block_s)
     r = min(scan_r if scan_r is not None else default_scan_r(block_s), block_k)
-    _lru_diff_kernel[(b,)](
-        topk_c, valid, rows_t, resident, last_used, order, slot_of, st,
+    h = default_helpers(b, dev) if helpers is None else helpers
+    h = min(h, block_k)
+    _lru_diff_kernel[(1 + h, b)](
+        topk_c, valid, rows_t, resident, last_used, slot_of, st,
         out.device_slots, out.load_ids, out.load_slots, out.num_loads,
         slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
-        K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, num_warps=nw,
+        K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, WINDOW=WINDOW, MAX_ROUNDS=MAX_ROUNDS, HELPERS=h,
+        num_warps=nw,
     )
     return out
 
 
 def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
-             slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, order: Optional[torch.Tensor] = None,
-             rows: Optional[torch.Tensor] = None, out: Optional[LruDiffResult] = None) -> LruDiffResult:
+             slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
+             out: Optional[LruDiffResult] = None) -> LruDiffResult:
     """Dispatch: Triton on CUDA (or CPU under the interpreter when forced), torch otherwise."""
     if use_triton(topk):
         announce_path("lru_diff", "triton")
-        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, order=order, rows=rows, out=out)
+        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out)
     announce_path("lru_diff", "reference")
-    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, order=order, rows=rows)
+    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows)
     if out is not None:
         out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
         out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
