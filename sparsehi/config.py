@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 SPARSE_BACKENDS = ("flashattention", "triton", "dsa")
 from hicache.config import IO_BACKENDS  # noqa: E402  (defined once, in hicache)
-from sparsehi.kernels.lru_diff import MAX_SLOTS, MAX_TOPK  # noqa: E402  (the kernel's limits)
+from sparsehi.kernels.lru_diff import MAX_SLOTS  # noqa: E402  (the kernel's limit)
 
 
 def _is_pow2(x: int) -> bool:
@@ -103,8 +103,6 @@ class SparseConfig:
             bad("device_buffer_size", f"a multiple of page_size={self.page_size}")
         if self.device_buffer_size // self.page_size > MAX_SLOTS:
             bad("device_buffer_size", f"at most {MAX_SLOTS} pages of page_size={self.page_size} (LRU diff kernel limit)")
-        if self.top_k // self.page_size > MAX_TOPK:
-            bad("top_k", f"at most {MAX_TOPK} pages of page_size={self.page_size} (LRU diff kernel limit)")
         if (not _is_real(self.host_to_device_ratio) or not math.isfinite(self.host_to_device_ratio)
                 or not self.host_to_device_ratio > 1):
             bad("host_to_device_ratio", "a finite number > 1 (int or float, not a bool or string)")

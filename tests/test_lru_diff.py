@@ -210,8 +210,8 @@ def test_step_as_tensor_and_dispatch_match(monkeypatch):
 @pytest.mark.parametrize("helpers", [0, 1, 2, 4])
 @pytest.mark.parametrize("stride", [1, 5])
 def test_helpers_and_sparse_stamps_give_identical_results(helpers, stride):
-    # stride 5: steps far apart, so the window of the oldest stamp values rarely holds the
-    # victims and the distinct-minimum rounds / bisection run
+    # stride 5: steps far apart, so the window of consecutive stamp values from the oldest
+    # rarely holds the victims and the distinct-minimum rounds run
     k, s, m = 8, 20, 60
     g = torch.Generator().manual_seed(helpers * 10 + stride)
     st_ref, st_tri = new_state(2, s, m), new_state(2, s, m)
@@ -245,6 +245,147 @@ def test_hits_among_the_oldest_slots(old_hits):
     assert res.num_loads.tolist() == [2]
     assert sorted(res.load_slots[0, :2].tolist()) == res.load_slots[0, :2].tolist()
     assert set(res.load_slots[0, :2].tolist()) == {old_hits, old_hits + 1}
+
+
+def _fill_one_per_step(s: int, k: int, m: int, steps: list[int]):
+    """State after selecting id i alone at steps[i]: slot i holds id i stamped steps[i]."""
+    st_ref, st_tri = new_state(1, s, m), new_state(1, s, m)
+    naive_rows = [([-1] * s, [-1] * s)]
+    for i, step in enumerate(steps):
+        res = run_both(*make_topk([[i]], k), st_ref, st_tri, step)
+        check_against_naive(res, [[i]], naive_rows, st_tri, step)
+    return st_ref, st_tri, naive_rows
+
+
+@interpreted
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_every_non_hit_slot_evicted_without_search(helpers):
+    # K = S, stamps 5 steps apart, two hits among the oldest slots and as many misses as
+    # there are non-hit slots: the kernel takes every non-hit slot without searching
+    k = s = 8
+    st_ref, st_tri, naive_rows = _fill_one_per_step(s, k, 40, [5 * (i + 1) for i in range(s)])
+    ids = [0, 3] + list(range(20, 26))
+    res = run_both(*make_topk([ids], k), st_ref, st_tri, 100, helpers=helpers)
+    check_against_naive(res, [ids], naive_rows, st_tri, 100)
+    assert res.load_slots[0, :6].tolist() == [1, 2, 4, 5, 6, 7]
+
+
+@interpreted
+@pytest.mark.parametrize("hit_old", [False, True])
+def test_sparse_stamps_reach_the_bisection(hit_old):
+    # Empty slots 12-15, single stamps 5..20 at slots 3-6, three ties at 25 in slots 0-2,
+    # later stamps above: 9 victims span more distinct stamps than the window (3 values)
+    # and the distinct-minimum rounds (4) cover, so the bisection finds T = 25 and takes
+    # one of its ties (the lowest slot). With hit_old, the slot stamped 10 is reselected.
+    k, s, m = 16, 16, 60
+    stamps = [25, 25, 25, 5, 10, 15, 20, 30, 35, 40, 45, 50, -1, -1, -1, -1]
+    state = new_state(1, s, m)
+    for sl, stamp in enumerate(stamps):
+        if stamp >= 0:
+            state["resident"][0, sl] = sl
+            state["slot_of"][0, sl] = sl
+            state["last_used"][0, sl] = stamp
+    st_ref, st_tri = clone(state), clone(state)
+    naive_rows = [(state["resident"][0].tolist(), state["last_used"][0].tolist())]
+    ids = ([4] if hit_old else []) + list(range(30, 39))
+    res = run_both(*make_topk([ids], k), st_ref, st_tri, 60)
+    check_against_naive(res, [ids], naive_rows, st_tri, 60)
+    victims = [0, 3, 5, 6, 12, 13, 14, 15, 1] if hit_old else [0, 3, 4, 5, 6, 12, 13, 14, 15]
+    assert res.load_slots[0, :9].tolist() == sorted(victims)
+
+
+@interpreted
+def test_hits_stamped_early_change_nothing():
+    # A helper program that finishes before the main program leaves last_used = step on
+    # hits (the main program snapshots the row afterwards): same outputs and final state.
+    g = torch.Generator().manual_seed(3)
+    k, s, m = 8, 14, 50
+    st_a = new_state(2, s, m)
+    for step in range(1, 9):  # a warm state with stamps and evictions
+        ids = [torch.randperm(m, generator=g)[:k].tolist() for _ in range(2)]
+        lru_diff_reference(*make_topk(ids, k), st_a["resident"], st_a["last_used"], st_a["slot_of"], step)
+    ids = [st_a["resident"][r][st_a["resident"][r] >= 0][:5].tolist() + [45, 46, 47] for r in range(2)]
+    st_b = clone(st_a)
+    for r in range(2):  # pre-stamp every other hit of each row
+        for x in ids[r][:5:2]:
+            st_b["last_used"][r, int(st_b["slot_of"][r, x])] = 9
+    topk, valid = make_topk(ids, k)
+    a = lru_diff_triton(topk, valid, st_a["resident"], st_a["last_used"], st_a["slot_of"], 9, helpers=0)
+    b = lru_diff_triton(topk, valid, st_b["resident"], st_b["last_used"], st_b["slot_of"], 9, helpers=0)
+    for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in st_a:
+        assert torch.equal(st_a[name], st_b[name]), name
+
+
+@interpreted
+def test_corrupted_stamps_stay_inside_their_row():
+    # INT_MIN stamps (a corrupted state; valid steps never produce them) must not make the
+    # kernel read or write another batch row's lists or another state row
+    k, s, m = 4, 6, 20
+    st_ref, st_tri = new_state(3, s, m), new_state(3, s, m)
+    for st in (st_ref, st_tri):
+        st["resident"][1, :3] = torch.tensor([7, 8, 9], dtype=torch.int32)
+        st["last_used"][1, :3] = torch.tensor([-2**31, -2**31, 5], dtype=torch.int32)
+        st["slot_of"][1, [7, 8, 9]] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    rows = torch.tensor([0, 1], dtype=torch.int64)
+    res = run_both(*make_topk([[3, 4], [9, 11]], k), st_ref, st_tri, 6, rows=rows)
+    assert res.load_ids.tolist() == [[3, 4, -1, -1], [11, -1, -1, -1]]
+    untouched = new_state(3, s, m)
+    for name in st_tri:
+        assert torch.equal(st_tri[name][2], untouched[name][2]), name
+
+
+def test_step_out_of_range_is_a_clear_error():
+    st = new_state(1, 8, 16)
+    topk, valid = make_topk([[1]], 2)
+    for bad in (2**31 - 1, -1, True):
+        with pytest.raises(ValueError, match=r"step must be an int in \[0, "):
+            lru_diff_reference(topk, valid, st["resident"], st["last_used"], st["slot_of"], bad)
+
+
+@st.composite
+def consistent_states(draw):
+    """A random consistent buffer state (stale reverse-map entries, ties or sparse stamps)
+    and a selection biased towards its oldest slots."""
+    k = draw(st.integers(1, 8))
+    s = k + draw(st.integers(0, 8))
+    m = s + draw(st.integers(1, 16))
+    seed = draw(st.integers(0, 10_000))
+    spread = draw(st.sampled_from([1, 3, 50]))  # ties, close, sparse stamps
+    g = torch.Generator().manual_seed(seed)
+    occ = int(torch.randint(0, s + 1, (1,), generator=g))
+    slots = torch.randperm(s, generator=g)[:occ]
+    held = torch.randperm(m, generator=g)[:occ]
+    state = new_state(1, s, m)
+    state["resident"][0, slots] = held.int()
+    state["last_used"][0, slots] = (torch.randint(0, 4, (occ,), generator=g) * spread).int()
+    state["slot_of"][0, held] = slots.int()
+    free = torch.nonzero(state["slot_of"][0] < 0).flatten()
+    stale = free[torch.rand(free.numel(), generator=g) < 0.3]
+    state["slot_of"][0, stale] = torch.randint(0, s, (stale.numel(),), generator=g).int()
+    state["slot_of"][0, stale] = torch.where(state["resident"][0, state["slot_of"][0, stale].long()] == stale.int(),
+                                             -1, state["slot_of"][0, stale])
+    order = held[torch.argsort(state["last_used"][0, slots].long() * s + slots)] if occ else held
+    n = int(torch.randint(0, k + 1, (1,), generator=g))
+    nh = int(torch.randint(0, min(n, occ) + 1, (1,), generator=g))
+    hits = order[:nh].tolist() if draw(st.booleans()) else held[torch.randperm(occ, generator=g)[:nh]].tolist()
+    others = [x for x in torch.randperm(m, generator=g).tolist() if x not in set(held.tolist())]
+    ids = hits + others[: n - nh]
+    ids = [ids[j] for j in torch.randperm(len(ids), generator=g).tolist()]
+    step = int(state["last_used"].max()) + draw(st.sampled_from([1, 2, 7]))
+    return k, state, ids, step, draw(st.sampled_from([0, 1, 2]))
+
+
+@interpreted
+@settings(max_examples=30, deadline=None)
+@given(case=consistent_states())
+def test_property_arbitrary_states_match_reference_and_naive(case):
+    k, state, ids, step, helpers = case
+    st_ref, st_tri = clone(state), clone(state)
+    naive_rows = [(state["resident"][0].tolist(), state["last_used"][0].tolist())]
+    res = run_both(*make_topk([ids], k), st_ref, st_tri, step, helpers=helpers)
+    check_against_naive(res, [ids], naive_rows, st_tri, step)
 
 
 def test_k_greater_than_s_is_a_clear_error():
@@ -342,20 +483,25 @@ def test_buffer_beyond_kernel_limit_is_a_clear_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers", [
-    (64, 2048, 4096, 16384, None, None, None), (64, 2048, 4096, 16384, 8, 1, 0), (64, 2048, 4096, 16384, 16, 8, 1),
-    (64, 2048, 4096, 16384, 4, 2, 2), (16, 2048, 8192, 16384, 16, 4, 4), (128, 2048, 4096, 16384, None, None, None),
-    (8, 1000, 3000, 6000, None, None, None),  # K, S not powers of two (masked paths)
-    (4, 512, 16000, 60000, None, None, 1),  # the largest buffer the kernel takes (padded to 16384)
+@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers,keep_p", [
+    (64, 2048, 4096, 16384, None, None, None, 0.85), (64, 2048, 4096, 16384, 8, 1, 0, 0.85),
+    (64, 2048, 4096, 16384, 16, 8, 1, 0.85), (64, 2048, 4096, 16384, 4, 2, 2, 0.6),
+    (16, 2048, 8192, 16384, 16, 4, 4, 0.6), (128, 2048, 4096, 16384, None, None, None, 0.85),
+    (8, 1000, 3000, 6000, None, None, None, 0.5),  # K, S not powers of two (masked paths)
+    (4, 2048, 16000, 60000, None, None, 1, 0.3),  # the largest buffer the kernel takes (padded to 16384)
+    (8, 2048, 2048, 16384, None, None, 1, 0.85),  # K = S: every non-hit slot is a victim
 ])
-def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, helpers):
+def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, helpers, keep_p):
+    # 20 steps with gaps between step values: the buffers fill and then evict occupied
+    # slots (asserted), so the read-back and the fallback searches run compiled
     dev = "cuda"
     g = torch.Generator(device="cpu").manual_seed(1)
     st_ref, st_tri = new_state(b, s, m, dev), new_state(b, s, m, dev)
     prev = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(b)])
-    for step in range(1, 8):
+    evicted = 0
+    for step in range(1, 21):
         fresh = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(b)])
-        keep = torch.rand(b, k, generator=g) < 0.85
+        keep = torch.rand(b, k, generator=g) < keep_p
         cand = torch.where(keep, prev, fresh)
         rows = []
         for i in range(b):  # dedupe, vary valid counts
@@ -364,7 +510,12 @@ def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, he
         prev = torch.stack([torch.tensor((r + list(range(m)))[:k]) for r in rows])
         topk, valid = make_topk(rows, k)
         topk, valid = topk.to(dev), valid.to(dev)
-        run_both(topk, valid, st_ref, st_tri, step * 4 + step % 3, num_warps=num_warps, scan_r=scan_r, helpers=helpers)
+        before = st_ref["resident"].clone()
+        res = run_both(topk, valid, st_ref, st_tri, step * 4 + step % 3, num_warps=num_warps, scan_r=scan_r,
+                       helpers=helpers)
+        ls = res.load_slots.long()
+        evicted += int(((ls >= 0) & (before.gather(1, ls.clamp(min=0)) >= 0)).sum())
+    assert evicted > 0
 
 
 @interpreted

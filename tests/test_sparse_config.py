@@ -30,6 +30,7 @@ def test_units_round_up_partial_pages():
         ({"top_k": 100}, "top_k"),
         ({"top_k": 2048, "device_buffer_size": 1024}, "device_buffer_size"),
         ({"device_buffer_size": 4100}, "device_buffer_size"),
+        ({"page_size": 1, "device_buffer_size": 16385}, "device_buffer_size"),  # LRU diff kernel limit
         ({"host_to_device_ratio": 1.0}, "host_to_device_ratio"),
         ({"min_sparse_prompt_len": -1}, "min_sparse_prompt_len"),
         ({"sink_tokens": -1}, "sink_tokens"),

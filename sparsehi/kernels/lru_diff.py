@@ -14,21 +14,30 @@ eviction), so an id is resident iff ``slot_of[id] >= 0 and resident[slot_of[id]]
 
 How the kernel finds victims without a sort or an order array: the eviction threshold ``T``
 is the smallest stamp with at least ``num_misses`` non-hit slots stamped ``<= T``. The
-buffer side counts the slots of the ``WINDOW`` oldest stamp values in one packed reduction
-(while the reverse-map gather is in flight); the selection side subtracts the hits among
-them (each hit's old stamp is gathered from the buffer row in registers). When those
-values do not hold enough victims, distinct-minimum rounds and then a bisection over the
-stamps take over. Victims are the non-hit slots below ``T`` and the first ties at ``T`` in
-slot order: one packed prefix sum. Only hits stamped ``<= T`` (few) must be known per
-slot; they are stamped and read back.
+buffer side counts the slots stamped with each of the ``WINDOW`` consecutive values from
+the oldest stamp up, in one packed reduction (while the reverse-map gather is in flight);
+the selection side subtracts the hits among them (each hit's old stamp is gathered from
+the buffer row in registers). When those values hold too few victims, distinct-minimum
+rounds and then a bisection over the stamps take over; when every non-hit slot is a
+victim there is no search. Victims are the non-hit slots below ``T`` and the first ties at
+``T`` in slot order: one packed prefix sum. Only hits stamped ``<= T`` (few) must be known
+per slot; the main program stamps them itself and reads the candidates' stamps back.
 
 Cost model (H200, benchmarks/results/lru_diff.json): one row's work runs on one SM, and
 what an SM does slowest is random stores (~2.5 cycles each, several times a random load;
 benchmarks/results/lru_primitives.json). The K stamps of the hits are most of them, so
-``helpers`` extra programs per row stamp the hits (and write the hits' device slots) while
-the main program, which no longer waits for those stamps, selects and installs victims. Races between them are benign: a helper only writes
-``last_used = step`` to slots that hold a selected id, which is what they end with anyway,
-and the main program's threshold counts use one snapshot of the row on both sides.
+``helpers`` extra programs per row stamp the hits and write the hits' device slots, while
+the main program selects and installs victims without waiting for them. The races
+between them are benign, and these orderings keep them so:
+- a helper writes ``last_used = step`` only to slots that hold a selected id, and
+  ``device_slots`` only for hit and padding columns; if it already sees this launch's
+  refills, it writes the very values the main program writes for them;
+- the main program reads each stamp once (one snapshot in registers) and counts both the
+  buffer side and the hits from that snapshot, so a hit a helper stamped first is
+  counted consistently either way;
+- the read-back tells hits by ``last_used == step``; no non-hit slot can carry ``step``
+  then because the main program installs refills only after the barrier that follows the
+  read-back (keep it that way when reordering stores).
 
 Shapes (``B`` batch rows, ``K`` top-k width, ``S`` buffer slots, ``M`` logical ids per
 request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state rows):
@@ -37,16 +46,17 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
     resident  ``[R, S] int32`` logical id held by each slot, ``-1`` empty       (updated)
     last_used ``[R, S] int32`` step of last use, ``-1`` never                   (updated)
     slot_of   ``[R, M] int32`` logical id -> slot it was last installed in, ``-1`` never (updated)
-    step      int or ``[1] int32`` tensor (graph-safe); strictly larger than every earlier
-              step used with this state. Repeating a step is not detected here (it would
-              need a host sync) and corrupts the state: the kernel takes slots stamped with
-              the current step as this step's hits. SparseKVCacheManager keeps each layer's
-              last step on the host and rejects a second diff in one step.
+    step      int in ``[0, 2**31 - 3]`` or ``[1] int32`` tensor (graph-safe, same range,
+              not checked); strictly larger than every earlier step used with this
+              state. Repeating a step is not detected here (it would need a host sync)
+              and corrupts the state: the kernel takes slots stamped with the current
+              step as this step's hits. SparseKVCacheManager keeps each layer's last step
+              on the host and rejects a second diff in one step.
     rows      ``[B] int64`` state row of each batch row (distinct), optional
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
 Limits: ``S <= 16384`` (the buffer row is held in registers and gathered through shared
-memory), ``K <= 32767`` (counts travel in 16-bit fields).
+memory; slot counts travel in 16-bit fields), ``0 <= step <= 2**31 - 3``, ``B <= 65535``.
 """
 from __future__ import annotations
 
@@ -60,7 +70,6 @@ import triton.language as tl
 from hicache.triton_support import announce_path, use_triton
 
 MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
-MAX_TOPK = 32767
 INT_MAX = tl.constexpr(2147483647)
 INT_MIN = tl.constexpr(-2147483648)
 
@@ -93,7 +102,10 @@ def _check_args(topk, valid, resident, last_used, slot_of, rows) -> None:
          f"slot_of must be [R={r}, M] int32, got {tuple(slot_of.shape)} {slot_of.dtype}")
     need(s <= MAX_SLOTS, f"buffer slots S={s} exceed {MAX_SLOTS} (the kernel holds a buffer row on one SM): "
                          f"lower device_buffer_size or raise page_size")
-    need(k <= MAX_TOPK, f"topk width K={k} exceeds {MAX_TOPK}: lower top_k or raise page_size")
+    need(slot_of.shape[1] >= 1, "slot_of must have M >= 1 columns (logical ids per request)")
+    need(last_used.stride(0) == resident.stride(0),
+         f"last_used must have resident's row stride {resident.stride(0)}, got {last_used.stride(0)}")
+    need(b <= 65535, f"batch B={b} exceeds 65535 rows per launch")
     if rows is None:
         need(r == b, f"without rows, state must have B={b} rows, got {r}")
     else:
@@ -133,13 +145,16 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
             raise ValueError(f"rows must lie in [0, {num_rows})")
 
 
+MAX_STEP = 2**31 - 3  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
+
+
 def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
     if isinstance(step, torch.Tensor):
         if step.numel() != 1:
             raise ValueError(f"step must be an int or a one-element tensor, got shape {tuple(step.shape)}")
         return step.reshape(1).to(device=device, dtype=torch.int32)
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     return torch.tensor([step], dtype=torch.int32, device=device)
 
 
@@ -241,6 +256,7 @@ def _lru_diff_kernel(
         selc = kc < nvalid
         idc = tl.minimum(tl.maximum(rawc, 0), M - 1)
         hintc = tl.load(so_p + idc, mask=selc, other=-1)
+        hintc = tl.where(hintc < S, hintc, -1)
         hitc = (hintc >= 0) & (tl.load(res_p + hintc, mask=hintc >= 0, other=-1) == idc)
         tl.store(lu_p + hintc, tl.zeros_like(hintc) + step, mask=hitc)
         # device slots of hits and of padding; the main program writes the misses'
@@ -259,8 +275,9 @@ def _lru_diff_kernel(
         # from touching another request's state when validation is off.
         ids = tl.minimum(tl.maximum(raw, 0), M - 1)
         hint = tl.load(so_p + ids, mask=sel, other=-1)
+        hint = tl.where(hint < S, hint, -1)  # a corrupted reverse map stays inside the row
         # Buffer side, independent of the gather in flight: the oldest stamp and the number
-        # of slots holding each of the WINDOW oldest stamp values (16-bit fields of one sum).
+        # of slots stamped with each of the WINDOW values from it up (16-bit fields, one sum).
         lo_stamp = tl.min(lu_row, 0)
         d = lu_row - lo_stamp
         cs = tl.sum(tl.where((d >= 0) & (d < WINDOW), tl.full([BLOCK_S], 1, tl.int64) << (16 * d).to(tl.int64), 0), 0)
@@ -287,9 +304,12 @@ def _lru_diff_kernel(
         tl.store(ls_p + dst, tl.where(miss, kk, -1), mask=kk < K)
         tl.store(num_loads_ptr + b, nmiss)
 
-        # Threshold T; below = non-hit slots stamped < T; rel = hits stamped <= T.
+        # Threshold T; below = non-hit slots stamped < T; rel = hits stamped <= T. (An
+        # explicit done flag: any int32 is a legal stamp of a corrupted state, none is a
+        # safe "not found" sentinel.)
         zero = nmiss * 0
-        T = zero + INT_MIN
+        done = (nmiss == 0).to(tl.int32)
+        T = zero
         below = zero
         rel = zero
         acc = zero
@@ -298,22 +318,25 @@ def _lru_diff_kernel(
             cs_w = ((cs >> (16 * w)) & 0xFFFF).to(tl.int32)
             ch_w = ((ch >> (16 * w)) & 0xFFFF).to(tl.int32)
             nxt = acc + cs_w - ch_w
-            first = (T == INT_MIN) & (nxt >= nmiss) & (nmiss > 0)
+            first = (done == 0) & (nxt >= nmiss)
             T = tl.where(first, lo_stamp + w, T)
             below = tl.where(first, acc, below)
             rel = tl.where(first, acc_h + ch_w, rel)
+            done = done | first.to(tl.int32)
             acc = nxt
             acc_h = acc_h + ch_w
         nonhits = S - (nvalid - nmiss)
-        if (nmiss > 0) & (T == INT_MIN) & (nmiss >= nonhits):
-            # every non-hit slot is a victim (K close to S): no search
+        if (done == 0) & (nmiss >= nonhits):
+            # every non-hit slot is a victim (K close to S): no search; stamps are below
+            # INT_MAX - 1 (the step range)
             T = zero + (INT_MAX - 1)
             below = nonhits
             rel = nvalid - nmiss
-        if (nmiss > 0) & (T == INT_MIN):
+            done = zero + 1
+        if done == 0:
             # the window's stamps hold too few victims: next distinct stamps, then bisect
             lo = lo_stamp + (WINDOW - 1)
-            go = nmiss > 0
+            go = done == 0
             r = zero
             while go:
                 cand = tl.where(lu_row > lo, lu_row, INT_MAX)
@@ -322,23 +345,24 @@ def _lru_diff_kernel(
                 found = acc + c >= nmiss
                 T = tl.where(found, mn, T)
                 below = tl.where(found, acc, below)
+                done = done | found.to(tl.int32)
                 acc = acc + c
                 lo = mn
                 r += 1
                 go = (found == 0) & (r < MAX_ROUNDS)
-            if T == INT_MIN:
-                hi = tl.max(tl.where(lu_row < INT_MAX, lu_row, INT_MIN), 0)
-                lb = lo
+            if done == 0:
+                hi = tl.max(tl.where(lu_row < INT_MAX, lu_row, INT_MIN), 0).to(tl.int64)
+                lb = lo.to(tl.int64)
                 while hi - lb > 1:
-                    mid = lb + (hi - lb) // 2
+                    mid = (lb + (hi - lb) // 2).to(tl.int32)
                     c = tl.sum((lu_row <= mid).to(tl.int32), 0) - tl.sum((hk <= mid).to(tl.int32), 0)
                     big = c >= nmiss
-                    hi = tl.where(big, mid, hi)
-                    lb = tl.where(big, lb, mid)
-                T = hi
+                    hi = tl.where(big, mid.to(tl.int64), hi)
+                    lb = tl.where(big, lb, mid.to(tl.int64))
+                T = hi.to(tl.int32)
                 below = tl.sum((lu_row < T).to(tl.int32), 0) - tl.sum((hk < T).to(tl.int32), 0)
             rel = tl.sum((hk <= T).to(tl.int32), 0)
-        cand = lu_row <= T
+        cand = lu_row <= T  # (with no misses there is no victim: vrank < nmiss = 0)
         if rel > 0:
             # hits among the eviction candidates: stamp them and read the candidates back
             # (extracting up to four of them in registers instead measured slower)
@@ -348,16 +372,16 @@ def _lru_diff_kernel(
             nonhit = cand & (now != step)
         else:
             nonhit = cand
-        rem = nmiss - below
+        rem = tl.maximum(nmiss - below, 0)
         gt = nonhit & (lu_row < T)
         eq = nonhit & (lu_row == T)
         ex = _exclusive_cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), BLOCK_S, SCAN_R)
         gt_b = ex & 0xFFFF
         eq_b = ex >> 16
         vrank = gt_b + tl.minimum(eq_b, rem)
-        # (vrank < nmiss always holds for validated input; the guard keeps unvalidated
-        # duplicates from reading past the miss list)
-        victim = (gt | (eq & (eq_b < rem))) & (vrank < nmiss)
+        # (0 <= vrank < nmiss always holds for a consistent state and validated input; the
+        # guard keeps anything else from reading or writing outside the row's miss list)
+        victim = (gt | (eq & (eq_b < rem))) & (vrank >= 0) & (vrank < nmiss)
         # each victim takes the miss of its rank (written above by other threads)
         tl.debug_barrier()
         new_id = tl.load(li_p + vrank, mask=victim, other=0)
@@ -423,10 +447,17 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, k, dtype=torch.int32, device=dev),
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev),
         )
+    for name in ("load_ids", "load_slots"):
+        o = getattr(out, name)
+        if o.shape != (b, k) or o.stride() != out.device_slots.stride() or o.stride(1) != 1:
+            raise ValueError(f"out.{name} must be [B={b}, K={k}] with device_slots' strides "
+                             f"{out.device_slots.stride()} (contiguous rows), got {tuple(o.shape)} {o.stride()}")
     if b == 0 or k == 0:
         out.device_slots.fill_(-1), out.load_ids.fill_(-1), out.load_slots.fill_(-1), out.num_loads.zero_()
         return out
     topk_c = topk if topk.stride(1) == 1 else topk.contiguous()
+    valid = valid if valid.is_contiguous() else valid.contiguous()
+    rows_t = rows_t if rows_t.is_contiguous() else rows_t.contiguous()
     block_s = triton.next_power_of_2(s)
     block_k = triton.next_power_of_2(k)
     nw = num_warps if num_warps is not None else default_num_warps(block_s)
