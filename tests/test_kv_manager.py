@@ -8,6 +8,7 @@ from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.transfer import KVTransferEngine
+from lru_model import naive_lru_step
 from sparsehi.config import SparseConfig
 from sparsehi.kernels import lru_diff as lru_diff_mod
 from sparsehi.kv_manager import SparseKVCacheManager
@@ -64,20 +65,6 @@ def candidates(mgr, seq):
     return cs, max(cs, P - mgr.R)
 
 
-def naive_lru(resident, last_used, ids, step):
-    """Exact LRU, one buffer: the misses evict the non-selected slots with the smallest
-    (last_used, slot), the j-th miss taking the j-th victim in slot order."""
-    where = {x: i for i, x in enumerate(resident) if x >= 0}
-    hits = {where[x] for x in ids if x in where}
-    misses = [x for x in ids if x not in where]
-    coldest = sorted((last_used[sl], sl) for sl in range(len(resident)) if sl not in hits)
-    victims = sorted(sl for _, sl in coldest[: len(misses)])
-    for x, sl in zip(misses, victims):
-        resident[sl] = x
-    for sl in hits | set(victims):
-        last_used[sl] = step
-
-
 @pytest.mark.parametrize("io_backend", ["direct", "kernel"])
 def test_long_random_trace_invariants(io_backend, monkeypatch):
     triton_calls = []
@@ -117,7 +104,7 @@ def test_long_random_trace_invariants(io_backend, monkeypatch):
             phys = mgr.sparse_physical(layer, step, topk, valid, ce_t)
             li = mgr.layer_index[layer]
             for b, (r, ids) in enumerate(zip(rows, sel_rows)):
-                naive_lru(*naive[(li, r)], ids, mgr.step)
+                naive_lru_step(*naive[(li, r)], ids, mgr.step)
                 # exact LRU: the manager's buffer holds what the naive model holds, slot for slot
                 assert mgr.lru.resident[li, r].tolist() == naive[(li, r)][0]
                 assert mgr.lru.last_used[li, r].tolist() == naive[(li, r)][1]

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings, strategies as st
 
+from lru_model import naive_lru_step
 from sparsehi.kernels import lru_diff as lru_diff_mod
 from sparsehi.kernels.lru_diff import (
     _exclusive_cumsum,
@@ -43,29 +44,6 @@ def clone(state):
     return {k: v.clone() for k, v in state.items()}
 
 
-def naive_step(resident: list[int], last_used: list[int], ids: list[int], step: int):
-    """Exact LRU on python lists, one row: the misses evict the non-selected slots with the
-    smallest (last_used, slot), the j-th miss taking the j-th victim in slot order.
-    Returns (device_slots, load_ids, load_slots); updates resident and last_used."""
-    where = {x: i for i, x in enumerate(resident) if x >= 0}
-    hits = {where[x] for x in ids if x in where}
-    misses = [x for x in ids if x not in where]
-    coldest = sorted((last_used[sl], sl) for sl in range(len(resident)) if sl not in hits)
-    victims = sorted(sl for _, sl in coldest[: len(misses)])
-    dev, j = [], 0
-    for x in ids:
-        if x in where:
-            dev.append(where[x])
-        else:
-            dev.append(victims[j])
-            j += 1
-    for x, sl in zip(misses, victims):
-        resident[sl] = x
-    for sl in dev:
-        last_used[sl] = step
-    return dev, misses, victims
-
-
 def make_topk(rows_ids: list[list[int]], k: int):
     b = len(rows_ids)
     topk = torch.full((b, k), -1, dtype=torch.int32)
@@ -88,7 +66,7 @@ def run_both(topk, valid, st_ref, st_tri, step, rows=None, **triton_kw):
 def check_against_naive(res, rows_ids, naive_rows, state=None, step=0):
     for i, ids in enumerate(rows_ids):
         resident, last_used = naive_rows[i]
-        dev, lids, lslots = naive_step(resident, last_used, ids, step)
+        dev, lids, lslots = naive_lru_step(resident, last_used, ids, step)
         if state is not None:
             assert state["resident"][i].tolist() == resident and state["last_used"][i].tolist() == last_used
         n = len(ids)
