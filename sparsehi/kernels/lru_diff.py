@@ -60,6 +60,7 @@ memory; slot counts travel in 16-bit fields), ``0 <= step <= 2**31 - 3``, ``B <=
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -416,12 +417,19 @@ def default_num_warps(block_s: int) -> int:
     return 16 if block_s >= 8192 else 8 if block_s >= 2048 else 4
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_helpers(batch: int, device: torch.device) -> int:
     """Helper programs per row: one while every row's two programs get an SM of their own
-    (a helper sharing an SM with a main program slows both down), else none."""
+    (a helper sharing an SM with a main program slows both down), else none. (Runs per
+    layer per step: the SM count is looked up once per device.)"""
     if device.type != "cuda":
         return 1  # the interpreter runs programs one by one; exercise the helper path
-    return 1 if 2 * batch <= torch.cuda.get_device_properties(device).multi_processor_count else 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 1 if 2 * batch <= _sm_count(index) else 0
 
 
 def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
