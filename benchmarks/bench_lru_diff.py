@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -115,8 +116,9 @@ def run_hit_rate(trace: list[torch.Tensor], s: int, n: int, warmup: int) -> floa
 
 # ----------------------------------------------------------------------------- timing
 def time_diff(b: int, k: int, s: int, n: int, overlap: float, device, steps: int = 32, replays: int = 7,
-              num_warps: int | None = None, scan_r: int | None = None, helpers: int | None = None) -> tuple[float, float]:
-    """(graph µs, eager µs) per lru_diff launch over a ``steps``-long trace."""
+              **launch) -> tuple[float, float]:
+    """(graph µs, eager µs) per lru_diff launch over a ``steps``-long trace; ``launch``:
+    lru_diff_triton's keyword options (num_warps, scan_r, helpers, ...)."""
     gen = torch.Generator(device=device).manual_seed(b * 7 + k + s)
     trace = chain_trace(b, k, n, steps + 8, overlap, device, gen)
     st = State(b, s, n, device)
@@ -129,12 +131,12 @@ def time_diff(b: int, k: int, s: int, n: int, overlap: float, device, steps: int
 
     def call(i: int) -> None:
         lru_diff_triton(trace[i + 8], valid, st.resident, st.last_used, st.slot_of, steps_t[i:i + 1],
-                        rows=rows, out=out, num_warps=num_warps, scan_r=scan_r, helpers=helpers)
+                        rows=rows, out=out, **launch)
 
     # warm the buffer with the first 8 steps of the trace
     for i in range(8):
         lru_diff_triton(trace[i], valid, st.resident, st.last_used, st.slot_of, warm_t[i:i + 1],
-                        rows=rows, out=out, num_warps=num_warps, scan_r=scan_r, helpers=helpers)
+                        rows=rows, out=out, **launch)
     torch.cuda.synchronize()
     # eager: one call between two events, steps increasing
     eager = []
@@ -197,8 +199,7 @@ def time_attention(b: int, k_tokens: int, device) -> tuple[float | None, float]:
     return tri, cuda_time_us(sdpa, graph=True)
 
 
-def matches_reference(b: int, k: int, s: int, n: int, device, num_warps: int | None = None, scan_r: int | None = None,
-                      steps: int = 12, helpers: int | None = None) -> bool:
+def matches_reference(b: int, k: int, s: int, n: int, device, steps: int = 12, **launch) -> bool:
     """Kernel == torch reference (outputs and state) over a trace with 85 % overlap and
     ragged ``valid``: a guard so a timing is never reported for a wrong kernel."""
     from sparsehi.kernels.lru_diff import lru_diff_reference
@@ -211,15 +212,14 @@ def matches_reference(b: int, k: int, s: int, n: int, device, num_warps: int | N
     for i, t in enumerate(trace):
         t = torch.where(cols < valid[:, None], t, torch.full_like(t, -1))
         r1 = lru_diff_reference(t, valid, a.resident, a.last_used, a.slot_of, i + 1)
-        r2 = lru_diff_triton(t, valid, c.resident, c.last_used, c.slot_of, i + 1, num_warps=num_warps, scan_r=scan_r,
-                             helpers=helpers)
+        r2 = lru_diff_triton(t, valid, c.resident, c.last_used, c.slot_of, i + 1, **launch)
         for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
             if not torch.equal(getattr(r1, name), getattr(r2, name)):
-                print(f"MISMATCH B={b} K={k} S={s} num_warps={num_warps} step {i}: {name}")
+                print(f"MISMATCH B={b} K={k} S={s} {launch} step {i}: {name}")
                 return False
         for name in ("resident", "last_used", "slot_of"):
             if not torch.equal(getattr(a, name), getattr(c, name)):
-                print(f"MISMATCH B={b} K={k} S={s} num_warps={num_warps} step {i}: state {name}")
+                print(f"MISMATCH B={b} K={k} S={s} {launch} step {i}: state {name}")
                 return False
     return True
 
@@ -275,10 +275,14 @@ def main() -> None:
             for s in (2048, 4096, 8192):
                 if s < k:
                     continue
-                us, eager = time_diff(b, k, s, n_ids, 0.85, dev)
+                # both install sides, same trace; us = the library's pick for the shape
+                side = {ms: time_diff(b, k, s, n_ids, 0.85, dev, miss_side=ms) for ms in (False, True)}
+                pick = lru_mod.default_miss_side(triton.next_power_of_2(k), triton.next_power_of_2(s))
+                us, eager = side[pick]
                 att = tri if tri is not None else sd
                 row = {"B": b, "K": k, "S": s, "us": round(us, 2), "eager_us": round(eager, 2),
-                       "helpers": lru_mod.default_helpers(b, dev),
+                       "helpers": lru_mod.default_helpers(b, dev), "miss_side": pick,
+                       "us_victim_side": round(side[False][0], 2), "us_miss_side": round(side[True][0], 2),
                        "attention_us": round(att, 2), "attention_kernel": "triton_paged_decode" if tri is not None else "torch_sdpa_gathered",
                        "attention_sdpa_gathered_us": round(sd, 2), "diff_over_attention": round(us / att, 4)}
                 print(row, flush=True)
@@ -301,9 +305,19 @@ def main() -> None:
             print(h, hc, flush=True)
             hit += [h, hc]
     target = next((r for r in rows if (r["B"], r["K"], r["S"]) == (64, 2048, 4096)), None)
+    install_side = {
+        "method": "every rows shape timed with both install sides in the same run (us_victim_side, "
+                  "us_miss_side); the library picks the miss side when S >= 4K",
+        "checks": [{"B": b, "K": k, "S": s, "miss_side": ms,
+                    "matches_reference": matches_reference(b, k, s, 65536, dev, miss_side=ms)}
+                   for (b, k, s) in ((64, 2048, 4096), (64, 512, 4096), (16, 2048, 8192)) for ms in (False, True)],
+        "ratio_miss_over_victim": [{"B": r["B"], "K": r["K"], "S": r["S"],
+                                    "ratio": round(r["us_miss_side"] / r["us_victim_side"], 3)} for r in rows],
+    }
     payload = {
         "rows": rows,
         "hit_rate": hit,
+        "install_side": install_side,
         "sweep": sweep,
         "chosen_by_sweep": {str(bs): {"num_warps": nw, "scan_r": lru_mod.SCAN_R_BY_BLOCK_S.get(bs)}
                             for bs, nw in lru_mod.NUM_WARPS_BY_BLOCK_S.items()},
@@ -317,7 +331,7 @@ def main() -> None:
                  "helpers = programs per row that stamp the hits beside the main program (library rule: one "
                  "while 2*B <= SMs). Kernel history at B=64, K=2048, S=4096 on this device kind: 13.28 us "
                  "(first kernel), 10.9 us (order-array kernel, sessions 1-2), this file's rows (timestamp LRU "
-                 "with a helper program, session 3).",
+                 "with a helper program, session 3; miss-side installs for S >= 4K, session 4).",
     }
     # keep the experiment records of earlier sessions that live in the committed file
     prior = RESULTS_DIR / "lru_diff.json"

@@ -187,7 +187,8 @@ def test_step_as_tensor_and_dispatch_match(monkeypatch):
 @interpreted
 @pytest.mark.parametrize("helpers", [0, 1, 2, 4])
 @pytest.mark.parametrize("stride", [1, 5])
-def test_helpers_and_sparse_stamps_give_identical_results(helpers, stride):
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_helpers_and_sparse_stamps_give_identical_results(helpers, stride, miss_side):
     # stride 5: steps far apart, so the window of consecutive stamp values from the oldest
     # rarely holds the victims and the distinct-minimum rounds run
     k, s, m = 8, 20, 60
@@ -204,13 +205,14 @@ def test_helpers_and_sparse_stamps_give_identical_results(helpers, stride):
             rest = [x for x in torch.randperm(m, generator=g).tolist() if x not in keep]
             rows_ids.append(keep + rest[: n - len(keep)])
             prev[r] = rows_ids[-1]
-        res = run_both(*make_topk(rows_ids, k), st_ref, st_tri, step, helpers=helpers)
+        res = run_both(*make_topk(rows_ids, k), st_ref, st_tri, step, helpers=helpers, miss_side=miss_side)
         check_against_naive(res, rows_ids, naive_rows, st_tri, step)
 
 
 @interpreted
 @pytest.mark.parametrize("old_hits", [1, 3, 4, 6])
-def test_hits_among_the_oldest_slots(old_hits):
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_hits_among_the_oldest_slots(old_hits, miss_side):
     # Step 3 reselects old_hits ids of step 1 (the oldest stamps) next to two new ids: the
     # victims must skip those hits, which the kernel knows per slot only by reading their
     # stamps back.
@@ -218,7 +220,7 @@ def test_hits_among_the_oldest_slots(old_hits):
     st_ref, st_tri = new_state(1, s, m), new_state(1, s, m)
     naive_rows = [([-1] * s, [-1] * s)]
     for step, ids in ((1, list(range(8))), (2, list(range(8, 16))), (3, list(range(old_hits)) + [20, 21])):
-        res = run_both(*make_topk([ids], k), st_ref, st_tri, step)
+        res = run_both(*make_topk([ids], k), st_ref, st_tri, step, miss_side=miss_side)
         check_against_naive(res, [ids], naive_rows, st_tri, step)
     assert res.num_loads.tolist() == [2]
     assert sorted(res.load_slots[0, :2].tolist()) == res.load_slots[0, :2].tolist()
@@ -237,20 +239,22 @@ def _fill_one_per_step(s: int, k: int, m: int, steps: list[int]):
 
 @interpreted
 @pytest.mark.parametrize("helpers", [0, 1])
-def test_every_non_hit_slot_evicted_without_search(helpers):
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_every_non_hit_slot_evicted_without_search(helpers, miss_side):
     # K = S, stamps 5 steps apart, two hits among the oldest slots and as many misses as
     # there are non-hit slots: the kernel takes every non-hit slot without searching
     k = s = 8
     st_ref, st_tri, naive_rows = _fill_one_per_step(s, k, 40, [5 * (i + 1) for i in range(s)])
     ids = [0, 3] + list(range(20, 26))
-    res = run_both(*make_topk([ids], k), st_ref, st_tri, 100, helpers=helpers)
+    res = run_both(*make_topk([ids], k), st_ref, st_tri, 100, helpers=helpers, miss_side=miss_side)
     check_against_naive(res, [ids], naive_rows, st_tri, 100)
     assert res.load_slots[0, :6].tolist() == [1, 2, 4, 5, 6, 7]
 
 
 @interpreted
 @pytest.mark.parametrize("hit_old", [False, True])
-def test_sparse_stamps_reach_the_bisection(hit_old):
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_sparse_stamps_reach_the_bisection(hit_old, miss_side):
     # Empty slots 12-15, single stamps 5..20 at slots 3-6, three ties at 25 in slots 0-2,
     # later stamps above: 9 victims span more distinct stamps than the window (3 values)
     # and the distinct-minimum rounds (4) cover, so the bisection finds T = 25 and takes
@@ -266,7 +270,7 @@ def test_sparse_stamps_reach_the_bisection(hit_old):
     st_ref, st_tri = clone(state), clone(state)
     naive_rows = [(state["resident"][0].tolist(), state["last_used"][0].tolist())]
     ids = ([4] if hit_old else []) + list(range(30, 39))
-    res = run_both(*make_topk([ids], k), st_ref, st_tri, 60)
+    res = run_both(*make_topk([ids], k), st_ref, st_tri, 60, miss_side=miss_side)
     check_against_naive(res, [ids], naive_rows, st_tri, 60)
     victims = [0, 3, 5, 6, 12, 13, 14, 15, 1] if hit_old else [0, 3, 4, 5, 6, 12, 13, 14, 15]
     assert res.load_slots[0, :9].tolist() == sorted(victims)
@@ -297,7 +301,8 @@ def test_hits_stamped_early_change_nothing():
 
 
 @interpreted
-def test_corrupted_stamps_stay_inside_their_row():
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_corrupted_stamps_stay_inside_their_row(miss_side):
     # INT_MIN stamps (a corrupted state; valid steps never produce them) must not make the
     # kernel read or write another batch row's lists or another state row
     k, s, m = 4, 6, 20
@@ -307,7 +312,7 @@ def test_corrupted_stamps_stay_inside_their_row():
         st["last_used"][1, :3] = torch.tensor([-2**31, -2**31, 5], dtype=torch.int32)
         st["slot_of"][1, [7, 8, 9]] = torch.tensor([0, 1, 2], dtype=torch.int32)
     rows = torch.tensor([0, 1], dtype=torch.int64)
-    res = run_both(*make_topk([[3, 4], [9, 11]], k), st_ref, st_tri, 6, rows=rows)
+    res = run_both(*make_topk([[3, 4], [9, 11]], k), st_ref, st_tri, 6, rows=rows, miss_side=miss_side)
     assert res.load_ids.tolist() == [[3, 4, -1, -1], [11, -1, -1, -1]]
     untouched = new_state(3, s, m)
     for name in st_tri:
@@ -352,17 +357,17 @@ def consistent_states(draw):
     ids = hits + others[: n - nh]
     ids = [ids[j] for j in torch.randperm(len(ids), generator=g).tolist()]
     step = int(state["last_used"].max()) + draw(st.sampled_from([1, 2, 7]))
-    return k, state, ids, step, draw(st.sampled_from([0, 1, 2]))
+    return k, state, ids, step, draw(st.sampled_from([0, 1, 2])), draw(st.booleans())
 
 
 @interpreted
 @settings(max_examples=30, deadline=None)
 @given(case=consistent_states())
 def test_property_arbitrary_states_match_reference_and_naive(case):
-    k, state, ids, step, helpers = case
+    k, state, ids, step, helpers, miss_side = case
     st_ref, st_tri = clone(state), clone(state)
     naive_rows = [(state["resident"][0].tolist(), state["last_used"][0].tolist())]
-    res = run_both(*make_topk([ids], k), st_ref, st_tri, step, helpers=helpers)
+    res = run_both(*make_topk([ids], k), st_ref, st_tri, step, helpers=helpers, miss_side=miss_side)
     check_against_naive(res, [ids], naive_rows, st_tri, step)
 
 
@@ -451,6 +456,8 @@ def test_bad_scan_r_is_a_clear_error():
         lru_diff_triton(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, scan_r=3)
     with pytest.raises(ValueError, match="helpers must be one of"):
         lru_diff_triton(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, helpers=3)
+    with pytest.raises(ValueError, match="miss_side must be"):
+        lru_diff_triton(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1, miss_side=1)
 
 
 def test_buffer_beyond_kernel_limit_is_a_clear_error():
@@ -461,15 +468,18 @@ def test_buffer_beyond_kernel_limit_is_a_clear_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers,keep_p", [
-    (64, 2048, 4096, 16384, None, None, None, 0.85), (64, 2048, 4096, 16384, 8, 1, 0, 0.85),
-    (64, 2048, 4096, 16384, 16, 8, 1, 0.85), (64, 2048, 4096, 16384, 4, 2, 2, 0.6),
-    (16, 2048, 8192, 16384, 16, 4, 4, 0.6), (128, 2048, 4096, 16384, None, None, None, 0.85),
-    (8, 1000, 3000, 6000, None, None, None, 0.5),  # K, S not powers of two (masked paths)
-    (4, 2048, 16000, 60000, None, None, 1, 0.3),  # the largest buffer the kernel takes (padded to 16384)
-    (8, 2048, 2048, 16384, None, None, 1, 0.85),  # K = S: every non-hit slot is a victim
+@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers,keep_p,miss_side", [
+    (64, 2048, 4096, 16384, None, None, None, 0.85, None), (64, 2048, 4096, 16384, 8, 1, 0, 0.85, None),
+    (64, 2048, 4096, 16384, 16, 8, 1, 0.85, True), (64, 2048, 4096, 16384, 4, 2, 2, 0.6, None),
+    (16, 2048, 8192, 16384, 16, 4, 4, 0.6, None), (16, 2048, 8192, 16384, None, None, None, 0.6, False),
+    (128, 2048, 4096, 16384, None, None, None, 0.85, None), (64, 512, 4096, 16384, None, None, None, 0.85, None),
+    (8, 1000, 3000, 6000, None, None, None, 0.5, None),  # K, S not powers of two (masked paths)
+    (8, 700, 3000, 6000, None, None, None, 0.5, True),
+    (4, 2048, 16000, 60000, None, None, 1, 0.3, None),  # the largest buffer the kernel takes (padded to 16384)
+    (8, 2048, 2048, 16384, None, None, 1, 0.85, None),  # K = S: every non-hit slot is a victim
+    (8, 2048, 2048, 16384, None, None, 1, 0.85, True),
 ])
-def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, helpers, keep_p):
+def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, helpers, keep_p, miss_side):
     # 20 steps with gaps between step values: the buffers fill and then evict occupied
     # slots (asserted), so the read-back and the fallback searches run compiled
     dev = "cuda"
@@ -490,19 +500,20 @@ def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, he
         topk, valid = topk.to(dev), valid.to(dev)
         before = st_ref["resident"].clone()
         res = run_both(topk, valid, st_ref, st_tri, step * 4 + step % 3, num_warps=num_warps, scan_r=scan_r,
-                       helpers=helpers)
+                       helpers=helpers, miss_side=miss_side)
         ls = res.load_slots.long()
         evicted += int(((ls >= 0) & (before.gather(1, ls.clamp(min=0)) >= 0)).sum())
     assert evicted > 0
 
 
 @interpreted
-def test_unvalidated_bad_ids_stay_inside_their_row():
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_unvalidated_bad_ids_stay_inside_their_row(miss_side):
     k, s, m = 4, 6, 10
     st_ref, st_tri = new_state(3, s, m), new_state(3, s, m)
     rows = torch.tensor([1], dtype=torch.int64)
     topk, valid = make_topk([[2, 50]], k)  # 50 >= M: a caller that skipped validation
-    run_both(topk, valid, st_ref, st_tri, 1, rows=rows)
+    run_both(topk, valid, st_ref, st_tri, 1, rows=rows, miss_side=miss_side)
     fresh = new_state(3, s, m)
     for name in st_tri:
         for r in (0, 2):

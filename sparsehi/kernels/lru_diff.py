@@ -23,6 +23,13 @@ victim there is no search. Victims are the non-hit slots below ``T`` and the fir
 ``T`` in slot order: one packed prefix sum. Only hits stamped ``<= T`` (few) must be known
 per slot; the main program stamps them itself and reads the candidates' stamps back.
 
+Installs pair the j-th miss with the j-th victim through the row's ``load_*`` outputs in
+global memory (Triton has no shared-memory scatter). Victim side: the misses list their
+ids and columns by rank, each victim reads its miss and writes five S-wide masked passes.
+Miss side (``miss_side``, the default when S >= 4K): the victims list their slots by rank,
+each miss reads its victim and installs in K-wide passes; it wins when S is much larger
+than K and loses a little at S <= 2K (measurements in ``default_miss_side``).
+
 Cost model (H200, benchmarks/results/lru_diff.json): one row's work runs on one SM, and
 what an SM does slowest is random stores (~2.5 cycles each, several times a random load;
 benchmarks/results/lru_primitives.json). The K stamps of the hits are most of them, so
@@ -237,7 +244,7 @@ def _lru_diff_kernel(
     dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr,
     M, stride_topk, stride_state, stride_slot_of, stride_out,
     K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
-    WINDOW: tl.constexpr, MAX_ROUNDS: tl.constexpr, HELPERS: tl.constexpr,
+    WINDOW: tl.constexpr, MAX_ROUNDS: tl.constexpr, HELPERS: tl.constexpr, MISS_SIDE: tl.constexpr,
 ):
     # Grid (1 + HELPERS, B): program 0 of a row selects and installs victims, programs
     # 1..HELPERS stamp the row's hits (a column chunk each). Nothing waits for a helper.
@@ -297,12 +304,20 @@ def _lru_diff_kernel(
                         + (miss_i.to(tl.int64) << 48), 0)
         nmiss = (packed >> 48).to(tl.int32)
         ch = packed & 0xFFFFFFFFFFFF
-        # misses to their rank, every other column to the -1 tail: one dense store each;
-        # load_slots carries the miss's column until its victim replaces it. (Only this
-        # program knows the misses: a helper may already see this launch's refills.)
-        dst = tl.where(miss, mrank, nmiss + kk - mrank)
-        tl.store(li_p + dst, tl.where(miss, ids, -1), mask=kk < K)
-        tl.store(ls_p + dst, tl.where(miss, kk, -1), mask=kk < K)
+        # Load lists (only this program knows the misses: a helper may already see this
+        # launch's refills). Miss side: ids to their rank, -1 tails; the victims fill
+        # load_slots later.
+        if MISS_SIDE:
+            pad = (kk < K) & (kk >= nmiss)
+            tl.store(li_p + mrank, ids, mask=miss)
+            tl.store(li_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
+            tl.store(ls_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
+        else:
+            # misses to their rank, every other column to the -1 tail: one dense store
+            # each; load_slots carries the miss's column until its victim replaces it
+            dst = tl.where(miss, mrank, nmiss + kk - mrank)
+            tl.store(li_p + dst, tl.where(miss, ids, -1), mask=kk < K)
+            tl.store(ls_p + dst, tl.where(miss, kk, -1), mask=kk < K)
         tl.store(num_loads_ptr + b, nmiss)
 
         # Threshold T; below = non-hit slots stamped < T; rel = hits stamped <= T. (An
@@ -383,15 +398,27 @@ def _lru_diff_kernel(
         # (0 <= vrank < nmiss always holds for a consistent state and validated input; the
         # guard keeps anything else from reading or writing outside the row's miss list)
         victim = (gt | (eq & (eq_b < rem))) & (vrank >= 0) & (vrank < nmiss)
-        # each victim takes the miss of its rank (written above by other threads)
-        tl.debug_barrier()
-        new_id = tl.load(li_p + vrank, mask=victim, other=0)
-        col = tl.load(ls_p + vrank, mask=victim, other=0)
-        tl.store(ls_p + vrank, ss, mask=victim)
-        tl.store(lu_p + ss, tl.zeros_like(ss) + step, mask=victim)
-        tl.store(res_p + ss, new_id, mask=victim)
-        tl.store(so_p + new_id, ss, mask=victim)
-        tl.store(ds_p + col, ss, mask=victim)
+        if MISS_SIDE:
+            # victims list themselves by rank; each miss reads the victim of its rank and
+            # installs it (K-wide passes instead of S-wide ones)
+            tl.store(ls_p + vrank, ss, mask=victim)
+            tl.debug_barrier()
+            vslot = tl.load(ls_p + mrank, mask=miss, other=-1)
+            inst = miss & (vslot >= 0) & (vslot < S)
+            tl.store(ds_p + kk, vslot, mask=inst)
+            tl.store(so_p + ids, vslot, mask=inst)
+            tl.store(res_p + vslot, ids, mask=inst)
+            tl.store(lu_p + vslot, tl.zeros_like(vslot) + step, mask=inst)
+        else:
+            # each victim takes the miss of its rank (written above by other threads)
+            tl.debug_barrier()
+            new_id = tl.load(li_p + vrank, mask=victim, other=0)
+            col = tl.load(ls_p + vrank, mask=victim, other=0)
+            tl.store(ls_p + vrank, ss, mask=victim)
+            tl.store(lu_p + ss, tl.zeros_like(ss) + step, mask=victim)
+            tl.store(res_p + ss, new_id, mask=victim)
+            tl.store(so_p + new_id, ss, mask=victim)
+            tl.store(ds_p + col, ss, mask=victim)
         if HELPERS == 0:
             tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=hit)
 
@@ -417,6 +444,15 @@ def default_num_warps(block_s: int) -> int:
     return 16 if block_s >= 8192 else 8 if block_s >= 2048 else 4
 
 
+def default_miss_side(block_k: int, block_s: int) -> bool:
+    """Install from the miss side when the buffer is at least 4x the top-k width: its
+    passes are K wide instead of S wide. H200, B=64 (lru_diff.json
+    ``session4_experiments.miss_side_installs``): K=512 with S=4096 0.86x the time, K=2048
+    with S=8192 0.95x, K=2048 with S=4096 even, S = K 2-4 % slower. (K=512 with S=2048 is
+    on the miss side by this rule but was not measured.)"""
+    return block_s >= 4 * block_k
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -435,7 +471,8 @@ def default_helpers(batch: int, device: torch.device) -> int:
 def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                     slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
                     out: Optional[LruDiffResult] = None, num_warps: Optional[int] = None,
-                    scan_r: Optional[int] = None, helpers: Optional[int] = None) -> LruDiffResult:
+                    scan_r: Optional[int] = None, helpers: Optional[int] = None,
+                    miss_side: Optional[bool] = None) -> LruDiffResult:
     """Triton LRU diff: one launch, ``1 + helpers`` programs per batch row. ``out`` reuses
     result buffers (fixed addresses for CUDA graphs). ``K`` and ``S`` are compile-time
     constants: one compile per (top-k width, buffer size), which a deployment fixes (the
@@ -443,6 +480,8 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
     _check_args(topk, valid, resident, last_used, slot_of, rows)
     if scan_r is not None and (not isinstance(scan_r, int) or scan_r < 1 or scan_r & (scan_r - 1)):
         raise ValueError(f"scan_r must be a power of two >= 1 (1, 2, 4, 8, ...), got {scan_r!r}")
+    if miss_side is not None and not isinstance(miss_side, bool):
+        raise ValueError(f"miss_side must be None (by shape), True or False, got {miss_side!r}")
     if helpers is not None and helpers not in (0, 1, 2, 4):
         raise ValueError(f"helpers must be one of 0, 1, 2, 4 (programs per row that stamp hits), got {helpers!r}")
     dev = topk.device
@@ -477,7 +516,7 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
         out.device_slots, out.load_ids, out.load_slots, out.num_loads,
         slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
         K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, WINDOW=WINDOW, MAX_ROUNDS=MAX_ROUNDS, HELPERS=h,
-        num_warps=nw,
+        MISS_SIDE=int(default_miss_side(block_k, block_s) if miss_side is None else miss_side), num_warps=nw,
     )
     return out
 
