@@ -277,7 +277,8 @@ def test_sparse_stamps_reach_the_bisection(hit_old, miss_side):
 
 
 @interpreted
-def test_hits_stamped_early_change_nothing():
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_hits_stamped_early_change_nothing(miss_side):
     # A helper program that finishes before the main program leaves last_used = step on
     # hits (the main program snapshots the row afterwards): same outputs and final state.
     g = torch.Generator().manual_seed(3)
@@ -292,8 +293,10 @@ def test_hits_stamped_early_change_nothing():
         for x in ids[r][:5:2]:
             st_b["last_used"][r, int(st_b["slot_of"][r, x])] = 9
     topk, valid = make_topk(ids, k)
-    a = lru_diff_triton(topk, valid, st_a["resident"], st_a["last_used"], st_a["slot_of"], 9, helpers=0)
-    b = lru_diff_triton(topk, valid, st_b["resident"], st_b["last_used"], st_b["slot_of"], 9, helpers=0)
+    a = lru_diff_triton(topk, valid, st_a["resident"], st_a["last_used"], st_a["slot_of"], 9, helpers=0,
+                        miss_side=miss_side)
+    b = lru_diff_triton(topk, valid, st_b["resident"], st_b["last_used"], st_b["slot_of"], 9, helpers=0,
+                        miss_side=miss_side)
     for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     for name in st_a:
@@ -317,6 +320,31 @@ def test_corrupted_stamps_stay_inside_their_row(miss_side):
     untouched = new_state(3, s, m)
     for name in st_tri:
         assert torch.equal(st_tri[name][2], untouched[name][2]), name
+
+
+@interpreted
+@pytest.mark.parametrize("miss_side", [False, True])
+def test_stamps_2_31_apart_stay_consistent(miss_side):
+    # An INT_MIN stamp (corrupted state) next to a hit stamped near the step limit: the
+    # stamp difference wraps in int32. The hit must not count as a miss (it once inflated
+    # num_loads and sent installs through stale, reused output buffers).
+    k, s, m = 2, 8, 10
+    st_ref, st_tri = new_state(1, s, m), new_state(1, s, m)
+    for st in (st_ref, st_tri):
+        st["resident"][0, :2] = torch.tensor([0, 1], dtype=torch.int32)
+        st["slot_of"][0, :2] = torch.tensor([0, 1], dtype=torch.int32)
+        st["last_used"][0, :2] = torch.tensor([-2**31, 2**31 - 2**28 + 3], dtype=torch.int32)
+    topk, valid = make_topk([[1, 5]], k)
+    stale = lru_diff_mod.LruDiffResult(*(torch.full((1, k), 7, dtype=torch.int32) for _ in range(3)),
+                                       torch.zeros(1, dtype=torch.int32))
+    a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], 2**31 - 2**28 + 4)
+    b = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], 2**31 - 2**28 + 4,
+                        out=stale, helpers=0, miss_side=miss_side)
+    assert b.num_loads.tolist() == [1] and b.load_ids.tolist() == [[5, -1]]
+    for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in st_ref:
+        assert torch.equal(st_ref[name], st_tri[name]), name
 
 
 def test_step_out_of_range_is_a_clear_error():

@@ -299,8 +299,9 @@ def _lru_diff_kernel(
         # old stamp of each hit's slot; the hits' counts per window value, with the number
         # of misses in the top field
         hk = tl.where(hit, tl.gather(lu_row, tl.maximum(slot, 0), 0), INT_MAX)
-        dh = hk - lo_stamp
-        packed = tl.sum(tl.where(hit & (dh < WINDOW), tl.full([BLOCK_K], 1, tl.int64) << (16 * dh).to(tl.int64), 0)
+        dh = hk - lo_stamp  # (wraps for stamps 2^31 apart, as d does: both sides drop dh < 0)
+        in_win = hit & (dh >= 0) & (dh < WINDOW)
+        packed = tl.sum(tl.where(in_win, tl.full([BLOCK_K], 1, tl.int64) << (16 * dh).to(tl.int64), 0)
                         + (miss_i.to(tl.int64) << 48), 0)
         nmiss = (packed >> 48).to(tl.int32)
         ch = packed & 0xFFFFFFFFFFFF
