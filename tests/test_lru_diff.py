@@ -303,17 +303,24 @@ def test_hits_stamped_early_change_nothing(miss_side):
         assert torch.equal(st_a[name], st_b[name]), name
 
 
+def states_holding(rows: int, s: int, m: int, row: int, ids: list[int], stamps: list[int]):
+    """Two equal states (reference, Triton) whose ``row`` holds ``ids`` in slots 0.. with
+    the given (possibly corrupted) stamps."""
+    pair = new_state(rows, s, m), new_state(rows, s, m)
+    for st in pair:
+        st["resident"][row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        st["last_used"][row, :len(ids)] = torch.tensor(stamps, dtype=torch.int32)
+        st["slot_of"][row, ids] = torch.arange(len(ids), dtype=torch.int32)
+    return pair
+
+
 @interpreted
 @pytest.mark.parametrize("miss_side", [False, True])
 def test_corrupted_stamps_stay_inside_their_row(miss_side):
     # INT_MIN stamps (a corrupted state; valid steps never produce them) must not make the
     # kernel read or write another batch row's lists or another state row
     k, s, m = 4, 6, 20
-    st_ref, st_tri = new_state(3, s, m), new_state(3, s, m)
-    for st in (st_ref, st_tri):
-        st["resident"][1, :3] = torch.tensor([7, 8, 9], dtype=torch.int32)
-        st["last_used"][1, :3] = torch.tensor([-2**31, -2**31, 5], dtype=torch.int32)
-        st["slot_of"][1, [7, 8, 9]] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    st_ref, st_tri = states_holding(3, s, m, 1, [7, 8, 9], [-2**31, -2**31, 5])
     rows = torch.tensor([0, 1], dtype=torch.int64)
     res = run_both(*make_topk([[3, 4], [9, 11]], k), st_ref, st_tri, 6, rows=rows, miss_side=miss_side)
     assert res.load_ids.tolist() == [[3, 4, -1, -1], [11, -1, -1, -1]]
@@ -329,11 +336,7 @@ def test_stamps_2_31_apart_stay_consistent(miss_side):
     # stamp difference wraps in int32. The hit must not count as a miss (it once inflated
     # num_loads and sent installs through stale, reused output buffers).
     k, s, m = 2, 8, 10
-    st_ref, st_tri = new_state(1, s, m), new_state(1, s, m)
-    for st in (st_ref, st_tri):
-        st["resident"][0, :2] = torch.tensor([0, 1], dtype=torch.int32)
-        st["slot_of"][0, :2] = torch.tensor([0, 1], dtype=torch.int32)
-        st["last_used"][0, :2] = torch.tensor([-2**31, 2**31 - 2**28 + 3], dtype=torch.int32)
+    st_ref, st_tri = states_holding(1, s, m, 0, [0, 1], [-2**31, 2**31 - 2**28 + 3])
     topk, valid = make_topk([[1, 5]], k)
     stale = lru_diff_mod.LruDiffResult(*(torch.full((1, k), 7, dtype=torch.int32) for _ in range(3)),
                                        torch.zeros(1, dtype=torch.int32))
