@@ -252,7 +252,7 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
         runner.decode_step(reqs)
     if hasattr(be, "coord"):
         be.coord.reset_stats()
-        be.record_layer = rec_layer
+        be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
         be.recorded.clear()
     _sync(device)
     t0 = time.perf_counter()
@@ -263,13 +263,13 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
     row: dict[str, Any] = {"mode": mode, "context": ctx, "batch": batch, "tokens_per_s": batch * timed / dt,
                            "step_ms": 1e3 * dt / timed, "hit_rate": None, "topk_overlap": None}
     if hasattr(be, "coord"):
-        be.record_layer = None
+        be.record_layers = frozenset()
         if mode == "sparse-hier":
             st = be.coord.stats()
             row["hit_rate"] = st["hit_rate"]
             row["misses_per_step"] = st["misses"] / max(1, st["steps"])
             row["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
-        rec = be.recorded
+        rec = be.recorded.get(rec_layer, [])
         if len(rec) >= 2:
             ps = sc.page_size
             lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
@@ -336,31 +336,13 @@ def record_real_trace(model, sc: SparseConfig, prompt: list[int], steps: int, de
     if not sparse_layers:
         raise ValueError(f"the model's {model.cfg.num_layers} layers are all dense under this SparseConfig: "
                          "nothing to record")
-    sel: dict[int, list[torch.Tensor]] = {layer: [] for layer in sparse_layers}
-    inner_decode_attention = be.decode_attention
-
-    # The backend records one layer's selection (record_layer); pointing it at each sparse
-    # layer as that layer runs records them all without touching the runtime. The clones
-    # stay on the device: no host sync per layer.
-    def recording_decode_attention(reqs):
-        inner = inner_decode_attention(reqs)
-
-        def attn(layer: int, q, k, v, extra):
-            be.record_layer = layer if layer in sel else None
-            try:
-                return inner(layer, q, k, v, extra)
-            finally:
-                be.record_layer = None
-                if be.recorded:
-                    sel[layer].append(be.recorded.pop())
-
-        return attn
-
-    be.decode_attention = recording_decode_attention
+    be.record_layers = frozenset(sparse_layers)
+    be.recorded.clear()
     try:
         runner.generate([prompt], steps)
     finally:
-        be.decode_attention = inner_decode_attention
+        be.record_layers = frozenset()
+    sel: dict[int, list[torch.Tensor]] = {layer: be.recorded.get(layer, []) for layer in sparse_layers}
     per_layer = topk_overlap_per_layer(sel, len(prompt), sc)
     vals = list(per_layer.values())
     result = {"model_path": model_path, "context": len(prompt), "steps": steps,

@@ -42,17 +42,23 @@ class _StepTables:
 
     cs: torch.Tensor  # [B] int32 candidate start (= sink pages in context)
     ce: torch.Tensor  # [B] int32 candidate end (= recent window start)
-    ncand: torch.Tensor  # [B] int32
+    ncand: torch.Tensor  # [B] int32 candidates of rows that are not sparse (0 for dense rows)
     all_ids: torch.Tensor  # [B, K] int32 every candidate, for rows that are not sparse
     sparse_mask: torch.Tensor  # [B] bool
-    any_sparse: bool
-    all_sparse: bool
+    live: torch.Tensor  # [B] bool rows that are real requests
     sink_keys: torch.Tensor  # [B, sink] int32 sink ids, INT32_MAX padded (sort keys)
     rec_keys: torch.Tensor  # [B, R] int32 recent ids, INT32_MAX padded
     sink_phys: torch.Tensor  # [B, sink] int32
     rec_phys: torch.Tensor  # [B, R] int32
     base_valid: torch.Tensor  # [B] int32 valid sink + recent entries
     colk: torch.Tensor  # [1, K] int32 column index
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [B, N]`` padded with -1 columns to ``[B, width]``."""
+    if x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
 
 
 def gathered_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, selection: SparseSelection,
@@ -181,13 +187,26 @@ class SparseCoordinator:
             raise ValueError(f"layer_id={layer_id!r} is invalid: an int in [0, {self.num_layers})")
 
     # ------------------------------------------------------------------ forward
+    def prepare_decode(self, req_pool_indices, seq_lens) -> bool:
+        """Host part of a decode step, outside any CUDA graph: checks, new pages for rows
+        that open a page (vectorised), step counter. ``req_pool_indices`` / ``seq_lens``:
+        the live rows and their lengths with the new token (sequences of int or NumPy
+        arrays). Returns ``has_dense_rows`` for the step's ``ForwardBatch``."""
+        return self.manager.prepare_decode(req_pool_indices, seq_lens)
+
     def forward_begin(self, batch: ForwardBatch) -> None:
-        """Decode: wait for offloads, place every row's new token (sets ``batch.out_cache_loc``)."""
+        """Decode: place every row's new token (sets ``batch.out_cache_loc``). A batch that is
+        not ``prepared`` runs ``prepare_decode`` first (eager callers); a prepared one does
+        device work only (CUDA-graph safe)."""
         if batch.mode != "decode":
             self.manager.wait_offloads()
             return
-        rows = [int(x) for x in batch.req_pool_indices.tolist()]
-        step = self.manager.begin_decode(rows, batch.seq_lens_cpu, batch.seq_lens)
+        if batch.prepared:
+            has_dense = batch.has_dense_rows
+        else:
+            rows = [int(x) for x in batch.req_pool_indices.tolist()]
+            has_dense = self.manager.prepare_decode(rows, batch.seq_lens_cpu)
+        step = self.manager.begin_step(batch.req_pool_indices, batch.seq_lens, has_dense, checked=self.validate)
         batch.out_cache_loc = step.out_loc
         batch.extra[_STEP_KEY] = step
 
@@ -210,24 +229,26 @@ class SparseCoordinator:
             sparse = True
             meta = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
         else:
-            selection = self._dense_selection(layer_id, step)
+            selection = self._dense_selection(layer_id, step, "dense_layers")
             sparse = False
             if "dense_metadata" not in step.memo:  # shared by the dense layers, like the selection
                 step.memo["dense_metadata"] = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
             meta = step.memo["dense_metadata"]
         return LayerPlan(layer_id, bufs, kbuf, vbuf, m.write_loc(layer_id, step), selection, meta, sparse, self.adaptor)
 
-    def _dense_selection(self, layer_id: int, step: DecodeStep) -> SparseSelection:
-        # Every dense layer attends the same pages (gpu_only: the request's own pages;
-        # hierarchical: the dense pool's, shared by the dense layers): build once per step.
-        sel = step.memo.get("dense_selection")
+    def _dense_selection(self, layer_id: int, step: DecodeStep, key: str) -> SparseSelection:
+        """Every page of every row, from the pages that hold a request's whole context:
+        dense layers (``key="dense_layers"``; hierarchical: the dense-layer pool), and the
+        sparse layers of dense rows (``key="dense_rows"``: the main pool). Built once per
+        step; ``[B, M]`` with ``M`` the static page bound of a request."""
+        sel = step.memo.get(key)
         if sel is None:
-            logical = _arange(step.max_pages, step.rows.device, torch.int32)[None, :].expand(len(step.rows_cpu), -1)
-            logical = torch.where(logical < step.num_pages[:, None], logical, -1)
-            phys = self.manager.fixed_physical(layer_id, step, logical)
-            sel = SparseSelection(logical.contiguous(), phys, step.num_pages.clone(), step.seq_lens, self.config.page_size,
-                                  self.sel_mode)
-            step.memo["dense_selection"] = sel
+            m = self.manager
+            cols = _arange(m.M, step.rows.device, torch.int32)[None, :]
+            logical = torch.where(cols < step.num_pages[:, None], cols, -1)
+            phys = m.own_physical(layer_id, step, logical)
+            sel = SparseSelection(logical, phys, step.num_pages, step.seq_lens, self.config.page_size, self.sel_mode)
+            step.memo[key] = sel
         return sel
 
     def _step_tables(self, layer_id: int, step: DecodeStep) -> "_StepTables":
@@ -239,18 +260,21 @@ class SparseCoordinator:
         m = self.manager
         K, sink, R = m.K, m.sink, m.R
         dev = step.rows.device
-        B = len(step.rows_cpu)
+        B = step.batch_size
         P = step.num_pages
         n_sink = P.clamp(max=sink)
         recent_start = torch.maximum(n_sink, P - R)
         cs, ce = n_sink.to(torch.int32), recent_start.to(torch.int32)
         ncand = ce - cs
+        # a row is sparse once its candidates outgrow top-k; dense rows never are, and
+        # send nothing to the LRU diff (they attend their own pages)
+        sparse_mask = ncand > K
+        plain = ncand
+        if step.dense_rows is not None:
+            sparse_mask = sparse_mask & ~step.dense_rows
+            plain = torch.where(step.dense_rows, 0, ncand)
         cols = _arange(K, dev, torch.int32)[None, :]
-        all_ids = torch.where(cols < ncand[:, None], cs[:, None] + cols, -1).to(torch.int32)
-        # Whether any row is sparse is known on the host (no sync): P - sink - R > K.
-        ps = self.config.page_size
-        row_sparse = [-(-s // ps) - min(sink, -(-s // ps)) - R > K for s in step.seq_lens_cpu]
-        any_sparse, all_sparse = any(row_sparse), all(row_sparse)
+        all_ids = torch.where(cols < plain[:, None], cs[:, None] + cols, -1).to(torch.int32)
         sc = _arange(max(sink, 0), dev, torch.int32)[None, :].expand(B, -1)
         sink_ids = torch.where(sc < n_sink[:, None], sc, -1).to(torch.int32)
         rec = recent_start[:, None] + _arange(R, dev, torch.int32)[None, :]
@@ -259,11 +283,11 @@ class SparseCoordinator:
         # mode, the request's own pages in gpu_only mode): the same for every sparse layer
         fixed_phys = m.fixed_physical(layer_id, step, torch.cat([sink_ids, rec_ids], 1))
         n_rec = (P - recent_start).clamp(min=0)
-        t = _StepTables(cs=cs, ce=ce, ncand=ncand, all_ids=all_ids, sparse_mask=ncand > K, any_sparse=any_sparse,
-                        all_sparse=all_sparse, sink_keys=sink_ids.masked_fill(sink_ids < 0, _INT32_MAX),
+        t = _StepTables(cs=cs, ce=ce, ncand=plain.to(torch.int32), all_ids=all_ids, sparse_mask=sparse_mask,
+                        sink_keys=sink_ids.masked_fill(sink_ids < 0, _INT32_MAX),
                         rec_keys=rec_ids.masked_fill(rec_ids < 0, _INT32_MAX), sink_phys=fixed_phys[:, :sink],
                         rec_phys=fixed_phys[:, sink:], base_valid=(n_sink + n_rec).to(torch.int32),
-                        colk=_arange(K, dev, torch.int32)[None, :])
+                        colk=cols, live=step.live)
         step.memo["sparse_tables"] = t
         return t
 
@@ -272,27 +296,28 @@ class SparseCoordinator:
         m = self.manager
         K = m.K
         dev = step.rows.device
-        B = len(step.rows_cpu)
+        B = step.batch_size
         t = self._step_tables(layer_id, step)
-        topk, valid = t.all_ids, t.ncand
-        if t.any_sparse:
-            sel, val = self.algorithm.retrieve_topk(
-                q, layer_id, batch.req_pool_indices, t.sparse_mask, seq_lens=step.seq_lens, candidate_start=t.cs,
-                candidate_end=t.ce, top_k=K, **algo_kw,
-            )
-            if self.validate:
-                check_selection(sel, val, K, t.cs, t.ce)
-            if sel.shape[1] < K:
-                sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
-            if t.all_sparse:  # known on the host: no row takes its plain candidate list
-                topk, valid = sel.to(dev), val.to(dev)
-            else:
-                topk = torch.where(t.sparse_mask[:, None], sel.to(dev), t.all_ids)
-                valid = torch.where(t.sparse_mask, val.to(dev), t.ncand)
-        if self.validate and bool((valid.long() > K).any()):
+        # retrieve_topk runs for every batch (no host-side "is any row sparse"): rows that
+        # are not sparse take their plain candidate list below
+        sel, val = self.algorithm.retrieve_topk(
+            q, layer_id, batch.req_pool_indices, t.sparse_mask, seq_lens=step.seq_lens, candidate_start=t.cs,
+            candidate_end=t.ce, top_k=K, **algo_kw,
+        )
+        if not isinstance(sel, torch.Tensor) or not isinstance(val, torch.Tensor):
+            raise ValueError(f"retrieve_topk of {type(self.algorithm).__name__} must return two torch.Tensors "
+                             f"(selected_indices [B, top_k] int32, valid_lengths [B] int32), got "
+                             f"{type(sel).__name__}, {type(val).__name__}")
+        if step.checked:
+            check_selection(sel, val, K, t.cs, t.ce)
+        if sel.shape[1] < K:
+            sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
+        use = t.sparse_mask & t.live  # padding rows select nothing, whatever the algorithm said
+        topk = torch.where(use[:, None], sel.to(dev), t.all_ids).to(torch.int32)
+        valid = torch.where(use, val.to(dev), t.ncand).to(torch.int32)
+        if step.checked and bool((valid.long() > K).any()):
             raise ValueError(f"more than top_k={K} ids selected in a row")
-        valid = valid.to(torch.int32)
-        phys_topk = m.sparse_physical(layer_id, step, topk.to(torch.int32).contiguous(), valid.contiguous(), t.ce)
+        phys_topk = m.sparse_physical(layer_id, step, topk.contiguous(), valid.contiguous(), t.ce)
         # Ascending ids with the -1 padding last, in one sort: sink < candidates < recent,
         # and every invalid entry is keyed INT32_MAX (the valid ids of a row are distinct,
         # so the order is unique). Invalid entries' pages are already -1.
@@ -300,7 +325,16 @@ class SparseCoordinator:
         key, perm = torch.sort(key, dim=1)
         logical = key.masked_fill_(key == _INT32_MAX, -1)
         phys = torch.cat([t.sink_phys, phys_topk.to(torch.int32), t.rec_phys], 1).gather(1, perm)
-        return SparseSelection(logical, phys, t.base_valid + valid, step.seq_lens, self.config.page_size, self.sel_mode)
+        num_valid = t.base_valid + valid
+        if step.dense_rows is not None:
+            # dense rows attend all their pages: one table, as wide as the wider of the two
+            d = self._dense_selection(layer_id, step, "dense_rows")
+            w = max(logical.shape[1], d.logical_ids.shape[1])
+            dr = step.dense_rows[:, None]
+            logical = torch.where(dr, _pad_cols(d.logical_ids, w), _pad_cols(logical, w))
+            phys = torch.where(dr, _pad_cols(d.physical_ids, w), _pad_cols(phys, w))
+            num_valid = torch.where(step.dense_rows, d.num_valid, num_valid)
+        return SparseSelection(logical, phys, num_valid, step.seq_lens, self.config.page_size, self.sel_mode)
 
     def attention_end(self, layer_id: int, batch: ForwardBatch, k: Optional[torch.Tensor] = None,
                       v: Optional[torch.Tensor] = None, **algo_kw: Any) -> None:

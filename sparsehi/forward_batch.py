@@ -35,8 +35,15 @@ class ForwardBatch:
     positions:        int64 token positions of the new tokens (prefill ``[sum extend]``,
                       decode ``[B]`` = ``seq_lens - 1``); filled when left None.
     seq_lens_cpu:     host copy of ``seq_lens`` (list of int); filled when left None (one
-                      sync per forward, never per layer).
-    prefix_lens_cpu:  host copy of ``prefix_lens``.
+                      sync per forward, never per layer), except for a prepared decode batch.
+    prefix_lens_cpu:  host copy of ``prefix_lens`` (same rule).
+    prepared:         decode only: the host part of the step
+                      (``SparseCoordinator.prepare_decode``) already ran for this batch, as
+                      CUDA-graph runners do outside the graph. Nothing then reads the
+                      tensors back to the host (no host copies, no value checks), and rows
+                      with ``req_pool_indices == -1`` are padding (they do nothing).
+    has_dense_rows:   prepared decode only: what ``prepare_decode`` returned (a row of the
+                      batch is decoded densely).
     """
 
     mode: str
@@ -48,6 +55,8 @@ class ForwardBatch:
     positions: Optional[torch.Tensor] = None
     seq_lens_cpu: Optional[list[int]] = None
     prefix_lens_cpu: Optional[list[int]] = None
+    prepared: bool = False
+    has_dense_rows: bool = False
     extra: dict = field(default_factory=dict)
     """Free-form per-forward data for algorithms or the runtime (the coordinator ignores it)."""
 
@@ -61,6 +70,13 @@ class ForwardBatch:
         if self.seq_lens.shape != (b,):
             raise ValueError(f"ForwardBatch.seq_lens must be [B={b}] int32, got shape {tuple(self.seq_lens.shape)}")
         self.seq_lens = self.seq_lens.to(torch.int32)
+        if self.prepared:
+            if self.mode != "decode":
+                raise ValueError("ForwardBatch.prepared is for decode batches (prefill is never graph-captured)")
+            self.prefix_lens = self.seq_lens - 1 if self.prefix_lens is None else self.prefix_lens.to(torch.int32)
+            if self.positions is None:
+                self.positions = (self.seq_lens - 1).long()
+            return
         if self.seq_lens_cpu is None:
             self.seq_lens_cpu = [int(x) for x in self.seq_lens.tolist()]
         if len(self.seq_lens_cpu) != b:

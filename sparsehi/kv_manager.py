@@ -10,23 +10,41 @@ the request's full KV on the GPU in a separate, dense-layers-only pool.
 GPU-only mode: every page stays in the device pool; selections map straight to the
 request's own pages (no diff, no loads) — the reference the hierarchical mode must match.
 
+Dense rows. A request whose prompt is shorter than ``SparseConfig.min_sparse_prompt_len``
+is decoded densely in every layer, as SGLang's sparse coordinator does: its whole KV stays
+in the device pool (hierarchical mode still backs it up to host, for the radix tree) and
+its sparse layers attend all of its pages.
+
+A decode step has a host part and a device part. ``prepare_decode`` (host, outside any
+CUDA graph) checks the batch, allocates pages for rows that open a new page (vectorised
+over the batch) and advances the step counter; ``begin_step`` (device, fixed shapes, no
+host sync) derives the step's write locations and tables from the rows and lengths. The
+swap-in of a sparse layer (``sparse_physical``), the backup of the new token
+(``backup_token``) and the step's counters (``end_step``) are device-only too, so the whole
+decode step can be captured in a CUDA graph.
+
 The manager holds no selection policy; the coordinator asks it for slots and pages.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
+from sparsehi.decode_step import DecodeStep
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
-from sparsehi.lru_buffer import LruState, RequestBuffers
+from sparsehi.lru_buffer import LruState
+from sparsehi.prefill_offload import finish_prefill_hierarchical
+from sparsehi.request_table import FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
+from sparsehi.swap_in_stats import StepCounts, SwapInCounters
 
 COORDINATOR_MODES = ("hierarchical", "gpu_only")
+__all__ = ["COORDINATOR_MODES", "DecodeStep", "RequestKV", "SparseKVCacheManager"]
 
 
 @dataclass
@@ -45,36 +63,12 @@ class RequestKV:
     device_pages: Optional[torch.Tensor] = None
 
 
-@dataclass
-class DecodeStep:
-    """Per-step tables shared by every layer of one decode forward.
-
-    rows:       ``[B] int64`` request rows (device); rows_cpu: the same as a list.
-    seq_lens:   ``[B] int32`` (device); seq_lens_cpu: list.
-    num_pages:  ``[B] int32`` logical pages in context, the one being written included.
-    out_loc:    ``[B] int64`` main-pool slot of the new token (hierarchical: sink page or
-                recent ring; gpu_only: the request's page).
-    dense_loc:  ``[B] int64`` dense-layer pool slot of the new token (hierarchical), or None.
-    host_loc:   ``[B] int64`` host slot of the new token (hierarchical, on the transfer
-                engine's index device), or None.
-    """
-
-    rows: torch.Tensor
-    rows_cpu: list[int]
-    seq_lens: torch.Tensor
-    seq_lens_cpu: list[int]
-    num_pages: torch.Tensor
-    max_pages: int
-    out_loc: torch.Tensor
-    dense_loc: Optional[torch.Tensor] = None
-    host_loc: Optional[torch.Tensor] = None
-    memo: dict = dataclasses.field(default_factory=dict)
-    """Per-step values every layer shares (the coordinator's selection tables, the LRU
-    diff's output buffers); built by the first layer that needs them."""
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class SparseKVCacheManager:
@@ -83,6 +77,9 @@ class SparseKVCacheManager:
     Sizes in selection units (pages; tokens when ``page_size == 1``): ``K`` top-k width,
     ``S`` LRU slots, ``sink``, ``R`` recent pages, ``M`` max logical pages per request.
     """
+
+    STATS_HISTORY = 4096
+    """Closed steps kept individually for ``stats()["per_step"]``; totals cover every step."""
 
     def __init__(
         self,
@@ -117,6 +114,7 @@ class SparseKVCacheManager:
         self.dense_layers = tuple(x for x in range(num_layers) if x not in self.sparse_layers)
         self.config = config
         self.mode = mode
+        self.hier = mode == "hierarchical"
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.device = device_pool.device
@@ -134,17 +132,24 @@ class SparseKVCacheManager:
         self.layer_index = {layer: i for i, layer in enumerate(self.sparse_layers)}
         self.dense_index = {layer: i for i, layer in enumerate(self.dense_layers)}
         dev = self.device
-        self.reqs: dict[int, RequestBuffers] = {}
+        self.table = RequestTable(max_num_reqs, self.M, self.sink, self.R, self.S)
         self.step = 0
         self.step_t = torch.zeros(1, dtype=torch.int32, device=dev)
-        # page_table: gpu_only -> the request's device pages; hierarchical -> dense-pool pages.
+        # main-pool pages of a request's whole context: every request (gpu_only), dense rows (hierarchical)
         self.page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int32, device=dev)
+        self.dense_rows_t = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
         self.transfer = None
         self.dense_pool: Optional[DeviceKVPool] = None
+        self.dense_pool_table: Optional[torch.Tensor] = None
         self._pending = []  # transfer handles of prefill offloads not yet waited on
-        self._diff_step: dict[int, int] = {}  # sparse layer -> step of its last LRU diff (host int, no sync)
-        if mode == "hierarchical":
-            self.transfer = transfer if transfer is not None else _default_transfer(device_pool, host_pool, config.io_backend)
+        self._diff_step: dict[int, int] = {}  # sparse layer -> step of its last checked LRU diff
+        self._open_step: Optional[DecodeStep] = None
+        if self.hier:
+            if transfer is None:
+                from hicache.transfer import KVTransferEngine
+
+                transfer = KVTransferEngine(device_pool, host_pool, io_backend=config.io_backend)
+            self.transfer = transfer
             self.host_page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int64, device=dev)
             self.buf_pages = torch.zeros(max_num_reqs, self.S, dtype=torch.int32, device=dev)
             self.sink_table = torch.zeros(max_num_reqs, max(self.sink, 1), dtype=torch.int32, device=dev)
@@ -154,27 +159,41 @@ class SparseKVCacheManager:
                 spec = dataclasses.replace(device_pool.spec, num_layers=len(self.dense_layers))
                 n = dense_pool_tokens if dense_pool_tokens is not None else device_pool.num_slots
                 self.dense_pool = DeviceKVPool(spec, n, dev)
+                self.dense_pool_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int32, device=dev)
         self._offsets = torch.arange(self.ps, dtype=torch.int64, device=dev)
         self._page_bytes = device_pool.spec.page_bytes_per_layer
         self.reset_stats()
 
     # ------------------------------------------------------------------ requests
+    def _check_row(self, row: int) -> None:
+        if not isinstance(row, (int, np.integer)) or isinstance(row, bool) or not 0 <= row < self.max_num_reqs:
+            raise ValueError(f"req_pool_index={row!r} is invalid: an int in [0, max_num_reqs={self.max_num_reqs})")
+
     def _req(self, row: int) -> RequestBuffers:
-        req = self.reqs.get(int(row))
-        if req is None:
-            raise ValueError(f"req_pool_index={row} is not a live request (call on_request_begin first); live: {sorted(self.reqs)}")
-        return req
+        self._check_row(row)
+        if self.table.state[row] == FREE:
+            raise ValueError(f"req_pool_index={row} is not a live request (call on_request_begin first); "
+                             f"live: {self.table.live_rows()}")
+        return RequestBuffers(self.table, int(row), self.ps)
+
+    @property
+    def reqs(self) -> dict[int, RequestBuffers]:
+        """Live requests by row (read views of the request table)."""
+        return {r: RequestBuffers(self.table, r, self.ps) for r in self.table.live_rows()}
 
     def begin_request(self, row: int) -> None:
-        if not isinstance(row, int) or not 0 <= row < self.max_num_reqs:
-            raise ValueError(f"req_pool_index={row!r} is invalid: an int in [0, max_num_reqs={self.max_num_reqs})")
-        if row in self.reqs:
+        self._check_row(row)
+        if self.table.state[row] != FREE:
             raise ValueError(f"req_pool_index={row} is already live (on_request_end it first)")
-        self.reqs[row] = RequestBuffers()
+        self.table.reset(row)
+        self.table.state[row] = LIVE
         rows = torch.tensor([row], device=self.device)
         self.page_table[row] = -1
-        if self.mode == "hierarchical":
+        self.dense_rows_t[row] = False
+        if self.hier:
             self.host_page_table[row] = -1
+            if self.dense_pool_table is not None:
+                self.dense_pool_table[row] = -1
             self.lru.reset_rows(rows)
 
     def end_request(self, row: int) -> RequestKV:
@@ -183,26 +202,34 @@ class SparseKVCacheManager:
         Hierarchical: the returned host slots are complete and visible to CPU readers (tree
         insert, L3 write): decode backups run asynchronously on the current stream (kernel io
         backend), so this waits for that stream once per request before returning."""
-        req = self._req(row)
+        self._req(row)
         self.wait_offloads()
-        n = req.seq_len
+        t = self.table
+        n = int(t.seq[row])
+        P = _cdiv(n, self.ps)
         out = RequestKV(seq_len=n)
-        if self.mode == "hierarchical":
+        ar = torch.arange(self.ps)
+        if self.hier:
             self._sync_host_writes()
-            hp = torch.tensor(req.host_pages, dtype=torch.int64)
+            hp = torch.from_numpy(t.host[row, :P].copy()) if P and t.host[row, 0] >= 0 else torch.zeros(0, dtype=torch.int64)
             out.host_pages = hp
-            out.host_slots = (hp[:, None] * self.ps + torch.arange(self.ps)[None, :]).reshape(-1)[:n]
+            out.host_slots = (hp[:, None] * self.ps + ar[None, :]).reshape(-1)[:n]
             alloc = self.device_pool.allocator
-            for pages in (req.sink_pages, req.ring_pages, req.lru_pages):
-                if pages is not None and pages.numel():
-                    alloc.free_pages(pages)
-            if req.dense_pages and self.dense_pool is not None:
-                self.dense_pool.allocator.free_pages(torch.tensor(req.dense_pages, dtype=torch.int64))
+            owned = np.concatenate([t.sink[row], t.ring[row], t.lru[row], t.device[row, :P]])
+            owned = owned[owned >= 0]
+            if owned.size:
+                alloc.free_pages(torch.from_numpy(owned))
+            if self.dense_pool is not None:
+                dp = t.dense_pool[row, :P]
+                dp = dp[dp >= 0]
+                if dp.size:
+                    self.dense_pool.allocator.free_pages(torch.from_numpy(dp.copy()))
         else:
-            dp = torch.tensor(req.device_pages, dtype=torch.int64)
+            dp = t.device[row, :P]
+            dp = torch.from_numpy(dp[dp >= 0].copy())
             out.device_pages = dp
-            out.device_slots = (dp[:, None] * self.ps + torch.arange(self.ps)[None, :]).reshape(-1)[:n]
-        del self.reqs[row]
+            out.device_slots = (dp[:, None] * self.ps + ar[None, :]).reshape(-1)[:n]
+        t.reset(row)
         return out
 
     def _sync_host_writes(self) -> None:
@@ -215,7 +242,8 @@ class SparseKVCacheManager:
     def finish_prefill(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int], token_slots: torch.Tensor,
                        host_slots: Optional[list[torch.Tensor]] = None, free_device_kv: bool = True) -> None:
         """After a dense prefill forward: record pages; hierarchical mode offloads every
-        layer to host in one pass, builds the GPU buffers and releases the prompt's pages.
+        layer to host in one pass, builds the GPU buffers and releases the prompt's pages
+        (dense rows keep theirs: they decode from them).
 
         token_slots: ``[B, max_len] int64`` device slot of every position.
         host_slots:  per row ``[>= seq_len] int64`` host slots (tree-owned, page aligned);
@@ -249,217 +277,166 @@ class SparseKVCacheManager:
                     raise ValueError("token_slots must be page aligned: position p*page_size starts a device page and a "
                                      "page's positions use its consecutive slots")
             dev_pages.append(pages)
+        dense = [seq < self.config.min_sparse_prompt_len for seq in seq_lens]
         if self.mode == "gpu_only":
-            for i, (r, req) in enumerate(zip(rows, reqs)):
-                req.device_pages = dev_pages[i].tolist()
-                req.seq_len, req.prefilled = seq_lens[i], True
-                self.page_table[r, : len(req.device_pages)] = dev_pages[i].to(self.device, torch.int32)
-            return
-        self._finish_prefill_hier(rows, reqs, seq_lens, prefix_lens, ts_cpu, dev_pages, host_slots, free_device_kv)
-
-    def _finish_prefill_hier(self, rows, reqs, seq_lens, prefix_lens, ts_cpu, dev_pages, host_slots, free_device_kv) -> None:
-        ps, sink, R, S = self.ps, self.sink, self.R, self.S
-        alloc = self.device_pool.allocator
-        need = sink + R + S
-        # 1. Every page the batch needs (host, sparse buffer, dense pool) is taken before
-        # anything moves or any request changes: running out of one pool part-way through
-        # gives everything back and leaves the manager as it was.
-        host_lists, src_all, dst_all = [], [], []
-        got_host: list[torch.Tensor] = []
-        got_buf: list[torch.Tensor] = []
-        got_dense: list[torch.Tensor] = []
-        try:
-            for i, seq in enumerate(seq_lens):
-                P = _cdiv(seq, ps)
-                if host_slots is not None:
-                    hs = host_slots[i].detach().to("cpu", torch.int64)
-                    if hs.numel() < seq:
-                        raise ValueError(f"host_slots[{i}] has {hs.numel()} slots < seq_len={seq}")
-                    hp = hs[: P * ps : ps] // ps
-                    if self.validate:
-                        want = (hp[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:seq]
-                        if not torch.equal(hs[:seq], want):
-                            raise ValueError(f"host_slots[{i}] must be page aligned (page p's positions in one host page)")
-                    start = prefix_lens[i]
-                else:
-                    got = self.host_pool.alloc(P * ps)
-                    if got is None:
-                        raise RuntimeError(f"host pool is out of space: need {P} pages for req_pool_index={rows[i]} "
-                                           f"(prefill of req_pool_indices={list(rows)} rolled back)")
-                    got_host.append(got)
-                    hp = got[::ps] // ps
-                    start = 0
-                host_lists.append(hp)
-                pos = torch.arange(start, seq)
-                src_all.append(ts_cpu[i, start:seq])
-                dst_all.append(hp[pos // ps] * ps + pos % ps)
             for i, r in enumerate(rows):
-                pages = alloc.alloc_pages(need)
-                if pages is None:
-                    raise RuntimeError(f"device pool is out of space for the sparse buffer of req_pool_index={r}: "
-                                       f"need {need} pages, {alloc.num_free_pages()} free "
-                                       f"(prefill of req_pool_indices={list(rows)} rolled back)")
-                got_buf.append(pages.cpu())
-                if self.dense_pool is not None:
-                    P = _cdiv(seq_lens[i], ps)
-                    dp = self.dense_pool.allocator.alloc_pages(P)
-                    if dp is None:
-                        raise RuntimeError(f"dense-layer pool is out of space for req_pool_index={r}: need {P} pages, "
-                                           f"{self.dense_pool.allocator.num_free_pages()} free "
-                                           f"(prefill of req_pool_indices={list(rows)} rolled back)")
-                    got_dense.append(dp.cpu())
-        except Exception:
-            for got in got_host:
-                self.host_pool.free(got)
-            for pages in got_buf:
-                alloc.free_pages(pages)
-            for dp in got_dense:
-                self.dense_pool.allocator.free_pages(dp)
-            raise
-        # 2. one all-layer offload for the whole batch.
-        src = torch.cat(src_all).to(self.device)
-        dst = torch.cat(dst_all)
-        handle = self.transfer.backup(src, dst, None) if src.numel() else None
-        # 3. GPU buffers: sink + ring + LRU pages per request (all layers share the page ids).
-        kv = self.device_pool.kv_data  # [bufs, layers, slots, H, D]
-        dl = torch.tensor(self.dense_layers, dtype=torch.int64, device=self.device)
-        for i, (r, req) in enumerate(zip(rows, reqs)):
-            seq = seq_lens[i]
-            P = _cdiv(seq, ps)
-            pages = got_buf[i]
-            req.sink_pages, req.ring_pages, req.lru_pages = pages[:sink], pages[sink:sink + R], pages[sink + R:]
-            req.host_pages = host_lists[i].tolist()
-            self.host_page_table[r, :P] = host_lists[i].to(self.device)
-            if sink:
-                self.sink_table[r, :sink] = req.sink_pages.to(self.device, torch.int32)
-            self.ring_table[r] = req.ring_pages.to(self.device, torch.int32)
-            self.buf_pages[r] = req.lru_pages.to(self.device, torch.int32)
-            # sink pages [0, min(sink, P)) and recent pages [max(sink, P - R), P) copied d2d.
-            src_p, dst_p = [], []
-            for p in range(min(sink, P)):
-                src_p.append(int(dev_pages[i][p])), dst_p.append(int(req.sink_pages[p]))
-            for p in range(max(sink, P - R), P):
-                src_p.append(int(dev_pages[i][p])), dst_p.append(int(req.ring_pages[p % R]))
-            if src_p:
-                s_sl = (torch.tensor(src_p)[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
-                d_sl = (torch.tensor(dst_p)[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
-                kv[:, :, d_sl] = kv[:, :, s_sl]
-            # dense layers: the whole context into the dense pool. Index layers and the
-            # request's slots together so only [bufs, dense layers, its slots] is gathered
-            # (``kv[:, dl]`` would copy every slot of the pool for the dense layers).
-            if self.dense_pool is not None:
-                dp = got_dense[i]
-                req.dense_pages = dp.tolist()
-                self.page_table[r, :P] = dp.to(self.device, torch.int32)
-                s_sl = (dev_pages[i][:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
-                d_sl = (dp[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1).to(self.device)
-                dkv = self.dense_pool.kv_data
-                dkv[:, :, d_sl] = kv[:, dl[:, None], s_sl[None, :]]
-            req.seq_len, req.prefilled = seq, True
-        # 4. release the new tokens' device pages once the offload has read them.
-        if handle is not None:
-            handle.wait()
-        if free_device_kv:
-            for i, seq in enumerate(seq_lens):
-                first = _cdiv(prefix_lens[i], ps)
-                own = dev_pages[i][first:]
-                if own.numel():
-                    alloc.free_pages(own)
+                P = dev_pages[i].numel()
+                self.table.device[r, :P] = dev_pages[i].numpy()
+                self._set_prefilled(r, seq_lens[i], dense[i])
+                self.page_table[r, :P] = dev_pages[i].to(self.device, torch.int32)
+            return
+        finish_prefill_hierarchical(self, rows, seq_lens, prefix_lens, ts_cpu, dev_pages, dense, host_slots,
+                                    free_device_kv)
+
+    def _set_prefilled(self, row: int, seq_len: int, dense: bool) -> None:
+        self.table.seq[row] = seq_len
+        self.table.dense[row] = dense
+        self.table.state[row] = PREFILLED
+        self.dense_rows_t[row] = dense
 
     def wait_offloads(self) -> None:
         for h in self._pending:
             h.wait()
         self._pending.clear()
 
-    # ------------------------------------------------------------------ decode
-    def begin_decode(self, rows: list[int], seq_lens: list[int], seq_lens_t: torch.Tensor) -> DecodeStep:
-        """Place each row's new token: pick its slots (allocating host / dense / gpu_only
-        pages when it opens a page) and advance the step counter."""
-        if len(seq_lens) != len(rows):
-            raise ValueError(f"req_pool_indices ({len(rows)} rows) and seq_lens ({len(seq_lens)}) must have one "
-                             f"entry per batch row")
-        if seq_lens_t.numel() != len(rows):
-            raise ValueError(f"seq_lens tensor has {seq_lens_t.numel()} entries, req_pool_indices {len(rows)}")
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"req_pool_indices must be distinct within a batch, got {list(rows)}")
+    # ------------------------------------------------------------------ decode: host part
+    def prepare_decode(self, rows: Sequence[int], seq_lens: Sequence[int]) -> bool:
+        """Host part of a decode step (outside CUDA graphs): check the batch, give every row
+        that opens a new page its pages (host page, dense-pool page, device page of dense /
+        gpu_only rows; vectorised over the batch), record the new lengths and advance the
+        step counter. ``seq_lens`` count the new token. Returns whether a row of the batch is
+        a dense row (``DecodeStep.dense_rows``). On error nothing has changed."""
+        r = np.asarray(rows, dtype=np.int64).reshape(-1)
+        s = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        if r.shape != s.shape:
+            raise ValueError(f"req_pool_indices ({r.size} rows) and seq_lens ({s.size}) must have one entry per batch row")
+        if np.unique(r).size != r.size:
+            raise ValueError(f"req_pool_indices must be distinct within a batch, got {r.tolist()}")
+        t = self.table
+        bad = (r < 0) | (r >= self.max_num_reqs)
+        if bad.any():
+            raise ValueError(f"req_pool_index={int(r[bad][0])} is invalid: an int in [0, max_num_reqs={self.max_num_reqs})")
+        state = t.state[r]
+        if (state == FREE).any():
+            raise ValueError(f"req_pool_index={int(r[state == FREE][0])} is not a live request (call on_request_begin "
+                             f"first); live: {t.live_rows()}")
+        if (state != PREFILLED).any():
+            raise ValueError(f"req_pool_index={int(r[state != PREFILLED][0])} has not been prefilled")
+        want = t.seq[r] + 1
+        if (s != want).any():
+            i = int(np.flatnonzero(s != want)[0])
+            raise ValueError(f"decode seq_len={int(s[i])} of req_pool_index={int(r[i])} must be its previous length + 1 "
+                             f"= {int(want[i])}")
+        if (s > self.max_context_len).any():
+            i = int(np.flatnonzero(s > self.max_context_len)[0])
+            raise ValueError(f"seq_len={int(s[i])} of req_pool_index={int(r[i])} exceeds max_context_len={self.max_context_len}")
         self.wait_offloads()
-        self._fold_step_counts()  # a step left open (no end_step) still counts
-        ps, sink, R = self.ps, self.sink, self.R
-        reqs = [self._req(r) for r in rows]
-        for r, req, seq in zip(rows, reqs, seq_lens):
-            if not req.prefilled:
-                raise ValueError(f"req_pool_index={r} has not been prefilled")
-            if seq != req.seq_len + 1:
-                raise ValueError(f"decode seq_len={seq} of req_pool_index={r} must be its previous length + 1 = {req.seq_len + 1}")
-            if seq > self.max_context_len:
-                raise ValueError(f"seq_len={seq} of req_pool_index={r} exceeds max_context_len={self.max_context_len}")
-        new_pages = [(i, r, req, (seq - 1) // ps) for i, (r, req, seq) in enumerate(zip(rows, reqs, seq_lens))
-                     if (seq - 1) % ps == 0]
-        n_new = len(new_pages)
-        if n_new:
-            if self.mode == "hierarchical":
-                hs = self.host_pool.alloc(n_new * ps)
-                if hs is None:
-                    raise RuntimeError(f"host pool is out of space for {n_new} new decode pages")
-                hps = (hs[::ps] // ps).tolist()
-                dps = None
-                if self.dense_pool is not None:
-                    d = self.dense_pool.allocator.alloc_pages(n_new)
-                    if d is None:
-                        self.host_pool.free(hs)
-                        raise RuntimeError(f"dense-layer pool is out of space for {n_new} new decode pages")
-                    dps = d.cpu().tolist()
-                for j, (i, r, req, p) in enumerate(new_pages):
-                    req.host_pages.append(hps[j])
-                    if dps is not None:
-                        req.dense_pages.append(dps[j])
-                idx_r = torch.tensor([x[1] for x in new_pages], device=self.device)
-                idx_p = torch.tensor([x[3] for x in new_pages], device=self.device)
-                self.host_page_table[idx_r, idx_p] = torch.tensor(hps, dtype=torch.int64, device=self.device)
-                if dps is not None:
-                    self.page_table[idx_r, idx_p] = torch.tensor(dps, dtype=torch.int32, device=self.device)
-            else:
-                d = self.device_pool.allocator.alloc_pages(n_new)
-                if d is None:
-                    raise RuntimeError(f"device pool is out of space for {n_new} new decode pages")
-                dps = d.cpu().tolist()
-                for j, (i, r, req, p) in enumerate(new_pages):
-                    req.device_pages.append(dps[j])
-                idx_r = torch.tensor([x[1] for x in new_pages], device=self.device)
-                idx_p = torch.tensor([x[3] for x in new_pages], device=self.device)
-                self.page_table[idx_r, idx_p] = torch.tensor(dps, dtype=torch.int32, device=self.device)
-        out_loc, dense_loc, host_loc = [], [], []
-        for r, req, seq in zip(rows, reqs, seq_lens):
-            t = seq - 1
-            p, off = t // ps, t % ps
-            if self.mode == "hierarchical":
-                page = int(req.sink_pages[p]) if p < sink else int(req.ring_pages[p % R])
-                host_loc.append(req.host_pages[p] * ps + off)
-                if self.dense_pool is not None:
-                    dense_loc.append(req.dense_pages[p] * ps + off)
-            else:
-                page = req.device_pages[p]
-            out_loc.append(page * ps + off)
-            req.seq_len = seq
+        if self._open_step is not None:  # a step left open (no end_step) still counts
+            self.end_step()
+        pos = s - 1
+        opens = pos % self.ps == 0
+        if opens.any():
+            self._open_pages(r[opens], pos[opens] // self.ps)
+        t.seq[r] = s
         self.step += 1
-        self.step_t += 1
+        self.step_t.fill_(self.step)
+        return bool(t.dense[r].any())
+
+    def _open_pages(self, rows: np.ndarray, pages: np.ndarray) -> None:
+        """Pages for logical page ``pages[i]`` of ``rows[i]``: all taken before any table
+        changes, so running out of one pool leaves the manager as it was."""
+        n = rows.size
+        got: list[tuple] = []  # (allocator, pages) to give back on failure
+        try:
+            dev_rows = rows if not self.hier else rows[self.table.dense[rows]]
+            new_dev = None
+            if dev_rows.size:
+                new_dev = self.device_pool.allocator.alloc_pages(int(dev_rows.size))
+                if new_dev is None:
+                    raise RuntimeError(f"device pool is out of space for {dev_rows.size} new decode pages")
+                got.append((self.device_pool.allocator, new_dev))
+            new_host = new_dense = None
+            if self.hier:
+                new_host = self.host_pool.allocator.alloc_pages(n)
+                if new_host is None:
+                    raise RuntimeError(f"host pool is out of space for {n} new decode pages")
+                got.append((self.host_pool.allocator, new_host))
+                if self.dense_pool is not None:
+                    new_dense = self.dense_pool.allocator.alloc_pages(n)
+                    if new_dense is None:
+                        raise RuntimeError(f"dense-layer pool is out of space for {n} new decode pages")
+                    got.append((self.dense_pool.allocator, new_dense))
+        except Exception:
+            for alloc, p in got:
+                alloc.free_pages(p)
+            raise
+        t, dev = self.table, self.device
+        ri = torch.from_numpy(rows).to(dev)
+        pi = torch.from_numpy(pages).to(dev)
+        if new_dev is not None:
+            dpages = new_dev.cpu()
+            dmask = np.isin(rows, dev_rows) if self.hier else np.ones(n, dtype=bool)
+            t.device[rows[dmask], pages[dmask]] = dpages.numpy()
+            sel = torch.from_numpy(np.flatnonzero(dmask)).to(dev)
+            self.page_table[ri[sel], pi[sel]] = dpages.to(dev, torch.int32)
+        if new_host is not None:
+            hp = new_host.cpu()
+            t.host[rows, pages] = hp.numpy()
+            self.host_page_table[ri, pi] = hp.to(dev)
+        if new_dense is not None:
+            dp = new_dense.cpu()
+            t.dense_pool[rows, pages] = dp.numpy()
+            self.dense_pool_table[ri, pi] = dp.to(dev, torch.int32)
+
+    # ------------------------------------------------------------------ decode: device part
+    def begin_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, has_dense_rows: bool = False,
+                   checked: Optional[bool] = None) -> DecodeStep:
+        """Device part of a decode step (CUDA-graph safe): the step's tables from
+        ``rows [B] int64`` (``-1`` padding) and ``seq_lens [B] int32`` (new token
+        included) after ``prepare_decode`` ran for the live rows."""
         dev = self.device
-        step = DecodeStep(
-            rows=torch.tensor(rows, dtype=torch.int64, device=dev), rows_cpu=list(rows),
-            seq_lens=seq_lens_t.to(dev, torch.int32), seq_lens_cpu=list(seq_lens),
-            num_pages=torch.tensor([_cdiv(s, ps) for s in seq_lens], dtype=torch.int32, device=dev),
-            max_pages=max(_cdiv(s, ps) for s in seq_lens) if seq_lens else 0,
-            out_loc=torch.tensor(out_loc, dtype=torch.int64, device=dev),
-        )
-        if self.mode == "hierarchical":
-            step.host_loc = torch.tensor(host_loc, dtype=torch.int64, device=dev)
-            if self.dense_pool is not None:
-                step.dense_loc = torch.tensor(dense_loc, dtype=torch.int64, device=dev)
+        rows = rows.to(dev, torch.int64)
+        seq = seq_lens.to(dev, torch.int32)
+        ps = self.ps
+        live = rows >= 0
+        safe = rows.clamp(min=0)
+        t = (seq.long() - 1).clamp(min=0)
+        p = t.div(ps, rounding_mode="floor").clamp(max=self.M - 1)
+        off = t - p * ps
+        own = self.page_table[safe, p]
+        dense_rows = (self.dense_rows_t[safe] & live) if has_dense_rows else None
+        step = DecodeStep(rows=rows, safe_rows=safe, live=live, seq_lens=seq,
+                          num_pages=torch.where(live, p + 1, 0).to(torch.int32), out_loc=rows,
+                          dense_rows=dense_rows, step=self.step,
+                          checked=(self.validate if checked is None else checked) and not _capturing())
+        if self.hier:
+            sink_p = self.sink_table[safe, p.clamp(max=max(self.sink, 1) - 1)]
+            ring_p = self.ring_table[safe, p % self.R]
+            page = torch.where(p < self.sink, sink_p, ring_p)
+            if dense_rows is not None:
+                page = torch.where(dense_rows, own, page)
+            step.host_loc = torch.where(live, self.host_page_table[safe, p] * ps + off, -1)
+            if self.dense_pool_table is not None:
+                step.dense_loc = torch.where(live, self.dense_pool_table[safe, p].long() * ps + off, 0)
+        else:
+            page = own
+        step.out_loc = torch.where(live, page.long() * ps + off, 0)
+        step.memo["counts"] = StepCounts.empty(len(self.sparse_layers), step.batch_size, dev)
+        self._open_step = step
         return step
+
+    def begin_decode(self, rows: list[int], seq_lens: list[int], seq_lens_t: torch.Tensor) -> DecodeStep:
+        """``prepare_decode`` then ``begin_step`` (eager callers)."""
+        if seq_lens_t.numel() != len(rows) or len(seq_lens) != len(rows):
+            raise ValueError(f"req_pool_indices ({len(rows)} rows), seq_lens ({len(seq_lens)}) and the seq_lens tensor "
+                             f"({seq_lens_t.numel()}) must have one entry per batch row")
+        has_dense = self.prepare_decode(rows, seq_lens)
+        return self.begin_step(torch.tensor(list(rows), dtype=torch.int64, device=self.device), seq_lens_t,
+                               has_dense)
 
     def layer_cache(self, layer: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         """``(buffers, key_buffer, value_buffer)`` the plan of ``layer`` attends over."""
-        if self.mode == "hierarchical" and layer in self.dense_index:
+        if self.hier and layer in self.dense_index:
             pool, li = self.dense_pool, self.dense_index[layer]
         else:
             pool, li = self.device_pool, layer
@@ -467,62 +444,69 @@ class SparseKVCacheManager:
 
     def write_loc(self, layer: int, step: DecodeStep) -> torch.Tensor:
         """``[B] int64`` slot in ``layer_cache(layer)`` where the new token goes."""
-        if self.mode == "hierarchical" and layer in self.dense_index:
+        if self.hier and layer in self.dense_index:
             return step.dense_loc
         return step.out_loc
+
+    def own_physical(self, layer: int, step: DecodeStep, logical: torch.Tensor) -> torch.Tensor:
+        """Physical pages ``[B, N] int32`` of ids of requests whose whole context is on the
+        GPU: dense layers (hierarchical: the dense-layer pool), gpu_only, dense rows.
+        ``logical`` ``[B, N] int32``, -1 padded (-> -1)."""
+        table = self.dense_pool_table if (self.hier and layer in self.dense_index) else self.page_table
+        lid = logical.long().clamp(min=0)
+        phys = table[step.safe_rows[:, None], lid]
+        return torch.where(logical >= 0, phys, -1).to(torch.int32)
 
     def fixed_physical(self, layer: int, step: DecodeStep, logical: torch.Tensor) -> torch.Tensor:
         """Physical pages ``[B, N] int32`` of ids that are always on the GPU: sink and
         recent ids (hierarchical sparse layers), any id (dense layers, gpu_only).
         ``logical`` ``[B, N] int32``, -1 padded (-> -1)."""
-        valid = logical >= 0
+        if not self.hier or layer in self.dense_index:
+            return self.own_physical(layer, step, logical)
         lid = logical.long().clamp(min=0)
-        rows = step.rows[:, None]
-        if self.mode == "gpu_only" or layer in self.dense_index:
-            phys = self.page_table[rows, lid]
-        else:
-            sink_phys = self.sink_table[rows, lid.clamp(max=max(self.sink, 1) - 1)]
-            ring_phys = self.ring_table[rows, lid % self.R]
-            phys = torch.where(lid < self.sink, sink_phys, ring_phys)
-        return torch.where(valid, phys, torch.full_like(phys, -1)).to(torch.int32)
+        rows = step.safe_rows[:, None]
+        sink_phys = self.sink_table[rows, lid.clamp(max=max(self.sink, 1) - 1)]
+        ring_phys = self.ring_table[rows, lid % self.R]
+        phys = torch.where(lid < self.sink, sink_phys, ring_phys)
+        return torch.where(logical >= 0, phys, -1).to(torch.int32)
 
     def sparse_physical(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
                         candidate_end: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Physical pages ``[B, K] int32`` of the top-k ids of a sparse layer.
 
         Hierarchical: LRU diff (one launch), host->device load of the misses, counters.
-        gpu_only: the request's own pages. ``topk`` ``[B, K] int32`` -1 padded.
+        gpu_only: the request's own pages. ``topk`` ``[B, K] int32`` -1 padded; padding
+        rows must have ``valid == 0``.
         """
         if topk.shape[1] > self.S:
             raise ValueError(f"topk width K={topk.shape[1]} exceeds buffer slots S={self.S}: K must be <= S")
-        if self.mode == "gpu_only":
-            if self.validate:
-                lim = candidate_end if candidate_end is not None else step.num_pages
-                check_lru_diff_values(topk, valid, lim.to(topk.device))
-            return self.fixed_physical(layer, step, topk)
+        if step.checked:
+            lim = candidate_end if candidate_end is not None else step.num_pages
+            check_lru_diff_values(topk, valid, lim.to(topk.device), rows=step.rows if self.hier else None,
+                                  num_rows=self.max_num_reqs)
+        if not self.hier:
+            return self.own_physical(layer, step, topk)
         li = self.layer_index.get(layer)
         if li is None:
             raise ValueError(f"layer_id={layer} is not a sparse layer (sparse layers: {self.sparse_layers})")
-        if self.validate:
-            lim = candidate_end if candidate_end is not None else step.num_pages
-            check_lru_diff_values(topk, valid, lim.to(topk.device), rows=step.rows, num_rows=self.max_num_reqs)
-        if self._diff_step.get(layer) == self.step:
-            # A second diff with the same step would see its own hits as "used this step"
-            # and corrupt the LRU state (and read stale load slots).
-            raise ValueError(f"layer_id={layer} already ran its LRU diff in decode step {self.step}: each sparse "
-                             f"layer runs once per step (begin_decode starts the next step)")
+        if step.checked:
+            if self._diff_step.get(layer) == step.step:
+                # A second diff with the same step would see its own hits as "used this step"
+                # and corrupt the LRU state (and read stale load slots).
+                raise ValueError(f"layer_id={layer} already ran its LRU diff in decode step {step.step}: each sparse "
+                                 f"layer runs once per step (begin_decode starts the next step)")
+            self._diff_step[layer] = step.step
         res, lu, so = self.lru.layer(li)
         B, K = topk.shape
         t = step.memo.get("lru_tables")
         if t is None or t[0].shape[1:] != (B, K):
             t = self._lru_step_tables(step, B, K, topk.device)
             step.memo["lru_tables"] = t
-        out3, idx3, pages2, loads, host_pt, buf_pt, buf_pt32 = t
-        r = lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
-                     out=LruDiffResult(out3[0], out3[1], out3[2], loads[li]))
-        self._diff_step[layer] = self.step
-        step.memo["valid"][li] = valid
-        self._step_counts = (loads, step.memo["valid"])
+        out3, idx3, pages2, host_pt, buf_pt, buf_pt32 = t
+        counts: StepCounts = step.memo["counts"]
+        lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
+                 out=LruDiffResult(out3[0], out3[1], out3[2], counts.loads[li]))
+        counts.valid[li].copy_(valid)
         # The step's tables carry a -1 column in front, so ``id + 1`` indexes them with
         # -1 (no load / no slot) landing on it: one add and three gathers, no masks.
         torch.add(out3, 1, out=idx3)
@@ -530,96 +514,62 @@ class SparseKVCacheManager:
         torch.gather(buf_pt, 1, idx3[2], out=pages2[1])
         # page -1 gives slots in [-ps, -1]: clamp them to the -1 the transfer engine skips
         slots = (pages2[..., None] * self.ps + self._offsets).clamp_(min=-1).view(2, -1)
-        self._load_layer(layer, slots[0], slots[1])
+        self.transfer.load_layer_now(layer, slots[0], slots[1])
         return buf_pt32.gather(1, idx3[0])
 
     def _lru_step_tables(self, step: DecodeStep, B: int, K: int, dev: torch.device) -> tuple:
         """Per-step buffers and row tables of ``sparse_physical`` (shared by its layers):
         LRU diff outputs ``[3, B, K] int32`` (each layer consumes its own before the next
         diff is queued on the stream), their ``+1`` indices ``[3, B, K] int64``, the load
-        pages ``[2, B, K] int64``, per-layer load counts ``[n_sparse, B] int32`` and the
-        batch rows of the host page table / buffer pages with a leading -1 column."""
-        rows = step.rows
+        pages ``[2, B, K] int64`` and the batch rows of the host page table / buffer pages
+        with a leading -1 column."""
+        rows = step.safe_rows
         pad = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
         host_pt = torch.cat([pad, self.host_page_table.index_select(0, rows)], 1)
         buf_pt = torch.cat([pad, self.buf_pages.index_select(0, rows).long()], 1)
-        step.memo["valid"] = {}
         return (torch.empty(3, B, K, dtype=torch.int32, device=dev), torch.empty(3, B, K, dtype=torch.int64, device=dev),
-                torch.empty(2, B, K, dtype=torch.int64, device=dev),
-                torch.zeros(len(self.sparse_layers), B, dtype=torch.int32, device=dev),
-                host_pt, buf_pt, buf_pt.to(torch.int32))
+                torch.empty(2, B, K, dtype=torch.int64, device=dev), host_pt, buf_pt, buf_pt.to(torch.int32))
 
     def backup_token(self, layer: int, step: DecodeStep, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
         """Hierarchical: copy the new token of ``layer`` to its host slot (per layer, so the
-        page is complete on host before it leaves the recent window)."""
-        if self.mode != "hierarchical":
+        page is complete on host before it leaves the recent window). Graph-safe."""
+        if not self.hier:
             return
         if layer in self.dense_index:
             # The model wrote it into the dense pool; stage it in the request's ring/sink slot
             # of the main pool (unused by dense layers) so the transfer engine can back it up.
-            self.device_pool.set_kv(layer, step.out_loc, k, v)
+            bufs = self.device_pool.layer_buffers(layer)
+            for buf, x in zip(bufs, (k, v)):
+                buf.index_copy_(0, step.out_loc, x.to(buf.dtype))
         self.transfer.backup_layer_now(layer, step.out_loc, step.host_loc)
 
-    def _load_layer(self, layer: int, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        self.transfer.load_layer_now(layer, host_slots, device_slots)
-
     # ------------------------------------------------------------------ counters
-    STATS_HISTORY = 4096
-    """Closed steps kept individually for ``stats()["per_step"]``; totals cover every step."""
-
     def reset_stats(self) -> None:
-        L = self.device_pool.spec.num_layers
-        self._hits = torch.zeros(L, dtype=torch.int64, device=self.device)
-        self._misses = torch.zeros(L, dtype=torch.int64, device=self.device)
-        # Running per-layer totals (device, no sync) and a bounded ring of the last
-        # STATS_HISTORY steps: memory stays flat however long the server runs.
-        self._tot_hits = torch.zeros(L, dtype=torch.int64, device=self.device)
-        self._tot_misses = torch.zeros(L, dtype=torch.int64, device=self.device)
-        self._steps_closed = 0
-        self._step_counts = None  # (loads [n_sparse, B], {sparse layer index: valid [B]}) of the open step
-        self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=self.STATS_HISTORY)
-
-    def _fold_step_counts(self) -> None:
-        """Add the step's LRU-diff counts (kept per sparse layer by ``sparse_physical``,
-        summed here once instead of per layer) to ``_hits`` / ``_misses``."""
-        if self._step_counts is None:
-            return
-        loads, valid = self._step_counts
-        self._step_counts = None
-        if not valid:
-            return
-        lis = sorted(valid)
-        idx = torch.tensor([self.sparse_layers[i] for i in lis], dtype=torch.int64, device=self.device)
-        v = torch.stack([valid[i] for i in lis]).long().sum(1)
-        nl = (loads if len(lis) == loads.shape[0] else loads[lis]).long().sum(1)
-        self._hits.index_add_(0, idx, v - nl)
-        self._misses.index_add_(0, idx, nl)
+        self.counters = SwapInCounters(self.device_pool.spec.num_layers, self.sparse_layers, self.device,
+                                       history=self.STATS_HISTORY)
 
     def end_step(self) -> None:
-        """Close a decode step: keep its per-layer hits/misses (no host sync)."""
-        self._fold_step_counts()
-        self._tot_hits += self._hits
-        self._tot_misses += self._misses
-        self._steps_closed += 1
-        self._history.append((self.step, torch.stack([self._hits, self._misses])))
-        self._hits = torch.zeros_like(self._hits)
-        self._misses = torch.zeros_like(self._misses)
+        """Close the open decode step: fold its per-layer hits/misses (no host sync)."""
+        step = self._open_step
+        if step is None:
+            return
+        self._open_step = None
+        self.counters.close_step(step.memo["counts"], self.step_t, step.live)
 
     def stats(self) -> dict:
         """Counters (syncs with the device): totals and per-layer hit rates over every
         closed decode step since ``reset_stats``; ``per_step`` holds the last
         ``STATS_HISTORY`` steps only."""
+        steps, lh, lm, kept = self.counters.read()
         per_step = []
-        for step, hm in self._history:
-            h, m = hm[0].tolist(), hm[1].tolist()
+        for step, h, m in kept:
             sh, sm = sum(h), sum(m)
             per_step.append({"step": step, "hits": h, "misses": m,
                              "bytes_loaded": [x * self._page_bytes for x in m],
                              "hit_rate": sh / (sh + sm) if sh + sm else 1.0})
-        lh, lm = self._tot_hits.tolist(), self._tot_misses.tolist()
         tot_h, tot_m = sum(lh), sum(lm)
         return {
-            "steps": self._steps_closed, "hits": tot_h, "misses": tot_m, "bytes_loaded": tot_m * self._page_bytes,
+            "steps": steps, "hits": tot_h, "misses": tot_m, "bytes_loaded": tot_m * self._page_bytes,
             "hit_rate": tot_h / (tot_h + tot_m) if tot_h + tot_m else 1.0,
             "per_layer_hit_rate": [h / (h + m) if h + m else 1.0 for h, m in zip(lh, lm)],
             "per_step": per_step,
@@ -628,50 +578,9 @@ class SparseKVCacheManager:
     def nbytes(self) -> dict:
         """GPU bytes of the manager's own state (LRU tables, page tables)."""
         out = {"page_table": self.page_table.numel() * 4}
-        if self.mode == "hierarchical":
+        if self.hier:
             out["lru_state"] = self.lru.nbytes()
             out["host_page_table"] = self.host_page_table.numel() * 8
             if self.dense_pool is not None:
                 out["dense_pool"] = self.dense_pool.nbytes()
         return out
-
-
-class _PoolTransfer:
-    """Torch fallback used only while ``hicache.transfer`` is unavailable: plain indexing
-    through the pools' own read/write APIs (synchronous, correct, slow)."""
-
-    class _Done:
-        def wait(self) -> None: ...
-        def wait_layer(self, layer: int) -> None: ...
-        def done(self) -> bool:
-            return True
-
-    def __init__(self, device_pool, host_pool) -> None:
-        self.device_pool, self.host_pool = device_pool, host_pool
-
-    def load_layer_now(self, layer, host_slots, device_slots) -> None:
-        m = host_slots >= 0
-        hs, ds = host_slots[m].cpu(), device_slots[m]
-        if hs.numel():
-            bufs = self.host_pool.read_tokens(layer, hs)
-            self.device_pool.set_kv(layer, ds, *bufs)
-
-    def backup_layer_now(self, layer, device_slots, host_slots) -> None:
-        m = device_slots >= 0
-        ds, hs = device_slots[m], host_slots[m].cpu()
-        if ds.numel():
-            bufs = tuple(b[ds.to(b.device)] for b in self.device_pool.layer_buffers(layer))
-            self.host_pool.write_tokens(layer, hs, *bufs)
-
-    def backup(self, device_slots, host_slots, layers=None, **kw):
-        for layer in (range(self.device_pool.spec.num_layers) if layers is None else layers):
-            self.backup_layer_now(layer, device_slots, host_slots)
-        return self._Done()
-
-
-def _default_transfer(device_pool, host_pool, io_backend: str):
-    try:
-        from hicache.transfer import KVTransferEngine
-    except ImportError:
-        return _PoolTransfer(device_pool, host_pool)
-    return KVTransferEngine(device_pool, host_pool, io_backend=io_backend)

@@ -5,8 +5,7 @@ Units are selection units: pages (tokens when ``page_size == 1``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 
@@ -47,26 +46,3 @@ class LruState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.resident, self.last_used, self.slot_of))
-
-
-@dataclass
-class RequestBuffers:
-    """What the manager holds for one live request (host-side bookkeeping).
-
-    seq_len:      tokens in context (after the last forward).
-    host_pages:   ``[P] int64`` (CPU) host page of each logical page (hierarchical).
-    owned_host:   host pages the manager allocated (handed to the runtime at request end).
-    sink_pages / ring_pages / lru_pages: ``int64`` (CPU) device pages of the GPU buffer
-                  (hierarchical): sink pages, recent-window ring, LRU region.
-    dense_pages:  ``list[int]`` dense-layer pool page of each logical page (hierarchical).
-    device_pages: ``list[int]`` device page of each logical page (gpu_only).
-    """
-
-    seq_len: int = 0
-    prefilled: bool = False
-    host_pages: list[int] = field(default_factory=list)
-    sink_pages: Optional[torch.Tensor] = None
-    ring_pages: Optional[torch.Tensor] = None
-    lru_pages: Optional[torch.Tensor] = None
-    dense_pages: list[int] = field(default_factory=list)
-    device_pages: list[int] = field(default_factory=list)

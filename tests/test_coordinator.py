@@ -286,11 +286,26 @@ def test_failed_backup_leaves_representations_unchanged(monkeypatch):
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
-def test_min_sparse_prompt_len_is_documented_as_unused():
-    """docs/coordinator.md: the coordinator does not read min_sparse_prompt_len (rows attend
-    all their pages while they fit in top_k, sparsely after, whatever their prompt length)."""
+def test_short_prompts_stay_dense_in_both_modes():
+    """A request whose prompt is shorter than min_sparse_prompt_len attends every token of
+    its context at every step (as in SGLang's sparse coordinator), long after its context
+    has outgrown sink + top_k + recent; a longer prompt in the same batch decodes sparsely;
+    hierarchical and gpu_only agree exactly (run_mode checks every output against attention
+    over the ground-truth KV of what was selected)."""
     kv = ToyKV(2, 256, seed=12)
-    _, out_a, sel_a = run_mode("gpu_only", _cfg(min_sparse_prompt_len=0), kv, [61, 23], steps=3)
-    _, out_b, sel_b = run_mode("gpu_only", _cfg(min_sparse_prompt_len=10**6), kv, [61, 23], steps=3)
-    assert all(torch.equal(a, b) for a, b in zip(sel_a, sel_b)) and torch.equal(out_a, out_b)
-    assert int((sel_a[-1][0] >= 0).sum()) < -(-64 // 4)  # the 61-token prompt really decodes sparsely
+    cfg = _cfg(min_sparse_prompt_len=40)
+    prompts, steps = [61, 23], 40  # the short request ends at 63 tokens: 16 pages > 1 + 4 + 2
+    c_h, out_h, sel_h = run_mode("hierarchical", cfg, kv, prompts, steps=steps)
+    c_g, out_g, sel_g = run_mode("gpu_only", cfg, kv, prompts, steps=steps)
+    assert all(torch.equal(a, b) for a, b in zip(sel_h, sel_g))
+    torch.testing.assert_close(out_h, out_g, atol=1e-6, rtol=1e-6)
+    ps = cfg.page_size
+    for i, sel in enumerate(sel_h):
+        step = i // L
+        short_pages = -(-(23 + step + 1) // ps)
+        assert (sel[1, :short_pages] == torch.arange(short_pages)).all(), "the short prompt attends every page"
+        assert int((sel[1] >= 0).sum()) == short_pages
+    assert int((sel_h[-1][0] >= 0).sum()) < -(-(61 + steps) // ps)  # the long prompt decodes sparsely
+    # the same short prompt without the threshold goes sparse once it outgrows the selection
+    _, _, sel_0 = run_mode("gpu_only", _cfg(min_sparse_prompt_len=0), kv, prompts, steps=steps)
+    assert int((sel_0[-1][1] >= 0).sum()) < -(-(23 + steps) // ps)

@@ -59,7 +59,8 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
               and corrupts the state: the kernel takes slots stamped with the current
               step as this step's hits. SparseKVCacheManager keeps each layer's last step
               on the host and rejects a second diff in one step.
-    rows      ``[B] int64`` state row of each batch row (distinct), optional
+    rows      ``[B] int64`` state row of each batch row (distinct), optional; ``-1`` marks a
+              padding row: it selects nothing (outputs ``-1``, no load) and changes no state
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
 Limits: ``S <= 16384`` (the buffer row is held in registers and gathered through shared
@@ -147,10 +148,11 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
         raise ValueError("topk holds duplicate ids in a row")
     if rows is not None:
         rl = rows.long()
+        rl = rl[rl >= 0]  # -1: padding rows
         if rl.unique().numel() != rl.numel():
             raise ValueError("rows must be distinct (two batch rows cannot share one buffer state)")
-        if num_rows is not None and bool(((rl < 0) | (rl >= num_rows)).any()):
-            raise ValueError(f"rows must lie in [0, {num_rows})")
+        if num_rows is not None and bool((rl >= num_rows).any()):
+            raise ValueError(f"rows must lie in [0, {num_rows}) (or be -1: padding)")
 
 
 MAX_STEP = 2**31 - 3  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
@@ -177,10 +179,12 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
     s = resident.shape[1]
     st = _step_tensor(step, dev).long()
     ridx = torch.arange(b, device=dev) if rows is None else rows.to(dev).long()
+    pad = ridx < 0  # padding rows: select nothing, change no state (as the kernel)
+    ridx = ridx.clamp(min=0)
     res, lu, so = resident[ridx].long(), last_used[ridx].long(), slot_of[ridx].long()
     m = so.shape[1]
     cols = torch.arange(k, device=dev)[None, :]
-    sel = cols < valid.long().clamp(0, k)[:, None]
+    sel = cols < torch.where(pad, 0, valid.long().clamp(0, k))[:, None]
     # as the kernel: unvalidated bad ids are clamped so they stay inside their own row
     ids = torch.where(sel, topk.long(), 0).clamp(0, m - 1)
     hint = torch.where(sel, so.gather(1, ids), -1)
@@ -208,9 +212,15 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
     res_ext.scatter_(1, torch.where(miss, device_slots, s), ids)
     lu_ext = torch.cat([lu, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
     lu_ext.scatter_(1, torch.where(sel, device_slots, s), st.expand(b, k).clone())
-    resident[ridx] = res_ext[:, :s].to(torch.int32)
-    last_used[ridx] = lu_ext[:, :s].to(torch.int32)
-    slot_of[ridx] = so_ext[:, :m].to(torch.int32)
+    live = ~pad
+    if bool(live.all()):
+        resident[ridx] = res_ext[:, :s].to(torch.int32)
+        last_used[ridx] = lu_ext[:, :s].to(torch.int32)
+        slot_of[ridx] = so_ext[:, :m].to(torch.int32)
+    else:  # padding rows alias row 0: write back the live rows only
+        resident[ridx[live]] = res_ext[live, :s].to(torch.int32)
+        last_used[ridx[live]] = lu_ext[live, :s].to(torch.int32)
+        slot_of[ridx[live]] = so_ext[live, :m].to(torch.int32)
     return LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
                          nmiss.to(torch.int32))
 
@@ -252,7 +262,11 @@ def _lru_diff_kernel(
     b = tl.program_id(1)
     row = tl.load(rows_ptr + b).to(tl.int64)
     step = tl.load(step_ptr)
-    nvalid = tl.minimum(tl.load(valid_ptr + b), K)
+    # a padding row (row < 0, e.g. the unused rows of a CUDA-graph batch) selects nothing:
+    # every state store below is masked by a hit, miss or victim, so its (row 0) state is
+    # only read; its outputs are all -1 and no load
+    nvalid = tl.where(row < 0, 0, tl.minimum(tl.load(valid_ptr + b), K))
+    row = tl.maximum(row, 0)
     res_p = resident_ptr + row * stride_state
     lu_p = last_used_ptr + row * stride_state
     so_p = slot_of_ptr + row * stride_slot_of

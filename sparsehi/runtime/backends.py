@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
+import numpy as np
 import torch
 
 from hicache.device_pool import DeviceKVPool
@@ -148,13 +149,31 @@ class ModeBackend:
     def end_prefill(self, req: Request, prefix_len: int) -> None:
         req.seq_len = len(req.prompt)
 
-    def decode_attention(self, reqs: list[Request]) -> Callable:
+    # -- decode step: host part (outside CUDA graphs), device part (captured) ------------
+    def prepare_decode(self, reqs: list[Request]) -> Hashable:
+        """Host part of a decode step, before the device part runs: checks and new pages
+        for rows that open a page (vectorised over the batch). Returns the step's graph
+        variant: a hashable fact the device part's shapes depend on (None for most modes)."""
         raise NotImplementedError
 
-    def end_decode(self, reqs: list[Request]) -> None:
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor,
+                      variant: Hashable) -> tuple[Callable, Callable[[], dict]]:
+        """Device part (CUDA-graph safe: no host sync, fixed shapes): from ``rows [B] int64``
+        (``-1`` padding) and ``seq_lens [B] int32`` (new token included; padding rows 1),
+        the model's AttentionFn for the step and a closer run after the model (returns
+        static outputs, e.g. a recorded selection)."""
+        raise NotImplementedError
+
+    def end_decode(self, reqs: list[Request], outputs: Optional[dict] = None) -> None:
+        """Host part after the step: lengths, memory sampling."""
         for r in reqs:
             r.seq_len += 1
         self.sample_memory()
+
+    def _check_decode_lengths(self, reqs: list[Request]) -> None:
+        long = [r for r in reqs if r.seq_len >= self.rt.max_context_len]
+        if long:
+            raise ValueError(f"request {long[0].rid} exceeds max_context_len={self.rt.max_context_len}")
 
     def end_request(self, req: Request) -> None:
         self.req_pool.free(req.req_pool_idx)
@@ -188,46 +207,56 @@ class DenseBackend(ModeBackend):
     """All KV in the device pool; decode attends every token with the paged decode kernel
     (Triton on CUDA, its torch reference on CPU)."""
 
+    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
+        super().__init__(cfg, rt)
+        ps = rt.page_size
+        self.max_pages = -(-self.req_pool.max_context_len // ps)
+        # pages each request row took at decode page boundaries (freed at request end)
+        self._decode_pages = np.full((rt.max_num_reqs, self.max_pages), -1, dtype=np.int64)
+
     def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
         slots = super().prefill_slots(req, prefix_len)
         self.req_pool.write(req.req_pool_idx, slice(0, slots.numel()), slots)
         return slots
 
-    def _ensure_slots(self, reqs: list[Request]) -> torch.Tensor:
-        """Device slot of each request's new token ``[B] int64`` (a page is allocated
-        when a request crosses into a new page)."""
+    def prepare_decode(self, reqs: list[Request]) -> Hashable:
+        """A page for every row whose new token opens one (one allocation for the batch)."""
+        self._check_decode_lengths(reqs)
         ps = self.rt.page_size
-        out = []
-        for r in reqs:
-            pos = r.seq_len
-            if pos >= self.rt.max_context_len:
-                raise ValueError(f"request {r.rid} exceeds max_context_len={self.rt.max_context_len}")
-            if pos % ps == 0:
-                page = self._alloc_device(ps)
-                r.device_slots = torch.cat([r.device_slots, page])
-                self.req_pool.write(r.req_pool_idx, slice(pos, pos + ps), page)
-            out.append(pos)
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
-        return self.req_pool.req_to_token[rows, torch.tensor(out, device=self.device)]
+        pos = np.array([r.seq_len for r in reqs], dtype=np.int64)
+        rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+        opens = pos % ps == 0
+        if opens.any():
+            n = int(opens.sum())
+            pages = self.pool.allocator.alloc_pages(n)
+            if pages is None:
+                raise ValueError(f"device KV pool is full ({self.pool.num_slots} slots): raise device_kv_tokens "
+                                 f"or lower the batch / context")
+            r, p = rows[opens], pos[opens] // ps
+            self._decode_pages[r, p] = pages.cpu().numpy()
+            slots = pages.to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
+            cols = torch.from_numpy(p).to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
+            self.req_pool.req_to_token[torch.from_numpy(r).to(self.device)[:, None], cols] = slots
+        return None
 
-    def decode_attention(self, reqs: list[Request]) -> Callable:
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         from sparsehi.kernels.paged_decode import paged_decode
         from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode
 
         ps = self.rt.page_size
-        new_slots = self._ensure_slots(reqs)
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
-        lens = torch.tensor([r.seq_len + 1 for r in reqs], device=self.device, dtype=torch.int32)
-        max_len = max(r.seq_len + 1 for r in reqs)
+        live = rows >= 0
+        safe = rows.clamp(min=0)
+        r2t = self.req_pool.req_to_token
+        new_slots = torch.where(live, r2t[safe, (seq_lens.long() - 1).clamp(min=0)], 0)
+        lens = torch.where(live, seq_lens, 0).to(torch.int32)
         scale = self.cfg.sm_scale
         mla = self.cfg.family == "mla"
         if mla:
-            cols = torch.arange(max_len, device=self.device)
-            idx = self.req_pool.req_to_token[rows, :max_len]
-            idx = torch.where(cols[None, :] < lens[:, None], idx, torch.full_like(idx, -1)).to(torch.int32)
+            width = self.req_pool.max_context_len
+            cols = torch.arange(width, device=self.device)
+            idx = torch.where(cols[None, :] < lens[:, None], r2t[safe, :width], -1).to(torch.int32)
         else:
-            n_pages = -(-max_len // ps)
-            table = (self.req_pool.req_to_token[rows][:, : n_pages * ps: ps] // ps).to(torch.int32)
+            table = (r2t[:, ::ps][safe] // ps).to(torch.int32)  # [B, max_pages]
 
         def attn(layer: int, q, k, v, extra):
             q = self._hook(layer, q, extra)
@@ -241,10 +270,15 @@ class DenseBackend(ModeBackend):
             with self.timer.section("attention"):
                 return sparse_mla_decode(q, bufs[0], idx, kv_lora_rank=self.cfg.kv_lora_rank, sm_scale=scale)
 
-        return attn
+        return attn, dict
 
     def end_request(self, req: Request) -> None:
         if req.device_slots is not None:
             self.pool.allocator.free(req.device_slots)
             req.device_slots = None
+        row = self._decode_pages[req.req_pool_idx]
+        pages = row[row >= 0]
+        if pages.size:
+            self.pool.allocator.free_pages(torch.from_numpy(pages.copy()))
+        row[:] = -1
         super().end_request(req)

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -73,6 +74,9 @@ class RuntimeConfig:
     """sparse-hier: match prompts in the HiRadixTree and reuse host-resident prefixes."""
     validate: bool = True
     """Coordinator host-side selection checks (sync per layer; off for benchmarks)."""
+    cuda_graph: bool = True
+    """Decode steps replay CUDA graphs, one per batch bucket (CUDA devices only; False runs
+    the very same step eagerly, for debugging, as SGLang's ``--disable-cuda-graph``)."""
     host_pool: Optional[Any] = None
     """Host modes: an existing ``HostKVPool`` of the same KV spec to use instead of
     allocating one (benchmarks: pinning tens of GiB per run point is slow). Its allocator
@@ -90,6 +94,20 @@ class RuntimeConfig:
     def page_size(self) -> int:
         return self.sparse.page_size
 
+    @property
+    def uses_cuda_graph(self) -> bool:
+        """Whether decode steps run as graph replays: asked for, on a CUDA device, and the
+        host modes load with the ``kernel`` io backend (``direct`` reads indices on the host)."""
+        if not self.cuda_graph or torch.device(self.device).type != "cuda":
+            return False
+        return not (self.mode in HOST_MODES and self.sparse.io_backend == "direct")
+
+    @property
+    def value_checks(self) -> bool:
+        """Host-side value checks of the decode path (reads back to the host): with
+        ``validate`` and only on the eager path (a replayed graph cannot run them)."""
+        return self.validate and not self.uses_cuda_graph
+
     def buffer_tokens_per_request(self) -> int:
         """Device slots one request's sparse-hier buffer takes (sink + recent ring + LRU
         region, plus a page of slack for the page being written)."""
@@ -102,10 +120,20 @@ class RuntimeConfig:
         if self.mode in ("dense", "sparse-gpu"):
             need = self.max_num_reqs * (ctx + ps)
         elif self.mode == "sparse-hier":
-            need = ctx + self.max_num_reqs * self.buffer_tokens_per_request()
+            per_req = self.buffer_tokens_per_request()
+            if self.sparse.min_sparse_prompt_len > 0:
+                # a request with a short prompt decodes densely from its own pages, up to
+                # the whole context (SparseConfig.min_sparse_prompt_len)
+                per_req = max(per_req, ctx + ps)
+            need = ctx + self.max_num_reqs * per_req
         else:  # offload-full: one prompt's prefill staging
             need = ctx + ps
         return round_up(need, ps) + 2 * ps  # page 0 is reserved as padding
 
     def auto_host_tokens(self) -> int:
-        return round_up(2 * self.max_num_reqs * round_up(self.max_context_len, self.page_size), self.page_size) + 2 * self.page_size
+        """Host pool slots: ``sparse.host_to_device_ratio`` times the KV the live requests
+        hold at most (``max_num_reqs * max_context_len``, what a device pool would need for
+        them): the spare part keeps finished requests' prefixes for reuse (HiCache's ratio,
+        taken against the logical KV because the sparse modes' device pool holds buffers only)."""
+        need = self.sparse.host_to_device_ratio * self.max_num_reqs * round_up(self.max_context_len, self.page_size)
+        return round_up(max(int(math.ceil(need)), self.max_num_reqs * self.max_context_len), self.page_size) + 2 * self.page_size

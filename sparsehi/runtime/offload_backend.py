@@ -6,8 +6,9 @@ attended densely. Its cost is the whole context over PCIe per layer and step.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Hashable
 
+import numpy as np
 import torch
 
 from hicache.device_pool import DeviceKVPool
@@ -33,6 +34,10 @@ class OffloadFullBackend(ModeBackend):
         self._stage_view = self.stage.paged_view()
         self.peak_host_tokens = 0
         self.step_bytes: list[int] = []
+        # host page of every logical page of every request row (host: NumPy, device: the
+        # copy the graph-captured step reads)
+        self._host_pages = np.full((rt.max_num_reqs, self.ctx_pages), -1, dtype=np.int64)
+        self.host_page_table = torch.zeros(rt.max_num_reqs, self.ctx_pages, dtype=torch.int64, device=self.device)
 
     def stats(self) -> dict:
         """Host->device bytes of every decode step (the whole context, all layers)."""
@@ -59,44 +64,59 @@ class OffloadFullBackend(ModeBackend):
             torch.cuda.current_stream().synchronize()
         self.pool.allocator.free(req.device_slots)
         req.device_slots = None
-        req.host_slots = host
+        pages = host[::self.rt.page_size] // self.rt.page_size
+        self._host_pages[req.req_pool_idx, : pages.numel()] = pages.numpy()
+        self.host_page_table[req.req_pool_idx, : pages.numel()] = pages.to(self.device)
         req.seq_len = n
         self.memory()
 
-    def _stage_slots(self, req: Request, n: int) -> torch.Tensor:
+    def prepare_decode(self, reqs: list[Request]) -> Hashable:
+        """A host page for every row whose new token opens one (one allocation)."""
+        self._check_decode_lengths(reqs)
         ps = self.rt.page_size
-        base = (1 + req.req_pool_idx * self.ctx_pages) * ps
-        return torch.arange(base, base + n, dtype=torch.int64)
+        pos = np.array([r.seq_len for r in reqs], dtype=np.int64)
+        opens = pos % ps == 0
+        if opens.any():
+            n = int(opens.sum())
+            pages = self.host.allocator.alloc_pages(n)
+            if pages is None:
+                raise ValueError("host KV pool is full: raise host_kv_tokens")
+            rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)[opens]
+            p = pos[opens] // ps
+            pages = pages.cpu()
+            self._host_pages[rows, p] = pages.numpy()
+            self.host_page_table[torch.from_numpy(rows).to(self.device), torch.from_numpy(p).to(self.device)] = \
+                pages.to(self.device)
+        self.step_bytes.append(sum(r.seq_len for r in reqs) * self.spec.token_bytes)
+        return None
 
-    def decode_attention(self, reqs: list[Request]) -> Callable:
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         from sparsehi.kernels.paged_decode import paged_decode
         from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode
 
         ps = self.rt.page_size
-        for r in reqs:
-            if r.seq_len >= self.rt.max_context_len:
-                raise ValueError(f"request {r.rid} exceeds max_context_len={self.rt.max_context_len}")
-            if r.seq_len % ps == 0:
-                page = self.host.alloc(ps)
-                if page is None:
-                    raise ValueError("host KV pool is full: raise host_kv_tokens")
-                r.host_slots = torch.cat([r.host_slots, page])
         dev = self.device
-        self.step_bytes.append(sum(r.seq_len for r in reqs) * self.spec.token_bytes)
-        host_old = torch.cat([r.host_slots[: r.seq_len] for r in reqs]).to(dev)
-        stage_old = torch.cat([self._stage_slots(r, r.seq_len) for r in reqs]).to(dev)
-        host_new = torch.stack([r.host_slots[r.seq_len] for r in reqs]).to(dev)
-        stage_new = torch.tensor([int(self._stage_slots(r, r.seq_len + 1)[-1]) for r in reqs], device=dev)
-        lens = torch.tensor([r.seq_len + 1 for r in reqs], dtype=torch.int32, device=dev)
-        max_pages = -(-int(lens.max()) // ps)
-        first = torch.tensor([1 + r.req_pool_idx * self.ctx_pages for r in reqs], device=dev)
-        table = (first[:, None] + torch.arange(max_pages, device=dev)[None, :]).to(torch.int32)
-        if self.cfg.family == "mla":
-            cols = torch.arange(max_pages * ps, device=dev)
-            tok = (first[:, None] * ps + cols[None, :])
-            tok = torch.where(cols[None, :] < lens[:, None], tok, torch.full_like(tok, -1)).to(torch.int32)
-        scale = self.cfg.sm_scale
+        B = rows.shape[0]
+        live = rows >= 0
+        safe = rows.clamp(min=0)
+        lens = torch.where(live, seq_lens, 0).to(torch.int32)
+        T = self.ctx_pages * ps
+        t = torch.arange(T, device=dev)
+        # every cached token of every row, host slot -> the row's stage slot (-1: skipped)
+        hslot = self.host_page_table[safe][:, t // ps] * ps + (t % ps)[None, :]
+        first = 1 + safe * self.ctx_pages  # the row's first stage page
+        sslot = first[:, None] * ps + t[None, :]
+        old = t[None, :] < (lens - 1).long()[:, None]
+        host_old = torch.where(old, hslot, -1).reshape(-1)
+        stage_old = torch.where(old, sslot, -1).reshape(-1)
+        cur = (lens.long() - 1).clamp(min=0)
+        host_new = torch.where(live, hslot.gather(1, cur[:, None])[:, 0], -1)
+        stage_new = torch.where(live, sslot.gather(1, cur[:, None])[:, 0], 0)  # padding: the stage's page 0
+        table = (first[:, None] + torch.arange(self.ctx_pages, device=dev)[None, :]).to(torch.int32)
         mla = self.cfg.family == "mla"
+        if mla:
+            tok = torch.where(t[None, :] < lens[:, None], sslot, -1).to(torch.int32)
+        scale = self.cfg.sm_scale
 
         def attn(layer: int, q, k, v, extra):
             q = self._hook(layer, q, extra)
@@ -114,10 +134,12 @@ class OffloadFullBackend(ModeBackend):
                     return sparse_mla_decode(q, bufs[0], tok, kv_lora_rank=self.cfg.kv_lora_rank, sm_scale=scale)
                 return paged_decode(q, bufs[0], bufs[1], table, lens, page_size=ps, sm_scale=scale)
 
-        return attn
+        return attn, dict
 
     def end_request(self, req: Request) -> None:
-        if req.host_slots is not None:
-            self.host.free(req.host_slots)
-            req.host_slots = None
+        row = self._host_pages[req.req_pool_idx]
+        pages = row[row >= 0]
+        if pages.size:
+            self.host.allocator.free_pages(torch.from_numpy(pages.copy()))
+        row[:] = -1
         super().end_request(req)

@@ -4,15 +4,19 @@ sequences the model calls and times them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
 from sparsehi.runtime.backends import ModeBackend, Request, _sync
+from sparsehi.runtime.decode_graph import DecodeGraphRunner, DecodeInputs
 from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.weights import Model
+
+logger = logging.getLogger(__name__)
 
 
 def make_backend(model: Model, rt: RuntimeConfig) -> ModeBackend:
@@ -52,13 +56,21 @@ class GenerationResult:
 
 class ModelRunner:
     """Runs ``model`` in one mode; the backend (pools, tree, coordinator) persists across
-    ``generate`` calls, so a later request can reuse an earlier one's prefix."""
+    ``generate`` calls, so a later request can reuse an earlier one's prefix.
+
+    Decode steps run through a :class:`DecodeGraphRunner`: CUDA-graph replays on CUDA
+    (``rt.cuda_graph``), the same padded step eagerly otherwise."""
 
     def __init__(self, model: Model, rt: RuntimeConfig) -> None:
         self.model = model
         self.rt = rt
         self.backend = make_backend(model, rt)
         self._next_rid = 0
+        if rt.cuda_graph and torch.device(rt.device).type == "cuda" and not rt.uses_cuda_graph:
+            logger.info("%s: decode runs eagerly (io_backend='direct' reads indices on the host; "
+                        "CUDA graphs need io_backend='kernel')", rt.mode)
+        self.graphs = DecodeGraphRunner(self._decode_body, rt.max_num_reqs, self.backend.device,
+                                        enabled=rt.uses_cuda_graph)
 
     @torch.no_grad()
     def prefill(self, req: Request) -> int:
@@ -76,22 +88,30 @@ class ModelRunner:
         req.output.append(tok)
         return tok
 
+    def _decode_body(self, inputs: DecodeInputs, nb: int, variant: Hashable) -> dict:
+        """The device part of a decode step over ``nb`` (padded) rows: what a graph holds."""
+        rows = inputs.req_pool_indices[:nb]
+        seq = inputs.seq_lens[:nb].to(torch.int32)
+        attn, close = self.backend.decode_device(rows, seq, variant)
+        hidden = self.model(inputs.input_ids[:nb], inputs.positions[:nb], attn)
+        outputs = close()
+        torch.argmax(self.model.logits(hidden), dim=-1, out=inputs.next_tokens[:nb])
+        return outputs
+
     @torch.no_grad()
     def decode_step(self, reqs: list[Request], feed: Optional[list[int]] = None) -> list[int]:
         """One greedy decode step for every request of the batch. ``feed`` (teacher
         forcing) overrides the token each request consumes; its own argmax is still
         recorded."""
         be = self.backend
-        dev = be.device
         last = feed if feed is not None else [r.output[-1] for r in reqs]
         for r, t in zip(reqs, last):
             r.fed.append(int(t))
-        ids = torch.tensor(last, dtype=torch.int64, device=dev)
-        pos = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=dev)
-        attn = be.decode_attention(reqs)
-        hidden = self.model(ids, pos, attn)
-        be.end_decode(reqs)
-        toks = self.model.logits(hidden).argmax(-1).tolist()
+        variant = be.prepare_decode(reqs)
+        toks_t, outputs = self.graphs.run([int(t) for t in last], [r.seq_len for r in reqs],
+                                          [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant)
+        toks = toks_t[: len(reqs)].tolist()
+        be.end_decode(reqs, outputs)
         for r, t in zip(reqs, toks):
             r.output.append(int(t))
         return toks

@@ -10,7 +10,7 @@ together. DSA requests skip the match: the indexer keys of a reused prefix are n
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -36,9 +36,10 @@ class CoordinatorBackend(ModeBackend):
         extra = dict(sc.sparse_extra_config)
         if cfg.family == "mla" and sc.algorithm == "dsa":
             extra.setdefault("index_head_dim", cfg.index_head_dim)
-        if not rt.validate:
+        if not rt.value_checks:
             # the algorithms' value checks read tensors back to the host: two syncs per
-            # sparse layer and step, which serialise CPU launches with GPU work
+            # sparse layer and step, which serialise CPU launches with GPU work (and a
+            # replayed graph cannot run them)
             extra.setdefault("validate", False)
         sc.sparse_extra_config = extra
         self.algorithm = create_algorithm(sc, self.device)
@@ -65,16 +66,16 @@ class CoordinatorBackend(ModeBackend):
         self.coord = SparseCoordinator(
             sc, self.algorithm, self.pool, mode="hierarchical" if self.hier else "gpu_only",
             host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
-            max_context_len=max_ctx, validate=rt.validate,
+            max_context_len=max_ctx, validate=rt.value_checks,
             dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
         )
         self.peak_host_tokens = 0
         self.peak_dense_tokens = 0
         self._batch: dict[int, ForwardBatch] = {}
-        self.record_layer: Optional[int] = None
-        """When set, each decode step's selection of that layer is kept in ``recorded``
-        (benchmarks measure adjacent-step Top-k overlap from it)."""
-        self.recorded: list[torch.Tensor] = []
+        self.record_layers: frozenset[int] = frozenset()
+        """Layers whose selection each decode step keeps in ``recorded[layer]`` (``[B, N]``
+        logical ids, on the device; benchmarks measure adjacent-step Top-k overlap)."""
+        self.recorded: dict[int, list[torch.Tensor]] = {}
 
     # -- accounting ---------------------------------------------------------------------
     def sample_memory(self) -> None:
@@ -164,14 +165,20 @@ class CoordinatorBackend(ModeBackend):
             req.device_slots = None  # the coordinator owns them until on_request_end
         req.seq_len = n
 
-    def decode_attention(self, reqs: list[Request]) -> Callable:
-        dev = self.device
-        batch = ForwardBatch.decode(torch.tensor([r.req_pool_idx for r in reqs], device=dev),
-                                    torch.tensor([r.seq_len + 1 for r in reqs], dtype=torch.int32, device=dev))
-        self.coord.forward_begin(batch)
-        self._decode_batch = batch
-        scale = self.cfg.sm_scale
+    def prepare_decode(self, reqs: list[Request]) -> Hashable:
+        """Coordinator host part; the variant: whether a row decodes densely, and the layers
+        whose selections are recorded (both change what a graph holds)."""
+        self._check_decode_lengths(reqs)
+        has_dense = self.coord.prepare_decode([r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs])
+        return has_dense, frozenset(self.record_layers)
+
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
+        has_dense, record = variant
+        batch = ForwardBatch.decode(rows, seq_lens, prepared=True, has_dense_rows=has_dense)
         coord = self.coord
+        coord.forward_begin(batch)
+        scale = self.cfg.sm_scale
+        outputs: dict = {}
 
         def attn(layer: int, q, k, v, extra):
             q = self._hook(layer, q, extra)
@@ -181,8 +188,8 @@ class CoordinatorBackend(ModeBackend):
             else:
                 plan = coord.attention_begin(layer, batch, q=q)
                 plan.write_kv(k, v)
-            if layer == self.record_layer:
-                self.recorded.append(plan.selection.logical_ids.clone())
+            if layer in record:
+                outputs[layer] = plan.selection.logical_ids
             with self.timer.section("attention"):
                 o = plan.attend(q, scale)
             if self.is_dsa:
@@ -191,12 +198,16 @@ class CoordinatorBackend(ModeBackend):
                 coord.attention_end(layer, batch, k=k, v=v)
             return o
 
-        return attn
+        def close() -> dict:
+            coord.forward_end(batch)
+            return outputs
 
-    def end_decode(self, reqs: list[Request]) -> None:
-        self.coord.forward_end(self._decode_batch)
-        self._decode_batch = None
-        super().end_decode(reqs)
+        return attn, close
+
+    def end_decode(self, reqs: list[Request], outputs: Optional[dict] = None) -> None:
+        for layer, ids in (outputs or {}).items():
+            self.recorded.setdefault(layer, []).append(ids[: len(reqs)].clone())
+        super().end_decode(reqs, outputs)
 
     def end_request(self, req: Request) -> None:
         kv = self.coord.on_request_end(req.req_pool_idx)
