@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, device_info, large_h2d_copy_gbps, write_result  # noqa: E402
+from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d_copy_gbps, write_result  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.backends import Request  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
@@ -133,6 +133,53 @@ def per_request_bytes(model, mode: str, ctx: int, sc: SparseConfig, steps: int, 
     return tokens * per_layer, tokens * tb  # offload-full: one-layer staging on GPU
 
 
+LIMITS: dict[str, Optional[float]] = {"hbm_gbps": None, "h2d_gbps": None}
+"""This run's measured limits (GB/s): device->device copy (bytes read + written) and one
+large pinned host->device copy; the roofline of every row is taken against them."""
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter except the embedding table
+    (a step reads B of its rows) unless the LM head shares it."""
+    emb = model.embed_tokens.weight
+    tied = model.lm_head.weight is emb
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or tied)
+
+
+def step_traffic(model, mode: str, ctx: int, batch: int, sc: SparseConfig, n_dense_layers: int, rep_bytes: int,
+                 misses_per_step: Optional[float], dtype) -> dict[str, float]:
+    """Bytes one decode step must move: ``hbm`` (weights, the KV the mode reads, the
+    selection's representations) and ``h2d`` (host->device: sparse-hier's missed pages,
+    offload-full's whole context)."""
+    cfg = model.cfg
+    es = torch.empty((), dtype=dtype).element_size()
+    per_tok = cfg.cache_heads * cfg.cache_head_dim * es * (2 if cfg.family == "gqa" else 1)  # one layer
+    L = cfg.num_layers
+    ps = sc.page_size
+    sel_tokens = (sc.sink_units + sc.top_k_units + sc.recent_units) * ps
+    w = weight_bytes(model)
+    if mode == "dense":
+        return {"hbm": w + batch * ctx * L * per_tok, "h2d": 0.0}
+    if mode == "offload-full":
+        # staged (written) and attended (read) on the device, loaded over PCIe
+        return {"hbm": w + 2 * batch * ctx * L * per_tok, "h2d": batch * ctx * L * per_tok}
+    kv = batch * (n_dense_layers * ctx + (L - n_dense_layers) * min(ctx, sel_tokens)) * per_tok
+    hbm = w + kv + batch * rep_bytes
+    h2d = 0.0
+    if mode == "sparse-hier":
+        page = ps * per_tok
+        h2d = (misses_per_step or 0.0) * page
+        hbm += h2d  # written into the buffer
+    return {"hbm": hbm, "h2d": h2d}
+
+
+def roofline_ms(traffic: dict[str, float]) -> Optional[float]:
+    hbm, h2d = LIMITS["hbm_gbps"], LIMITS["h2d_gbps"]
+    if not hbm or not h2d:
+        return None
+    return 1e3 * (traffic["hbm"] / (hbm * 1e9) + traffic["h2d"] / (h2d * 1e9))
+
+
 def batches_up_to(cap: int, limit: Optional[int] = None) -> list[int]:
     if cap < 1:
         return []
@@ -171,11 +218,15 @@ def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
     return hp
 
 
+CUDA_GRAPH = True
+"""Decode steps replay CUDA graphs (``--no-cuda-graph``: the same step eagerly)."""
+
+
 def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> ModelRunner:
     rt = RuntimeConfig(mode=mode, sparse=replace(sc, sparse_extra_config=_extra(model, sc)), device=str(device),
                        dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
                        adaptor="auto" if torch.device(device).type == "cuda" else "none",
-                       prefix_cache=False, validate=False)
+                       prefix_cache=False, validate=False, cuda_graph=CUDA_GRAPH)
     if mode in ("sparse-hier", "offload-full"):
         need = ctx + batch * round_up(steps + 2 * sc.page_size, sc.page_size) + 4 * sc.page_size
         rt.host_kv_tokens = need
@@ -194,7 +245,8 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     orig_diff = kvm.lru_diff
     if coord is not None:
         undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
-        undo.append(wrap_method(coord.manager, "_load_layer", timer, "io"))
+        if coord.manager.hier:
+            undo.append(wrap_method(coord.manager.transfer, "load_layer_now", timer, "io"))
         undo.append(wrap_method(coord.manager, "backup_token", timer, "io"))
 
         def timed_diff(*a, **kw):
@@ -202,6 +254,8 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
                 return orig_diff(*a, **kw)
         kvm.lru_diff = timed_diff
     timer.enabled = True
+    graphs_on = runner.graphs.enabled
+    runner.graphs.enabled = False  # section events need the eager step (same kernels as the graph)
     acc = {k: 0.0 for k in SPLIT_KEYS}
     total = 0.0
     try:
@@ -225,6 +279,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
             total += step_ms
     finally:
         timer.enabled = False
+        runner.graphs.enabled = graphs_on
         kvm.lru_diff = orig_diff
         for u in undo:
             u()
@@ -255,13 +310,17 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
         be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
         be.recorded.clear()
     _sync(device)
+    host_ms = []
     t0 = time.perf_counter()
     for _ in range(timed):
         runner.decode_step(reqs)
+        host_ms.append(runner.last_host_ms)
     _sync(device)
     dt = time.perf_counter() - t0
     row: dict[str, Any] = {"mode": mode, "context": ctx, "batch": batch, "tokens_per_s": batch * timed / dt,
-                           "step_ms": 1e3 * dt / timed, "hit_rate": None, "topk_overlap": None}
+                           "step_ms": 1e3 * dt / timed, "hit_rate": None, "topk_overlap": None,
+                           "graphs": runner.graphs.enabled, "host_ms_per_step": sum(host_ms) / len(host_ms),
+                           "host_ms_per_step_max": max(host_ms)}
     if hasattr(be, "coord"):
         be.record_layers = frozenset()
         if mode == "sparse-hier":
@@ -279,6 +338,13 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
         be.recorded.clear()
     if mode == "offload-full":
         row["mib_loaded_per_step"] = be.step_bytes[-1] / (1 << 20)
+    n_dense = len(be.algorithm.dense_layers()) if hasattr(be, "algorithm") else 0
+    rep = int(be.algorithm.representation_bytes() / batch) if hasattr(be, "algorithm") else 0
+    traffic = step_traffic(model, mode, ctx, batch, sc, n_dense, rep, row.get("misses_per_step"), dtype)
+    row["step_bytes_hbm"], row["step_bytes_h2d"] = traffic["hbm"], traffic["h2d"]
+    rl = roofline_ms(traffic)
+    row["roofline_ms"] = rl
+    row["frac_roofline"] = rl / row["step_ms"] if rl else None
     split, prof_ms = profiled_split(runner, reqs, profiled)
     row["split_ms"] = split
     row["profiled_step_ms"] = prof_ms
@@ -494,6 +560,39 @@ def targets(rows: list[dict], caps: dict, ctx: int, model: str) -> list[str]:
     return out
 
 
+def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) -> dict[str, Any]:
+    """Scenario a at ``ctx`` (the 64k run): best and batch-1 tokens/s per mode, rooflines,
+    the largest host time per step, sparse-hier's hit rate at its best batch."""
+    sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
+           and r.get("trace_source") == "trace85"]
+
+    def best(mode):
+        rs = [r for r in sel if r["mode"] == mode]
+        return max(rs, key=lambda r: r["tokens_per_s"]) if rs else None
+
+    def b1(mode):
+        return next((r for r in sel if r["mode"] == mode and r["batch"] == 1), None)
+
+    def get(r, key):
+        return None if r is None else r.get(key)
+
+    out: dict[str, Any] = {"context": ctx, "graphs": graphs}
+    for mode in ("dense", "sparse-gpu", "sparse-hier"):
+        k = mode.replace("-", "_")
+        out[f"{k}_best_tok_s"] = get(best(mode), "tokens_per_s")
+        out[f"{k}_b1_tok_s"] = get(b1(mode), "tokens_per_s")
+    out["sparse_hier_best_batch"] = get(best("sparse-hier"), "batch")
+    out["dense_best_batch"] = get(best("dense"), "batch")
+    out["dense_b1_frac_roofline"] = get(b1("dense"), "frac_roofline")
+    out["sparse_hier_best_frac_roofline"] = get(best("sparse-hier"), "frac_roofline")
+    hosts = [r["host_ms_per_step_max"] for r in sel if r.get("host_ms_per_step_max") is not None]
+    out["host_ms_per_step_max"] = max(hosts) if hosts else None
+    out["hit_rate"] = get(best("sparse-hier"), "hit_rate")
+    cap = caps.get((model, ctx, "a"), {})
+    out["batch_held"] = {m: cap.get(m) for m in MODES}
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -501,6 +600,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--time-budget", type=float, default=390.0, help="seconds; later points are skipped past it")
     ap.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
     ap.add_argument("--skip-b", action="store_true", help="skip scenario b")
+    ap.add_argument("--no-cuda-graph", action="store_true",
+                    help="run decode steps eagerly (default: CUDA-graph replays, as the runtime does)")
+    ap.add_argument("--modes", default=None, help="comma list of modes to sweep (default: all four)")
+    ap.add_argument("--max-batch", type=int, default=None, help="largest batch swept per mode")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
     ap.add_argument("--model-path", default=None,
@@ -514,6 +617,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--trace-steps", type=int, default=None,
                     help="greedy decode steps of the real trace (default 32; 6 with --quick)")
     args = ap.parse_args(argv)
+    global CUDA_GRAPH
+    CUDA_GRAPH = not args.no_cuda_graph
+    sweep_modes = tuple(args.modes.split(",")) if args.modes else MODES
+    bad = [m for m in sweep_modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: {bad} unknown; allowed {MODES}")
     deadline = Deadline(args.time_budget)
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
@@ -544,6 +653,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_batch = 256
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
+    if args.max_batch:
+        max_batch = args.max_batch
     trace_context = args.trace_context if args.trace_context is not None else (256 if args.quick else 8192)
     trace_steps = args.trace_steps if args.trace_steps is not None else (6 if args.quick else 32)
     if trace_context < 1:
@@ -557,8 +668,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = device_info()
     log(f"device {info['device']}; budget {args.time_budget:.0f}s")
     h2d = large_h2d_copy_gbps(1 << 30) if cuda else None
+    hbm = hbm_copy_gbps(2 << 30) if cuda else None
+    LIMITS.update(h2d_gbps=h2d, hbm_gbps=hbm)
     if h2d:
-        log(f"pinned host->device copy: {h2d:.1f} GB/s")
+        log(f"pinned host->device copy: {h2d:.1f} GB/s; device->device copy (read + write): {hbm:.0f} GB/s")
     rows: list[dict] = []
     caps: dict = {}
     notes: list[str] = []
@@ -569,8 +682,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         payload = {
             "model": llama.name, "models": {llama.name: llama.note, dsv.name: dsv.note},
             "prefill": PREFILL_NOTE, "rows": rows, "capacity": {f"{m}|{c}|{s}": v for (m, c, s), v in caps.items()},
-            "calibration": calib, "h2d_gbps": h2d, "notes": notes, "trace_sources": TRACE_SOURCES,
-            "settings": {"top_k_tokens": K, "buffer_tokens": 2 * K, "page_size_gqa": ps, "sink_tokens": 64,
+            "calibration": calib, "h2d_gbps": h2d, "hbm_gbps": hbm, "notes": notes, "trace_sources": TRACE_SOURCES,
+            "summary": summary(rows, caps, max(contexts), llama.name, CUDA_GRAPH and cuda),
+            "roofline": "roofline_ms = (weights + the KV the mode reads + selection representations + loaded "
+                        "pages written) / hbm_gbps + host->device bytes (sparse-hier misses, offload-full's whole "
+                        "context) / h2d_gbps, both limits measured in this run; frac_roofline = roofline_ms / step_ms",
+            "host_time": "host_ms_per_step: host time of a decode step outside the device's work (host part, input "
+                         "copy, graph launch or eager launches, bookkeeping after the tokens came back), mean and max "
+                         "over the timed steps",
+            "settings": {"graphs": CUDA_GRAPH and cuda, "top_k_tokens": K, "buffer_tokens": 2 * K, "page_size_gqa": ps, "sink_tokens": 64,
                          "recent_tokens": 64, "warmup_steps": warmup, "timed_steps": timed,
                          "profiled_steps": profiled, "quick": args.quick,
                          "scenario_a": {"gpu_kv_gib": budget_a[0] / GIB, "host_kv_gib": budget_a[1] / GIB}},
@@ -666,7 +786,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "per layer in real_trace) vs the 0.85 the trace85 rows are calibrated to")
         save()
     for ctx in contexts:
-        sweep(gqa, ctx, sc_gqa, "a", *budget_a, real=real)
+        sweep(gqa, ctx, sc_gqa, "a", *budget_a, modes=sweep_modes, real=real)
     if not args.skip_dsv32 and deadline.left() > 60:
         del gqa
         _free(device)
@@ -681,7 +801,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         notes.append(f"dsv32-shape: {dsv.num_layers} of 61 layers, so its GPU/host budgets are scaled by "
                      f"{scale:.3f} (capacity as for the full model)")
         shared_host_pool(mla, sc_dsa, dsv_ctx + max_batch * (steps_all + 4) + 8, device, dtype)
-        sweep(mla, dsv_ctx, sc_dsa, "a", budget_a[0] * scale, budget_a[1] * scale, scale=scale)
+        sweep(mla, dsv_ctx, sc_dsa, "a", budget_a[0] * scale, budget_a[1] * scale, modes=sweep_modes, scale=scale)
         del mla
         HOST_POOLS.clear()
         _free(device)
@@ -701,7 +821,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "stages one layer on the GPU, so a larger GPU budget changes nothing for it; its rows "
                      "in scenario a stand for both scenarios")
         for ctx in contexts:
-            sweep(gqa, ctx, sc_gqa, "b", free_b, budget_a[1], modes=("dense", "sparse-gpu", "sparse-hier"), real=real)
+            sweep(gqa, ctx, sc_gqa, "b", free_b, budget_a[1],
+                  modes=tuple(m for m in sweep_modes if m != "offload-full"), real=real)
     notes.append("offload-full is swept only up to batch 4 (its capacity is larger): it loads every page "
                  "every step, so its step time grows linearly with batch (PCIe-bound) and its tokens/s is "
                  "flat past batch 2; larger batches would spend the time budget without changing the picture")

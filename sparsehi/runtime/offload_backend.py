@@ -64,11 +64,16 @@ class OffloadFullBackend(ModeBackend):
             torch.cuda.current_stream().synchronize()
         self.pool.allocator.free(req.device_slots)
         req.device_slots = None
-        pages = host[::self.rt.page_size] // self.rt.page_size
-        self._host_pages[req.req_pool_idx, : pages.numel()] = pages.numpy()
-        self.host_page_table[req.req_pool_idx, : pages.numel()] = pages.to(self.device)
+        self.set_host_slots(req, host)
         req.seq_len = n
         self.memory()
+
+    def set_host_slots(self, req: Request, host_slots: torch.Tensor) -> None:
+        """Record ``host_slots`` (``[n] int64``, whole pages) as the request's KV on host
+        (the request then owns those pages: ``end_request`` frees them)."""
+        pages = host_slots[:: self.rt.page_size].cpu() // self.rt.page_size
+        self._host_pages[req.req_pool_idx, : pages.numel()] = pages.numpy()
+        self.host_page_table[req.req_pool_idx, : pages.numel()] = pages.to(self.device)
 
     def prepare_decode(self, reqs: list[Request]) -> Hashable:
         """A host page for every row whose new token opens one (one allocation)."""

@@ -71,6 +71,10 @@ class ModelRunner:
                         "CUDA graphs need io_backend='kernel')", rt.mode)
         self.graphs = DecodeGraphRunner(self._decode_body, rt.max_num_reqs, self.backend.device,
                                         enabled=rt.uses_cuda_graph)
+        self.last_host_ms = 0.0
+        """Host time of the last decode step outside the device's work: the host part,
+        the input copy and graph launch (or eager launches), and the bookkeeping after the
+        tokens came back; the wait for the device is not counted."""
 
     @torch.no_grad()
     def prefill(self, req: Request) -> int:
@@ -103,6 +107,7 @@ class ModelRunner:
         """One greedy decode step for every request of the batch. ``feed`` (teacher
         forcing) overrides the token each request consumes; its own argmax is still
         recorded."""
+        t0 = time.perf_counter()
         be = self.backend
         last = feed if feed is not None else [r.output[-1] for r in reqs]
         for r, t in zip(reqs, last):
@@ -110,10 +115,13 @@ class ModelRunner:
         variant = be.prepare_decode(reqs)
         toks_t, outputs = self.graphs.run([int(t) for t in last], [r.seq_len for r in reqs],
                                           [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant)
-        toks = toks_t[: len(reqs)].tolist()
+        t1 = time.perf_counter()
+        toks = toks_t[: len(reqs)].tolist()  # waits for the step
+        t2 = time.perf_counter()
         be.end_decode(reqs, outputs)
         for r, t in zip(reqs, toks):
             r.output.append(int(t))
+        self.last_host_ms = 1e3 * ((t1 - t0) + (time.perf_counter() - t2))
         return toks
 
     def new_requests(self, prompts: list[list[int]]) -> list[Request]:

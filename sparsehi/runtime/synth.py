@@ -94,7 +94,7 @@ def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed:
         backend.pool.allocator.free(staging)
         for r in reqs:
             backend.begin_request(r)
-            r.host_slots = shared.clone()
+            backend.set_host_slots(r, shared)  # shared by the batch: the benchmark never ends these requests
             r.seq_len = context
         return
     if not isinstance(backend, CoordinatorBackend):

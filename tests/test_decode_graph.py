@@ -1,0 +1,123 @@
+"""The decode step in CUDA graphs: every mode's captured step replays bit-identically to its
+eager step (same padded batch, same kernels) over many steps with page-boundary crossings
+and LRU misses, and a replay makes no host sync. The bucket logic and the static inputs
+are checked on CPU too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsehi.config import SparseConfig
+from sparsehi.runtime.decode_graph import DecodeInputs, batch_buckets
+from sparsehi.runtime.model_config import get_model_config
+from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runner import ModelRunner
+from sparsehi.runtime.weights import build_model
+
+STEPS = 40
+
+
+def test_batch_buckets_follow_sglang():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_buckets(0)
+
+
+def test_inputs_pad_rows_with_row_minus_one():
+    inp = DecodeInputs.allocate(4, torch.device("cpu"))
+    inp.fill([7, 8], [10, 20], [3, 1], [11, 21], 4)
+    assert inp.input_ids.tolist() == [7, 8, 0, 0]
+    assert inp.positions.tolist() == [10, 20, 0, 0]
+    assert inp.req_pool_indices.tolist() == [3, 1, -1, -1]
+    assert inp.seq_lens.tolist() == [11, 21, 1, 1]
+    inp.fill([5], [4], [2], [5], 2)  # a smaller step pads again, whatever was there
+    assert inp.req_pool_indices[:2].tolist() == [2, -1]
+
+
+_MODELS: dict = {}
+
+
+def _model(name: str):
+    if name not in _MODELS:
+        cfg = get_model_config(name, num_layers=4 if name == "tiny-gqa" else 3)
+        _MODELS[name] = build_model(config=cfg, device="cuda", dtype=torch.bfloat16)
+    return _MODELS[name]
+
+
+def _prompts(lengths, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _runner(name, mode, sc, prompts, graph, adaptor="auto"):
+    rt = RuntimeConfig(mode=mode, sparse=sc, device="cuda", dtype=torch.bfloat16, max_num_reqs=len(prompts) + 2,
+                       max_context_len=max(map(len, prompts)) + STEPS + 1, adaptor=adaptor, validate=False,
+                       cuda_graph=graph)
+    return ModelRunner(_model(name), rt)
+
+
+GQA = dict(algorithm="quest", page_size=16, top_k=64, device_buffer_size=96, sink_tokens=16, recent_tokens=16)
+DSA = dict(algorithm="dsa", page_size=1, top_k=48, device_buffer_size=96, sink_tokens=8, recent_tokens=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "sparse-gpu", "sparse-hier", "offload-full"])
+@pytest.mark.parametrize("name,kw", [("tiny-gqa", GQA), ("tiny-dsa", DSA)], ids=["gqa", "mla"])
+def test_captured_step_replays_its_eager_step(mode, name, kw):
+    sc = SparseConfig(min_sparse_prompt_len=0, **kw)
+    prompts = _prompts((300, 333, 290))  # 3 rows -> bucket 4: one padding row every step
+    res = {}
+    for graph in (True, False):
+        runner = _runner(name, mode, sc, prompts, graph)
+        res[graph] = runner.generate(prompts, STEPS)
+        if graph:
+            assert runner.graphs.enabled and runner.graphs.captured, "the step really ran as a graph"
+        else:
+            assert not runner.graphs.captured
+    assert res[True].tokens == res[False].tokens
+    if mode == "sparse-hier":
+        g, e = res[True].stats, res[False].stats
+        assert g["misses"] > 0 and g["hits"] > 0, "loads really happened"
+        assert (g["hits"], g["misses"], g["steps"]) == (e["hits"], e["misses"], e["steps"])
+        assert [s["misses"] for s in g["per_step"]] == [s["misses"] for s in e["per_step"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sparse-gpu", "sparse-hier"])
+def test_captured_step_with_a_dense_row(mode):
+    """A short prompt (< min_sparse_prompt_len) in the batch: the dense-row variant of the
+    graph, replayed against its eager step."""
+    sc = SparseConfig(min_sparse_prompt_len=200, **GQA)
+    prompts = _prompts((300, 120, 333), seed=3)
+    toks = [_runner("tiny-gqa", mode, sc, prompts, graph).generate(prompts, STEPS).tokens for graph in (True, False)]
+    assert toks[0] == toks[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "sparse-gpu", "sparse-hier", "offload-full"])
+def test_replay_makes_no_host_sync(mode):
+    sc = SparseConfig(min_sparse_prompt_len=0, **GQA)
+    prompts = _prompts((300, 333))
+    runner = _runner("tiny-gqa", mode, sc, prompts, True)
+    reqs = runner.new_requests(prompts)
+    for r in reqs:
+        runner.prefill(r)
+    runner.decode_step(reqs)  # captures the bucket
+    be = runner.backend
+    for _ in range(20):  # crosses a page boundary (page 16)
+        variant = be.prepare_decode(reqs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            toks, outputs = runner.graphs.run([r.output[-1] for r in reqs], [r.seq_len for r in reqs],
+                                              [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        be.end_decode(reqs, outputs)
+        for r, t in zip(reqs, toks[: len(reqs)].tolist()):
+            r.output.append(t)
+    assert len(runner.graphs.captured) == 1
