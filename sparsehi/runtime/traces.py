@@ -21,8 +21,17 @@ from typing import Callable, Optional
 import torch
 
 
+NOISE_BANK = 61
+"""Noise draws kept per query shape (prime, so that with any layer count the draw a layer
+gets cycles through all of them)."""
+
+
 class QueryTrace:
-    """Per-layer AR(1) query drift; call as a ModeBackend ``query_hook``."""
+    """Per-layer AR(1) query drift; call as a ModeBackend ``query_hook``.
+
+    CUDA-graph safe: the noise comes from a bank of ``NOISE_BANK`` draws made eagerly (on
+    the first call, the capture's warm-up), picked by a device counter; the state is updated
+    in place, so every replay advances the trace."""
 
     def __init__(self, rho: float, seed: int = 0, layers: Optional[set[int]] = None, dsa: bool = False) -> None:
         if not 0.0 <= rho < 1.0:
@@ -32,22 +41,30 @@ class QueryTrace:
         self.layers = layers
         self.dsa = dsa
         self._state: dict[int, torch.Tensor] = {}
-        self._gen: Optional[torch.Generator] = None
+        self._banks: dict[tuple, torch.Tensor] = {}
+        self._counter: Optional[torch.Tensor] = None
 
     def _noise(self, like: torch.Tensor) -> torch.Tensor:
-        if self._gen is None or self._gen.device != like.device:
-            self._gen = torch.Generator(device=like.device).manual_seed(self.seed)
-        return torch.randn(like.shape, generator=self._gen, device=like.device, dtype=torch.float32)
+        key = (tuple(like.shape), like.device)
+        bank = self._banks.get(key)
+        if bank is None:
+            gen = torch.Generator(device=like.device).manual_seed(self.seed + len(self._banks))
+            bank = torch.randn((NOISE_BANK, *like.shape), generator=gen, device=like.device, dtype=torch.float32)
+            self._banks[key] = bank
+        if self._counter is None or self._counter.device != like.device:
+            self._counter = torch.zeros(1, dtype=torch.int64, device=like.device)
+        self._counter.add_(1)
+        return bank.index_select(0, self._counter % NOISE_BANK)[0]
 
     def next(self, layer: int, like: torch.Tensor) -> torch.Tensor:
         """The trace's next unit-variance query of ``like``'s shape for ``layer``."""
         st = self._state.get(layer)
-        if st is None or st.shape != like.shape:
-            st = self._noise(like)
+        if st is None or st.shape != like.shape or st.device != like.device:
+            st = self._noise(like).clone()
+            self._state[layer] = st
         else:
-            st = self.rho * st + math.sqrt(1.0 - self.rho ** 2) * self._noise(like)
-        self._state[layer] = st
-        return st
+            st.mul_(self.rho).add_(self._noise(like), alpha=math.sqrt(1.0 - self.rho ** 2))
+        return st.clone()  # the state itself moves on at the next call
 
     def __call__(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
         if self.layers is not None and layer not in self.layers:
