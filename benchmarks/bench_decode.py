@@ -303,11 +303,13 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
     if hasattr(be, "coord"):
         sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
         rec_layer = sparse_layers[0] if sparse_layers else None
+    if hasattr(be, "coord"):
+        # set before the warm-up: what a step records is part of its graph (captured then)
+        be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
     for _ in range(warmup):
         runner.decode_step(reqs)
     if hasattr(be, "coord"):
         be.coord.reset_stats()
-        be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
         be.recorded.clear()
     _sync(device)
     host_ms = []

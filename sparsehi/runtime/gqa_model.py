@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsehi.runtime.layers import AttentionFn, RMSNorm, SwiGLU, apply_rope, init_linear, rope_cos_sin, seeded_normal_, tie_rows
+from sparsehi.kernels.decoder_ops import rope_inplace
+from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, rope_cos_sin, seeded_normal_,
+                                    tie_rows)
 from sparsehi.runtime.model_config import ModelConfig
 
 
@@ -26,18 +28,14 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self._qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     def qkv_weight(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """q/k/v projections as one matrix (one GEMM launch per layer instead of three),
-        built on first use: weights are fixed once loaded or initialised."""
-        if self._qkv is None:
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-            b = None
-            if self.q_proj.bias is not None:
-                b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
-            self._qkv = (w, b)
-        return self._qkv
+        """q/k/v projections as one matrix (one GEMM launch per layer instead of three)."""
+        w = fused_weight(self, "_qkv_w", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        b = None
+        if self.q_proj.bias is not None:
+            b = fused_weight(self, "_qkv_b", [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        return w, b
 
 
 class GQALayer(nn.Module):
@@ -67,8 +65,6 @@ class GQAModel(nn.Module):
         """Fixed-seed init (``cfg.seed``); see model_config for the q/k tie that makes
         attention peaky."""
         cfg = self.cfg
-        for layer in self.layers:
-            layer.self_attn._qkv = None
         gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(cfg.seed)
         seeded_normal_(self.embed_tokens.weight, gen, 1.0)
         group = cfg.num_heads // cfg.num_kv_heads
@@ -103,8 +99,8 @@ class GQAModel(nn.Module):
             w, b = a.qkv_weight()
             qkv = F.linear(x, w, b).view(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
             nqk = cfg.num_heads + cfg.num_kv_heads
-            qk = apply_rope(qkv[:, :nqk], cos, sin)  # q and k rotated in one pass
-            q, k, v = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:], qkv[:, nqk:]
+            rope_inplace(qkv[:, :nqk], cos, sin)  # q and k rotated in one pass
+            q, k, v = qkv[:, : cfg.num_heads], qkv[:, cfg.num_heads:nqk], qkv[:, nqk:]
             o = attn(i, q, k, v, {})
             h = h + a.o_proj(o.reshape(T, -1).to(h.dtype))
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -7,8 +7,7 @@ indexer query ``index_q``) with an AR(1) process per (layer, request)::
 
     u_t = rho * u_{t-1} + sqrt(1 - rho^2) * eps_t,   eps_t ~ N(0, I)
 
-rescaled to the model query's own per-head norm (DSA: with fixed head weights
-``H^-0.5``). ``rho`` sets how fast the query drifts;
+scaled to the model query's mean per-head norm (DSA: with fixed head weights ``H^-0.5``). ``rho`` sets how fast the query drifts;
 :func:`calibrate_rho` bisects it so that the adjacent-step Top-k overlap the *actual
 algorithm* measures on the *actual representations* hits a target (85 %, the figure 003
 reports for real models; ShadowKV reports ~60 %).
@@ -43,6 +42,9 @@ class QueryTrace:
         self._state: dict[int, torch.Tensor] = {}
         self._banks: dict[tuple, torch.Tensor] = {}
         self._counter: Optional[torch.Tensor] = None
+        self._scaled: dict[int, torch.Tensor] = {}  # per layer, at the model query's scale
+        self._scale: dict[int, float] = {}
+        self._weights: dict[tuple, torch.Tensor] = {}
 
     def _noise(self, like: torch.Tensor) -> torch.Tensor:
         key = (tuple(like.shape), like.device)
@@ -67,18 +69,33 @@ class QueryTrace:
         return st.clone()  # the state itself moves on at the next call
 
     def __call__(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
+        """The layer's query replaced by the trace at the model query's scale: the mean
+        per-head norm of the first query this layer saw (a fixed scale keeps a step at four
+        small kernels: draw, two in-place updates, cast)."""
         if self.layers is not None and layer not in self.layers:
             return q
         target = extra["index_q"] if self.dsa else q
-        u = self.next(layer, target)
-        scale = target.float().norm(dim=-1, keepdim=True) / u.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        new = (u * scale).to(target.dtype)
+        st = self._scaled.get(layer)
+        if st is None or st.shape != target.shape or st.device != target.device:
+            # first call (eager: the warm-up before any graph capture)
+            scale = float(target.float().norm(dim=-1).mean()) / math.sqrt(target.shape[-1])
+            self._scale[layer] = scale
+            st = self._noise(target).mul_(scale)
+            self._scaled[layer] = st
+        else:
+            c = math.sqrt(1.0 - self.rho ** 2) * self._scale[layer]
+            st.mul_(self.rho).add_(self._noise(target), alpha=c)
+        new = st.to(target.dtype, copy=True)  # the state moves on at the next call
         if self.dsa:
             # a fixed positive head weighting, as in calibrate (the model's random
             # weights_proj would otherwise re-rank tokens every step)
-            h = new.shape[1]
+            key = (tuple(new.shape[:2]), new.device)
+            w = self._weights.get(key)
+            if w is None:
+                w = self._weights[key] = torch.full(new.shape[:2], new.shape[1] ** -0.5, device=new.device,
+                                                    dtype=torch.float32)
             extra["index_q"] = new
-            extra["index_w"] = torch.full(new.shape[:2], h ** -0.5, device=new.device, dtype=torch.float32)
+            extra["index_w"] = w
             return q
         return new
 

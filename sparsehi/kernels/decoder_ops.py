@@ -1,0 +1,124 @@
+"""Two element-wise steps of a decoder layer fused into one launch each: rotary position
+embedding of q and k (in place), and the SwiGLU gate ``silu(gate) * up``.
+
+At batch 1 a decode step is a few hundred small launches; the plain-PyTorch forms of these
+two take seven and two kernels (casts, a concatenation, products) per call. Both compute
+in float32 and round once to the input's dtype, as their torch references do.
+
+Entry points: ``rope_inplace`` / ``silu_mul`` (dispatch), ``*_triton``, ``*_reference``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hicache.triton_support import announce_path, use_triton
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, dim]`` by position (rotate-half convention); cos/sin ``[T, dim]``
+    float32 with equal halves. Returns a new tensor in x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, n_heads, stride_xt, stride_xh, stride_ct,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (heads < n_heads)[:, None] & (d < HALF)[None, :]
+    base = x_ptr + t * stride_xt + heads[:, None].to(tl.int64) * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    dm = d < HALF
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(base + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=m)
+
+
+def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [T, H, dim] with an even dim, got {tuple(x.shape)}")
+    want = (x.shape[0], x.shape[2])
+    if tuple(cos.shape) != want or tuple(sin.shape) != want:
+        raise ValueError(f"cos/sin must be [T, dim]={want}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be float32, got {cos.dtype} and {sin.dtype}")
+
+
+def rope_inplace_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Triton: rotate ``x`` in place (its last dim contiguous; any head / token strides)."""
+    _check_rope(x, cos, sin)
+    if x.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("x's last dim and cos/sin rows must be contiguous (sin laid out like cos)")
+    T, H, dim = x.shape
+    if T == 0 or H == 0:
+        return x
+    half = dim // 2
+    block_h = min(16, triton.next_power_of_2(H))
+    _rope_kernel[(T, triton.cdiv(H, block_h))](
+        x, cos, sin, H, x.stride(0), x.stride(1), cos.stride(0),
+        HALF=half, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), num_warps=4,
+    )
+    return x
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, dim]`` in place by cos/sin ``[T, dim]`` float32; returns ``x``."""
+    if use_triton(x):
+        announce_path("rope", "triton")
+        return rope_inplace_triton(x, cos, sin)
+    announce_path("rope", "reference")
+    _check_rope(x, cos, sin)
+    x.copy_(rope_reference(x, cos, sin))
+    return x
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gate_up [T, 2I]`` (gate then up) -> ``silu(gate) * up`` ``[T, I]`` in its dtype."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    g = tl.load(x_ptr + t * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * stride_xt + inter + cols, mask=m, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + t * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [T, 2I] with a contiguous last dim, got {tuple(gate_up.shape)}")
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if T == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                      BLOCK=block, num_warps=4)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2I]`` (the gate and up projections side by side)."""
+    if use_triton(gate_up):
+        announce_path("silu_mul", "triton")
+        return silu_mul_triton(gate_up)
+    announce_path("silu_mul", "reference")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
+    return silu_mul_reference(gate_up)
