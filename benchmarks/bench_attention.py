@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU dry run)")
     ap.add_argument("--sweep", action="store_true", help="also sweep block sizes at B=64/1, K=2048")
-    ap.add_argument("--out", default=None, help="result dir (default $OUT or benchmarks/results)")
+    ap.add_argument("--out", default=None, help="result dir (default benchmarks/results)")
     ap.add_argument("--sweep-only", default=None, choices=["paged", "mla"],
                     help="only sweep this kernel (no main rows); writes attention_sweep.json")
     args = ap.parse_args(argv)

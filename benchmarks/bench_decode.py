@@ -600,7 +600,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny models, tiny contexts: a CPU smoke run of every path")
     ap.add_argument("--time-budget", type=float, default=390.0, help="seconds; later points are skipped past it")
-    ap.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     ap.add_argument("--skip-b", action="store_true", help="skip scenario b")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="run decode steps eagerly (default: CUDA-graph replays, as the runtime does)")
@@ -631,7 +631,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
         torch.set_num_threads(1)
-    out_dir = Path(args.out or os.environ.get("OUT") or RESULTS_DIR)
+    out_dir = Path(args.out or RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.quick:
         llama = get_model_config("tiny-gqa", num_layers=4)

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small contexts and one trial (smoke run)")
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     ap.add_argument("--plot-from", default=None, help="only redraw fidelity.png next to this fidelity.json")
     args = ap.parse_args(argv)
     if args.plot_from:

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--io-backend", default="kernel", choices=("kernel", "direct"))
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="small shapes, CPU allowed (smoke test)")
-    p.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
+    p.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if args.quick:

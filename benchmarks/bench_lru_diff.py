@@ -228,7 +228,7 @@ def matches_reference(b: int, k: int, s: int, n: int, device, steps: int = 12, *
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes on CPU (reference path), no timing")
-    ap.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     args = ap.parse_args()
     if args.quick or not torch.cuda.is_available():
         dev = torch.device("cpu")
@@ -250,7 +250,7 @@ def main() -> None:
     sweep = []
     for s in (2048, 4096, 8192):
         best = None
-        for nw in (8, 16):  # 4 warps are slower from S = 2048 up (session-3 variants)
+        for nw in (8, 16):  # 4 warps are slower from S = 2048 up (lru_diff.json experiments, timestamp LRU)
             for r in (2, 4):
                 for h in (0, 1):
                     ok = matches_reference(64, 2048, s, 65536, dev, num_warps=nw, scan_r=r, steps=6, helpers=h)
@@ -330,14 +330,17 @@ def main() -> None:
                  "attention_us = Llama-8B GQA decode over K tokens (32/8 heads, d128, bf16, page 64). "
                  "helpers = programs per row that stamp the hits beside the main program (library rule: one "
                  "while 2*B <= SMs). Kernel history at B=64, K=2048, S=4096 on this device kind: 13.28 us "
-                 "(first kernel), 10.9 us (order-array kernel, sessions 1-2), this file's rows (timestamp LRU "
-                 "with a helper program, session 3; miss-side installs for S >= 4K, session 4).",
+                 "(first kernel), 10.9 us (order-array kernel, experiments `2026-11-23_order_array_kernel_variants`), "
+                 "this file's rows (timestamp LRU with a helper program, experiments "
+                 "`2026-11-23_timestamp_lru_hit_stamping_helper`; miss-side installs for S >= 4K, experiments "
+                 "`2026-11-23_split_installs_and_miss_side_installs`).",
     }
-    # keep the experiment records of earlier sessions that live in the committed file
+    # keep the experiment records (one per date and idea, under `experiments`) of the committed file
     prior = RESULTS_DIR / "lru_diff.json"
     if prior.exists():
         old = json.loads(prior.read_text())
-        payload.update({key: val for key, val in old.items() if key.startswith("session")})
+        if "experiments" in old:
+            payload["experiments"] = old["experiments"]
     path = write_result("lru_diff.json", payload, args.out)
     print(f"wrote {path}")
 

@@ -84,7 +84,7 @@ def per_op_costs(rows: list[dict]) -> tuple[dict, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="result directory (default $OUT or benchmarks/results)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []

@@ -8,7 +8,7 @@ Cases (one layer each, scattered distinct slots over a multi-GB host pool, >= 25
   256 KiB rows — one 64-token Llama-8B MHA page per layer (64 × 8 heads × 128 × 2 B × k,v)
 
 Usage: PYTHONPATH=. python benchmarks/bench_transfer.py [--quick] [--sweep] [--host-gb 8]
-Writes transfer.json (+ transfer.png) to $OUT or benchmarks/results.
+Writes transfer.json (+ transfer.png) to --out (default benchmarks/results).
 """
 from __future__ import annotations
 
@@ -204,6 +204,7 @@ def main() -> None:
     p.add_argument("--call-mib", type=int, default=256)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the plot from a result file")
+    p.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     args = p.parse_args()
     if args.plot_only:
         import json
@@ -213,7 +214,7 @@ def main() -> None:
     if args.quick:
         args.host_gb, args.call_mib, args.iters = 0.05, 2, 2
     payload = run(args)
-    out_dir = Path(os.environ.get("OUT") or RESULTS_DIR)
+    out_dir = Path(args.out or RESULTS_DIR)
     path = write_result("transfer.json" if not args.quick else "transfer_quick.json", payload, out_dir)
     print(f"wrote {path}")
     try:

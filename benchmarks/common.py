@@ -113,8 +113,8 @@ def bf16_gemm_tflops(n: int = 8192) -> float:
 
 def write_result(name: str, payload: dict[str, Any], out_dir: str | os.PathLike | None = None) -> Path:
     """Write ``payload`` (device and date added when missing) as JSON to ``out_dir``
-    (default: $OUT when set, else benchmarks/results) and return the path."""
-    base = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
+    (default: benchmarks/results) and return the path."""
+    base = Path(out_dir or RESULTS_DIR)
     base.mkdir(parents=True, exist_ok=True)
     info = device_info()
     payload = {"device": info["device"], "date": info["date"], **payload}

@@ -2,14 +2,13 @@
 Gluon kernel: both (and the default dispatch) at DeepSeek dims (128 heads, 512 + 64),
 K=2048, B in {1, 2, 4, 8, 16}, each checked against the torch reference and CUDA-graph timed.
 
-Usage (GPU): ``PYTHONPATH=. python3 benchmarks/mla_dispatch.py``; writes
-``mla_dispatch.json`` under $OUT (or /tmp). Its rows are kept in
+Usage (GPU): ``PYTHONPATH=. python3 benchmarks/mla_dispatch.py [--out DIR]``; writes
+``mla_dispatch.json`` under ``--out`` (default benchmarks/results). Its rows are kept in
 benchmarks/results/attention.json under ``mla_dispatch``.
 """
 from __future__ import annotations
 
-import json
-import os
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_attention import mla_case, mla_flops  # noqa: E402
-from benchmarks.common import cuda_time_us  # noqa: E402
+from benchmarks.common import cuda_time_us, write_result  # noqa: E402
 from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_config,  # noqa: E402
                                                 sparse_mla_decode_reference, sparse_mla_decode_triton)
 
@@ -26,6 +25,9 @@ H, DL, DR, K = 128, 512, 64, 2048
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mla_dispatch.py times GPU kernels: run it on a CUDA machine")
     rows = []
@@ -41,7 +43,7 @@ def main() -> None:
             rows.append({"B": b, "K": K, "H": H, "kernel": name, "us": round(us, 2), "rel_err": round(err, 5),
                          "tflops": round(mla_flops(b, K, H, DL, DR) / (us * 1e-6) / 1e12, 1)})
             print(rows[-1], flush=True)
-    Path(os.environ.get("OUT", "/tmp"), "mla_dispatch.json").write_text(json.dumps(rows, indent=1))
+    print("wrote", write_result("mla_dispatch.json", {"rows": rows}, args.out))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ kernel (:class:`MlaGluonConfig`) variants.
 For each variant: correctness against the torch reference on fresh random inputs (with
 ``-1`` padding, an out-of-pool index and an empty row) and the CUDA-graph time (two
 timings) at Dl=512, Dr=64, K=2048 for the cases (B, H) in ``--cases`` (default 64x128,
-16x128, 1x128, 64x16). Prints a compact table; writes ``mla_experiments.json`` under $OUT
-(or benchmarks/results).
+16x128, 1x128, 64x16). Prints a compact table; writes ``mla_experiments.json`` under
+``--out`` (default benchmarks/results).
 
 Usage: ``PYTHONPATH=. python3 benchmarks/mla_experiments.py [--cases 64x128,64x16] [--only a,b]``;
 ``--profile VARIANT`` runs one variant 3x for ``ncu -k regex:_mla --launch-skip 1 -c 1``.
@@ -39,8 +39,8 @@ def variants(B: int, H: int) -> list[tuple[str, object]]:
     return out
 
 
-def _dump(rows, env=None) -> None:
-    write_result("mla_experiments.json", {"rows": rows, "env": env})
+def _dump(rows, out_dir, env=None) -> None:
+    write_result("mla_experiments.json", {"rows": rows, "env": env}, out_dir)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -52,6 +52,7 @@ def main() -> int:
     ap.add_argument("--cases", default="64x128,16x128,1x128,64x16", help="BxH list")
     ap.add_argument("--only", default=None, help="comma list of variant names")
     ap.add_argument("--profile", default=None, help="run this variant 3x at the first batch (for ncu) and exit")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     if args.profile:
@@ -118,10 +119,10 @@ def main() -> int:
                 traceback.print_exc()
             print(json.dumps(r), flush=True)
             rows.append(r)
-            _dump(rows)
+            _dump(rows, args.out)
         del q, kv, idx, q2, kv2, idx2
         torch.cuda.empty_cache()
-    _dump(rows, device_info())
+    _dump(rows, args.out, device_info())
     print(f"\n{'B':>3} {'H':>4} {'variant':<16} {'us':>8} {'TF/s':>7} {'GB/s':>7} {'rel_err':>9} {'rel_pad':>9} ok")
     for r in rows:
         if "check" in r:

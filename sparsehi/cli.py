@@ -10,6 +10,7 @@ import torch
 
 from hicache.config import HOST_LAYOUTS
 from sparsehi.config import IO_BACKENDS, SparseConfig
+from sparsehi.kernels.lru_diff import MAX_SLOTS
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLAG_OF = {"device_buffer_size": "--buffer-size", "top_k": "--top-k", "page_size": "--page-size",
@@ -83,11 +84,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "are CPU-sized; llama-8b-shape and dsv32-shape have real attention shapes (fewer layers / "
                         "smaller MLP, stated in the output)")
     g.add_argument("--model-path", default=None,
-                   help="local HF-layout Llama/Qwen2 checkpoint directory (config.json + model*.safetensors); "
-                        "overrides --model")
+                   help="local HF-layout Llama / Qwen2 / Mistral checkpoint directory (config.json + "
+                        "model*.safetensors; plain RoPE or Llama-3.1 llama3 rope scaling; no sliding window); "
+                        "checked before the run starts; overrides --model")
     g.add_argument("--num-layers", type=_positive("--num-layers"), default=None,
                    help="override the built-in config's layer count")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompt token ids (default 0); the built-in models' random weights "
+                        "have their own fixed seed")
     g = p.add_argument_group("sparse attention")
     g.add_argument("--modes", type=_modes, default=None,
                    help="comma list or 'all' (default all): " + "; ".join(f"{k}: {v}" for k, v in MODE_HELP.items()))
@@ -95,10 +99,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="Top-k algorithm: quest, oracle, dsa or 'module:Class' (default auto: quest for GQA "
                         "models, dsa for MLA models)")
     g.add_argument("--top-k", type=_positive("--top-k"), default=None,
-                   help="tokens selected per step and layer, sink and recent window excluded "
-                        "(default: context/16, at least 64, at most 2048)")
+                   help="tokens selected per step and layer, sink and recent window excluded; below the context "
+                        "(bench: below every --contexts value) (default: context/16, at least 64, at most 2048, "
+                        "below the context)")
     g.add_argument("--buffer-size", type=_positive("--buffer-size"), default=None,
-                   help="tokens of GPU LRU buffer per request and layer, >= --top-k (default 4 x top-k)")
+                   help="tokens of GPU LRU buffer per request and layer, >= --top-k (default 4 x top-k, at most "
+                        "the longest prompt + decode tokens)")
     g.add_argument("--page-size", type=_positive("--page-size"), default=None,
                    help="tokens per KV page, a power of two (default 16 for GQA, 1 for MLA/DSA, which is token-wise)")
     g.add_argument("--sink-tokens", type=_nonneg("--sink-tokens"), default=64,
@@ -121,11 +127,61 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=_positive("--threads"), default=1,
                    help="torch CPU threads (default 1: the tiny models' small matmuls run fastest, and "
                         "unaffected by other load, on one thread)")
-    g.add_argument("--output-dir", default="outputs", help="where JSON and PNG files go (default outputs/)")
+    g.add_argument("--output-dir", default="outputs",
+                   help="where JSON and PNG files go, created if missing and checked for writing before the run "
+                        "starts (default outputs/)")
 
 
-def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context: int):
+def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+    """Stop with one line and exit code 2 (argparse's code for bad arguments). For files
+    and directories that are wrong, where the usage text would not help."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _sizes(args: argparse.Namespace, parser: argparse.ArgumentParser, page: int, context_flag: str,
+           shortest: int, longest: int) -> tuple[int, int]:
+    """(top_k, device_buffer_size) in tokens. ``shortest`` is the smallest prompt the run
+    decodes (``context_flag`` sets it), ``longest`` the largest sequence (prompt + decode).
+
+    A given ``--top-k`` must be below the context: at or above it, sparse attention selects
+    every token and only costs more GPU memory than dense. The default top-k (context/16,
+    in [64, 2048]) is lowered below the context. A given top-k above the LRU diff kernel's
+    buffer limit is blamed on --top-k. The default buffer (4 x top-k) is capped at the
+    kernel limit and at the longest sequence, where more slots could never be used.
+    """
+    limit = MAX_SLOTS * page
+    below = (shortest - 1) // page * page  # largest whole-page top-k below the context
+    if args.top_k is not None:
+        if args.top_k % page:
+            parser.error(f"--top-k {args.top_k} must be a multiple of --page-size {page} (tokens, whole pages)")
+        if args.top_k >= shortest:
+            where = f"--context {shortest}" if context_flag == "--context" else \
+                f"every --contexts value (the smallest is {shortest})"
+            parser.error(f"--top-k {args.top_k} must be below {where}: it selects tokens out of the prompt, and "
+                         f"at or above it every token is attended (use --modes dense for that)")
+        if args.top_k > limit:
+            parser.error(f"--top-k {args.top_k} is above the LRU buffer limit of {MAX_SLOTS} pages of "
+                         f"--page-size {page} = {limit} tokens")
+        top_k = args.top_k
+    else:
+        if below < page:
+            parser.error(f"{context_flag} {shortest} is too short for sparse attention with --page-size {page}: "
+                         f"top-k needs at least one page below the context")
+        top_k = min(max(64, min(2048, shortest // 16)) // page * page, below)
+        top_k = max(page, top_k)
+    if args.buffer_size is not None:
+        return top_k, args.buffer_size
+    rounded_longest = -(-longest // page) * page
+    return top_k, max(top_k, min(4 * top_k, limit, rounded_longest))
+
+
+def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_flag: str, shortest: int,
+             longest: int, output_files: tuple[str, ...]):
+    """Check every option against the others before any work: device, checkpoint, sizes,
+    algorithm, output directory. Returns (device, dtype, SparseConfig)."""
     from sparsehi.runtime.model_config import get_model_config
+    from sparsehi.runtime.report import prepare_output_dir
+    from sparsehi.runtime.weights import CheckpointError, check_hf_checkpoint
 
     device = args.device
     if device == "auto":
@@ -135,23 +191,18 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context:
     if not (device == "cpu" or device.startswith("cuda")):
         parser.error(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
     dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    family = "gqa"
     if args.model_path is None:
         family = get_model_config(args.model).family
     else:
-        from pathlib import Path
-
-        root = Path(args.model_path)
-        if not (root / "config.json").is_file() or not any(root.glob("model*.safetensors")):
-            parser.error(f"--model-path {args.model_path}: expected a local HF-layout checkpoint directory "
-                         f"with config.json and model*.safetensors")
+        try:
+            family = check_hf_checkpoint(args.model_path).family
+        except CheckpointError as e:
+            _fail(parser, f"--model-path {e}")
     algorithm = args.algorithm if args.algorithm != "auto" else ("dsa" if family == "mla" else "quest")
     page = args.page_size or (1 if family == "mla" else 16)
-    if args.top_k is not None and args.top_k % page:
-        parser.error(f"--top-k {args.top_k} must be a multiple of --page-size {page} (tokens, whole pages)")
-    top_k = args.top_k or max(64, min(2048, context // 16))
-    top_k = max(page, top_k // page * page)
-    buf = args.buffer_size or 4 * top_k
+    if family == "mla" and page != 1:
+        parser.error(f"--page-size must be 1 for the MLA/DSA model {args.model} (DSA selects tokens)")
+    top_k, buf = _sizes(args, parser, page, context_flag, shortest, longest)
     try:
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
@@ -161,8 +212,6 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context:
         for field_name, flag in _FLAG_OF.items():
             msg = msg.replace(f"SparseConfig.{field_name}", flag).replace(field_name, flag)
         parser.error(msg)
-    if family == "mla" and page != 1:
-        parser.error(f"--page-size must be 1 for the MLA/DSA model {args.model} (DSA selects tokens)")
     from sparsehi.algorithms.dsa import DSAAlgorithm
     from sparsehi.algorithms.registry import create_algorithm, resolve_algorithm
 
@@ -179,6 +228,10 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context:
     if family != "mla" and issubclass(cls, DSAAlgorithm):
         parser.error(f"--algorithm {algorithm}: dsa needs an MLA model with a lightning indexer "
                      f"(tiny-dsa, dsv32-shape); {model_name} is GQA")
+    try:
+        prepare_output_dir(args.output_dir, output_files)
+    except ValueError as e:
+        _fail(parser, f"--output-dir {e}")
     if args.adaptor is None:
         args.adaptor = "auto" if device.startswith("cuda") else "none"
     return device, dtype, sc
@@ -233,23 +286,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from sparsehi.runtime.modes import RUNTIME_MODES
+    from sparsehi.runtime.weights import CheckpointError
 
     modes = args.modes or list(RUNTIME_MODES)
-    if args.command == "run":
-        from sparsehi.runtime.demo import DemoConfig, run_demo
+    try:
+        if args.command == "run":
+            from sparsehi.runtime.demo import RUN_FILES, DemoConfig, run_demo
 
-        device, dtype, sc = _resolve(args, args.subparser, args.context)
-        cfg = DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
-                         context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
-                         shared_prefix=args.shared_prefix, forced=not args.no_forced, progress=not args.no_progress)
-        run_demo(cfg)
+            device, dtype, sc = _resolve(args, args.subparser, "--context", args.context,
+                                         args.context + args.decode_tokens, RUN_FILES)
+            run_demo(DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
+                                context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
+                                shared_prefix=args.shared_prefix, forced=not args.no_forced,
+                                progress=not args.no_progress))
+            return 0
+        from sparsehi.runtime.bench import BENCH_FILES, BenchConfig, run_bench
+
+        device, dtype, sc = _resolve(args, args.subparser, "--contexts", min(args.contexts),
+                                     max(args.contexts) + args.decode_tokens, BENCH_FILES)
+        run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
+                              contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))
         return 0
-    from sparsehi.runtime.bench import BenchConfig, run_bench
-
-    device, dtype, sc = _resolve(args, args.subparser, min(args.contexts))
-    run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
-                          contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))
-    return 0
+    except CheckpointError as e:  # found only while loading the tensors, after the up-front header check
+        _fail(args.subparser, f"--model-path {e}")
+    return 2
 
 
 if __name__ == "__main__":

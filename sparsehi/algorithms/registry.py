@@ -1,10 +1,18 @@
 """Algorithm registry: ``@register_algorithm("name")`` and ``create_algorithm(config,
 device)`` resolving ``config.algorithm`` as a registered name or as an import path
 ``"package.module:ClassName"`` (a third-party algorithm needs no registration at all).
+
+An import path resolves against ``sys.path`` and then the working directory: the
+``sparsehi`` console script starts with its own ``bin`` directory on ``sys.path``, not the
+directory the user runs in (``python -m`` and ``python -c`` do put that one first), and a
+``module:Class`` names a module as the user sees it from there.
 """
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from types import ModuleType
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -53,6 +61,33 @@ def registered_algorithms() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _on_sys_path(directory: str) -> bool:
+    real = os.path.realpath(directory)
+    return any(os.path.realpath(entry or os.curdir) == real for entry in sys.path if isinstance(entry, str))
+
+
+def _import_user_module(mod_name: str) -> ModuleType:
+    """Import ``mod_name`` from ``sys.path``, else from the working directory.
+
+    The working directory is appended (searched last), so it never shadows an installed
+    package, and only when the top-level package itself was not found; it stays on
+    ``sys.path`` once it served the import (the module may import its siblings later).
+    """
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != mod_name.partition(".")[0] or _on_sys_path(cwd):
+            raise
+    sys.path.append(cwd)
+    importlib.invalidate_caches()
+    try:
+        return importlib.import_module(mod_name)
+    except ImportError as e:
+        sys.path.remove(cwd)  # it did not serve the import: leave sys.path as it was
+        raise ImportError(f"{e}; searched sys.path and the working directory {cwd}", name=e.name) from e
+
+
 def resolve_algorithm(name: str) -> type[BaseSparseAlgorithm]:
     """The class for a registered name or a ``"package.module:ClassName"`` path."""
     if not isinstance(name, str) or not name:
@@ -60,7 +95,7 @@ def resolve_algorithm(name: str) -> type[BaseSparseAlgorithm]:
     if ":" in name:
         mod_name, _, cls_name = name.partition(":")
         try:
-            mod = importlib.import_module(mod_name)
+            mod = _import_user_module(mod_name)
         except ImportError as e:
             raise ValueError(f"algorithm={name!r}: cannot import module {mod_name!r} ({e})") from e
         cls = getattr(mod, cls_name, None)

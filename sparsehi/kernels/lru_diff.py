@@ -461,10 +461,10 @@ def default_num_warps(block_s: int) -> int:
 
 def default_miss_side(block_k: int, block_s: int) -> bool:
     """Install from the miss side when the buffer is at least 4x the top-k width: its
-    passes are K wide instead of S wide. H200, B=64 (lru_diff.json
-    ``session4_experiments.miss_side_installs``): K=512 with S=4096 0.86x the time, K=2048
-    with S=8192 0.95x, K=2048 with S=4096 even, S = K 2-4 % slower. (K=512 with S=2048 is
-    on the miss side by this rule but was not measured.)"""
+    passes are K wide instead of S wide. H200, B=64 (lru_diff.json ``experiments``
+    ``2026-11-23_split_installs_and_miss_side_installs``, ``miss_side_installs``): K=512
+    with S=4096 0.86x the time, K=2048 with S=8192 0.95x, K=2048 with S=4096 even, S = K
+    2-4 % slower. (K=512 with S=2048 is on the miss side by this rule but was not measured.)"""
     return block_s >= 4 * block_k
 
 

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from sparsehi.runtime.demo import make_prompts
+from sparsehi.runtime.demo import CPU_THROUGHPUT_NOTE, make_prompts
 from sparsehi.runtime.modes import RuntimeConfig
-from sparsehi.runtime.report import MIB, write_json
+from sparsehi.runtime.report import MIB, prepare_output_dir, write_json
 from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
+
+
+BENCH_FILES = ("bench.json",)
+"""What ``run_bench`` writes under ``output_dir``."""
 
 
 @dataclass
@@ -29,11 +32,16 @@ class BenchConfig(RunSetup):
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Sweep; print one line per point; write ``bench.json`` under ``cfg.output_dir``
+    (checked before any work). Returns the JSON payload."""
+    out = prepare_output_dir(cfg.output_dir, BENCH_FILES)
     model = build_model(cfg.model, model_path=cfg.model_path, device=cfg.device, dtype=cfg.dtype,
                         num_layers=cfg.num_layers)
     rows: list[dict[str, Any]] = []
     print(f"sparsehi bench: {model.cfg.name}, algorithm {cfg.sparse.algorithm}, top_k {cfg.sparse.top_k}, "
           f"buffer {cfg.sparse.device_buffer_size}, page {cfg.sparse.page_size}, device {cfg.device}")
+    if torch.device(cfg.device).type == "cpu":
+        print(CPU_THROUGHPUT_NOTE)
     print(f"{'context':>8} {'batch':>5} {'mode':>12} {'tok/s':>9} {'hit':>6} {'GPU KV MiB':>11} {'host KV MiB':>11}")
     for ctx in cfg.contexts:
         sc = replace(cfg.sparse)
@@ -62,6 +70,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                "sparse_config": {k: getattr(cfg.sparse, k) for k in ("algorithm", "top_k", "device_buffer_size",
                                                                      "page_size")},
                "decode_tokens": cfg.decode_tokens, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = write_json(Path(cfg.output_dir) / "bench.json", payload)
+    path = write_json(out / "bench.json", payload)
     print(f"wrote {path}")
     return payload

@@ -14,19 +14,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from sparsehi.runtime.modes import RuntimeConfig
-from sparsehi.runtime.report import (MIB, forced_agreement, free_running_agreement, plot_run, summary_table,
-                                     write_json)
+from sparsehi.runtime.report import (MIB, forced_agreement, free_running_agreement, plot_run,
+                                     prepare_output_dir, summary_table, write_json)
 from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import GenerationResult, ModelRunner
 from sparsehi.runtime.weights import build_model
 
 logger = logging.getLogger(__name__)
+
+RUN_FILES = ("run.json", "run.png")
+"""What ``run_demo`` writes under ``output_dir``."""
+CPU_THROUGHPUT_NOTE = (
+    "On CPU, tok/s measures the Python overhead of the eager per-layer path, not attention or memory "
+    "traffic: it moves by tens of percent between identical runs and can put sparse-gpu ahead of dense. It "
+    "is not a stand-in for GPU throughput; the GPU comparison is benchmarks/results/decode.json.")
 
 
 @dataclass
@@ -81,7 +87,8 @@ def _mode_row(mode: str, res: GenerationResult, spec_token_bytes: int) -> dict[s
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every mode; print the table; write ``run.json`` and ``run.png`` under
-    ``cfg.output_dir``. Returns the JSON payload."""
+    ``cfg.output_dir`` (checked before any work). Returns the JSON payload."""
+    out = prepare_output_dir(cfg.output_dir, RUN_FILES)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -140,7 +147,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print()
     print(summary_table(rows))
     notes = [
-        "tok/s: decode tokens per second over the batch (prefill excluded); " + path_note + ".",
+        "tok/s: decode tokens per second over the batch (prefill excluded)." + (" " + CPU_THROUGHPUT_NOTE if on_cpu else ""),
         "hit rate: share of Top-k pages already in the request's GPU LRU buffer (sparse-hier only).",
         "loaded MiB/step: host->device bytes per decode step, all layers (offload-full loads the whole context).",
         "GPU KV MiB: peak KV held on the device during decode (device pool pages in use; sparse-hier: sink + "
@@ -168,7 +175,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     for n in notes:
         if n:
             print("  * " + n)
-    out = Path(cfg.output_dir)
     payload = {
         "model": mcfg.name, "model_note": mcfg.note, "context": cfg.context, "batch": cfg.batch,
         "decode_tokens": cfg.decode_tokens, "device": str(cfg.device),

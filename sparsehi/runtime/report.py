@@ -2,10 +2,46 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 MIB = 1024 * 1024
+
+
+def prepare_output_dir(path: str | os.PathLike, files: Sequence[str] = ()) -> Path:
+    """Create the output directory ``path`` (parents included) and check that ``files``
+    can be written in it, before a run does any work: a run that can only fail at its end
+    loses its results. Raises ValueError naming the path at fault and why."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    blocking = next((a for a in out.parents if a.exists() and not a.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{out} cannot be created: {blocking} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{out} cannot be created ({e.strerror or e})") from None
+    # os.access answers for the real user and sees read-only mounts; the probe file also
+    # catches what access() cannot (ACLs, quotas, root on a read-only bind mount)
+    problem = None if os.access(out, os.W_OK | os.X_OK) else "permission denied"
+    if problem is None:
+        try:
+            with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            problem = e.strerror or str(e)
+    if problem is not None:
+        raise ValueError(f"{out} is not writable ({problem})")
+    for name in files:
+        target = out / name
+        if target.exists() and not target.is_file():
+            raise ValueError(f"{target} exists and is not a file")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise ValueError(f"{target} exists and is not writable")
+    return out
 
 
 def agreement(a: list[int], b: list[int]) -> float:
