@@ -22,7 +22,7 @@ Top-k overlap on these representations is 85 % (003's figure for real models); e
 reports the overlap it measured (``topk_overlap``). ``model``: the random-weight model's
 own queries (one sparse-hier row per context, for contrast).
 
-Real weights. ``--model-path DIR`` (a local HF-layout Llama/Qwen2 checkpoint) replaces the
+Real weights. ``--model-path DIR`` (a local HF-layout Llama/Qwen2/Mistral checkpoint) replaces the
 llama-shape model; its own-query rows are then ``real``, and the benchmark first RECORDS a
 real trace: a real prefill of ``--trace-prompt`` (token ids; default fixed-seed random ids of
 the largest context, capped at ``--trace-context``) and ``--trace-steps`` greedy decode
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -609,7 +608,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
     ap.add_argument("--model-path", default=None,
-                    help="local HF-layout Llama/Qwen2 checkpoint: real weights replace the llama-shape model "
+                    help="local HF-layout Llama/Qwen2/Mistral checkpoint: real weights replace the llama-shape model "
                          "and a real query trace is recorded")
     ap.add_argument("--trace-prompt", default=None,
                     help="token-id file (JSON list or whitespace/comma separated) for the real trace; default "
