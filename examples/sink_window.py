@@ -29,6 +29,7 @@ class SinkWindow(BaseSparseAlgorithm):
     def retrieve_topk(self, queries, layer_id, req_pool_indices, sparse_mask, **kwargs):
         start, end, top_k = kwargs["candidate_start"].long(), kwargs["candidate_end"].long(), kwargs["top_k"]
         cols = torch.arange(top_k, device=end.device)[None, :]
-        count = (end - start).clamp(0, top_k) * sparse_mask.to(end.device).long()  # masked rows: none
+        live = sparse_mask.to(end.device) & (req_pool_indices.to(end.device) >= 0)  # masked / padding rows: none
+        count = (end - start).clamp(0, top_k) * live.long()
         ids = torch.where(cols < count[:, None], end[:, None] - 1 - cols, torch.full_like(cols, -1))
         return ids.to(torch.int32), count.to(torch.int32)

@@ -8,6 +8,8 @@ from sparsehi.algorithms import BaseSparseAlgorithm, SparseMode
 from sparsehi.algorithms.oracle import OracleAlgorithm
 from sparsehi.algorithms.testing import AlgorithmReport, attention_mass, check_algorithm, mass_recall
 
+from kit_algorithms import Window as _Window
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,25 +35,6 @@ def test_oracle_passes(page_size):
     rep = check_algorithm(OracleAlgorithm, {"page_size": page_size, "top_k": 8 * page_size,
                                             "device_buffer_size": 32 * page_size}, min_mass_recall=0.9)
     assert rep.needle_recall == 1.0 and rep.representation_bytes > 0
-
-
-class _Window(BaseSparseAlgorithm):
-    """Reference-correct base for the broken variants below."""
-
-    mode = SparseMode.PAGE_WISE
-
-    def initialize_representation_pool(self, start_layer, end_layer, max_num_reqs, max_context_len, **kw): pass
-    def construct_representations(self, layer_id, req_pool_indices, seq_lens, key_buffer, token_slots, **kw): pass
-    def update_representations(self, layer_id, req_pool_indices, positions, new_keys, **kw): pass
-
-    def _ids(self, start, end, top_k, mask):
-        cols = torch.arange(top_k)[None, :]
-        count = (end.long() - start.long()).clamp(0, top_k) * mask.long()
-        return torch.where(cols < count[:, None], start.long()[:, None] + cols, -1), count
-
-    def retrieve_topk(self, queries, layer_id, req_pool_indices, sparse_mask, **kw):
-        ids, count = self._ids(kw["candidate_start"], kw["candidate_end"], kw["top_k"], sparse_mask)
-        return ids.int(), count.int()
 
 
 class _Int64(_Window):
@@ -128,6 +111,76 @@ def test_kit_baseline_is_not_too_strict():
         check_algorithm(_Window, min_needle_recall=None, min_mass_recall=0.99)
 
 
+class _PadsWithMinus2(_Window):
+    """-2 after the valid ids (check_selection alone counts any negative as padding)."""
+
+    def retrieve_topk(self, queries, layer_id, req_pool_indices, sparse_mask, **kw):
+        ids, count = super().retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kw)
+        return torch.where(ids < 0, -2, ids).int(), count
+
+
+class _SelectsForPaddingRows(_Window):
+    """Honours sparse_mask but not req_pool_indices == -1."""
+
+    def retrieve_topk(self, queries, layer_id, req_pool_indices, sparse_mask, **kw):
+        ids, count = self._ids(kw["candidate_start"], kw["candidate_end"], kw["top_k"], sparse_mask)
+        return ids.int(), count.int()
+
+
+class _ReturnsLists(_Window):
+    def retrieve_topk(self, queries, layer_id, req_pool_indices, sparse_mask, **kw):
+        ids, count = super().retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kw)
+        return ids.tolist(), count.tolist()
+
+
+class _UpdateDoesNothing(OracleAlgorithm):
+    """Scores keys exactly but never folds decoded tokens in."""
+
+    def update_representations(self, layer_id, req_pool_indices, positions, new_keys, **kw):
+        pass
+
+
+class _UpdateNextPage(OracleAlgorithm):
+    """Writes each decoded key one page too far."""
+
+    def update_representations(self, layer_id, req_pool_indices, positions, new_keys, **kw):
+        pos = (positions + self.page_size).clamp(max=self.max_context_len - 1)
+        super().update_representations(layer_id, req_pool_indices, pos, new_keys, **kw)
+
+
+@pytest.mark.parametrize("cls,over,match", [
+    (_PadsWithMinus2, None, r"pads with \[-2\] after the valid ids: the padding value is exactly -1"),
+    (_SelectsForPaddingRows, None, r"req_pool_indices == -1 .*padding rows must get valid_lengths == 0 and all -1"),
+    (_ReturnsLists, None, r"must return two torch.Tensor .* got \(list, list\)"),
+    (_UpdateDoesNothing, None, r"decoded tokens at positions .* retrieve_topk missed page"),
+    (_UpdateDoesNothing, {"page_size": 1, "top_k": 16, "device_buffer_size": 64}, r"missed token"),
+    (_UpdateNextPage, None, r"decoded tokens at positions .* missed page"),
+])
+def test_kit_catches_contract_gaps_at_default_settings(cls, over, match):
+    """Each passed the kit at its default decode_steps=2 before these checks existed."""
+    with pytest.raises(AssertionError, match=match):
+        check_algorithm(cls, over, min_needle_recall=None)
+
+
+def test_decoded_key_check_applies_to_content_dependent_algorithms_only(sink_window):
+    """SinkWindow's update does nothing, legitimately: its selection ignores key content."""
+    rep = check_algorithm(sink_window, min_needle_recall=None)
+    assert rep.content_dependent is False
+    assert "decoded keys (n/a: selection ignores key content)" in rep.checks
+    rep = check_algorithm(OracleAlgorithm, min_needle_recall=None)
+    assert rep.content_dependent is True and "decoded keys" in rep.checks
+
+
+def test_report_prints_the_budget_in_tokens_and_pages():
+    rep = check_algorithm(_Window, {"page_size": 16, "top_k": 64, "device_buffer_size": 256, "sink_tokens": 16,
+                                    "recent_tokens": 16}, min_needle_recall=None, context_len=320)
+    assert rep.top_k_units == 4 and rep.top_k_tokens == 64
+    assert "top_k=64 tokens (4 pages of 16)" in str(rep)
+    rep = check_algorithm(OracleAlgorithm, {"page_size": 1, "top_k": 16, "device_buffer_size": 64},
+                          min_needle_recall=None)
+    assert "(token_wise, page_size=1, top_k=16 tokens)" in str(rep)
+
+
 def test_attention_mass_and_recall_metrics():
     torch.manual_seed(0)
     q, keys = torch.randn(4, 8), torch.randn(10, 2, 8)
@@ -166,7 +219,7 @@ def test_kit_catches_padding_rows_that_corrupt_a_request():
     with pytest.raises(AssertionError, match="padding rows"):
         check_algorithm(_PaddingWrapsAround, min_needle_recall=None)
     rep = check_algorithm(OracleAlgorithm, min_needle_recall=None)  # the built-in ignores them
-    assert "padding rows" in rep.checks
+    assert "padding-row writes" in rep.checks
 
 
 def test_examples_is_a_package_importable_by_path():
