@@ -599,7 +599,7 @@ def check_algorithm(
     min_needle_recall: Optional[float] = 1.0,
     min_mass_recall: Optional[float] = None,
     capture_check: str = "require",
-    replay_check: str = "report",
+    replay_check: str = "require",
     seed: int = 0,
 ) -> AlgorithmReport:
     """Run the author checks on ``cls`` and return an :class:`AlgorithmReport`.
@@ -613,9 +613,9 @@ def check_algorithm(
                       ``retrieve_topk`` / ``update_representations`` (or a CUDA capture that
                       raises) fails the check; ``"report"``: recorded in the report only;
                       ``"off"``: not run (nor is the replay comparison).
-    replay_check:     ``"require"``: replayed hooks must equal eager calls; ``"report"``
-                      (default for now, see docs/algorithms.md): a difference is recorded in
-                      ``report.capture_findings`` and printed, not raised.
+    replay_check:     ``"require"`` (default): replayed hooks must equal eager calls;
+                      ``"report"``: a difference is recorded in ``report.capture_findings``
+                      and printed, not raised.
 
     Raises AssertionError (message names the check) on the first failure.
     """

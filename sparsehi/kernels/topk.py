@@ -11,13 +11,22 @@ from typing import Optional
 import torch
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class IdentityMemo:
     """One cached value keyed by the identity (and in-place version) of some tensors plus a
     few plain values: decode steps pass the same per-step tensors (req_pool_indices,
     seq_lens, candidate ranges) to every layer, so what is derived from them alone is
     computed by the first layer and reused by the others. A tensor modified in place
     bumps its version and misses the cache; the cached tensors are kept alive with the
-    value, so an ``id`` cannot be reused while it is cached."""
+    value, so an ``id`` cannot be reused while it is cached.
+
+    CUDA graphs: nothing is cached while a graph is being captured (each call records its
+    own build, so a replay recomputes from the replay's inputs: a static input buffer keeps
+    its identity and version across replays), and a value built before the capture (its
+    warm-up) is never handed to it."""
 
     def __init__(self) -> None:
         self._tensors: tuple = ()
@@ -26,6 +35,8 @@ class IdentityMemo:
         self._value = None
 
     def get(self, tensors: tuple, extra: tuple, build):
+        if _capturing():
+            return build()
         if (len(tensors) == len(self._tensors) and extra == self._extra
                 and all(a is b for a, b in zip(tensors, self._tensors))
                 and tuple(t._version for t in tensors) == self._versions):
