@@ -16,6 +16,7 @@ import torch
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_selection
 from sparsehi.config import SparseConfig
 from sparsehi.forward_batch import ForwardBatch
+from sparsehi.kernels.selection_table import selection_table
 from sparsehi.kv_manager import COORDINATOR_MODES, DecodeStep, RequestKV, SparseKVCacheManager
 from sparsehi.selection import SparseSelection
 
@@ -46,11 +47,6 @@ class _StepTables:
     all_ids: torch.Tensor  # [B, K] int32 every candidate, for rows that are not sparse
     sparse_mask: torch.Tensor  # [B] bool
     live: torch.Tensor  # [B] bool rows that are real requests
-    sink_keys: torch.Tensor  # [B, sink] int32 sink ids, INT32_MAX padded (sort keys)
-    rec_keys: torch.Tensor  # [B, R] int32 recent ids, INT32_MAX padded
-    sink_phys: torch.Tensor  # [B, sink] int32
-    rec_phys: torch.Tensor  # [B, R] int32
-    base_valid: torch.Tensor  # [B] int32 valid sink + recent entries
     colk: torch.Tensor  # [1, K] int32 column index
 
 
@@ -253,14 +249,13 @@ class SparseCoordinator:
 
     def _step_tables(self, layer_id: int, step: DecodeStep) -> "_StepTables":
         """Layer-independent parts of a sparse layer's selection, built once per step: the
-        candidate range, the sink and recent ids and their (always resident) pages."""
+        candidate range and the plain candidate list of rows that are not sparse."""
         t = step.memo.get("sparse_tables")
         if t is not None:
             return t
         m = self.manager
         K, sink, R = m.K, m.sink, m.R
         dev = step.rows.device
-        B = step.batch_size
         P = step.num_pages
         n_sink = P.clamp(max=sink)
         recent_start = torch.maximum(n_sink, P - R)
@@ -275,19 +270,8 @@ class SparseCoordinator:
             plain = torch.where(step.dense_rows, 0, ncand)
         cols = _arange(K, dev, torch.int32)[None, :]
         all_ids = torch.where(cols < plain[:, None], cs[:, None] + cols, -1).to(torch.int32)
-        sc = _arange(max(sink, 0), dev, torch.int32)[None, :].expand(B, -1)
-        sink_ids = torch.where(sc < n_sink[:, None], sc, -1).to(torch.int32)
-        rec = recent_start[:, None] + _arange(R, dev, torch.int32)[None, :]
-        rec_ids = torch.where(rec < P[:, None], rec, -1).to(torch.int32)
-        # sink and recent pages never move during a step (sink/ring tables in hierarchical
-        # mode, the request's own pages in gpu_only mode): the same for every sparse layer
-        fixed_phys = m.fixed_physical(layer_id, step, torch.cat([sink_ids, rec_ids], 1))
-        n_rec = (P - recent_start).clamp(min=0)
         t = _StepTables(cs=cs, ce=ce, ncand=plain.to(torch.int32), all_ids=all_ids, sparse_mask=sparse_mask,
-                        sink_keys=sink_ids.masked_fill(sink_ids < 0, _INT32_MAX),
-                        rec_keys=rec_ids.masked_fill(rec_ids < 0, _INT32_MAX), sink_phys=fixed_phys[:, :sink],
-                        rec_phys=fixed_phys[:, sink:], base_valid=(n_sink + n_rec).to(torch.int32),
-                        colk=cols, live=step.live)
+                        live=step.live, colk=cols)
         step.memo["sparse_tables"] = t
         return t
 
@@ -313,27 +297,35 @@ class SparseCoordinator:
         if sel.shape[1] < K:
             sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
         use = t.sparse_mask & t.live  # padding rows select nothing, whatever the algorithm said
-        topk = torch.where(use[:, None], sel.to(dev), t.all_ids).to(torch.int32)
-        valid = torch.where(use, val.to(dev), t.ncand).to(torch.int32)
+        topk = torch.where(use[:, None], sel.to(device=dev, dtype=torch.int32), t.all_ids)
+        valid = torch.where(use, val.to(device=dev, dtype=torch.int32), t.ncand)
         if step.checked and bool((valid.long() > K).any()):
             raise ValueError(f"more than top_k={K} ids selected in a row")
-        phys_topk = m.sparse_physical(layer_id, step, topk.contiguous(), valid.contiguous(), t.ce)
-        # Ascending ids with the -1 padding last, in one sort: sink < candidates < recent,
-        # and every invalid entry is keyed INT32_MAX (the valid ids of a row are distinct,
-        # so the order is unique). Invalid entries' pages are already -1.
-        key = torch.cat([t.sink_keys, torch.where(t.colk < valid[:, None], topk, _INT32_MAX), t.rec_keys], 1)
-        key, perm = torch.sort(key, dim=1)
-        logical = key.masked_fill_(key == _INT32_MAX, -1)
-        phys = torch.cat([t.sink_phys, phys_topk.to(torch.int32), t.rec_phys], 1).gather(1, perm)
-        num_valid = t.base_valid + valid
-        if step.dense_rows is not None:
-            # dense rows attend all their pages: one table, as wide as the wider of the two
-            d = self._dense_selection(layer_id, step, "dense_rows")
-            w = max(logical.shape[1], d.logical_ids.shape[1])
-            dr = step.dense_rows[:, None]
-            logical = torch.where(dr, _pad_cols(d.logical_ids, w), _pad_cols(logical, w))
-            phys = torch.where(dr, _pad_cols(d.physical_ids, w), _pad_cols(phys, w))
-            num_valid = torch.where(step.dense_rows, d.num_valid, num_valid)
+        if not self.algorithm.selects_ascending:
+            # ascending ids, -1 padding last: the selection table needs that order (the
+            # valid ids of a row are distinct, so the order is unique)
+            key = torch.where(t.colk < valid[:, None], topk, _INT32_MAX)
+            key = torch.sort(key, dim=1).values
+            topk = key.masked_fill_(key == _INT32_MAX, -1)
+        topk = topk.contiguous()
+        m.check_topk(step, topk, valid, t.ce)
+        kw: dict[str, Any] = dict(sink=m.sink, recent=m.R, page_size=self.config.page_size)
+        if m.hier:  # LRU diff + copy of the misses; the table maps buffer slots to pages
+            kw.update(sink_table=m.sink_table, ring_table=m.ring_table, slot_table=m.buf_pages,
+                      topk_phys=m.swap_in(layer_id, step, topk, valid))
+        else:
+            kw.update(own_table=m.page_table)
+        tab = selection_table(topk, valid, step.num_pages, step.seq_lens, step.safe_rows, **kw)
+        if step.dense_rows is None:
+            return SparseSelection(tab.logical, tab.physical, tab.num_valid, step.seq_lens, self.config.page_size,
+                                   self.sel_mode, page_table=tab.page_table, attended=tab.attended)
+        # dense rows attend all their pages: one table, as wide as the wider of the two
+        d = self._dense_selection(layer_id, step, "dense_rows")
+        w = max(tab.logical.shape[1], d.logical_ids.shape[1])
+        dr = step.dense_rows[:, None]
+        logical = torch.where(dr, _pad_cols(d.logical_ids, w), _pad_cols(tab.logical, w))
+        phys = torch.where(dr, _pad_cols(d.physical_ids, w), _pad_cols(tab.physical, w))
+        num_valid = torch.where(step.dense_rows, d.num_valid, tab.num_valid)
         return SparseSelection(logical, phys, num_valid, step.seq_lens, self.config.page_size, self.sel_mode)
 
     def attention_end(self, layer_id: int, batch: ForwardBatch, k: Optional[torch.Tensor] = None,

@@ -38,6 +38,7 @@ from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
 from sparsehi.decode_step import DecodeStep
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
+from sparsehi.kernels.swap_in_copy import swap_in_copy
 from sparsehi.lru_buffer import LruState
 from sparsehi.prefill_offload import finish_prefill_hierarchical
 from sparsehi.request_table import FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
@@ -150,6 +151,11 @@ class SparseKVCacheManager:
 
                 transfer = KVTransferEngine(device_pool, host_pool, io_backend=config.io_backend)
             self.transfer = transfer
+            self._host_view = host_pool.paged_view()
+            self._dev_view = device_pool.paged_view()
+            # the swap-in's own copy kernel reads pinned host memory from the GPU (the
+            # ``kernel`` io backend); ``direct`` on CUDA keeps the engine's path
+            self._fused_copy = dev.type != "cuda" or getattr(transfer, "io_backend", "kernel") == "kernel"
             self.host_page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int64, device=dev)
             self.buf_pages = torch.zeros(max_num_reqs, self.S, dtype=torch.int32, device=dev)
             self.sink_table = torch.zeros(max_num_reqs, max(self.sink, 1), dtype=torch.int32, device=dev)
@@ -470,22 +476,39 @@ class SparseKVCacheManager:
         phys = torch.where(lid < self.sink, sink_phys, ring_phys)
         return torch.where(logical >= 0, phys, -1).to(torch.int32)
 
-    def sparse_physical(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
-                        candidate_end: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Physical pages ``[B, K] int32`` of the top-k ids of a sparse layer.
-
-        Hierarchical: LRU diff (one launch), host->device load of the misses, counters.
-        gpu_only: the request's own pages. ``topk`` ``[B, K] int32`` -1 padded; padding
-        rows must have ``valid == 0``.
-        """
+    def check_topk(self, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
+                   candidate_end: Optional[torch.Tensor] = None) -> None:
+        """Shape check, and value checks (host reads) when the step is ``checked``: ``K <=
+        S``, ``valid`` ids then -1, ids below ``candidate_end`` (default: the pages in
+        context), no duplicates, distinct live rows. Raises ValueError before any state moves."""
         if topk.shape[1] > self.S:
             raise ValueError(f"topk width K={topk.shape[1]} exceeds buffer slots S={self.S}: K must be <= S")
         if step.checked:
             lim = candidate_end if candidate_end is not None else step.num_pages
             check_lru_diff_values(topk, valid, lim.to(topk.device), rows=step.rows if self.hier else None,
                                   num_rows=self.max_num_reqs)
+
+    def sparse_physical(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
+                        candidate_end: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Physical pages ``[B, K] int32`` of the top-k ids of a sparse layer.
+
+        Hierarchical: ``swap_in`` (LRU diff, copy of the misses, counters), then the pages
+        of the slots. gpu_only: the request's own pages. ``topk`` ``[B, K] int32`` -1
+        padded; padding rows must have ``valid == 0``.
+        """
+        self.check_topk(step, topk, valid, candidate_end)
         if not self.hier:
             return self.own_physical(layer, step, topk)
+        slots = self.swap_in(layer, step, topk, valid).long()
+        pages = self.buf_pages.long()[step.safe_rows[:, None], slots.clamp(min=0)]
+        return torch.where(slots >= 0, pages, -1).to(torch.int32)
+
+    def swap_in(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Hierarchical sparse layer: make ``topk [B, K] int32`` (-1 padded, ``valid [B]``)
+        resident in the layer's LRU buffer — the LRU diff (one launch) and the host->device
+        copy of the misses straight from its output (one launch) — and return each id's
+        buffer slot ``[B, K] int32`` (-1 padded; its page is ``buf_pages[row, slot]``).
+        Value checks are the caller's (``sparse_physical``)."""
         li = self.layer_index.get(layer)
         if li is None:
             raise ValueError(f"layer_id={layer} is not a sparse layer (sparse layers: {self.sparse_layers})")
@@ -498,37 +521,30 @@ class SparseKVCacheManager:
             self._diff_step[layer] = step.step
         res, lu, so = self.lru.layer(li)
         B, K = topk.shape
-        t = step.memo.get("lru_tables")
-        if t is None or t[0].shape[1:] != (B, K):
-            t = self._lru_step_tables(step, B, K, topk.device)
-            step.memo["lru_tables"] = t
-        out3, idx3, pages2, host_pt, buf_pt, buf_pt32 = t
+        out = step.memo.get("lru_out")
+        if out is None or out.shape[1:] != (B, K):
+            # one set of diff outputs per step: a layer's copy reads them before the next
+            # layer's diff is queued on the same stream
+            out = step.memo["lru_out"] = torch.empty(3, B, K, dtype=torch.int32, device=topk.device)
         counts: StepCounts = step.memo["counts"]
-        lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
-                 out=LruDiffResult(out3[0], out3[1], out3[2], counts.loads[li]))
+        r = lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
+                     out=LruDiffResult(out[0], out[1], out[2], counts.loads[li]))
         counts.valid[li].copy_(valid)
-        # The step's tables carry a -1 column in front, so ``id + 1`` indexes them with
-        # -1 (no load / no slot) landing on it: one add and three gathers, no masks.
-        torch.add(out3, 1, out=idx3)
-        torch.gather(host_pt, 1, idx3[1], out=pages2[0])
-        torch.gather(buf_pt, 1, idx3[2], out=pages2[1])
-        # page -1 gives slots in [-ps, -1]: clamp them to the -1 the transfer engine skips
-        slots = (pages2[..., None] * self.ps + self._offsets).clamp_(min=-1).view(2, -1)
-        self.transfer.load_layer_now(layer, slots[0], slots[1])
-        return buf_pt32.gather(1, idx3[0])
+        if self._fused_copy:
+            swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, step.rows,
+                         self.host_page_table, self.buf_pages, self.ps)
+        else:  # io_backend "direct" on CUDA: the engine's host-side path (not graph-capturable)
+            self._load_through_engine(layer, step, r)
+        return r.device_slots
 
-    def _lru_step_tables(self, step: DecodeStep, B: int, K: int, dev: torch.device) -> tuple:
-        """Per-step buffers and row tables of ``sparse_physical`` (shared by its layers):
-        LRU diff outputs ``[3, B, K] int32`` (each layer consumes its own before the next
-        diff is queued on the stream), their ``+1`` indices ``[3, B, K] int64``, the load
-        pages ``[2, B, K] int64`` and the batch rows of the host page table / buffer pages
-        with a leading -1 column."""
-        rows = step.safe_rows
-        pad = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
-        host_pt = torch.cat([pad, self.host_page_table.index_select(0, rows)], 1)
-        buf_pt = torch.cat([pad, self.buf_pages.index_select(0, rows).long()], 1)
-        return (torch.empty(3, B, K, dtype=torch.int32, device=dev), torch.empty(3, B, K, dtype=torch.int64, device=dev),
-                torch.empty(2, B, K, dtype=torch.int64, device=dev), host_pt, buf_pt, buf_pt.to(torch.int32))
+    def _load_through_engine(self, layer: int, step: DecodeStep, r: LruDiffResult) -> None:
+        rows = step.safe_rows[:, None]
+        ok = r.load_ids >= 0
+        hp = torch.where(ok, self.host_page_table[rows, r.load_ids.long().clamp(min=0)], -1)
+        dp = torch.where(ok, self.buf_pages.long()[rows, r.load_slots.long().clamp(min=0)], -1)
+        slots = torch.stack([hp, dp])[..., None] * self.ps + self._offsets
+        slots = torch.where(torch.stack([ok, ok])[..., None], slots, -1).view(2, -1)
+        self.transfer.load_layer_now(layer, slots[0], slots[1])
 
     def backup_token(self, layer: int, step: DecodeStep, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
         """Hierarchical: copy the new token of ``layer`` to its host slot (per layer, so the

@@ -4,6 +4,7 @@ backend adaptor. Pure data, no policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -28,6 +29,9 @@ class SparseSelection:
                   ``(num_valid - 1) * page_size + (seq_len - last_page * page_size)`` tokens.
     page_size:    tokens per page (1 in token mode).
     mode:         page or token.
+    page_table:   optional ``[B, N] int32``: ``physical_ids`` with 0 padding, and
+    attended:     optional ``[B] int32`` tokens attended per row — both filled by the
+                  coordinator's one-launch selection table, so adaptors build nothing.
     """
 
     logical_ids: torch.Tensor
@@ -36,6 +40,8 @@ class SparseSelection:
     seq_lens: torch.Tensor
     page_size: int
     mode: SparseMode
+    page_table: Optional[torch.Tensor] = None
+    attended: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

@@ -50,6 +50,9 @@ class DSAAdaptor(BackendAdaptor):
         self.impl = impl
 
     def build_metadata(self, selection: SparseSelection) -> DSAMetadata:
+        if selection.page_size == 1 and selection.attended is not None:
+            # token-wise and built by the selection table: valid slots first, -1 after
+            return DSAMetadata(indices=selection.physical_ids)
         slots, valid, _ = expand_to_token_slots(selection)
         indices = torch.where(valid, slots, torch.full((), -1, dtype=slots.dtype, device=slots.device))
         return DSAMetadata(indices=indices.to(torch.int32))

@@ -73,6 +73,8 @@ def build_page_table(selection: SparseSelection) -> tuple[torch.Tensor, torch.Te
     table so an inconsistent selection can never make a kernel read past it.
     """
     B, N = check_sparse_selection(selection)
+    if selection.page_table is not None and selection.attended is not None:
+        return selection.page_table, selection.attended  # built with the selection
     ps = selection.page_size
     dev = selection.logical_ids.device
     nv = selection.num_valid.long().clamp_(0, N)

@@ -46,6 +46,9 @@ class BaseSparseAlgorithm(ABC):
 
     mode: SparseMode = SparseMode.PAGE_WISE
     default_dense_layers: tuple[int, ...] = ()
+    selects_ascending: bool = False
+    """Set True when ``retrieve_topk`` returns each row's ids in ascending order (the
+    contract allows any order): the coordinator then skips its sort of the selection."""
 
     def __init__(self, config: "SparseConfig", device: torch.device, **kwargs: Any) -> None:
         self.config = config

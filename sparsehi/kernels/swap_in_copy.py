@@ -1,0 +1,147 @@
+"""The host->device copy of one sparse layer's misses, straight from the LRU diff's output.
+
+The diff lists, per batch row, the missed logical ids (``load_ids``) and the buffer slots
+they go to (``load_slots``), ``num_loads`` of them. This kernel looks up each miss's host
+page (``host_pages[row, id]``) and device page (``slot_pages[row, slot]``) itself and
+copies the page's rows of one layer (every buffer: k and v, or the MLA latent) over the
+pinned host memory (zero copy), so no index list is built, expanded or sorted between the
+diff and the copy. The grid spreads one row's misses over many programs: at batch 1 a
+single request's copy still runs on many SMs.
+
+Both sides are the 6-D pool views ``[pages, page_size, layers, buffers, heads, dim]``
+(``HostKVPool.paged_view`` / ``DeviceKVPool.paged_view``, every host layout). Entries that
+are ``-1`` (no load, padding) or out of range are skipped.
+
+Entry points: ``swap_in_copy`` (dispatch), ``swap_in_copy_triton``, ``swap_in_copy_reference``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hicache.kernels.kv_copy import _pick_word, _word_view, kv_copy_reference, row_segments
+from hicache.triton_support import announce_path, use_triton
+
+
+def _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size) -> None:
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} is invalid: an int >= 1")
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 6 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a 6-D pool view [pages, page_size, layers, buffers, heads, dim]")
+    if src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype:
+        raise ValueError(f"src and dst must agree on [layers, buffers, heads, dim] and dtype, got "
+                         f"{tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+    if not 0 <= layer < src.shape[2]:
+        raise ValueError(f"layer={layer} is invalid: in [0, {src.shape[2]})")
+    b, k = load_ids.shape
+    if load_slots.shape != (b, k) or num_loads.shape != (b,) or rows.shape != (b,):
+        raise ValueError(f"load_slots [B, K], num_loads [B] and rows [B] must match load_ids {tuple(load_ids.shape)}")
+    if host_pages.dim() != 2 or slot_pages.dim() != 2 or host_pages.shape[0] != slot_pages.shape[0]:
+        raise ValueError("host_pages [R, M] and slot_pages [R, S] must be 2-D tables over the same request rows")
+
+
+def swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
+                           page_size) -> None:
+    """Torch reference: the same copy through per-token slot lists and ``kv_copy_reference``."""
+    _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    ps = page_size
+    b, k = load_ids.shape
+    dev = load_ids.device
+    cols = torch.arange(k, device=dev)[None, :]
+    r = rows.long().clamp(min=0)[:, None]
+    ok = (cols < num_loads.long()[:, None]) & (load_ids >= 0) & (load_slots >= 0) & (rows[:, None] >= 0)
+    ids = load_ids.long().clamp(0, host_pages.shape[1] - 1)
+    slots = load_slots.long().clamp(0, slot_pages.shape[1] - 1)
+    hp = torch.where(ok, host_pages.long()[r, ids], -1)
+    dp = torch.where(ok, slot_pages.long()[r, slots], -1)
+    off = torch.arange(ps, device=dev)
+    s = torch.where(hp[..., None] >= 0, hp[..., None] * ps + off, -1).reshape(-1)
+    d = torch.where(dp[..., None] >= 0, dp[..., None] * ps + off, -1).reshape(-1)
+    kv_copy_reference(src, dst, s, d, layer, 1)
+
+
+@triton.jit
+def _swap_in_copy_kernel(
+    src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+    layer, K, src_slots, dst_slots, hp_cols, sp_cols,
+    stride_ids, stride_hp, stride_sp,
+    s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
+    PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr, CHUNK: tl.constexpr,
+    MISSES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # grid: (batch row, block of MISSES misses, buffer x head segment)
+    b = tl.program_id(0).to(tl.int64)
+    m0 = tl.program_id(1) * MISSES
+    seg = tl.program_id(2)
+    n = tl.load(nload_ptr + b)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    if (m0 < n) & (row >= 0):
+        head = (seg % NUM_SEG).to(tl.int64)
+        buf = (seg // NUM_SEG).to(tl.int64)
+        e = tl.arange(0, BLOCK)
+        tok_row = e // CHUNK  # (miss, token) rows of this program, flattened
+        col = e % CHUNK
+        miss = m0 + tok_row // PS
+        tok = (tok_row % PS).to(tl.int64)
+        live = (tok_row < MISSES * PS) & (miss < n) & (miss < K)
+        lid = tl.load(ids_ptr + b * stride_ids + miss, mask=live, other=-1)
+        slot = tl.load(slots_ptr + b * stride_ids + miss, mask=live, other=-1)
+        live = live & (lid >= 0) & (lid < hp_cols) & (slot >= 0) & (slot < sp_cols)
+        hp = tl.load(hp_ptr + row * stride_hp + lid, mask=live, other=-1).to(tl.int64)
+        dp = tl.load(sp_ptr + row * stride_sp + slot, mask=live, other=-1).to(tl.int64)
+        hs = hp * PS + tok  # token slots; each view has its own page size
+        ds = dp * PS + tok
+        live = live & (hp >= 0) & (hs < src_slots) & (dp >= 0) & (ds < dst_slots)
+        s_off = (hs // SRC_PS) * s_sp + (hs % SRC_PS) * s_st + layer * s_sl + buf * s_sb + head * s_sh + col
+        d_off = (ds // DST_PS) * d_sp + (ds % DST_PS) * d_st + layer * d_sl + buf * d_sb + head * d_sh + col
+        x = tl.load(src_ptr + s_off, mask=live)
+        tl.store(dst_ptr + d_off, x, mask=live)
+
+
+def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
+                        page_size, block_bytes: int = 32768) -> None:
+    """Triton launcher (see the module docstring); ``block_bytes`` of rows per program."""
+    _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    b, k = load_ids.shape
+    if b == 0 or k == 0:
+        return
+    ps = page_size
+    nbuf = src.shape[3]
+    nseg, row_len = row_segments(src, dst)
+    chunk_bytes = row_len * src.element_size()
+    width, wdtype = _pick_word(src, dst, chunk_bytes)
+    ws, wd = _word_view(src, width, wdtype), _word_view(dst, width, wdtype)
+    chunk = chunk_bytes // width
+    misses = max(1, block_bytes // (chunk_bytes * ps))
+    block = triton.next_power_of_2(misses * ps * chunk)
+    ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
+    li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
+    _swap_in_copy_kernel[(b, triton.cdiv(k, misses), nbuf * nseg)](
+        ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
+        layer, k, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
+        li.stride(0), host_pages.stride(0), slot_pages.stride(0),
+        ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), ws.stride(4),
+        wd.stride(0), wd.stride(1), wd.stride(2), wd.stride(3), wd.stride(4),
+        PS=ps, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, CHUNK=chunk, MISSES=misses, BLOCK=block,
+        num_warps=8 if block * width >= 16384 else 4,
+    )
+
+
+def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size) -> None:
+    """Copy one layer's missed pages host -> device (see the module docstring).
+
+    src / dst: host / device 6-D pool views; load_ids, load_slots ``[B, K] int32`` and
+    num_loads ``[B] int32`` from the LRU diff; rows ``[B] int64`` request rows (-1
+    padding); host_pages ``[R, M] int64`` host page of each logical id; slot_pages ``[R, S]
+    int32`` device page of each buffer slot; page_size tokens per page (page ``p`` is
+    token slots ``[p * page_size, (p + 1) * page_size)`` on both sides)."""
+    probe = dst if dst.is_cuda else src
+    args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    if use_triton(probe):
+        announce_path("swap_in_copy", "triton")
+        swap_in_copy_triton(*args)
+    else:
+        announce_path("swap_in_copy", "reference")
+        swap_in_copy_reference(*args)
