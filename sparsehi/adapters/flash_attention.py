@@ -12,6 +12,7 @@ for page sizes that are multiples of 256) → the project's Triton paged decode 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -118,15 +119,19 @@ class FlashAttentionMetadata:
 
     page_table:    ``[B, max_pages] int32`` physical pages, logical order, 0 padded.
     cache_seqlens: ``[B] int32`` tokens attended per row.
-    cu_seqlens_k:  ``[B+1] int32`` prefix sums of cache_seqlens.
+    cu_seqlens_k:  ``[B+1] int32`` prefix sums of cache_seqlens (built on first access:
+                   ``flash_attn_with_kvcache`` does not take it, varlen kernels do).
     page_size:     tokens per page; max_seqlen_k: static bound ``max_pages * page_size``.
     """
 
     page_table: torch.Tensor
     cache_seqlens: torch.Tensor
-    cu_seqlens_k: torch.Tensor
     page_size: int
     max_seqlen_k: int
+
+    @functools.cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        return cumulative_lengths(self.cache_seqlens)
 
 
 def _load_library() -> Optional[tuple[str, Callable[..., Any]]]:
@@ -173,7 +178,6 @@ class FlashAttentionAdaptor(BackendAdaptor):
     def build_metadata(self, selection: SparseSelection) -> FlashAttentionMetadata:
         page_table, seqlens = build_page_table(selection)
         return FlashAttentionMetadata(page_table=page_table, cache_seqlens=seqlens,
-                                      cu_seqlens_k=cumulative_lengths(seqlens),
                                       page_size=selection.page_size,
                                       max_seqlen_k=page_table.shape[1] * selection.page_size)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsehi.kernels.decoder_ops import rope_inplace
+from sparsehi.kernels.decoder_ops import add_rms_norm, rope_inplace
 from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, rope_cos_sin, seeded_normal_,
                                     tie_rows)
 from sparsehi.runtime.model_config import ModelConfig
@@ -93,18 +93,21 @@ class GQAModel(nn.Module):
         T = input_ids.shape[0]
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # residual add and the next norm are one launch: x is the normed input of the next block
+        x = self.layers[0].input_layernorm(h) if len(self.layers) else h
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
             w, b = a.qkv_weight()
             qkv = F.linear(x, w, b).view(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
             nqk = cfg.num_heads + cfg.num_kv_heads
             rope_inplace(qkv[:, :nqk], cos, sin)  # q and k rotated in one pass
             q, k, v = qkv[:, : cfg.num_heads], qkv[:, cfg.num_heads:nqk], qkv[:, nqk:]
             o = attn(i, q, k, v, {})
-            h = h + a.o_proj(o.reshape(T, -1).to(h.dtype))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            post = layer.post_attention_layernorm
+            h, x = add_rms_norm(h, a.o_proj(o.reshape(T, -1).to(h.dtype)), post.weight, post.eps)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_rms_norm(h, layer.mlp(x), nxt.weight, nxt.eps)
+        return x if len(self.layers) else self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32."""
