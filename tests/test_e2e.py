@@ -186,3 +186,37 @@ def test_cuda_offload_full_equals_dense():
                            max_context_len=600)
         toks[mode] = ModelRunner(model, rt).generate(prompts, 32).tokens
     assert toks["offload-full"] == toks["dense"]
+
+
+def test_reused_prefix_loads_back_layer_by_layer(monkeypatch):
+    """A prefix hit starts its prefill while the prefix loads: prefill layer n waits for
+    layer n of the load only (hicache.layer_sync), never for the whole load at once."""
+    from hicache.transfer import TransferHandle
+
+    model = model_for("tiny-gqa")
+    sc = SparseConfig(algorithm="quest", page_size=16, top_k=64, device_buffer_size=128, sink_tokens=16,
+                      recent_tokens=16, min_sparse_prompt_len=0, io_backend="direct")
+    first = prompts_of((512,), seed=7)[0]
+    second = first[:384] + prompts_of((128,), seed=8)[0]
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=1, max_context_len=512 + 9)
+    runner = ModelRunner(model, rt)
+    runner.generate([first], 8)
+    events = []
+    monkeypatch.setattr(TransferHandle, "wait_layer", lambda self, layer: events.append(("wait", layer)))
+    monkeypatch.setattr(TransferHandle, "wait", lambda self: events.append(("wait_all",)))
+    be = runner.backend
+    real_before = be.before_prefill_layer
+
+    def spy(req, layer):
+        events.append(("layer", layer))
+        real_before(req, layer)
+
+    monkeypatch.setattr(be, "before_prefill_layer", spy)
+    res = runner.generate([second], 2)
+    assert res.prefix_hits == [384]
+    n = model.cfg.num_layers
+    # the prefill's own offload of its new tokens (device -> host) is waited for after the
+    # last layer; nothing waits for the whole load before a layer runs
+    assert events[: 2 * n] == [e for layer in range(n) for e in (("layer", layer), ("wait", layer))]
+    assert all(e[0] == "wait_all" for e in events[2 * n:])
+    assert be.layer_loads.outstanding() == 0 and be.layer_loads.consumer == -1

@@ -45,6 +45,8 @@ class Request:
     device_slots: Optional[torch.Tensor] = None
     host_slots: Optional[torch.Tensor] = None
     tree_node: Any = None
+    prefix_load: Optional[int] = None
+    """While the reused prefix is loading back: its producer id in the mode's LayerLoadCounter."""
 
     def all_tokens(self) -> list[int]:
         """Prompt + the tokens whose KV was computed by decode steps."""
@@ -134,6 +136,7 @@ class ModeBackend:
         scale = self.cfg.sm_scale
 
         def attn(layer: int, q, k, v, extra):
+            self.before_prefill_layer(req, layer)
             self.pool.set_kv(layer, new, k, v)
             kb = self.pool.get_key_buffer(layer)[slots]
             vb = self.pool.get_value_buffer(layer)[slots]
@@ -142,6 +145,10 @@ class ModeBackend:
             return o
 
         return attn
+
+    def before_prefill_layer(self, req: Request, layer: int) -> None:
+        """Called before a prefill layer reads the cache (a mode that loads a reused prefix
+        layer by layer makes the stream wait for that layer here)."""
 
     def after_prefill_layer(self, req, layer, k, v, extra, prefix_len) -> None:
         pass

@@ -14,6 +14,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
+from hicache.layer_sync import LayerLoadCounter
 from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.coordinator import SparseCoordinator
@@ -69,6 +70,8 @@ class CoordinatorBackend(ModeBackend):
             max_context_len=max_ctx, validate=rt.value_checks,
             dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
         )
+        self.layer_loads = LayerLoadCounter(cfg.num_layers)
+        """Reused prefixes loading back while their prefill runs (one producer per request)."""
         self.peak_host_tokens = 0
         self.peak_dense_tokens = 0
         self._batch: dict[int, ForwardBatch] = {}
@@ -120,10 +123,12 @@ class CoordinatorBackend(ModeBackend):
 
     def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
         slots = super().prefill_slots(req, prefix_len)
-        if prefix_len > 0:  # host-resident prefix back into device slots for the prefill
-            self.transfer.load(req.host_slots[:prefix_len], slots[:prefix_len]).wait()
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+        if prefix_len > 0:
+            # The host-resident prefix comes back layer by layer on the transfer stream:
+            # prefill layer n waits for layer n only (before_prefill_layer), not for all.
+            handle = self.transfer.load(req.host_slots[:prefix_len], slots[:prefix_len])
+            req.prefix_load = self.layer_loads.register(handle)
+            self.layer_loads.set_consumer(req.prefix_load)
         n = len(req.prompt)
         self._batch[req.rid] = ForwardBatch.prefill(
             torch.tensor([req.req_pool_idx], device=self.device), torch.tensor([n], dtype=torch.int32, device=self.device),
@@ -131,12 +136,20 @@ class CoordinatorBackend(ModeBackend):
             out_cache_loc=slots[prefix_len:n])
         return slots
 
+    def before_prefill_layer(self, req: Request, layer: int) -> None:
+        if req.prefix_load is not None:
+            self.layer_loads.wait_until(layer)
+
     def after_prefill_layer(self, req, layer, k, v, extra, prefix_len) -> None:
         kw = {"index_keys": extra["index_k"][None]} if self.is_dsa else {}
         self.coord.attention_end(layer, self._batch[req.rid], k=k, v=v, **kw)
 
     def end_prefill(self, req: Request, prefix_len: int) -> None:
         batch = self._batch.pop(req.rid)
+        if req.prefix_load is not None:  # every layer waited for its part: the load is consumed
+            self.layer_loads.release(req.prefix_load)
+            self.layer_loads.set_consumer(-1)
+            req.prefix_load = None
         n = len(req.prompt)
         ps = self.rt.page_size
         if self.hier:
