@@ -35,6 +35,21 @@ _LAYOUT_IO = {
     "page_first_direct": ("direct",),
     "page_head": ("kernel",),
 }
+
+
+def check_layout_io(layout: str, io_backend: str, layout_name: str = "layout", io_name: str = "io_backend") -> None:
+    """The one rule for which io backend a host layout takes (SGLang's): ``page_first`` and
+    ``page_head`` need ``kernel``, ``page_first_direct`` needs ``direct``, ``layer_first``
+    takes either. Raises ValueError naming the two settings as the caller spells them
+    (``--hicache-mem-layout`` / ``--host-layout`` / ``host_pool.layout``)."""
+    allowed = _LAYOUT_IO.get(layout)
+    if allowed is None:
+        raise ValueError(f"{layout_name}={layout!r} is invalid: one of {HOST_LAYOUTS}")
+    if io_backend not in allowed:
+        raise ValueError(f"{layout_name}={layout} cannot be used with {io_name}={io_backend}: that layout needs "
+                         f"{io_name} in {allowed}")
+
+
 # Extra-config keys the prefetch path reads, with SGLang's defaults.
 PREFETCH_DEFAULTS: dict[str, Any] = {
     "prefetch_threshold": 256,
@@ -101,12 +116,7 @@ class HiCacheConfig:
             bad("hicache-storage-backend", self.hicache_storage_backend, f"None or one of {STORAGE_BACKENDS}")
         if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
             bad("hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, f"one of {PREFETCH_POLICIES}")
-        if self.hicache_io_backend not in _LAYOUT_IO[self.hicache_mem_layout]:
-            raise ValueError(
-                f"--hicache-mem-layout={self.hicache_mem_layout} cannot be used with "
-                f"--hicache-io-backend={self.hicache_io_backend}: that layout needs "
-                f"--hicache-io-backend in {_LAYOUT_IO[self.hicache_mem_layout]}"
-            )
+        check_layout_io(self.hicache_mem_layout, self.hicache_io_backend, "--hicache-mem-layout", "--hicache-io-backend")
         if self.hicache_storage_backend in _ZERO_COPY_STORAGE and self.hicache_mem_layout == "layer_first":
             raise ValueError(
                 f"--hicache-storage-backend={self.hicache_storage_backend} needs a page-contiguous host "

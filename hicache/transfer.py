@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hicache.config import IO_BACKENDS  # re-exported: ``from hicache.transfer import IO_BACKENDS``
+from hicache.config import IO_BACKENDS, check_layout_io  # IO_BACKENDS re-exported: ``from hicache.transfer import IO_BACKENDS``
 from hicache.device_pool import DeviceKVPool, _same_device, check_slots
 from hicache.host_pool import HostKVPool
 from hicache.kernels.kv_copy import KVCopyConfig, kv_copy_reference, kv_copy_triton, row_ids, row_matrix, row_segments
@@ -100,6 +100,7 @@ class KVTransferEngine:
             raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
         if not isinstance(host_pool, HostKVPool):
             raise ValueError(f"host_pool must be a HostKVPool, got {type(host_pool).__name__}")
+        check_layout_io(host_pool.layout, io_backend, "host_pool.layout", "io_backend")
         if host_pool.spec != device_pool.spec:
             raise ValueError(f"host_pool.spec must equal device_pool.spec, got {host_pool.spec} vs {device_pool.spec}")
         self.device_pool = device_pool

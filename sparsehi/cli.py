@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from hicache.config import HOST_LAYOUTS
+from hicache.config import HOST_LAYOUTS, check_layout_io
 from sparsehi.config import IO_BACKENDS, SparseConfig
 from sparsehi.kernels.lru_diff import MAX_SLOTS
 
@@ -203,6 +203,10 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
     if family == "mla" and page != 1:
         parser.error(f"--page-size must be 1 for the MLA/DSA model {args.model} (DSA selects tokens)")
     top_k, buf = _sizes(args, parser, page, context_flag, shortest, longest)
+    try:
+        check_layout_io(args.host_layout, args.io_backend, "--host-layout", "--io-backend")
+    except ValueError as e:
+        parser.error(str(e))
     try:
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,

@@ -37,20 +37,23 @@ class SparseConfig:
     """Registered algorithm name (``quest``, ``dsa``, ``oracle``, ...) or an import path
     ``package.module:ClassName`` of a third-party ``BaseSparseAlgorithm`` subclass."""
     backend: str = "flashattention"
-    """Backend adaptor: one of SPARSE_BACKENDS."""
+    """Backend adaptor the runtime builds (``RuntimeConfig.adaptor="auto"``): one of
+    SPARSE_BACKENDS; an MHA cache takes ``flashattention`` or ``triton``, the MLA latent
+    cache always goes through ``dsa``."""
     top_k: int = 2048
     """Tokens selected per step and layer (sink and recent window not counted)."""
     device_buffer_size: int = 4096
     """Tokens of LRU buffer per request and layer on the GPU; must be >= top_k."""
     host_to_device_ratio: float = 2.0
-    """Accepted and validated for SGLang compatibility; sparsehi does not read it. The host
-    pool's size is set where it is built (``hicache.host_pool.HostKVPool(hicache_ratio=...)``)."""
+    """Host pool size over the KV the live requests can hold (the runtime's
+    ``RuntimeConfig.auto_host_tokens``): the spare part keeps finished requests' prefixes
+    for reuse, as HiCache's ratio does."""
     page_size: int = 64
     min_sparse_prompt_len: int = 2048
-    """Accepted and validated for SGLang compatibility; the coordinator does not read it.
-    Every row, whatever its prompt length, attends all its candidate pages exactly (no
-    retrieve) while they fit in ``top_k`` and sparsely after that (docs/coordinator.md,
-    "Short prompts")."""
+    """Requests whose prompt is shorter decode densely in every layer (their KV stays on
+    the GPU; hierarchical mode still backs it up to host), as in SGLang's sparse
+    framework. Longer ones attend all candidates while they fit in ``top_k`` and sparsely
+    after that."""
     sink_tokens: int = 64
     """Leading tokens always attended (rounded up to whole pages)."""
     recent_tokens: int = 64

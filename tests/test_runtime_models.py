@@ -309,3 +309,34 @@ def test_llama3_rope_scaling_slows_only_long_wavelengths():
     assert cfg.rope_scaling == (8.0, 1.0, 4.0, 8192)
     with pytest.raises(ValueError, match="rope_scaling"):
         hf_config_to_model_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
+
+
+def test_sparse_config_backend_chooses_the_adaptor():
+    from sparsehi.adapters import DSAAdaptor, FlashAttentionAdaptor, TritonAdaptor
+    from sparsehi.config import SparseConfig
+    from sparsehi.runtime.model_config import get_model_config
+    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.sparse_backend import CoordinatorBackend
+
+    gqa, mla = get_model_config("tiny-gqa", num_layers=2), get_model_config("tiny-dsa", num_layers=2)
+    for backend, cls in (("flashattention", FlashAttentionAdaptor), ("triton", TritonAdaptor)):
+        sc = SparseConfig(page_size=16, top_k=64, device_buffer_size=128, backend=backend)
+        be = CoordinatorBackend(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
+        assert type(be.coord.adaptor) is cls
+    sc = SparseConfig(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=128, backend="flashattention")
+    be = CoordinatorBackend(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
+    assert type(be.coord.adaptor) is DSAAdaptor  # the latent cache always goes through dsa
+    with pytest.raises(ValueError, match="backend='dsa' needs an MLA model"):
+        CoordinatorBackend(gqa, RuntimeConfig(mode="sparse-gpu", sparse=SparseConfig(page_size=16, top_k=64,
+                           device_buffer_size=128, backend="dsa"), adaptor="auto", max_context_len=256))
+
+
+def test_host_pool_is_sized_by_the_host_to_device_ratio():
+    from sparsehi.config import SparseConfig
+    from sparsehi.runtime.modes import RuntimeConfig
+
+    sizes = [RuntimeConfig(mode="sparse-hier", sparse=SparseConfig(page_size=16, top_k=64, device_buffer_size=128,
+                                                                   host_to_device_ratio=r),
+                           max_num_reqs=2, max_context_len=1000).auto_host_tokens() for r in (2.0, 3.0)]
+    assert sizes[1] > sizes[0] >= 2 * 2 * 1008
+    assert abs(sizes[1] / sizes[0] - 1.5) < 0.01

@@ -12,12 +12,25 @@ except ImportError:  # pragma: no cover
     given = settings = st = None
 
 from hicache.device_pool import DeviceKVPool
+from hicache.config import check_layout_io
 from hicache.host_pool import HOST_LAYOUTS, HostKVPool
 from hicache.kernels.kv_copy import KVCopyConfig, kv_copy, kv_copy_reference, kv_copy_triton
 from hicache.kv_spec import KVCacheSpec
 from hicache.transfer import IO_BACKENDS, KVTransferEngine
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _allowed(layout, backend):
+    try:
+        check_layout_io(layout, backend)
+        return True
+    except ValueError:
+        return False
+
+
+# every (layout, io backend) pair the one rule (hicache.config.check_layout_io) admits
+PAIRS = [(lay, io) for lay in HOST_LAYOUTS for io in IO_BACKENDS if _allowed(lay, io)]
 
 
 def make(attention, layout, backend, page_size=4, layers=2, dev_slots=32, device="cpu", seed=0):
@@ -55,8 +68,7 @@ def random_slots(n, num_slots, page_size, granularity, g):
 
 
 @pytest.mark.parametrize("granularity", ["token", "page"])
-@pytest.mark.parametrize("backend", IO_BACKENDS)
-@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("layout,backend", PAIRS)
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 def test_round_trip_bit_exact(attention, layout, backend, granularity):
     dev, host, eng = make(attention, layout, backend)
@@ -90,8 +102,7 @@ def test_round_trip_bit_exact(attention, layout, backend, granularity):
     assert torch.equal(bits(dev.kv_data[:, :, others]), bits(dev_before[:, :, others]))
 
 
-@pytest.mark.parametrize("backend", IO_BACKENDS)
-@pytest.mark.parametrize("layout", ["layer_first", "page_head"])
+@pytest.mark.parametrize("layout,backend", [p for p in PAIRS if p[0] in ("layer_first", "page_head")])
 def test_layer_subset_and_padding(layout, backend):
     dev, host, eng = make("mha", layout, backend, page_size=1, layers=3)
     h = torch.tensor([3, -1, 40, 7, -1], dtype=torch.int32)
@@ -115,7 +126,8 @@ def test_layer_subset_and_padding(layout, backend):
 @pytest.mark.parametrize("backend", IO_BACKENDS)
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 def test_layer_now_hot_path(attention, backend):
-    dev, host, eng = make(attention, "page_first", backend, page_size=1)
+    # page-contiguous host layout: page_first (kernel) / page_first_direct (direct)
+    dev, host, eng = make(attention, "page_first" if backend == "kernel" else "page_first_direct", backend, page_size=1)
     h = torch.tensor([5, -1, 17, 33])
     d = torch.tensor([1, 2, -1, 4])
     before = dev.kv_data.clone()
@@ -129,7 +141,7 @@ def test_layer_now_hot_path(attention, backend):
 
 @pytest.mark.parametrize("backend", IO_BACKENDS)
 def test_sorted_index_order_moves_the_same_pairs(backend):
-    dev, host, _ = make("mla", "page_head", backend, page_size=2)
+    dev, host, _ = make("mla", "page_head" if backend == "kernel" else "layer_first", backend, page_size=2)
     eng = KVTransferEngine(dev, host, backend, sort_threshold=1)
     h = torch.tensor([40, 3, -1, 17, 9])
     d = torch.tensor([2, 30, 5, 7, 11])
@@ -238,15 +250,14 @@ def _property_backup_then_load_is_identity(data, backend, layout, page_size):
 
 if given is not None:
     test_property_backup_then_load_is_identity = settings(max_examples=12, deadline=None)(given(
-        data=st.data(), backend=st.sampled_from(IO_BACKENDS), layout=st.sampled_from(HOST_LAYOUTS),
-        page_size=st.sampled_from([1, 2, 4]))(_property_backup_then_load_is_identity))
+        data=st.data(), pair=st.sampled_from(PAIRS), page_size=st.sampled_from([1, 2, 4]))(
+        lambda data, pair, page_size: _property_backup_then_load_is_identity(data, pair[1], pair[0], page_size)))
 
 
 # --- GPU: same contracts on CUDA with a pinned host pool --------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", IO_BACKENDS)
-@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("layout,backend", PAIRS)
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 def test_gpu_round_trip(attention, layout, backend):
     dev, host, eng = make(attention, layout, backend, page_size=16, layers=3, dev_slots=4096, device="cuda")
@@ -288,3 +299,20 @@ def test_gpu_per_layer_events_are_independent():
     assert torch.equal(bits(got0), bits(host_rows(host, 0, h)))
     handle.synchronize()
     assert handle.done()
+
+
+def test_layouts_take_only_their_io_backends_everywhere():
+    """One rule (hicache.config.check_layout_io) for the engine, HiCacheConfig and the CLI:
+    page_first / page_head need the kernel backend, page_first_direct the direct one."""
+    from hicache.config import HiCacheConfig
+    from sparsehi.cli import main
+
+    for layout, backend in [(lay, io) for lay in HOST_LAYOUTS for io in IO_BACKENDS if (lay, io) not in PAIRS]:
+        with pytest.raises(ValueError, match=f"host_pool.layout={layout} cannot be used with io_backend={backend}"):
+            make("mha", layout, backend)
+        with pytest.raises(ValueError, match="--hicache-mem-layout"):
+            HiCacheConfig(hicache_mem_layout=layout, hicache_io_backend=backend)
+        with pytest.raises(SystemExit) as e:
+            main(["run", "--host-layout", layout, "--io-backend", backend, "--context", "256"])
+        assert e.value.code == 2
+    assert ("page_first", "direct") not in PAIRS and ("layer_first", "direct") in PAIRS

@@ -69,7 +69,8 @@ class RuntimeConfig:
     host_layout: str = "layer_first"
     adaptor: str = "none"
     """Backend adaptor for sparse decode: ``none`` = the coordinator's torch fallback,
-    ``auto`` = flashattention for GQA / dsa for MLA, or a name for create_adaptor."""
+    ``auto`` = ``sparse.backend`` for GQA (flashattention / triton), dsa for MLA, or a name
+    for create_adaptor."""
     prefix_cache: bool = True
     """sparse-hier: match prompts in the HiRadixTree and reuse host-resident prefixes."""
     validate: bool = True

@@ -10,6 +10,8 @@ together. DSA requests skip the match: the indexer keys of a reused prefix are n
 """
 from __future__ import annotations
 
+import logging
+
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -23,9 +25,22 @@ from sparsehi.runtime.backends import ModeBackend, Request
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
 
+logger = logging.getLogger(__name__)
 
-def default_adaptor_name(cfg: ModelConfig) -> str:
-    return "flashattention" if cfg.family == "gqa" else "dsa"
+
+def adaptor_name(cfg: ModelConfig, sc) -> str:
+    """The adaptor ``auto`` means: ``SparseConfig.backend`` for an MHA (GQA) cache
+    (``flashattention`` or ``triton``); ``dsa`` for the MLA latent cache, whatever
+    ``backend`` says (as SGLang does for its DSA algorithm)."""
+    if cfg.family != "gqa":
+        if sc.backend != "dsa":
+            logger.info("MLA latent cache: sparse attention through the dsa adaptor (SparseConfig.backend=%s "
+                        "applies to MHA caches)", sc.backend)
+        return "dsa"
+    if sc.backend == "dsa":
+        raise ValueError(f"SparseConfig.backend='dsa' needs an MLA model; {cfg.name} has an MHA (GQA) cache: "
+                         f"use 'flashattention' or 'triton'")
+    return sc.backend
 
 
 class CoordinatorBackend(ModeBackend):
@@ -49,7 +64,7 @@ class CoordinatorBackend(ModeBackend):
         if rt.adaptor != "none":
             from sparsehi.adapters import create_adaptor
 
-            name = default_adaptor_name(cfg) if rt.adaptor == "auto" else rt.adaptor
+            name = adaptor_name(cfg, sc) if rt.adaptor == "auto" else rt.adaptor
             adaptor = create_adaptor(name, kv_lora_rank=cfg.kv_lora_rank) if name == "dsa" else create_adaptor(name)
         self.host = self.transfer = self.tree = None
         max_ctx = round_up(rt.max_context_len, ps)
