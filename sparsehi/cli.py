@@ -124,6 +124,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                    help="model and KV dtype (default auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="run decode steps eagerly instead of replaying CUDA graphs (for debugging; the same "
+                        "kernels run, only launched one by one; graphs need a CUDA device)")
     g.add_argument("--threads", type=_positive("--threads"), default=1,
                    help="torch CPU threads (default 1: the tiny models' small matmuls run fastest, and "
                         "unaffected by other load, on one thread)")
@@ -282,7 +285,7 @@ def _setup_kwargs(args: argparse.Namespace, modes: list[str], sparse, device: st
     common options."""
     return dict(model=args.model, model_path=args.model_path, num_layers=args.num_layers, modes=modes,
                 sparse=sparse, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
-                seed=args.seed, output_dir=args.output_dir)
+                seed=args.seed, output_dir=args.output_dir, cuda_graph=not args.no_cuda_graph)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

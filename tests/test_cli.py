@@ -301,3 +301,12 @@ def test_qwen2_sliding_window_off_is_accepted():
     assert bias and cfg.num_heads == 2
     cfg, _ = hf_config_to_model_config({**base, "model_type": "mistral", "sliding_window": None}, "m")
     assert cfg.num_layers == 1
+
+
+@pytest.mark.parametrize("flag,want", [([], True), (["--no-cuda-graph"], False)])
+def test_no_cuda_graph_reaches_the_runtime(monkeypatch, tmp_path, flag, want):
+    """--no-cuda-graph turns the graph runner off (graphs are the default, used on CUDA)."""
+    seen = []
+    monkeypatch.setattr("sparsehi.runtime.demo.run_demo", lambda cfg: seen.append(cfg.cuda_graph) or {})
+    main(["run", "--context", "512", "--output-dir", str(tmp_path), *flag])
+    assert seen == [want]

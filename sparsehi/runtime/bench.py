@@ -53,7 +53,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             for mode in cfg.modes:
                 rt = RuntimeConfig(mode=mode, sparse=replace(sc), device=cfg.device, dtype=cfg.dtype, max_num_reqs=b,
                                    max_context_len=ctx + cfg.decode_tokens + 1, adaptor=cfg.adaptor,
-                                   host_layout=cfg.host_layout, prefix_cache=False, validate=False)
+                                   host_layout=cfg.host_layout, prefix_cache=False, validate=False,
+                                   cuda_graph=cfg.cuda_graph)
                 t0 = time.perf_counter()
                 res = ModelRunner(model, rt).generate(prompts, cfg.decode_tokens)
                 hit = res.stats.get("hit_rate") if mode == "sparse-hier" else None

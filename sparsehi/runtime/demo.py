@@ -104,7 +104,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     on_cpu = torch.device(cfg.device).type == "cpu"
     path_note = ("CPU: kernels run their plain-torch reference implementations (by design; the Triton "
                  "kernels run on CUDA and are tested under the interpreter)") if on_cpu else \
-        "CUDA: Triton kernels (paged decode, LRU diff, kv_copy gather, scoring)"
+        ("CUDA: Triton kernels (paged decode, LRU diff, swap-in copy, scoring); decode steps "
+         + ("replay CUDA graphs (one per batch bucket)" if cfg.cuda_graph else "run eagerly (--no-cuda-graph)"))
     print(f"sparsehi run: model {mcfg.name} ({mcfg.note}); context {cfg.context}, batch {cfg.batch}, "
           f"{cfg.decode_tokens} decode steps; algorithm {cfg.sparse.algorithm}, top_k {cfg.sparse.top_k} tokens, "
           f"buffer {cfg.sparse.device_buffer_size} tokens, page {cfg.sparse.page_size}")
@@ -117,7 +118,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     for mode in order:
         rt = RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
                            max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
-                           host_layout=cfg.host_layout, prefix_cache=True)
+                           host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph)
         do_forced = cfg.forced and mode != "dense" and "dense" in results
         total = (cfg.batch + cfg.decode_tokens) * (2 if do_forced else 1)
         bar = tqdm(total=total, desc=f"{mode:>12}", unit="step", leave=True, disable=not cfg.progress) if tqdm else None

@@ -23,3 +23,5 @@ class RunSetup:
     host_layout: str = "layer_first"
     seed: int = 0
     output_dir: str = "outputs"
+    cuda_graph: bool = True
+    """Decode steps replay CUDA graphs on a CUDA device (False: the same step eagerly)."""
