@@ -505,43 +505,120 @@ def test_buffer_beyond_kernel_limit_is_a_clear_error():
         lru_diff_reference(topk, valid, st["resident"], st["last_used"], st["slot_of"], 1)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers,keep_p,miss_side", [
+def scale_trace(b: int, k: int, m: int, keep_p: float, steps: int = 20, seed: int = 1, repeat_p: float = 0.0,
+                rows: int | None = None):
+    """Selections for the GPU scale tests, per step ``(topk [B, K] int32, valid [B] int32)``:
+    each row keeps every id of its previous selection with probability ``keep_p`` and draws
+    a fresh id otherwise; distinct ids in a random column order, ``k - (row % 7) * 3`` of
+    them. With ``repeat_p``, each later column of an odd row repeats an earlier column with
+    that probability (even rows stay distinct, so one launch mixes both kinds of row).
+    ``rows``: only the first rows, equal to those of the whole trace (the random draws are
+    made for all ``b``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = b if rows is None else min(rows, b)
+    cols = torch.arange(k)
+    want = (k - (torch.arange(n) % 7) * 3).clamp(min=0)
+    odd = (torch.arange(n) % 2 == 1)[:, None]
+    prev = torch.randint(0, m, (b, k), generator=g)[:n]
+    for _ in range(steps):
+        keep = torch.rand(b, k, generator=g)[:n] < keep_p
+        cand = torch.where(keep, prev, torch.randint(0, m, (b, k), generator=g)[:n])
+        cand = cand[:, torch.randperm(k, generator=g)]
+        # first occurrences first, in column order
+        first_col = torch.full((n, m), k).scatter_reduce_(1, cand, cols.expand(n, k), "amin")
+        first = (first_col.gather(1, cand) == cols).long()
+        nfirst = first.sum(1)
+        pos = torch.where(first == 1, first.cumsum(1) - 1, nfirst[:, None] + (1 - first).cumsum(1) - 1)
+        ids = torch.empty_like(cand).scatter_(1, pos, cand)
+        valid = torch.minimum(nfirst, want)
+        rep = (torch.rand(b, k, generator=g)[:n] < repeat_p) & (cols >= 1) & odd
+        ids = torch.where(rep, ids.gather(1, (torch.rand(b, k, generator=g)[:n] * cols).long()), ids)
+        prev = ids
+        yield torch.where(cols < valid[:, None], ids, -1).int(), valid.int()
+
+
+def count_evictions(res, resident_before) -> torch.Tensor:
+    """Per row, the loads that went into a slot that held an id."""
+    ls = res.load_slots.long()
+    return ((ls >= 0) & (resident_before.gather(1, ls.clamp(min=0)) >= 0)).sum(1)
+
+
+def trace_step(step: int) -> int:
+    return step * 4 + step % 3  # gaps between step values: sparse stamps reach the fallbacks
+
+
+GPU_SCALE_CASES = [  # b, k, s, m, num_warps, scan_r, helpers, keep_p, miss_side
     (64, 2048, 4096, 16384, None, None, None, 0.85, None), (64, 2048, 4096, 16384, 8, 1, 0, 0.85, None),
     (64, 2048, 4096, 16384, 16, 8, 1, 0.85, True), (64, 2048, 4096, 16384, 4, 2, 2, 0.6, None),
     (16, 2048, 8192, 16384, 16, 4, 4, 0.6, None), (16, 2048, 8192, 16384, None, None, None, 0.6, False),
-    (128, 2048, 4096, 16384, None, None, None, 0.85, None), (64, 512, 4096, 16384, None, None, None, 0.85, None),
+    (128, 2048, 4096, 16384, None, None, None, 0.85, None),
+    (64, 512, 4096, 16384, None, None, None, 0.3, None),  # K = S/8: keep 0.85 never filled the buffer
     (8, 1000, 3000, 6000, None, None, None, 0.5, None),  # K, S not powers of two (masked paths)
     (8, 700, 3000, 6000, None, None, None, 0.5, True),
     (4, 2048, 16000, 60000, None, None, 1, 0.3, None),  # the largest buffer the kernel takes (padded to 16384)
     (8, 2048, 2048, 16384, None, None, 1, 0.85, None),  # K = S: every non-hit slot is a victim
     (8, 2048, 2048, 16384, None, None, 1, 0.85, True),
-])
+]
+GPU_REPEAT_CASES = [  # b, k, s, m, helpers, keep_p, miss_side, repeat_p
+    (64, 2048, 4096, 16384, None, 0.6, None, 0.05), (64, 2048, 4096, 16384, 0, 0.6, True, 0.05),
+    (128, 512, 4096, 16384, None, 0.3, False, 0.05), (16, 2048, 8192, 16384, 1, 0.6, None, 0.3),
+    (8, 2048, 2048, 16384, 1, 0.85, None, 0.05),
+]
+
+
+GPU_TRACES = sorted({(b, k, s, m, kp) for b, k, s, m, *_, kp, _ in GPU_SCALE_CASES}
+                    | {(b, k, s, m, kp) for b, k, s, m, _, kp, _, _ in GPU_REPEAT_CASES})
+
+
+@pytest.mark.parametrize("b,k,s,m,keep_p", GPU_TRACES)
+def test_gpu_scale_traces_evict(b, k, s, m, keep_p):
+    # The GPU tests assert that their traces evict occupied slots (so the read-back and the
+    # fallback searches run compiled); what a trace evicts does not depend on the kernel,
+    # so the reference counts it here, on the trace's first rows (odd and even, full and
+    # short).
+    rows = 3
+    st_ref = new_state(min(rows, b), s, m)
+    evicted = torch.zeros(min(rows, b), dtype=torch.long)
+    for step, (topk, valid) in enumerate(scale_trace(b, k, m, keep_p, rows=rows), start=1):
+        before = st_ref["resident"].clone()
+        res = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"],
+                                 trace_step(step))
+        evicted += count_evictions(res, before)
+    assert bool((evicted > 0).all()), evicted.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,k,s,m,num_warps,scan_r,helpers,keep_p,miss_side", GPU_SCALE_CASES)
 def test_gpu_kernel_matches_reference_at_scale(b, k, s, m, num_warps, scan_r, helpers, keep_p, miss_side):
     # 20 steps with gaps between step values: the buffers fill and then evict occupied
     # slots (asserted), so the read-back and the fallback searches run compiled
     dev = "cuda"
-    g = torch.Generator(device="cpu").manual_seed(1)
     st_ref, st_tri = new_state(b, s, m, dev), new_state(b, s, m, dev)
-    prev = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(b)])
     evicted = 0
-    for step in range(1, 21):
-        fresh = torch.stack([torch.randperm(m, generator=g)[:k] for _ in range(b)])
-        keep = torch.rand(b, k, generator=g) < keep_p
-        cand = torch.where(keep, prev, fresh)
-        rows = []
-        for i in range(b):  # dedupe, vary valid counts
-            u = torch.unique(cand[i])[torch.randperm(torch.unique(cand[i]).numel(), generator=g)]
-            rows.append(u[: k - (i % 7) * 3].tolist())
-        prev = torch.stack([torch.tensor((r + list(range(m)))[:k]) for r in rows])
-        topk, valid = make_topk(rows, k)
-        topk, valid = topk.to(dev), valid.to(dev)
+    for step, (topk, valid) in enumerate(scale_trace(b, k, m, keep_p), start=1):
         before = st_ref["resident"].clone()
-        res = run_both(topk, valid, st_ref, st_tri, step * 4 + step % 3, num_warps=num_warps, scan_r=scan_r,
-                       helpers=helpers, miss_side=miss_side)
-        ls = res.load_slots.long()
-        evicted += int(((ls >= 0) & (before.gather(1, ls.clamp(min=0)) >= 0)).sum())
+        res = run_both(topk.to(dev), valid.to(dev), st_ref, st_tri, trace_step(step), num_warps=num_warps,
+                       scan_r=scan_r, helpers=helpers, miss_side=miss_side)
+        evicted += int(count_evictions(res, before).sum())
     assert evicted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,k,s,m,helpers,keep_p,miss_side,repeat_p", GPU_REPEAT_CASES)
+def test_gpu_repeats_match_reference_at_scale(b, k, s, m, helpers, keep_p, miss_side, repeat_p):
+    # odd rows repeat ids (the exact path), even rows do not (the fast path), in one launch
+    dev = "cuda"
+    st_ref, st_tri = new_state(b, s, m, dev), new_state(b, s, m, dev)
+    evicted, repeats = 0, 0
+    for step, (topk, valid) in enumerate(scale_trace(b, k, m, keep_p, repeat_p=repeat_p), start=1):
+        before = st_ref["resident"].clone()
+        res = run_both(topk.to(dev), valid.to(dev), st_ref, st_tri, trace_step(step), helpers=helpers,
+                       miss_side=miss_side)
+        evicted += int(count_evictions(res, before).sum())
+        sel = torch.arange(k) < valid[:, None].long()
+        repeats += int(sel.sum()) - sum(len(set(r[:n].tolist())) for r, n in zip(topk, valid.tolist()))
+        check_consistent(st_tri)
+    assert evicted > 0 and repeats > 0
 
 
 @interpreted
