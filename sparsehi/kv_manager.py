@@ -77,6 +77,12 @@ class SparseKVCacheManager:
 
     Sizes in selection units (pages; tokens when ``page_size == 1``): ``K`` top-k width,
     ``S`` LRU slots, ``sink``, ``R`` recent pages, ``M`` max logical pages per request.
+
+    ``validate=True`` checks every selection before it touches a buffer (host syncs): ids
+    out of range, padding that is not ``-1`` after ``valid``, or an id named twice in a row
+    raise ValueError and leave the state unchanged. ``validate=False`` (timing runs, CUDA
+    graphs) checks nothing; the LRU diff then serves a repeated id by its first column's
+    slot, loading it once (sparsehi/kernels/lru_diff.py).
     """
 
     STATS_HISTORY = 4096

@@ -8,9 +8,16 @@ refilled; the j-th miss (in ``topk`` column order) takes the j-th victim in slot
 Hits and refills get ``last_used = step``. A fresh state (``last_used = -1``) takes empty
 slots in slot order.
 
+Repeated ids: ``check_lru_diff_values`` rejects an id named twice in one row. Without
+validation (benchmarks, CUDA graphs) a repeat is served by its first column: it is no
+second miss, is not loaded and takes no victim; its ``device_slots`` entry is the first
+column's slot and ``num_loads`` counts distinct missed ids. Ids that unvalidated input
+clamps to one value (``-1`` inside the valid range, ids ``>= M``) repeat the same way.
+
 Reverse map: ``slot_of[id]`` is where ``id`` was last installed. It is exact for resident
 ids; entries of evicted ids are left stale (clearing them would cost one random store per
 eviction), so an id is resident iff ``slot_of[id] >= 0 and resident[slot_of[id]] == id``.
+Each id is resident in at most one slot.
 
 How the kernel finds victims without a sort or an order array: the eviction threshold ``T``
 is the smallest stamp with at least ``num_misses`` non-hit slots stamped ``<= T``. The
@@ -22,6 +29,24 @@ rounds and then a bisection over the stamps take over; when every non-hit slot i
 victim there is no search. Victims are the non-hit slots below ``T`` and the first ties at
 ``T`` in slot order: one packed prefix sum. Only hits stamped ``<= T`` (few) must be known
 per slot; the main program stamps them itself and reads the candidates' stamps back.
+
+Repeats, without a sort: each miss claims its id in ``slot_of`` by an atomic min of
+``column + INT_MIN`` (a marker below -1), issued as soon as the misses are known and read
+back after the barrier the installs wait on anyway. Two things send a row to the exact
+path (``_exact_path``): a miss that lost its claim (a repeated missed id), and a victim
+ranked past the misses (repeated hits are counted once per column, which makes the counts
+short and ``T`` too high when they reach the candidates; that victim marks the load lists'
+-1 tail). The exact path claims again from a clean slate, stamps every hit, reads the row
+back and bisects the threshold over per-slot hits; it is a device function of its own
+(not inlined) so that it does not raise the register allocation of the common path.
+Expected cost when no id repeats (not yet measured): the misses' claims (fire-and-forget
+atomics, in flight during the search), a gather of the claims and a coalesced load of the
+list tail beside the loads that follow the install barrier, and one K-wide max reduction
+before the installs, about 0.1 us at K = 2048. Registers per thread (ptxas for sm_90,
+compiled offline), with the library's launch defaults: as many as without the repeat
+handling at K = 512, S = 4096 and K = 2048, S = 2048 or 8192; 186-204 instead of 162-194 at
+K = 2048, S = 4096 (8 warps: one block per SM either way, no spill); 48 spilled bytes
+instead of 32 at S = 16384.
 
 Installs pair the j-th miss with the j-th victim through the row's ``load_*`` outputs in
 global memory (Triton has no shared-memory scatter). Victim side: the misses list their
@@ -44,7 +69,11 @@ between them are benign, and these orderings keep them so:
   counted consistently either way;
 - the read-back tells hits by ``last_used == step``; no non-hit slot can carry ``step``
   then because the main program installs refills only after the barrier that follows the
-  read-back (keep it that way when reordering stores).
+  read-back (keep it that way when reordering stores);
+- between its claim and its install a missed id's ``slot_of`` entry holds a marker (or -1
+  on the exact path): a helper reading it takes the id for not resident, which it is;
+- the load lists' -1 entries are stored before the block barriers of the victims' scan,
+  the victims' marks over them after those barriers.
 
 Shapes (``B`` batch rows, ``K`` top-k width, ``S`` buffer slots, ``M`` logical ids per
 request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state rows):
@@ -129,7 +158,9 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
                           rows: Optional[torch.Tensor] = None, num_rows: Optional[int] = None) -> None:
     """Value checks (sync with the host): ``valid`` in ``[0, K]``, ids in ``[0, num_ids)``
     (an int, or ``[B]`` per-row limits), ``-1`` padding after ``valid``, no duplicate id in a
-    row, distinct ``rows``. Raises ValueError; call before the kernel so state is untouched."""
+    row, distinct ``rows``. Raises ValueError; call before the kernel so state is untouched.
+    (Without these checks the kernel serves a repeated id by its first column: module
+    docstring.)"""
     b, k = topk.shape
     v = valid.long()
     if bool(((v < 0) | (v > k)).any()):
@@ -144,8 +175,12 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
     if bool((in_range & (t >= lim)).any()):
         raise ValueError(f"topk holds ids beyond the request's length (allowed: [0, {num_ids if isinstance(num_ids, int) else 'per-row limit'}))")
     srt, _ = torch.sort(torch.where(in_range, t, -1 - cols), dim=1)
-    if bool((srt[:, 1:] == srt[:, :-1]).any()):
-        raise ValueError("topk holds duplicate ids in a row")
+    same = srt[:, 1:] == srt[:, :-1]
+    if bool(same.any()):
+        row = int(same.any(1).int().argmax())
+        rep = int(srt[row, 1:][same[row]][0])
+        raise ValueError(f"topk holds duplicate ids in a row (row {row} names id {rep} twice): each id "
+                         f"at most once per row")
     if rows is not None:
         rl = rows.long()
         rl = rl[rl >= 0]  # -1: padding rows
@@ -187,10 +222,16 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
     sel = cols < torch.where(pad, 0, valid.long().clamp(0, k))[:, None]
     # as the kernel: unvalidated bad ids are clamped so they stay inside their own row
     ids = torch.where(sel, topk.long(), 0).clamp(0, m - 1)
+    # a repeated id is served by its first column: only first columns can miss
+    key = torch.where(sel, ids, m)
+    first_col = torch.full((b, m + 1), k, dtype=torch.long, device=dev)
+    first_col.scatter_reduce_(1, key, cols.expand(b, k), "amin")
+    src = first_col.gather(1, key)
     hint = torch.where(sel, so.gather(1, ids), -1)
     hit = (hint >= 0) & (res.gather(1, hint.clamp(min=0)) == ids)
     slot = torch.where(hit, hint, -1)
-    miss = sel & ~hit
+    miss = sel & ~hit & (src == cols)
+    repeat = sel & ~hit & (src != cols)
     nmiss = miss.sum(1)
     mrank = torch.cumsum(miss.long(), 1) - miss.long()
     hit_mask = torch.zeros(b, s + 1, dtype=torch.bool, device=dev)
@@ -201,6 +242,7 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
     victim = lru_rank < nmiss[:, None]
     vlist = torch.sort(torch.where(victim, ar, s + ar), dim=1).values[:, :k]  # victims in slot order first
     device_slots = torch.where(hit, slot, torch.where(miss, vlist.gather(1, torch.where(miss, mrank, 0)), -1))
+    device_slots = torch.where(repeat, device_slots.gather(1, src.clamp(max=k - 1)), device_slots)
     load_valid = cols < nmiss[:, None]
     load_slots = torch.where(load_valid, vlist, -1)
     spill = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
@@ -246,6 +288,135 @@ def _exclusive_cumsum(x, N: tl.constexpr, R: tl.constexpr):
 def _min_count(m1, c1, m2, c2):
     m = tl.minimum(m1, m2)
     return m, tl.where(m1 == m, c1, 0) + tl.where(m2 == m, c2, 0)
+
+
+@triton.jit
+def _rank_victims(nonhit, lu_row, T, below, nmiss, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr):
+    """Victims in slot order: the non-hit slots stamped below ``T`` (``below`` of them) and the
+    first ``nmiss - below`` stamped ``T``. Returns (chosen ``[BLOCK_S]`` bool, rank ``[BLOCK_S]``
+    int32, the number of chosen slots before each): one packed prefix sum."""
+    rem = tl.maximum(nmiss - below, 0)
+    gt = nonhit & (lu_row < T)
+    eq = nonhit & (lu_row == T)
+    ex = _exclusive_cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), BLOCK_S, SCAN_R)
+    gt_b = ex & 0xFFFF
+    eq_b = ex >> 16
+    return gt | (eq & (eq_b < rem)), gt_b + tl.minimum(eq_b, rem)
+
+
+@triton.jit
+def _exact_threshold(nonhit, lu_row, lo_stamp, nmiss):
+    """The smallest stamp ``T`` with at least ``nmiss`` slots of ``nonhit`` stamped ``<= T``
+    (bisection over the stamps, from the oldest ``lo_stamp``), and how many are below it."""
+    lb = lo_stamp.to(tl.int64) - 1
+    hi = tl.maximum(tl.max(tl.where(nonhit, lu_row, INT_MIN), 0).to(tl.int64), lb)
+    while hi - lb > 1:
+        mid = (lb + (hi - lb) // 2).to(tl.int32)
+        big = tl.sum((nonhit & (lu_row <= mid)).to(tl.int32), 0) >= nmiss
+        hi = tl.where(big, mid.to(tl.int64), hi)
+        lb = tl.where(big, lb, mid.to(tl.int64))
+    t = hi.to(tl.int32)
+    return t, tl.sum((nonhit & (lu_row < t)).to(tl.int32), 0)
+
+
+@triton.jit
+def _install_from_misses(ds_p, so_p, res_p, lu_p, kk, mids, serve, vslot, step, S: tl.constexpr):
+    """Miss side: each missed id (``mids >= 0``) installs the slot its rank drew, ``vslot``
+    (K-wide passes instead of S-wide ones); ``serve`` marks the columns that get it as their
+    device slot (the misses and their repeats)."""
+    ok = (vslot >= 0) & (vslot < S)
+    inst = (mids >= 0) & ok
+    tl.store(ds_p + kk, vslot, mask=serve & ok)
+    tl.store(so_p + mids, vslot, mask=inst)
+    tl.store(res_p + vslot, mids, mask=inst)
+    tl.store(lu_p + vslot, tl.zeros_like(vslot) + step, mask=inst)
+
+
+@triton.jit
+def _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id, col, step):
+    """Victim side: each victim slot installs the miss of its rank (``new_id`` from column
+    ``col``) and lists itself in ``load_slots``."""
+    tl.store(ls_p + vrank, ss, mask=victim)
+    tl.store(lu_p + ss, tl.zeros_like(ss) + step, mask=victim)
+    tl.store(res_p + ss, new_id, mask=victim)
+    tl.store(so_p + new_id, ss, mask=victim)
+    tl.store(ds_p + col, ss, mask=victim)
+
+
+@triton.jit(noinline=True)
+def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
+                num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_state, stride_slot_of, stride_out,
+                K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
+                MISS_SIDE: tl.constexpr):
+    """The victims and installs of row ``b`` when the fast path cannot serve it exactly: a
+    repeated id in the row (a caller that skipped validation), or duplicate hits. Claims
+    again from a clean slate (no stale marker can win), stamps every hit and reads the row
+    back, so every count is over distinct slots. Called after the fast path's claims and the
+    barrier that follows them, before any install. (Not inlined, so the rare path does not
+    raise the register allocation of the common one; hence it rebuilds its inputs from
+    memory.)"""
+    kk = tl.arange(0, BLOCK_K)
+    ss = tl.arange(0, BLOCK_S)
+    res_p = resident_ptr + row * stride_state
+    lu_p = last_used_ptr + row * stride_state
+    so_p = slot_of_ptr + row * stride_slot_of
+    ds_p = dev_slots_ptr + b.to(tl.int64) * stride_out
+    li_p = load_ids_ptr + b.to(tl.int64) * stride_out
+    ls_p = load_slots_ptr + b.to(tl.int64) * stride_out
+    marker = kk + INT_MIN
+    # every missed id's entry now holds a claim marker (< -1), every hit's its slot (>= 0)
+    raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+    ids = tl.minimum(tl.maximum(raw, 0), M - 1)
+    sel = kk < nvalid
+    entry = tl.load(so_p + ids, mask=sel, other=0, cache_modifier=".cg")
+    missed = sel & (entry < -1)
+    hit = sel & (entry >= 0) & (entry < S)
+    mids = tl.where(missed, ids, -1)
+    tl.store(so_p + mids, tl.full([BLOCK_K], -1, tl.int32), mask=missed)
+    tl.store(lu_p + entry, tl.zeros_like(entry) + step, mask=hit)
+    if MISS_SIDE:
+        tl.store(li_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=kk < K)
+        tl.store(ls_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=kk < K)
+    tl.debug_barrier()
+    tl.atomic_min(so_p + mids, marker, mask=missed, sem="relaxed")
+    tl.debug_barrier()
+    claim = tl.load(so_p + mids, mask=missed, other=0, cache_modifier=".cg")
+    claimed = missed & (claim == marker)
+    first_i = claimed.to(tl.int32)
+    mrank = _exclusive_cumsum(first_i, BLOCK_K, SCAN_R)
+    nmiss = tl.sum(first_i, 0)
+    # the rank whose victim serves each column (a repeat: its first column's), -1 none
+    first_col = tl.minimum(tl.maximum(claim ^ INT_MIN, 0), BLOCK_K - 1)
+    rk = tl.where(claimed, mrank, tl.where(missed, tl.gather(mrank, first_col, 0), -1))
+    mids = tl.where(claimed, mids, -1)
+    if MISS_SIDE:
+        tl.store(li_p + mrank, mids, mask=claimed)
+    else:
+        dst = tl.where(claimed, mrank, nmiss + kk - mrank)
+        tl.store(li_p + dst, mids, mask=kk < K)
+        tl.store(ls_p + dst, tl.where(claimed, kk, -1), mask=kk < K)
+    tl.store(num_loads_ptr + b, nmiss)
+    # (read back rather than kept: the snapshot would stay live across the installs)
+    row_x = tl.load(lu_p + ss, mask=ss < S, other=INT_MAX)
+    nonhit_x = (ss < S) & (row_x != step)
+    lo_x = tl.min(tl.where(nonhit_x, row_x, INT_MAX), 0)
+    t_x, below_x = _exact_threshold(nonhit_x, row_x, lo_x, nmiss)
+    chosen, vrank = _rank_victims(nonhit_x, row_x, t_x, below_x, nmiss, BLOCK_S, SCAN_R)
+    victim = chosen & (vrank < nmiss)
+    if MISS_SIDE:
+        tl.store(ls_p + vrank, ss, mask=victim)
+        tl.debug_barrier()
+        vslot = tl.load(ls_p + rk, mask=rk >= 0, other=-1)
+        _install_from_misses(ds_p, so_p, res_p, lu_p, kk, mids, rk >= 0, vslot, step, S)
+    else:
+        tl.debug_barrier()
+        new_id = tl.load(li_p + vrank, mask=victim, other=0)
+        col = tl.load(ls_p + vrank, mask=victim, other=0)
+        _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id, col, step)
+        # a repeat takes its first column's slot, which that column's victim just listed
+        tl.debug_barrier()
+        dup = (rk >= 0) & (mids < 0)
+        tl.store(ds_p + kk, tl.load(ls_p + rk, mask=dup, other=-1), mask=dup)
 
 
 @triton.jit
@@ -306,6 +477,15 @@ def _lru_diff_kernel(
         hit = (hint >= 0) & (tl.gather(res_row, tl.maximum(hint, 0), 0) == ids)
         slot = tl.where(hit, hint, -1)
         miss = sel & ~hit
+        # Each missed id is claimed for its first column (the smallest marker wins) while the
+        # threshold is searched; read back after the install barrier. Only misses write
+        # markers (a helper reading one takes the id for a miss, which it is) and the install
+        # overwrites every claimed entry.
+        marker = kk + INT_MIN
+        tl.atomic_min(so_p + ids, marker, mask=miss, sem="relaxed")
+        # the one K-wide value kept past the victim search: missed ids, -1 elsewhere (a valid
+        # column that is not a miss is a hit, whose slot_of entry no claim touches)
+        mids = tl.where(miss, ids, -1)
         miss_i = miss.to(tl.int32)
         mrank = _exclusive_cumsum(miss_i, BLOCK_K, SCAN_R)
         if HELPERS == 0:
@@ -323,10 +503,11 @@ def _lru_diff_kernel(
         # launch's refills). Miss side: ids to their rank, -1 tails; the victims fill
         # load_slots later.
         if MISS_SIDE:
-            pad = (kk < K) & (kk >= nmiss)
             tl.store(li_p + mrank, ids, mask=miss)
-            tl.store(li_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
-            tl.store(ls_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=pad)
+            tl.store(li_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=(kk < K) & (kk >= nmiss))
+            # every rank starts without a victim: a rank left so, or a victim ranked past the
+            # misses, shows after the install barrier
+            tl.store(ls_p + kk, tl.full([BLOCK_K], -1, tl.int32), mask=kk < K)
         else:
             # misses to their rank, every other column to the -1 tail: one dense store
             # each; load_slots carries the miss's column until its victim replaces it
@@ -403,39 +584,45 @@ def _lru_diff_kernel(
             nonhit = cand & (now != step)
         else:
             nonhit = cand
-        rem = tl.maximum(nmiss - below, 0)
-        gt = nonhit & (lu_row < T)
-        eq = nonhit & (lu_row == T)
-        ex = _exclusive_cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), BLOCK_S, SCAN_R)
-        gt_b = ex & 0xFFFF
-        eq_b = ex >> 16
-        vrank = gt_b + tl.minimum(eq_b, rem)
-        # (0 <= vrank < nmiss always holds for a consistent state and validated input; the
-        # guard keeps anything else from reading or writing outside the row's miss list)
-        victim = (gt | (eq & (eq_b < rem))) & (vrank >= 0) & (vrank < nmiss)
+        chosen, vrank = _rank_victims(nonhit, lu_row, T, below, nmiss, BLOCK_S, SCAN_R)
+        # 0 <= vrank < nmiss for a consistent state and distinct ids. A victim ranked from
+        # nmiss on means duplicate hits made the counts short (T too high): it marks the
+        # lists' -1 tail, checked after the barrier. (The tail's -1 stores precede the scan's
+        # block barriers.)
+        victim = chosen & (vrank < nmiss)
+        over = chosen & (vrank >= nmiss) & (vrank < K)
         if MISS_SIDE:
-            # victims list themselves by rank; each miss reads the victim of its rank and
-            # installs it (K-wide passes instead of S-wide ones)
-            tl.store(ls_p + vrank, ss, mask=victim)
-            tl.debug_barrier()
-            vslot = tl.load(ls_p + mrank, mask=miss, other=-1)
-            inst = miss & (vslot >= 0) & (vslot < S)
-            tl.store(ds_p + kk, vslot, mask=inst)
-            tl.store(so_p + ids, vslot, mask=inst)
-            tl.store(res_p + vslot, ids, mask=inst)
-            tl.store(lu_p + vslot, tl.zeros_like(vslot) + step, mask=inst)
+            # victims list themselves by rank; each miss reads the victim of its rank
+            tl.store(ls_p + vrank, ss, mask=victim | over)
+            tail_p = ls_p
         else:
-            # each victim takes the miss of its rank (written above by other threads)
-            tl.debug_barrier()
+            tl.store(li_p + vrank, tl.full([BLOCK_S], -2, tl.int32), mask=over)
+            tail_p = li_p
+        tl.debug_barrier()
+        missed = mids >= 0
+        # (.cg: the claims were made at L2, the hint gather may have left the lines in L1)
+        claim = tl.load(so_p + mids, mask=missed, other=0, cache_modifier=".cg")
+        tail = tl.load(tail_p + kk, mask=(kk < K) & (kk >= nmiss), other=-1)
+        if MISS_SIDE:
+            vslot = tl.load(ls_p + mrank, mask=missed, other=-1)
+            bad = (missed & ((claim != marker) | (vslot < 0))) | (tail != -1)
+        else:
+            # each victim takes the miss of its rank (listed above by other threads)
             new_id = tl.load(li_p + vrank, mask=victim, other=0)
             col = tl.load(ls_p + vrank, mask=victim, other=0)
-            tl.store(ls_p + vrank, ss, mask=victim)
-            tl.store(lu_p + ss, tl.zeros_like(ss) + step, mask=victim)
-            tl.store(res_p + ss, new_id, mask=victim)
-            tl.store(so_p + new_id, ss, mask=victim)
-            tl.store(ds_p + col, ss, mask=victim)
+            bad = (missed & (claim != marker)) | (tail != -1)
+        redo = tl.max(bad.to(tl.int32), 0)
+        if redo > 0:
+            _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
+                        num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_state, stride_slot_of,
+                        stride_out, K, S, BLOCK_K, BLOCK_S, SCAN_R, MISS_SIDE)
+        else:
+            if MISS_SIDE:
+                _install_from_misses(ds_p, so_p, res_p, lu_p, kk, mids, missed, vslot, step, S)
+            else:
+                _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id, col, step)
         if HELPERS == 0:
-            tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=hit)
+            tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=slot >= 0)
 
 
 # Launch defaults by buffer block size (overrides below; the benchmark fills them from its
