@@ -819,3 +819,29 @@ def test_property_traces_with_repeats_stay_consistent(seed, k, extra, helpers, m
         res = run_both(*make_topk(rows_ids, k), st_ref, st_tri, step, helpers=helpers, miss_side=miss_side)
         check_against_naive(res, rows_ids, naive_rows, st_tri, step)
         check_consistent(st_tri)
+
+
+@interpreted
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_padding_rows_select_nothing_and_change_no_state(helpers):
+    """Rows with rows[b] == -1 (the unused rows of a CUDA-graph batch) output -1 and no load
+    and leave every state row as it was, even with a nonzero valid and beside a live row 0
+    that they alias."""
+    K, S, M = 4, 6, 32
+    st_ref, st_tri = new_state(2, S, M), new_state(2, S, M)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 6):
+        ids = [torch.randperm(M, generator=g)[:K].tolist() for _ in range(4)]
+        topk, valid = make_topk(ids, K)
+        rows = torch.tensor([0, -1, 1, -1])
+        live = run_both(topk, valid, st_ref, st_tri, step, rows=rows, helpers=helpers)
+        assert (live.device_slots[[1, 3]] == -1).all() and (live.load_ids[[1, 3]] == -1).all()
+        assert live.num_loads[[1, 3]].tolist() == [0, 0]
+        check_consistent(st_ref)
+    only_pad = clone(st_ref)
+    topk, valid = make_topk([[1, 2, 3, 4]], K)
+    out = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], 9,
+                          rows=torch.tensor([-1]), helpers=helpers)
+    assert int(out.num_loads[0]) == 0 and (out.device_slots == -1).all()
+    for name in only_pad:
+        assert torch.equal(st_tri[name], only_pad[name]), name
