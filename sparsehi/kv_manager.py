@@ -567,6 +567,12 @@ class SparseKVCacheManager:
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:
+        """Zero the counters in place (captured decode graphs keep counting into them); a
+        changed ``STATS_HISTORY`` takes new counters, so capture graphs after that."""
+        c = getattr(self, "counters", None)
+        if c is not None and c.history == self.STATS_HISTORY:
+            c.reset()
+            return
         self.counters = SwapInCounters(self.device_pool.spec.num_layers, self.sparse_layers, self.device,
                                        history=self.STATS_HISTORY)
 

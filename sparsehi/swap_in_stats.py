@@ -44,14 +44,19 @@ class SwapInCounters:
         self.history = history
         self.device = device
         self._sparse_idx = torch.tensor(sparse_layers, dtype=torch.int64, device=device)
-        self.reset()
-
-    def reset(self) -> None:
-        L, H, dev = self.num_layers, self.history, self.device
+        L, H, dev = num_layers, history, device
         self.totals = torch.zeros(2, L, dtype=torch.int64, device=dev)  # [hits, misses]
         self.ring = torch.zeros(H, 2, L, dtype=torch.int64, device=dev)
         self.ring_step = torch.full((H,), -1, dtype=torch.int64, device=dev)
         self.steps_closed = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def reset(self) -> None:
+        """Zero every counter in place: a captured decode graph keeps updating these very
+        tensors (replacing them would leave the graph writing freed memory)."""
+        self.totals.zero_()
+        self.ring.zero_()
+        self.ring_step.fill_(-1)
+        self.steps_closed.zero_()
 
     def close_step(self, counts: StepCounts, step_t: torch.Tensor, live: torch.Tensor) -> None:
         """Fold one step (graph-safe: fixed shapes, no host sync).

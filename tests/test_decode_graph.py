@@ -121,3 +121,23 @@ def test_replay_makes_no_host_sync(mode):
         for r, t in zip(reqs, toks[: len(reqs)].tolist()):
             r.output.append(t)
     assert len(runner.graphs.captured) == 1
+
+
+@pytest.mark.gpu
+def test_reset_stats_keeps_counting_after_capture():
+    """reset_stats between phases (as benchmarks do after a warm-up) zeroes the counters the
+    captured graph writes, in place: later replays are counted, and nothing writes freed memory."""
+    sc = SparseConfig(min_sparse_prompt_len=0, **GQA)
+    prompts = _prompts((300, 333))
+    runner = _runner("tiny-gqa", "sparse-hier", sc, prompts, True)
+    reqs = runner.new_requests(prompts)
+    for r in reqs:
+        runner.prefill(r)
+    for _ in range(3):
+        runner.decode_step(reqs)
+    runner.backend.coord.reset_stats()
+    assert runner.backend.coord.stats()["steps"] == 0
+    for _ in range(5):
+        runner.decode_step(reqs)
+    st = runner.backend.coord.stats()
+    assert st["steps"] == 5 and st["hits"] + st["misses"] > 0 and len(st["per_step"]) == 5
