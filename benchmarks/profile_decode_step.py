@@ -53,14 +53,17 @@ def main(argv=None) -> int:
         runner.decode_step(reqs)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    host = []
+    host, parts = [], {}
     for _ in range(args.steps):
         runner.decode_step(reqs)
         host.append(runner.last_host_ms)
+        for k, v in runner.last_host_split.items():
+            parts[k] = parts.get(k, 0.0) + v / args.steps
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - t) / args.steps
     print(f"{args.mode} {args.model} ctx={args.context} B={args.batch} graphs={runner.graphs.enabled}: "
-          f"{step_ms:.2f} ms/step, host {sum(host) / len(host):.3f} ms/step (max {max(host):.3f})")
+          f"{step_ms:.2f} ms/step, host {sum(host) / len(host):.3f} ms/step (max {max(host):.3f}; "
+          + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + ")")
     runner.graphs.enabled = False
     runner.decode_step(reqs)
     torch.cuda.synchronize()
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
             rows.append((us, e.count, e.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"eager step, device time of its kernels: {total / 1e3:.2f} ms")
+    print(f"eager step, device time of its kernels: {total / 1e3:.2f} ms in {sum(r[1] for r in rows)} launches")
     for us, n, key in rows[: args.top]:
         print(f"{us / 1e3:9.3f} ms {n:6d}x  {key[:110]}")
     return 0

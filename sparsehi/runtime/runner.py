@@ -72,6 +72,8 @@ class ModelRunner:
         self.graphs = DecodeGraphRunner(self._decode_body, rt.max_num_reqs, self.backend.device,
                                         enabled=rt.uses_cuda_graph)
         self.last_host_ms = 0.0
+        self.last_host_split: dict[str, float] = {}
+        """``last_host_ms`` by part: the backend's host part, input copy + launch, after the step."""
         """Host time of the last decode step outside the device's work: the host part,
         the input copy and graph launch (or eager launches), and the bookkeeping after the
         tokens came back; the wait for the device is not counted."""
@@ -113,6 +115,7 @@ class ModelRunner:
         for r, t in zip(reqs, last):
             r.fed.append(int(t))
         variant = be.prepare_decode(reqs)
+        tp = time.perf_counter()
         toks_t, outputs = self.graphs.run([int(t) for t in last], [r.seq_len for r in reqs],
                                           [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant)
         t1 = time.perf_counter()
@@ -121,7 +124,9 @@ class ModelRunner:
         be.end_decode(reqs, outputs)
         for r, t in zip(reqs, toks):
             r.output.append(int(t))
-        self.last_host_ms = 1e3 * ((t1 - t0) + (time.perf_counter() - t2))
+        t3 = time.perf_counter()
+        self.last_host_ms = 1e3 * ((t1 - t0) + (t3 - t2))
+        self.last_host_split = {"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp), "after": 1e3 * (t3 - t2)}
         return toks
 
     def new_requests(self, prompts: list[list[int]]) -> list[Request]:
