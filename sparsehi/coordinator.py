@@ -16,6 +16,7 @@ import torch
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_selection
 from sparsehi.config import SparseConfig
 from sparsehi.forward_batch import ForwardBatch
+from sparsehi.kernels.decoder_ops import store_kv
 from sparsehi.kernels.selection_table import selection_table
 from sparsehi.kv_manager import COORDINATOR_MODES, DecodeStep, RequestKV, SparseKVCacheManager
 from sparsehi.selection import SparseSelection
@@ -46,7 +47,7 @@ class _StepTables:
     ncand: torch.Tensor  # [B] int32 candidates of rows that are not sparse (0 for dense rows)
     all_ids: torch.Tensor  # [B, K] int32 every candidate, for rows that are not sparse
     sparse_mask: torch.Tensor  # [B] bool
-    live: torch.Tensor  # [B] bool rows that are real requests
+    use: torch.Tensor  # [B] bool rows that take the algorithm's selection (sparse and live)
     colk: torch.Tensor  # [1, K] int32 column index
 
 
@@ -109,10 +110,11 @@ class LayerPlan:
             raise ValueError("v is required for an MHA cache (layer_cache holds k and v)")
         if len(bufs) == 1 and v is not None:
             raise ValueError("v must be None for an MLA cache (pass the whole latent kv as k)")
-        for buf, t, name in zip(bufs, (k, v), ("k", "v")):
+        vals = (k, v)[: len(bufs)]
+        for buf, t, name in zip(bufs, vals, ("k", "v")):
             if t.shape[0] != self.out_cache_loc.shape[0] or tuple(t.shape[1:]) != tuple(buf.shape[1:]):
                 raise ValueError(f"{name} must be [B={self.out_cache_loc.shape[0]}, {', '.join(map(str, buf.shape[1:]))}], got {tuple(t.shape)}")
-            buf.index_copy_(0, self.out_cache_loc, t.to(buf.dtype))
+        store_kv(bufs, self.out_cache_loc, vals)  # k and v in one launch
 
     def attend(self, q: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """``[B, Hq, Dv]`` decode attention over the selection."""
@@ -271,7 +273,7 @@ class SparseCoordinator:
         cols = _arange(K, dev, torch.int32)[None, :]
         all_ids = torch.where(cols < plain[:, None], cs[:, None] + cols, -1).to(torch.int32)
         t = _StepTables(cs=cs, ce=ce, ncand=plain.to(torch.int32), all_ids=all_ids, sparse_mask=sparse_mask,
-                        live=step.live, colk=cols)
+                        use=sparse_mask & step.live, colk=cols)
         step.memo["sparse_tables"] = t
         return t
 
@@ -296,9 +298,9 @@ class SparseCoordinator:
             check_selection(sel, val, K, t.cs, t.ce)
         if sel.shape[1] < K:
             sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
-        use = t.sparse_mask & t.live  # padding rows select nothing, whatever the algorithm said
-        topk = torch.where(use[:, None], sel.to(device=dev, dtype=torch.int32), t.all_ids)
-        valid = torch.where(use, val.to(device=dev, dtype=torch.int32), t.ncand)
+        # padding rows select nothing, whatever the algorithm said
+        topk = torch.where(t.use[:, None], sel.to(device=dev, dtype=torch.int32), t.all_ids)
+        valid = torch.where(t.use, val.to(device=dev, dtype=torch.int32), t.ncand)
         if step.checked and bool((valid.long() > K).any()):
             raise ValueError(f"more than top_k={K} ids selected in a row")
         if not self.algorithm.selects_ascending:

@@ -63,3 +63,23 @@ def test_add_rms_norm_matches_reference(device, dtype):
     norm.weight.data.copy_(w)
     if device == "cpu":
         torch.testing.assert_close(n_ref, norm(h_ref), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVS)
+@pytest.mark.parametrize("two", [True, False])
+def test_store_kv_matches_index_copy(device, two):
+    from sparsehi.kernels.decoder_ops import store_kv_reference, store_kv_triton
+
+    g = torch.Generator().manual_seed(3)
+    H, D = (2, 8) if two else (1, 12)
+    caches = tuple(torch.zeros(20, H, D, device=device) for _ in range(2 if two else 1))
+    vals = tuple(torch.randn(4, H, D, generator=g).to(device) for _ in caches)
+    loc = torch.tensor([3, -1, 7, 19], device=device)  # a padding row (-1) writes nothing
+    want = tuple(c.clone() for c in caches)
+    store_kv_reference(want, loc, vals)
+    store_kv_triton(caches, loc, tuple(v.to(torch.bfloat16) for v in vals))  # cast to the cache dtype
+    for c, w in zip(caches, want):
+        torch.testing.assert_close(c, w, atol=1e-2, rtol=1e-2)
+    assert (caches[0][[0, 1, 2, 4]] == 0).all()
+    with pytest.raises(ValueError, match="must match"):
+        store_kv_triton(caches, loc, tuple(v[:2] for v in vals))

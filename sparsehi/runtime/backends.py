@@ -15,6 +15,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
+from sparsehi.kernels.decoder_ops import store_kv
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -268,10 +269,9 @@ class DenseBackend(ModeBackend):
         def attn(layer: int, q, k, v, extra):
             q = self._hook(layer, q, extra)
             bufs = self.pool.layer_buffers(layer)
-            # direct index_copy_: set_kv validates slot ranges with a host sync per layer
-            bufs[0].index_copy_(0, new_slots, k.to(bufs[0].dtype))
+            # one launch for k and v (set_kv validates slot ranges with a host sync per layer)
+            store_kv(bufs, new_slots, (k,) if mla else (k, v))
             if not mla:
-                bufs[1].index_copy_(0, new_slots, v.to(bufs[1].dtype))
                 with self.timer.section("attention"):
                     return paged_decode(q, bufs[0], bufs[1], table, lens, page_size=ps, sm_scale=scale)
             with self.timer.section("attention"):
