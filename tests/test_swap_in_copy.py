@@ -67,7 +67,7 @@ def test_copy_matches_page_by_page(layout, attention, ps):
                 dp = int(slot_pages[int(rows[b]), load_slots[b, j]])
                 touched[:, layer, dp * ps:(dp + 1) * ps] = True
         want_z[~touched] = 0
-        kw = {"block_bytes": 256} if fn is swap_in_copy_triton else {}  # several programs per row
+        kw = {"block_bytes": 64} if fn is swap_in_copy_triton else {}  # several programs per row
         fn(hv, dv, layer, *args, ps, **kw)
         assert torch.equal(dev.kv_data, want_z), fn.__name__
 

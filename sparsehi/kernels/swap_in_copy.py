@@ -68,10 +68,12 @@ def _swap_in_copy_kernel(
     layer, K, src_slots, dst_slots, hp_cols, sp_cols,
     stride_ids, stride_hp, stride_sp,
     s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
-    PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr, CHUNK: tl.constexpr,
-    MISSES: tl.constexpr, BLOCK: tl.constexpr,
+    PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
+    PARTS: tl.constexpr, SEG: tl.constexpr, MISSES: tl.constexpr, TILE: tl.constexpr,
 ):
-    # grid: (batch row, block of MISSES misses, buffer x head segment)
+    # grid: (batch row, block of MISSES misses, buffer x head segment). A tile row is one
+    # SEG-word piece of a token's row (PARTS pieces per row): the inner dimension is
+    # contiguous, so loads and stores are wide, and no lane idles on odd row sizes.
     b = tl.program_id(0).to(tl.int64)
     m0 = tl.program_id(1) * MISSES
     seg = tl.program_id(2)
@@ -80,9 +82,9 @@ def _swap_in_copy_kernel(
     if (m0 < n) & (row >= 0):
         head = (seg % NUM_SEG).to(tl.int64)
         buf = (seg // NUM_SEG).to(tl.int64)
-        e = tl.arange(0, BLOCK)
-        tok_row = e // CHUNK  # (miss, token) rows of this program, flattened
-        col = e % CHUNK
+        piece = tl.arange(0, TILE)
+        part = (piece % PARTS).to(tl.int64)
+        tok_row = piece // PARTS
         miss = m0 + tok_row // PS
         tok = (tok_row % PS).to(tl.int64)
         live = (tok_row < MISSES * PS) & (miss < n) & (miss < K)
@@ -94,15 +96,26 @@ def _swap_in_copy_kernel(
         hs = hp * PS + tok  # token slots; each view has its own page size
         ds = dp * PS + tok
         live = live & (hp >= 0) & (hs < src_slots) & (dp >= 0) & (ds < dst_slots)
-        s_off = (hs // SRC_PS) * s_sp + (hs % SRC_PS) * s_st + layer * s_sl + buf * s_sb + head * s_sh + col
-        d_off = (ds // DST_PS) * d_sp + (ds % DST_PS) * d_st + layer * d_sl + buf * d_sb + head * d_sh + col
-        x = tl.load(src_ptr + s_off, mask=live)
-        tl.store(dst_ptr + d_off, x, mask=live)
+        s_off = (hs // SRC_PS) * s_sp + (hs % SRC_PS) * s_st + layer * s_sl + buf * s_sb + head * s_sh + part * SEG
+        d_off = (ds // DST_PS) * d_sp + (ds % DST_PS) * d_st + layer * d_sl + buf * d_sb + head * d_sh + part * SEG
+        w = tl.arange(0, SEG)[None, :]
+        m = live[:, None] & (w < SEG)
+        x = tl.load(src_ptr + s_off[:, None] + w, mask=m)
+        tl.store(dst_ptr + d_off[:, None] + w, x, mask=m)
+
+
+def _piece_words(chunk: int, cap: int = 64) -> int:
+    """Largest power of two dividing ``chunk`` (words of a row), at most ``cap``."""
+    seg = 1
+    while seg * 2 <= cap and chunk % (seg * 2) == 0:
+        seg *= 2
+    return seg
 
 
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
-                        page_size, block_bytes: int = 32768) -> None:
-    """Triton launcher (see the module docstring); ``block_bytes`` of rows per program."""
+                        page_size, block_bytes: int = 8192) -> None:
+    """Triton launcher (see the module docstring); about ``block_bytes`` of rows per program
+    (small blocks spread one request's misses over many SMs)."""
     _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     b, k = load_ids.shape
     if b == 0 or k == 0:
@@ -114,8 +127,10 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
     width, wdtype = _pick_word(src, dst, chunk_bytes)
     ws, wd = _word_view(src, width, wdtype), _word_view(dst, width, wdtype)
     chunk = chunk_bytes // width
+    seg = _piece_words(chunk)
+    parts = chunk // seg
     misses = max(1, block_bytes // (chunk_bytes * ps))
-    block = triton.next_power_of_2(misses * ps * chunk)
+    tile = triton.next_power_of_2(misses * ps * parts)
     ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
     li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
     _swap_in_copy_kernel[(b, triton.cdiv(k, misses), nbuf * nseg)](
@@ -124,8 +139,8 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
         li.stride(0), host_pages.stride(0), slot_pages.stride(0),
         ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), ws.stride(4),
         wd.stride(0), wd.stride(1), wd.stride(2), wd.stride(3), wd.stride(4),
-        PS=ps, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, CHUNK=chunk, MISSES=misses, BLOCK=block,
-        num_warps=8 if block * width >= 16384 else 4,
+        PS=ps, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, PARTS=parts, SEG=seg, MISSES=misses,
+        TILE=tile, num_warps=4,
     )
 
 
