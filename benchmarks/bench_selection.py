@@ -108,7 +108,7 @@ def dsa_case(b: int, tokens: int, top_k: int, dev: torch.device, heads: int = 64
     return dict(old=old, new=new, score=score, cs=cs, ce=ce, mask=mask, top_k=top_k)
 
 
-def measure(case: dict[str, Any], sweep: list[tuple[int, int, int]], timed: bool) -> dict[str, Any]:
+def measure(case: dict[str, Any], sweep: list[tuple[int, int, int, int]], timed: bool) -> dict[str, Any]:
     old_sel, old_valid = case["old"]()
     new_sel, new_valid = case["new"]()
     row: dict[str, Any] = {"same_selection": same_sets(old_sel, new_sel) and bool(torch.equal(old_valid, new_valid)),
@@ -123,15 +123,17 @@ def measure(case: dict[str, Any], sweep: list[tuple[int, int, int]], timed: bool
     row["score_us"] = round(cuda_time_us(case["score"], iters=20, graph=True), 2)
     row["masked_topk_us"] = round(cuda_time_us(lambda: masked_topk(scores, k, cs, ce, mask), iters=20, graph=True), 2)
     row["topk_select_us"] = round(cuda_time_us(lambda: topk_select(scores, k, cs, ce, mask), iters=20, graph=True), 2)
-    for block, list_block, warps in sweep:
-        fn = (lambda blk=block, lb=list_block, nw=warps:
-              topk_select_triton(scores, k, cs, ce, mask, block=blk, list_block=lb, num_warps=nw))
-        row.setdefault("topk_select_variants_us", {})[f"block{block}_list{list_block}_warps{warps}"] = round(
-            cuda_time_us(fn, iters=20, graph=True), 2)
+    for sample, block, list_block, warps in sweep:
+        fn = (lambda smp=sample, blk=block, lb=list_block, nw=warps:
+              topk_select_triton(scores, k, cs, ce, mask, sample=smp, block=blk, list_block=lb, num_warps=nw))
+        key = f"sample{sample}_block{block}_list{list_block}_warps{warps}"
+        row.setdefault("topk_select_variants_us", {})[key] = round(cuda_time_us(fn, iters=20, graph=True), 2)
     return row
 
 
-SWEEP = [(4096, 1024, 4), (4096, 1024, 16), (2048, 512, 4), (8192, 1024, 16), (4096, 2048, 8), (1024, 1024, 4)]
+# (sample, block, list_block, num_warps) variants of topk_select_triton (default 4096, 4096, 2048, 8)
+SWEEP = [(4096, 4096, 2048, 4), (4096, 4096, 2048, 16), (8192, 8192, 2048, 16), (2048, 2048, 1024, 4),
+         (2048, 4096, 2048, 8), (4096, 8192, 4096, 16)]
 
 
 def main() -> None:
@@ -144,7 +146,7 @@ def main() -> None:
     if args.quick:
         dev, batches = torch.device("cpu"), (1, 3)
         quest_shape = dict(pages=64, page_size=16, top_k=8, hq=4, hkv=2, d=16)
-        dsa_shape = dict(tokens=1024, top_k=64, heads=4, di=16)
+        dsa_shape = dict(tokens=6000, top_k=200, heads=4, di=16)  # longer than the sample
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_selection needs a CUDA GPU (--quick checks the script on the CPU)")

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from sparsehi.kernels.topk import topk_select, topk_select_reference, topk_select_triton
 
 # small chunks so that interpreted rows of a few hundred ids take several passes
-SMALL = dict(block=256, list_block=256)
+SMALL = dict(sample=256, block=256, list_block=256)
 
 
 def python_topk(scores, top_k, cs, ce, row_mask=None):
@@ -99,6 +99,22 @@ def test_long_rows_and_keys_that_differ_in_the_last_bits():
     s = torch.cat([close, wide])
     for k in (1, 255, 256, 257, 999, 1000, 1500):
         check_all(s, k, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1000, 1000], dtype=torch.int32))
+
+
+def test_long_rows_whose_sample_misleads():
+    """Rows longer than the sample pick a floor from every stride-th candidate; when the
+    sample overestimates (or sees nothing selectable) the pass keeps every selectable id."""
+    n = 1024  # sample 256 -> stride 4
+    s = torch.rand(4, n)
+    s[0, ::4] += 100.0  # the sample is all large: its floor is far above the 200th key
+    s[1, ::4] = float("-inf")  # the sample sees nothing selectable
+    s[2, 1::2] = float("nan")  # fewer selectable ids (512) than top_k asks for (600 below)
+    s[3] = torch.arange(n, 0, -1).float()  # sorted: the top ids are the first ones
+    cs, ce = torch.zeros(4, dtype=torch.int32), torch.full((4,), n, dtype=torch.int32)
+    out = check_all(s, 200, cs, ce)
+    assert out[0][3].tolist() == list(range(200))
+    out = check_all(s, 600, cs, ce)
+    assert out[1].tolist() == [600, 600, 512, 600]
 
 
 def test_default_blocks_and_bf16_scores():

@@ -225,10 +225,72 @@ def _refine(hist, prefix, known_lo, need):
 
 
 @triton.jit
+def _shared_bits(kmin, kmax):
+    """Every ``uint32`` in ``[kmin, kmax]`` has the bits of ``kmax`` above the highest bit where
+    ``kmin`` and ``kmax`` differ. Returns those bits (``prefix``) and the lowest of them
+    (``known_lo``; 0 when ``kmin == kmax``): the radix digits start right below."""
+    diff = kmax ^ kmin
+    d = diff
+    msb = tl.full([], 0, tl.int32)
+    for sh in tl.static_range(5):
+        step = 16 >> sh
+        big = (d >> step) != 0
+        d = tl.where(big, d >> step, d)
+        msb += tl.where(big, step, 0)
+    known_lo = tl.where(diff != 0, msb + 1, 0)
+    return kmax & _high_bits(known_lo), known_lo
+
+
+@triton.jit
+def _threshold_in_registers(keys, need):
+    """The ``need``-th largest of ``keys`` (a block in registers, 0 = not selectable;
+    ``need <= `` their count): returns ``(threshold key, ties of it to take)``."""
+    ok = keys != 0
+    prefix, known_lo = _shared_bits(tl.min(tl.where(ok, keys, 0xFFFFFFFF), 0), tl.max(keys, 0))
+    known_lo = tl.where(need > 0, known_lo, 0)
+    for _ in tl.static_range(4):
+        if known_lo > 0:
+            hb = _high_bits(known_lo)
+            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+            match = ok & ((keys & hb) == (prefix & hb))
+            hist = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
+            prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+    return prefix, need
+
+
+@triton.jit
+def _emit(out, keys, ids, thr, need, ties, n_out):
+    """Write, in their order, the ``ids`` whose key is above ``thr`` and the ties of ``thr``
+    ranked below ``need`` (``ties`` met before this block); ``n_out`` written before."""
+    eq = keys == thr  # a key of 0 (not selectable) never equals a threshold
+    ei = eq.to(tl.int32)
+    rank = ties + tl.cumsum(ei, 0) - ei
+    sel = (keys > thr) | (eq & (rank < need))
+    si = sel.to(tl.int32)
+    tl.store(out + n_out + tl.cumsum(si, 0) - si, ids, mask=sel)
+    return ties + tl.sum(ei, 0), n_out + tl.sum(si, 0)
+
+
+@triton.jit
+def _shortlist_chunk(row, list_keys, list_ids, offs, lo, hi, floor, m, count, lmax):
+    """One chunk of the pass over the row: append the selectable ids whose key is
+    ``>= floor`` (and their keys) to the shortlist, in id order; count every selectable id."""
+    inr = (offs >= lo) & (offs < hi)
+    key = _order_keys(tl.load(row + offs, mask=inr, other=float("-inf")), inr)
+    ok = key != 0
+    keep = ok & (key >= floor)
+    ki = keep.to(tl.int32)
+    at = m + tl.cumsum(ki, 0) - ki
+    tl.store(list_keys + at, key.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(list_ids + at, offs, mask=keep)
+    return m + tl.sum(ki, 0), count + tl.sum(ok.to(tl.int32), 0), tl.maximum(lmax, tl.max(tl.where(keep, key, 0), 0))
+
+
+@triton.jit
 def _topk_select_kernel(
     s_ptr, cs_ptr, ce_ptr, mask_ptr, ids_ptr, valid_ptr, work_ptr,
     N, TOP_K, stride_sb, stride_ib,
-    HAS_ROW_MASK: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     lo = tl.minimum(tl.maximum(tl.load(cs_ptr + b).to(tl.int64), 0), N)
@@ -238,98 +300,73 @@ def _topk_select_kernel(
     lo = lo.to(tl.int32)
     hi = hi.to(tl.int32)
     row = s_ptr + b * stride_sb
-    offs_blk = tl.arange(0, BLOCK)
-    start0 = (lo // BLOCK) * BLOCK
-
-    # 1. count the selectable ids and find the bits their keys share (max and min key)
-    count = tl.full([], 0, tl.int32)
-    kmax = tl.full([], 0, tl.uint32)
-    kmin = tl.full([], 0xFFFFFFFF, tl.uint32)
-    for start in range(start0, hi, BLOCK):
-        offs = start + offs_blk
-        inr = (offs >= lo) & (offs < hi)
-        key = _order_keys(tl.load(row + offs, mask=inr, other=float("-inf")), inr)
-        ok = key != 0
-        count += tl.sum(ok.to(tl.int32), 0)
-        kmax = tl.maximum(kmax, tl.max(key, 0))
-        kmin = tl.minimum(kmin, tl.min(tl.where(ok, key, 0xFFFFFFFF), 0))
-    k_eff = tl.minimum(count, TOP_K)
-    # every selectable key has the bits of kmax above the highest bit where kmax and kmin
-    # differ: the radix digits start right below them
-    diff = kmax ^ kmin
-    msb = tl.full([], 0, tl.int32)
-    for sh in tl.static_range(5):
-        step = 16 >> sh
-        big = (diff >> step) != 0
-        diff = tl.where(big, diff >> step, diff)
-        msb += tl.where(big, step, 0)
-    known_lo = tl.where((kmax ^ kmin) != 0, msb + 1, 0)
-    known_lo = tl.where(k_eff > 0, known_lo, 0)
-    prefix = kmax & _high_bits(known_lo)
-    need = k_eff
-
-    # 2. histogram of the first digit below the shared bits
-    shift1 = tl.maximum(known_lo - 8, 0).to(tl.uint32)
-    hist = tl.zeros([256], dtype=tl.int32)
-    for start in range(start0, tl.where(known_lo > 0, hi, start0), BLOCK):
-        offs = start + offs_blk
-        inr = (offs >= lo) & (offs < hi)
-        key = _order_keys(tl.load(row + offs, mask=inr, other=float("-inf")), inr)
-        hist += tl.histogram(((key >> shift1) & 255).to(tl.int32), 256, mask=key != 0)
-    prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
-
-    # 3. keep the ids at or above the threshold's digit (every id of the top k is one), in
-    # id order: the later digits and the output read this list instead of the row
-    floor = tl.where(k_eff > 0, prefix, 0xFFFFFFFF)
-    list_keys = work_ptr + b * 2 * N
-    list_ids = list_keys + N
-    m = tl.full([], 0, tl.int32)
-    for start in range(start0, hi, BLOCK):
-        offs = start + offs_blk
-        inr = (offs >= lo) & (offs < hi)
-        key = _order_keys(tl.load(row + offs, mask=inr, other=float("-inf")), inr)
-        keep = (key != 0) & (key >= floor)
-        ki = keep.to(tl.int32)
-        at = m + tl.cumsum(ki, 0) - ki
-        tl.store(list_keys + at, key.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(list_ids + at, offs, mask=keep)
-        m += tl.sum(ki, 0)
-    tl.debug_barrier()  # the list is read back by other threads of this program
-
-    # 4. the remaining digits, over the list
-    offs_lst = tl.arange(0, LIST_BLOCK)
-    for _ in tl.static_range(3):
-        hist = tl.zeros([256], dtype=tl.int32)
-        match_bits = _high_bits(known_lo)
-        shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
-        for start in range(0, tl.where(known_lo > 0, m, 0), LIST_BLOCK):
-            offs = start + offs_lst
-            key = tl.load(list_keys + offs, mask=offs < m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            match = (key != 0) & ((key & match_bits) == (prefix & match_bits))
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
-
-    # 5. output: the ids above the threshold key and its first `need` ties, in id order
-    thr = tl.where(k_eff > 0, prefix, 0xFFFFFFFF)
     out = ids_ptr + b * stride_ib
-    ties = tl.full([], 0, tl.int32)
-    n_out = tl.full([], 0, tl.int32)
-    for start in range(0, m, LIST_BLOCK):
-        offs = start + offs_lst
-        inl = offs < m
-        key = tl.load(list_keys + offs, mask=inl, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        ids = tl.load(list_ids + offs, mask=inl, other=-1, cache_modifier=".cg")
-        eq = inl & (key == thr)
-        ei = eq.to(tl.int32)
-        rank = ties + tl.cumsum(ei, 0) - ei
-        sel = (inl & (key > thr)) | (eq & (rank < need))
-        si = sel.to(tl.int32)
-        at = n_out + tl.cumsum(si, 0) - si
-        tl.store(out + at, ids, mask=sel)
-        ties += tl.sum(ei, 0)
-        n_out += tl.sum(si, 0)
+    # SAMPLE candidates in registers: all of them when they fit, else every stride-th
+    stride = tl.maximum((hi - lo + SAMPLE - 1) // SAMPLE, 1)
+    sid = lo + tl.arange(0, SAMPLE) * stride
+    sin = sid < hi
+    skey = _order_keys(tl.load(row + sid, mask=sin, other=float("-inf")), sin)
+    s_count = tl.sum((skey != 0).to(tl.int32), 0)
+    if stride == 1:
+        # the whole candidate range is in registers: select there
+        k_eff = tl.minimum(s_count, TOP_K)
+        thr, need = _threshold_in_registers(skey, k_eff)
+        thr = tl.where(k_eff > 0, thr, 0xFFFFFFFF)
+        _, n_out = _emit(out, skey, sid, thr, need, 0, 0)
+    else:
+        # 1. a floor from the sample: its key of rank ~1.25 top_k / stride, so that about
+        # 1.25 top_k ids of the row are at or above it
+        want = tl.minimum((TOP_K * 5 + stride * 4 - 1) // (stride * 4) + 16, s_count)
+        t0, _ = _threshold_in_registers(skey, want)
+        floor = tl.where(want > 0, t0, 1)
+        # 2. one pass over the row: the shortlist of the ids at or above the floor, in id
+        # order (per row: its keys, then its ids, in work)
+        list_keys = work_ptr + b * 2 * N
+        list_ids = list_keys + N
+        offs_blk = tl.arange(0, BLOCK)
+        start0 = (lo // BLOCK) * BLOCK
+        m = tl.full([], 0, tl.int32)
+        count = tl.full([], 0, tl.int32)
+        lmax = tl.full([], 0, tl.uint32)
+        for start in range(start0, hi, BLOCK):
+            m, count, lmax = _shortlist_chunk(row, list_keys, list_ids, start + offs_blk, lo, hi, floor, m, count, lmax)
+        k_eff = tl.minimum(count, TOP_K)
+        # the floor was above the k_eff-th key (an unrepresentative sample, or fewer than
+        # top_k selectable ids): shortlist every selectable id instead
+        redo = m < k_eff
+        floor = tl.where(redo, 1, floor)
+        m = tl.where(redo, 0, m)
+        for start in range(start0, tl.where(redo, hi, start0), BLOCK):
+            m, count, lmax = _shortlist_chunk(row, list_keys, list_ids, start + offs_blk, lo, hi, floor, m, count, lmax)
+        tl.debug_barrier()  # the shortlist is read back by other threads of this program
+        # 3. radix select over the shortlist (its keys lie in [floor, lmax])
+        prefix, known_lo = _shared_bits(floor, lmax)
+        known_lo = tl.where(k_eff > 0, known_lo, 0)
+        need = k_eff
+        offs_lst = tl.arange(0, LIST_BLOCK)
+        for _ in tl.static_range(4):
+            hb = _high_bits(known_lo)
+            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+            hist = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, tl.where(known_lo > 0, m, 0), LIST_BLOCK):
+                offs = start + offs_lst
+                key = tl.load(list_keys + offs, mask=offs < m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                match = (key != 0) & ((key & hb) == (prefix & hb))
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+        # 4. output: the shortlisted ids above the threshold and its first `need` ties
+        thr = tl.where(k_eff > 0, prefix, 0xFFFFFFFF)
+        ties = tl.full([], 0, tl.int32)
+        n_out = tl.full([], 0, tl.int32)
+        for start in range(0, m, LIST_BLOCK):
+            offs = start + offs_lst
+            inl = offs < m
+            key = tl.load(list_keys + offs, mask=inl, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            ids = tl.load(list_ids + offs, mask=inl, other=-1, cache_modifier=".cg")
+            ties, n_out = _emit(out, key, ids, thr, need, ties, n_out)
+    offs_out = tl.arange(0, LIST_BLOCK)
     for start in range(0, TOP_K, LIST_BLOCK):
-        offs = start + offs_lst
+        offs = start + offs_out
         tl.store(out + offs, tl.full([LIST_BLOCK], -1, tl.int32), mask=(offs >= n_out) & (offs < TOP_K))
     tl.store(valid_ptr + b, n_out)
 
@@ -341,17 +378,23 @@ def topk_select_triton(
     candidate_end: torch.Tensor,
     row_mask: Optional[torch.Tensor] = None,
     *,
+    sample: int = 4096,
     block: int = 4096,
-    list_block: int = 1024,
+    list_block: int = 2048,
     num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of :func:`topk_select` (one launch, one program per row).
+    """Triton launcher of :func:`topk_select`: one launch, one program per row.
 
-    block: ids per chunk of the passes over the row; list_block: entries per chunk of the
-    passes over the shortlist; both powers of two >= 256.
+    A row whose candidate range fits in ``sample`` ids is loaded once and selected in
+    registers (radix select on the keys, 8-bit digits below the bits all candidates share).
+    A longer row selects a floor from every ``ceil(range / sample)``-th candidate, keeps the
+    ids at or above it in one pass (about 1.25 ``top_k`` of them; all selectable ids, in a
+    second pass, if the floor was too high), and radix-selects that shortlist.
+    sample / block (ids per chunk of the pass over the row) / list_block (entries per chunk
+    of the shortlist): powers of two >= 256.
     """
     _check_select_args(scores, top_k, candidate_start, candidate_end, row_mask)
-    for name, v in (("block", block), ("list_block", list_block)):
+    for name, v in (("sample", sample), ("block", block), ("list_block", list_block)):
         if not isinstance(v, int) or v < 256 or v & (v - 1):
             raise ValueError(f"{name}={v!r} is invalid: a power of two >= 256")
     bsz, n = scores.shape
@@ -362,14 +405,14 @@ def topk_select_triton(
     valid = torch.empty(bsz, dtype=torch.int32, device=dev)
     if bsz == 0:
         return ids, valid
-    # per row: the shortlist's keys then its ids (at most the row's candidates)
-    work = torch.empty(bsz, 2, max(n, 1), dtype=torch.int32, device=dev)
+    # shortlist space (keys, then ids, per row) only for rows longer than the sample
+    work = torch.empty(bsz, 2, n, dtype=torch.int32, device=dev) if n > sample else valid
     cs, ce = candidate_start.to(dev), candidate_end.to(dev)
     mask = row_mask.to(dev) if row_mask is not None else valid  # dummy pointer when unused
     _topk_select_kernel[(bsz,)](
         scores, cs, ce, mask, ids, valid, work,
         n, top_k, scores.stride(0), ids.stride(0),
-        HAS_ROW_MASK=row_mask is not None, BLOCK=block, LIST_BLOCK=list_block, num_warps=num_warps,
+        HAS_ROW_MASK=row_mask is not None, SAMPLE=sample, BLOCK=block, LIST_BLOCK=list_block, num_warps=num_warps,
     )
     return ids, valid
 
