@@ -18,7 +18,8 @@ as a graph-captured decode step runs. ``score_us`` is the scoring kernel alone,
 ``masked_topk_us`` / ``topk_select_us`` the Top-k alone on the same scores.
 
 Usage: ``PYTHONPATH=. python benchmarks/bench_selection.py`` on a GPU (writes
-benchmarks/results/selection.json; ``--sweep`` adds topk_select block / warp variants);
+benchmarks/results/selection.json; ``--sweep`` adds topk_select and quest_score block /
+warp variants);
 ``--quick`` runs tiny sizes on the CPU (no timing) to check the script end to end.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cuda_time_us, write_result  # noqa: E402
 from sparsehi.kernels.dsa_indexer import dsa_indexer, quantize_index_keys  # noqa: E402
-from sparsehi.kernels.quest_score import quest_score  # noqa: E402
+from sparsehi.kernels.quest_score import quest_score, quest_score_triton  # noqa: E402
 from sparsehi.kernels.topk import live_rows, masked_topk, topk_select, topk_select_triton  # noqa: E402
 
 SINK, RECENT = 1, 4  # selection units outside the candidates (Quest pages; DSA scaled below)
@@ -73,7 +74,11 @@ def quest_case(b: int, pages: int, page_size: int, top_k: int, dev: torch.device
     def new():
         return topk_select(score(), top_k, cs, ce, mask)
 
-    return dict(old=old, new=new, score=score, cs=cs, ce=ce, mask=mask, top_k=top_k)
+    def score_variant(block_p: int, num_warps: int):
+        return quest_score_triton(q, kmin, kmax, req, seq, "sum", page_size=page_size, block_p=block_p,
+                                  num_warps=num_warps)
+
+    return dict(old=old, new=new, score=score, score_variant=score_variant, cs=cs, ce=ce, mask=mask, top_k=top_k)
 
 
 def dsa_case(b: int, tokens: int, top_k: int, dev: torch.device, heads: int = 64,
@@ -128,12 +133,19 @@ def measure(case: dict[str, Any], sweep: list[tuple[int, int, int, int]], timed:
               topk_select_triton(scores, k, cs, ce, mask, sample=smp, block=blk, list_block=lb, num_warps=nw))
         key = f"sample{sample}_block{block}_list{list_block}_warps{warps}"
         row.setdefault("topk_select_variants_us", {})[key] = round(cuda_time_us(fn, iters=20, graph=True), 2)
+    if sweep and "score_variant" in case:
+        for block_p, warps in SCORE_SWEEP:
+            fn = lambda bp=block_p, nw=warps: case["score_variant"](bp, nw)  # noqa: E731
+            row.setdefault("score_variants_us", {})[f"block_p{block_p}_warps{warps}"] = round(
+                cuda_time_us(fn, iters=20, graph=True), 2)
     return row
 
 
 # (sample, block, list_block, num_warps) variants of topk_select_triton (default 4096, 4096, 2048, 8)
 SWEEP = [(4096, 4096, 2048, 4), (4096, 4096, 2048, 16), (8192, 8192, 2048, 16), (2048, 2048, 1024, 4),
          (2048, 4096, 2048, 8), (4096, 8192, 4096, 16)]
+# (block_p, num_warps) variants of quest_score_triton (default 16, 4)
+SCORE_SWEEP = [(8, 4), (32, 4), (32, 8), (64, 8)]
 
 
 def main() -> None:
