@@ -72,16 +72,14 @@ def counting_launches():
             cls.run = original
 
 
-def _device():
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture
-def triton_path(monkeypatch):
-    """On a CPU the kernels run interpreted (what a GPU runs natively)."""
-    if not torch.cuda.is_available():
-        assert os.environ.get("TRITON_INTERPRET") == "1"
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def dev(request, monkeypatch):
+    """The device the hooks run on: a GPU natively, or a CPU with the kernels interpreted."""
+    if request.param == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("interpreted Triton kernels need TRITON_INTERPRET=1 (set on machines without CUDA)")
         monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
+    return torch.device(request.param)
 
 
 def _quest(dev, B=4, ctx=512, ps=16, hq=8, hkv=2, d=32):
@@ -120,8 +118,8 @@ def _dsa(dev, index_dtype, B=4, ctx=512, h=4, di=32):
     return alg, x
 
 
-def test_quest_retrieve_is_at_most_three_launches(triton_path):
-    alg, x = _quest(_device())
+def test_quest_retrieve_is_at_most_three_launches(dev):
+    alg, x = _quest(dev)
 
     def call():
         return alg.retrieve_topk(x["q"], 2, x["req"], x["mask"], seq_lens=x["seq"], candidate_start=x["cs"],
@@ -135,8 +133,8 @@ def test_quest_retrieve_is_at_most_three_launches(triton_path):
     assert valid.tolist() == [4, 4, 0, 0]
 
 
-def test_quest_update_is_one_launch(triton_path):
-    alg, x = _quest(_device())
+def test_quest_update_is_one_launch(dev):
+    alg, x = _quest(dev)
     alg.update_representations(2, x["req"], x["pos"], x["new"])  # warm-up
     with counting_launches() as c:
         alg.update_representations(2, x["req"], x["pos"], x["new"])
@@ -144,8 +142,8 @@ def test_quest_update_is_one_launch(triton_path):
 
 
 @pytest.mark.parametrize("index_dtype", ["fp8", "bf16"])
-def test_dsa_retrieve_is_at_most_three_launches(triton_path, index_dtype):
-    alg, x = _dsa(_device(), index_dtype)
+def test_dsa_retrieve_is_at_most_three_launches(dev, index_dtype):
+    alg, x = _dsa(dev, index_dtype)
 
     def call():
         return alg.retrieve_topk(x["q"], 0, x["req"], x["mask"], seq_lens=x["seq"], candidate_start=x["cs"],
@@ -160,8 +158,8 @@ def test_dsa_retrieve_is_at_most_three_launches(triton_path, index_dtype):
 
 
 @pytest.mark.parametrize("index_dtype", ["fp8", "bf16"])
-def test_dsa_update_is_one_launch(triton_path, index_dtype):
-    alg, x = _dsa(_device(), index_dtype)
+def test_dsa_update_is_one_launch(dev, index_dtype):
+    alg, x = _dsa(dev, index_dtype)
     attn_keys = torch.zeros(4, 1, 8, device=x["req"].device)  # not used by dsa
     alg.update_representations(0, x["req"], x["pos"], attn_keys, index_keys=x["ik"])  # warm-up
     with counting_launches() as c:
@@ -169,10 +167,10 @@ def test_dsa_update_is_one_launch(triton_path, index_dtype):
     assert c.launches == ["triton:_dsa_store_kernel"]
 
 
-def test_the_counter_sees_torch_launches(triton_path):
+def test_the_counter_sees_torch_launches(dev):
     """The earlier selection (score kernel + torch sort over masked scores) counts its
     torch ops: the counter is not blind to them."""
-    alg, x = _quest(_device())
+    alg, x = _quest(dev)
     kmin, kmax = alg._kmin[2], alg._kmax[2]
 
     def old_path():
