@@ -9,8 +9,9 @@ from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.algorithms.testing import ProjectedIndexerInputs, check_algorithm
 from sparsehi.config import SparseConfig
 from sparsehi.kernels.dsa_indexer import (dsa_indexer, dsa_indexer_reference, dsa_indexer_triton,
-                                          quantize_index_keys)
-from sparsehi.kernels.topk import masked_topk
+                                          dsa_store_index_keys, dsa_store_index_keys_reference,
+                                          dsa_store_index_keys_triton, quantize_index_keys)
+from sparsehi.kernels.topk import masked_topk, topk_select
 
 
 def _cfg(top_k=4, dim=8, dtype="fp32", **extra):
@@ -46,6 +47,70 @@ def test_kernel_matches_reference(kind):
     # "kernel = reference" at the selection level: same top-k sets
     cs, ce = torch.zeros(3, dtype=torch.int32), n.to(torch.int32)
     assert torch.equal(masked_topk(ref, 16, cs, ce)[0].sort(1).values, masked_topk(tri, 16, cs, ce)[0].sort(1).values)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8"])
+def test_kernel_reads_indexed_counts_and_drops_padding_rows(kind):
+    """Rows score min(num_tokens, indexed[slot]) tokens; slots < 0 or >= R score nothing;
+    int32 inputs and bf16 queries / strided weights are read as they are."""
+    torch.manual_seed(4)
+    keys = torch.randn(4, 90, 16)
+    kk, sc = quantize_index_keys(keys) if kind == "fp8" else (keys, None)
+    q = torch.randn(5, 3, 16).bfloat16()
+    w = torch.rand(3, 5).t()  # not contiguous
+    req = torch.tensor([2, -1, 0, 4, 3], dtype=torch.int32)
+    n = torch.tensor([80, 50, 90, 90, 30], dtype=torch.int32)
+    indexed = torch.tensor([60, 0, 85, 90, 7], dtype=torch.int64)  # [R + 1]: a spare entry
+    ref = dsa_indexer_reference(q, w, kk, sc, req, n, indexed)
+    tri = dsa_indexer_triton(q, w, kk, sc, req, n, indexed)
+    lengths = (~torch.isinf(ref)).sum(1).tolist()
+    assert lengths == [80, 0, 60, 0, 30]
+    assert torch.equal(torch.isinf(ref), torch.isinf(tri))
+    live = ~torch.isinf(ref)
+    assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="indexed"):
+        dsa_indexer_triton(q, w, kk, sc, req, n, indexed[:2])
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16", "fp32"])
+def test_store_kernel_matches_reference(kind):
+    """One decoded index key per row: the kernel stores the reference's bytes (FP8 values and
+    scales included) and counts, and writes nothing for padding / out-of-range rows."""
+    torch.manual_seed(5)
+    r, t, d = 3, 20, 24
+    dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[kind]
+    keys0 = torch.randn(r * t + 1, d).to(dtype)
+    scales0 = torch.rand(r * t + 1) + 0.5 if kind == "fp8" else None
+    idx0 = torch.tensor([5, 19, 0, 0], dtype=torch.int64)
+    req = torch.tensor([1, -1, 0, 7, 2, 2], dtype=torch.int64)
+    pos = torch.tensor([19, 3, 4, 1, 20, -1], dtype=torch.int32)  # last two: past the end / negative
+    new = torch.randn(6, 24) * 3
+    new[2] = 0.0  # an all-zero key: scale 1
+    out = []
+    for fn in (dsa_store_index_keys_reference, dsa_store_index_keys_triton):
+        keys, idx = keys0.clone(), idx0.clone()
+        scales = scales0.clone() if scales0 is not None else None
+        fn(keys, scales, idx, req, pos, new, max_num_reqs=r, max_context_len=t)
+        out.append((keys, scales, idx))
+    (kr, sr, ir), (kt, st_, it) = out
+    assert torch.equal(kr[:-1].view(torch.uint8), kt[:-1].view(torch.uint8))
+    assert ir.tolist() == it.tolist() == [5, 20, 0, 0]  # slot 0: max(5, 4 + 1); slot 1: 20
+    changed = (kt[:-1].view(torch.uint8) != keys0[:-1].view(torch.uint8)).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= {1 * t + 19, 0 * t + 4}  # only the two live rows' entries
+    if kind == "fp8":
+        assert torch.equal(sr[:-1], st_[:-1])
+        assert float(st_[4]) == 1.0  # the zero key
+        deq = kt[t + 19].float() * st_[t + 19]
+        assert torch.allclose(deq, new[0], rtol=0.07, atol=1e-3)  # e4m3: 3 mantissa bits
+        assert torch.equal(st_[:-1] != scales0[:-1], torch.isin(torch.arange(r * t), torch.tensor([t + 19, 4])))
+    else:
+        assert torch.equal(kt[t + 19], new[0].to(dtype))
+    with pytest.raises(ValueError, match="scales_flat"):
+        dsa_store_index_keys(keys0.clone(), None if kind == "fp8" else torch.ones(r * t + 1), idx0.clone(), req, pos,
+                             new, max_num_reqs=r, max_context_len=t)
+    with pytest.raises(ValueError, match="index_keys"):
+        dsa_store_index_keys(keys0.clone(), scales0, idx0.clone(), req, pos, new[:, :8], max_num_reqs=r,
+                             max_context_len=t)
 
 
 def test_tiny_indexer_equals_hand_written_loop():
@@ -159,6 +224,25 @@ def test_dsa_on_gpu_fp8_and_kernel_equals_reference():
         same = sum(int(torch.isin(a[i, : int(va[i])], bsel[i, : int(vb[i])]).sum()) for i in range(b))
         overlap = same / int(va.sum())
         assert overlap > 0.999, overlap  # only near-ties at the top-k boundary may differ
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_bf16_queries_on_fp8_keys():
+    """The decode path's dtypes (bf16 index queries, FP8 keys): tensor-core products are exact,
+    only the accumulation order differs from the reference."""
+    torch.manual_seed(1)
+    b, h, dim, t = 3, 64, 128, 8192
+    k8, sc = quantize_index_keys(torch.randn(b, t, dim, device="cuda"))
+    q = torch.randn(b, h, dim, device="cuda").bfloat16()
+    w = torch.rand(b, h, device="cuda")
+    req = torch.tensor([2, 0, -1], device="cuda", dtype=torch.int32)
+    n = torch.tensor([t, 5000, t], device="cuda", dtype=torch.int32)
+    indexed = torch.tensor([4000, 9, t, 0], device="cuda")
+    ref = dsa_indexer_reference(q, w, k8, sc, req, n, indexed)
+    tri = dsa_indexer(q, w, k8, sc, req, n, indexed)
+    live = ~torch.isinf(ref)
+    assert live.sum(1).tolist() == [t, 4000, 0] and torch.equal(live, ~torch.isinf(tri))
+    assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-3)
 
 
 def test_short_index_never_selects_unindexed_tokens_without_validation():

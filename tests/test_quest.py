@@ -9,7 +9,8 @@ from sparsehi.algorithms.quest import QuestAlgorithm
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.algorithms.testing import check_algorithm, plant_needles
 from sparsehi.config import SparseConfig
-from sparsehi.kernels.quest_score import quest_score, quest_score_reference, quest_score_triton
+from sparsehi.kernels.quest_score import (quest_score, quest_score_reference, quest_score_triton,
+                                          quest_update_bounds_reference, quest_update_bounds_triton)
 from sparsehi.kernels.topk import host_checks_enabled
 
 
@@ -52,6 +53,49 @@ def test_kernel_matches_reference(reduce):
     tri16 = quest_score_triton(q, kmin.bfloat16(), kmax.bfloat16(), req, npages, reduce)
     ref16 = quest_score_reference(q, kmin.bfloat16(), kmax.bfloat16(), req, npages, reduce)
     assert torch.allclose(ref16[live], tri16[live], rtol=1e-3, atol=1e-3)
+
+
+def test_kernel_counts_pages_from_tokens_and_drops_padding_rows():
+    """lengths in tokens with page_size: pages = ceil(len / page_size); slots < 0 or >= R
+    score -inf; int32 inputs and a strided q are read as they are."""
+    torch.manual_seed(6)
+    kmin = torch.randn(3, 10, 2, 16)
+    kmax = kmin + torch.rand_like(kmin)
+    q = torch.randn(8, 5, 16).transpose(0, 1)  # [B=5, Hq=8, D]: not contiguous
+    req = torch.tensor([0, 2, -1, 3, 1], dtype=torch.int32)
+    lens = torch.tensor([1, 33, 160, 160, 160], dtype=torch.int32)
+    ref = quest_score_reference(q, kmin, kmax, req, lens, "sum", page_size=16)
+    tri = quest_score_triton(q, kmin, kmax, req, lens, "sum", page_size=16)
+    assert (~torch.isinf(ref)).sum(1).tolist() == [1, 3, 0, 0, 10]
+    assert torch.equal(torch.isinf(ref), torch.isinf(tri))
+    live = ~torch.isinf(ref)
+    assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_kernel_matches_reference(dtype):
+    """Fold one key per row into its page: the kernel leaves the reference's bounds, resets
+    a page at its first token, and writes nothing for padding / out-of-range rows."""
+    torch.manual_seed(7)
+    r, p, ps, hkv, d = 3, 4, 4, 2, 12
+    kmin0 = torch.randn(r * p + 1, hkv, d).to(dtype)
+    kmax0 = kmin0 + torch.rand_like(kmin0)
+    req = torch.tensor([0, 1, -1, 2, 5, 2], dtype=torch.int32)
+    pos = torch.tensor([5, 8, 3, 16, 2, -1], dtype=torch.int64)  # row 1: a page's first token
+    new = torch.randn(6, d, hkv).transpose(1, 2) * 2  # [B, Hkv, D], strided
+    out = []
+    for fn in (quest_update_bounds_reference, quest_update_bounds_triton):
+        kmin, kmax = kmin0.clone(), kmax0.clone()
+        fn(kmin, kmax, req, pos, new, max_num_reqs=r, max_pages=p, page_size=ps)
+        out.append((kmin, kmax))
+    (rmin, rmax), (tmin, tmax) = out
+    assert torch.equal(rmin[:-1], tmin[:-1]) and torch.equal(rmax[:-1], tmax[:-1])
+    k = new.to(dtype)
+    assert torch.equal(tmin[0 * p + 1], torch.minimum(kmin0[1], k[0])) and torch.equal(tmax[0 * p + 1], torch.maximum(kmax0[1], k[0]))
+    assert torch.equal(tmin[1 * p + 2], k[1]) and torch.equal(tmax[1 * p + 2], k[1])  # reset
+    untouched = [e for e in range(r * p) if e not in (1, p + 2)]
+    assert torch.equal(tmin[untouched], kmin0[untouched]) and torch.equal(tmax[untouched], kmax0[untouched])
+    assert torch.equal(tmin[-1], kmin0[-1])  # the kernel does not even use the dump entry
 
 
 @settings(max_examples=25, deadline=None)

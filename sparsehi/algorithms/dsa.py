@@ -11,7 +11,12 @@ The model provides the indexer's outputs: ``construct_representations(...,
 index_keys=[B, max_len, Di])`` after prefill, ``update_representations(...,
 index_keys=[B, Di])`` per decoded token, and ``retrieve_topk(index_queries [B, H, Di], ...,
 weights=[B, H])``. Score ``Σ_h w_h ReLU(q_h · k_t)``; top ``top_k`` tokens (default
-2048) among the candidates by torch sort on the masked scores.
+2048) among the candidates by :func:`sparsehi.kernels.topk.topk_select`.
+
+Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels (the indexer,
+which reads each slot's indexed count itself, then ``topk_select``);
+``update_representations`` one (quantise, store and count:
+:func:`sparsehi.kernels.dsa_indexer.dsa_store_index_keys`).
 
 Invariant from upstream bugs: the index must cover every selectable token. Each layer
 tracks how many tokens of each request it indexed; selecting past that is a ValueError.
@@ -22,8 +27,9 @@ drops them everywhere. Unchecked, unindexed positions are still never selected. 
 dtype checks always run.
 
 Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are
-ignored: their writes go to one dump entry past the pool (never read), their indexed
-count stays untouched, and ``retrieve_topk`` returns ``valid_lengths == 0`` for them.
+ignored: they write nothing (the torch path on CPU sends their writes to one dump entry
+past the pool, never read), their indexed count stays untouched, and ``retrieve_topk``
+returns ``valid_lengths == 0`` for them.
 """
 from __future__ import annotations
 
@@ -34,9 +40,9 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
-from sparsehi.kernels.topk import (check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
-                                   masked_topk, raise_if_any, selection_kwargs)
+from sparsehi.kernels.dsa_indexer import dsa_indexer, dsa_store_index_keys, fp8_dtype, quantize_index_keys
+from sparsehi.kernels.topk import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
+                                   raise_if_any, selection_kwargs, topk_select)
 
 logger = logging.getLogger(__name__)
 INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")
@@ -201,33 +207,32 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         check_int_vector("positions", positions, b)
         ik = self._index_keys_kwarg(kwargs, "[B, index_head_dim]", (b,))
         dev = pool.device
-        pos = positions.to(dev).long()
-        req = req_pool_indices.to(dev).long()
-        live = live_rows(req, self.max_num_reqs)
         if host_checks_enabled(self.validate):
+            pos = positions.to(dev).long()
+            req = req_pool_indices.to(dev).long()
+            live = live_rows(req, self.max_num_reqs)
             raise_if_any([
                 (req >= self.max_num_reqs,
                  f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
                 (live & ((pos < 0) | (pos >= self.max_context_len)),
                  f"positions must lie in [0, max_context_len={self.max_context_len})"),
             ])
-        ok = live & (pos >= 0) & (pos < self.max_context_len)
-        self._store(layer_id, req, pos, ik.to(dev), ok)
-        idx = self._indexed[layer_id]
-        r = torch.where(ok, req, torch.full_like(req, self.max_num_reqs))
-        idx[r] = torch.where(ok, torch.maximum(idx[r], pos + 1), idx[r])
+        # padding and (unchecked) out-of-range rows change nothing
+        dsa_store_index_keys(self._keys_flat[layer_id], self._scales_flat[layer_id], self._indexed[layer_id],
+                             req_pool_indices, positions, ik, max_num_reqs=self.max_num_reqs,
+                             max_context_len=self.max_context_len)
 
     def score(self, queries: torch.Tensor, weights: torch.Tensor, layer_id: int,
               req_pool_indices: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """``[B, max_context_len] float32`` indexer score per token (-inf past ``num_tokens``)."""
+        """``[B, max_context_len] float32`` indexer score per token: -inf past
+        ``min(num_tokens, tokens indexed)`` and for padding / out-of-range rows."""
         pool = self._layer(layer_id)
         if pool is None:
             raise ValueError(f"layer_id={layer_id} is dense for dsa (dense_layers={self.dense_layers()}): no retrieve_topk there")
-        req = req_pool_indices.to(pool.device).long()
-        # padding / out-of-range rows -> -1: the kernel scores them -inf (nothing selected)
-        req = torch.where(live_rows(req, self.max_num_reqs), req, torch.full_like(req, -1))
-        return dsa_indexer(queries.to(pool.device), weights.to(pool.device), pool, self._scales[layer_id],
-                           req, num_tokens.to(pool.device))
+        dev = pool.device
+        # the kernel reads each row's indexed count and drops padding rows itself
+        return dsa_indexer(queries.to(dev), weights.to(dev), pool, self._scales[layer_id], req_pool_indices.to(dev),
+                           num_tokens.to(dev), self._indexed[layer_id])
 
     def retrieve_topk(
         self,
@@ -255,12 +260,11 @@ class DSAAlgorithm(BaseSparseAlgorithm):
             raise ValueError(f"dsa needs weights=[B, H_index]={tuple(queries.shape[:2])}, got {got}")
         if self._layer(layer_id) is None:
             raise ValueError(f"layer_id={layer_id} is dense for dsa (dense_layers={self.dense_layers()}): no retrieve_topk there")
-        req = req_pool_indices.to(self.device).long()
-        live = live_rows(req, self.max_num_reqs)
-        # padding rows read the spare count entry, then count 0: nothing indexed, nothing selected
-        indexed = torch.where(live, self._indexed[layer_id][torch.where(live, req, torch.full_like(req, self.max_num_reqs))],
-                              torch.zeros_like(req))
         if host_checks_enabled(self.validate):
+            req = req_pool_indices.to(self.device).long()
+            live = live_rows(req, self.max_num_reqs)
+            # padding rows read the spare count entry, then count 0
+            indexed = torch.where(live, self._indexed[layer_id][torch.where(live, req, self.max_num_reqs)], 0)
             wanted = live & sparse_mask.to(self.device).bool() & (ce > cs)
             raise_if_any([
                 (req >= self.max_num_reqs,
@@ -271,8 +275,8 @@ class DSAAlgorithm(BaseSparseAlgorithm):
             ])
         # Without the check (no host sync), unindexed positions still score -inf, so a short
         # index can shrink a selection but never select stale keys.
-        scores = self.score(queries, w, layer_id, req_pool_indices, torch.minimum(seq_lens, indexed))
-        return masked_topk(scores, top_k, cs, ce, sparse_mask)
+        scores = self.score(queries, w, layer_id, req_pool_indices, seq_lens)
+        return topk_select(scores, top_k, cs, ce, as_row_mask(sparse_mask, scores.device))
 
     def on_request_end(self, req_pool_index: int) -> None:
         """Forget how many tokens of the slot were indexed (the slot's keys are rewritten)."""

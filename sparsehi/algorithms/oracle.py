@@ -25,8 +25,8 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
-                                   live_rows, masked_topk, raise_if_any, selection_kwargs)
+from sparsehi.kernels.topk import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
+                                   host_checks_enabled, live_rows, raise_if_any, selection_kwargs, topk_select)
 
 HEAD_REDUCE = ("max", "sum")
 
@@ -218,7 +218,7 @@ class OracleAlgorithm(BaseSparseAlgorithm):
             raise_if_any([(req_pool_indices >= self.max_num_reqs,
                            f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         scores = self.score(queries, layer_id, req_pool_indices, seq_lens)
-        return masked_topk(scores, top_k, cs, ce, sparse_mask)
+        return topk_select(scores, top_k, cs, ce, as_row_mask(sparse_mask, scores.device))
 
     def representation_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys_flat.values())

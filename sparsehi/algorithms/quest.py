@@ -11,12 +11,17 @@ reduced over all query heads by **sum** by default (``sparse_extra_config
 ["head_reduce"] = "max"`` takes the max). Either is an upper bound of the oracle's page
 score with the same reduction (``Σ_h max_t ≥ max_t Σ_h``), which the property test
 checks. Sum is the default: at 32k context and a 2048-token budget it keeps 0.99 of the
-best top-k head-averaged attention mass vs 0.94 for max (benchmarks/results/fidelity.json). Top-k: torch sort on
-the masked scores (:func:`sparsehi.kernels.topk.masked_topk`).
+best top-k head-averaged attention mass vs 0.94 for max (benchmarks/results/fidelity.json).
+
+Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels (the bound of
+every page, pages counted from ``seq_lens`` inside the kernel; then
+:func:`sparsehi.kernels.topk.topk_select`), ``update_representations`` one
+(:func:`sparsehi.kernels.quest_score.quest_update_bounds`).
 
 Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are
-ignored: ``update_representations`` sends their writes to one dump entry past the pool
-(never read), ``retrieve_topk`` returns ``valid_lengths == 0`` for them. Value checks
+ignored: ``update_representations`` changes nothing for them (the torch path on CPU sends
+their writes to one dump entry past the pool, never read), ``retrieve_topk`` returns
+``valid_lengths == 0`` for them. Value checks
 (positions and request slots in range) read back to the host, so they run only with
 ``sparse_extra_config["validate"]`` (default True) and never during CUDA-graph capture;
 shape / dtype checks always run.
@@ -30,9 +35,9 @@ import torch
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.quest_score import quest_score
-from sparsehi.kernels.topk import (IdentityMemo, check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
-                                   live_rows, masked_topk, raise_if_any, selection_kwargs)
+from sparsehi.kernels.quest_score import quest_score, quest_update_bounds
+from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
+                                   as_row_mask, live_rows, raise_if_any, selection_kwargs, topk_select)
 
 
 @register_algorithm("quest")
@@ -62,8 +67,6 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         self.max_pages = 0
         self.kv_heads = 0
         self.head_dim = 0
-        self._update_memo = IdentityMemo()
-        self._score_memo = IdentityMemo()
 
     # ------------------------------------------------------------------ memory
     def initialize_representation_pool(
@@ -172,22 +175,9 @@ class QuestAlgorithm(BaseSparseAlgorithm):
                  f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)"),
                 (live & ((pos < 0) | (pos >= limit)), f"positions must lie in [0, max_context_len={limit})"),
             ])
-
-        def targets() -> tuple[torch.Tensor, torch.Tensor]:
-            pos = positions.to(dev).long()
-            req = req_pool_indices.to(dev).long()
-            ok = live_rows(req, self.max_num_reqs) & (pos >= 0) & (pos < limit)
-            # Padding (and unchecked out-of-range) rows all write the dump entry past the
-            # pool; no real entry is touched, no host sync is needed to leave them out.
-            flat = torch.where(ok, req * self.max_pages + pos // self.page_size, kmin_flat.shape[0] - 1)
-            return flat, (pos % self.page_size == 0)[:, None, None]
-
-        # every sparse layer of a step gets the same rows and positions: derive the entries once
-        flat, first = self._update_memo.get((req_pool_indices, positions), (dev, kmin_flat.shape[0]), targets)
-        k = new_keys.to(dev, kmin_flat.dtype)
-        old_min, old_max = kmin_flat.index_select(0, flat), kmax_flat.index_select(0, flat)
-        kmin_flat.index_copy_(0, flat, torch.where(first, k, torch.minimum(old_min, k)))
-        kmax_flat.index_copy_(0, flat, torch.where(first, k, torch.maximum(old_max, k)))
+        # padding and (unchecked) out-of-range rows change nothing
+        quest_update_bounds(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys,
+                            max_num_reqs=self.max_num_reqs, max_pages=self.max_pages, page_size=self.page_size)
 
     # ------------------------------------------------------------------ select
     def score(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
@@ -198,16 +188,9 @@ class QuestAlgorithm(BaseSparseAlgorithm):
             raise ValueError(f"layer_id={layer_id} is dense for quest (dense_layers={self.dense_layers()}): no retrieve_topk there")
         kmin, kmax = pools
         dev = kmin.device
-
-        def rows() -> tuple[torch.Tensor, torch.Tensor]:
-            # int32 pages / int64 rows: the dtypes the Triton launcher takes (no per-layer casts)
-            num_pages = ((seq_lens.to(dev).long() + self.page_size - 1) // self.page_size).to(torch.int32)
-            req = req_pool_indices.to(dev).long()
-            # padding / out-of-range rows -> -1: the kernel scores them -inf (nothing selected)
-            return num_pages, torch.where(live_rows(req, self.max_num_reqs), req, -1)
-
-        num_pages, req = self._score_memo.get((req_pool_indices, seq_lens), (dev,), rows)
-        return quest_score(queries.to(dev), kmin, kmax, req, num_pages, self.head_reduce)
+        # pages from seq_lens, padding / out-of-range rows (-inf), all inside the kernel
+        return quest_score(queries.to(dev), kmin, kmax, req_pool_indices.to(dev), seq_lens.to(dev), self.head_reduce,
+                           page_size=self.page_size)
 
     def retrieve_topk(
         self,
@@ -235,7 +218,7 @@ class QuestAlgorithm(BaseSparseAlgorithm):
             raise_if_any([(req_pool_indices >= self.max_num_reqs,
                            f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         scores = self.score(queries, layer_id, req_pool_indices, seq_lens)
-        return masked_topk(scores, top_k, cs, ce, sparse_mask)
+        return topk_select(scores, top_k, cs, ce, as_row_mask(sparse_mask, scores.device))
 
     def on_request_end(self, req_pool_index: int) -> None:
         """Nothing to clear: a page's bounds are reset when its first token is written."""

@@ -6,8 +6,14 @@ Index keys are stored FP8 e4m3 with a per-token scale (``k_t ≈ scale_t · k̂_
 fp32 with no scale. Because ``scale_t > 0``, ``ReLU(q · scale_t k̂_t) = scale_t ReLU(q · k̂_t)``,
 so the scale is applied once per token after the head reduction.
 
+Rows whose request slot is negative (padding) or past the pool score ``-inf``, and a row
+scores its first ``min(num_tokens, indexed[slot])`` tokens when given the per-slot indexed
+counts: the decode path scores a layer in one launch.
+
 Entry points: ``dsa_indexer`` (dispatch), ``dsa_indexer_triton``, ``dsa_indexer_reference``;
-``quantize_index_keys`` (FP8 + scale).
+``quantize_index_keys`` (FP8 + scale); ``dsa_store_index_keys`` (dispatch),
+``dsa_store_index_keys_triton``, ``dsa_store_index_keys_reference``: one decoded index key
+per row quantised, stored and counted.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import announce_path, interpreter_enabled, use_triton
 
 FP8_E4M3_MAX = 448.0
 
@@ -42,8 +48,11 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (k / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(f8), scale
 
 
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
 def _check(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, key_scales: Optional[torch.Tensor],
-           req_pool_indices: torch.Tensor, num_tokens: torch.Tensor) -> None:
+           req_pool_indices: torch.Tensor, num_tokens: torch.Tensor, indexed: Optional[torch.Tensor] = None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H_index, index_head_dim], got {tuple(q.shape)}")
     b, h, d = q.shape
@@ -55,6 +64,12 @@ def _check(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, key
         raise ValueError(f"key_scales must be [R, T]={tuple(index_keys.shape[:2])}, got {tuple(key_scales.shape)}")
     if req_pool_indices.shape != (b,) or num_tokens.shape != (b,):
         raise ValueError(f"req_pool_indices and num_tokens must be [B={b}], got {tuple(req_pool_indices.shape)}, {tuple(num_tokens.shape)}")
+    if req_pool_indices.dtype not in _INT_DTYPES or num_tokens.dtype not in _INT_DTYPES:
+        raise ValueError(f"req_pool_indices and num_tokens must be int32/int64, got {req_pool_indices.dtype}, {num_tokens.dtype}")
+    if indexed is not None and (indexed.dim() != 1 or indexed.shape[0] < index_keys.shape[0]
+                                or indexed.dtype not in _INT_DTYPES):
+        raise ValueError(f"indexed must be an int32/int64 [>= R={index_keys.shape[0]}] tensor, got "
+                         f"{tuple(indexed.shape)} {indexed.dtype}")
 
 
 def dsa_indexer_reference(
@@ -64,6 +79,7 @@ def dsa_indexer_reference(
     key_scales: Optional[torch.Tensor],
     req_pool_indices: torch.Tensor,
     num_tokens: torch.Tensor,
+    indexed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -71,31 +87,40 @@ def dsa_indexer_reference(
     weights:          ``[B, H]`` float per-head weights.
     index_keys:       ``[R, T, Di]`` fp8 e4m3 / bf16 / fp32 index keys per (request slot, position).
     key_scales:       ``[R, T] float32`` per-token scale (FP8) or None.
-    req_pool_indices: ``[B]`` int row of index_keys per batch row (``-1``: none).
-    num_tokens:       ``[B]`` int tokens indexed; positions ``>= num_tokens`` score ``-inf``.
+    req_pool_indices: ``[B]`` int32/int64 row of index_keys per batch row (negative or
+                      ``>= R``: none, the row scores ``-inf``).
+    num_tokens:       ``[B]`` int32/int64 tokens to score; positions ``>= num_tokens`` score
+                      ``-inf``.
+    indexed:          ``[>= R]`` int32/int64 tokens indexed per request slot, or None; when
+                      given, a row scores only ``min(num_tokens, indexed[slot])`` tokens.
     Returns ``[B, T] float32``.
     """
-    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens)
-    t = index_keys.shape[1]
-    req = req_pool_indices.long().clamp(min=0)
+    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+    r, t = index_keys.shape[:2]
+    req = req_pool_indices.to(q.device).long()
+    live_row = (req >= 0) & (req < r)
+    req = torch.where(live_row, req, torch.zeros_like(req))
     k = index_keys[req].float()  # [B, T, Di]
     logits = torch.einsum("bhd,btd->bht", q.float(), k)
     s = (torch.relu(logits) * weights.float()[:, :, None]).sum(dim=1)
     if key_scales is not None:
         s = s * key_scales[req].float()
     pos = torch.arange(t, device=q.device)[None, :]
-    live = (pos < num_tokens.to(q.device).long()[:, None]) & (req_pool_indices.to(q.device)[:, None] >= 0)
+    n = num_tokens.to(q.device).long()
+    if indexed is not None:
+        n = torch.minimum(n, indexed.to(q.device).long()[req])
+    live = (pos < n[:, None]) & live_row[:, None]
     return torch.where(live, s, torch.full_like(s, float("-inf")))
 
 
 @triton.jit
 def _dsa_indexer_kernel(
-    q_ptr, w_ptr, k_ptr, scale_ptr, req_ptr, ntok_ptr, out_ptr,
-    T, H, D,
-    stride_qb, stride_qh, stride_wb,
+    q_ptr, w_ptr, k_ptr, scale_ptr, req_ptr, ntok_ptr, indexed_ptr, out_ptr,
+    R, T, H, D,
+    stride_qb, stride_qh, stride_wb, stride_wh,
     stride_kr, stride_kt, stride_sr,
     stride_ob,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_INDEXED: tl.constexpr, DOT_IN_Q_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -104,21 +129,30 @@ def _dsa_indexer_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     req = tl.load(req_ptr + b).to(tl.int64)
-    n = tl.load(ntok_ptr + b)
-    n = tl.where(req >= 0, n, 0)
-    req = tl.maximum(req, 0)
+    live_row = (req >= 0) & (req < R)
+    req = tl.where(live_row, req, 0)
+    n = tl.load(ntok_ptr + b).to(tl.int64)
+    if HAS_INDEXED:
+        n = tl.minimum(n, tl.load(indexed_ptr + req).to(tl.int64))
+    n = tl.where(live_row, n, 0)  # padding / out-of-range rows: nothing
     live_t = offs_t < n
     h_mask = offs_h < H
     d_mask = offs_d < D
     # Tokens past the row's end are masked out of the key load: a fixed [B, T] grid reads
     # only the live index keys.
     k = tl.load(k_ptr + req * stride_kr + offs_t[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
-                mask=live_t[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                mask=live_t[:, None] & d_mask[None, :], other=0.0)
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + b * stride_wb + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    w = tl.load(w_ptr + b * stride_wb + offs_h * stride_wh, mask=h_mask, other=0.0).to(tl.float32)
     # padded heads have q = 0 and w = 0, so they add ReLU(0) * 0 = 0
-    logits = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_T, BLOCK_H]
+    if DOT_IN_Q_DTYPE:
+        # FP8 (or same-dtype) keys widen exactly to q's 16-bit dtype: exact products, float32
+        # accumulation, on tensor cores
+        logits = tl.dot(k.to(q.dtype), tl.trans(q))  # [BLOCK_T, BLOCK_H] float32
+    else:
+        # float32 operands: three TF32 products, about float32 accuracy, on tensor cores
+        logits = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="tf32x3")
     s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
     if HAS_SCALE:
         sc = tl.load(scale_ptr + req * stride_sr + offs_t, mask=live_t, other=1.0)
@@ -134,30 +168,40 @@ def dsa_indexer_triton(
     key_scales: Optional[torch.Tensor],
     req_pool_indices: torch.Tensor,
     num_tokens: torch.Tensor,
+    indexed: Optional[torch.Tensor] = None,
     block_t: int = 64,
 ) -> torch.Tensor:
-    """Triton launcher; same arguments and result as :func:`dsa_indexer_reference`."""
-    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens)
+    """Triton launcher (one launch); same arguments and result as
+    :func:`dsa_indexer_reference`. Queries and weights are read through their strides in
+    their dtype, index tensors in theirs: no conversion launches."""
+    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
     b, h, d = q.shape
     r, t, _ = index_keys.shape
     if index_keys.stride(2) != 1:
         raise ValueError("index_keys must have a contiguous last dim")
-    q = q.float().contiguous()
-    w = weights.float().contiguous()
-    req = req_pool_indices.to(device=q.device, dtype=torch.int64).contiguous()
-    ntok = num_tokens.to(device=q.device, dtype=torch.int32).contiguous()
-    out = torch.empty(b, t, dtype=torch.float32, device=q.device)
+    if key_scales is not None and (key_scales.dtype != torch.float32 or key_scales.stride(1) != 1):
+        key_scales = key_scales.float().contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    dev = q.device
+    req, ntok = req_pool_indices.to(dev), num_tokens.to(dev)
+    out = torch.empty(b, t, dtype=torch.float32, device=dev)
     if b == 0 or t == 0:
         return out
-    scales = key_scales.float().contiguous() if key_scales is not None else out  # dummy pointer when unused
+    scales = key_scales if key_scales is not None else out  # dummy pointer when unused
+    counts = indexed.to(dev) if indexed is not None else req  # dummy pointer when unused
+    w = weights.to(dev)
     grid = (b, triton.cdiv(t, block_t))
     _dsa_indexer_kernel[grid](
-        q, w, index_keys, scales, req, ntok, out,
-        t, h, d,
-        q.stride(0), q.stride(1), w.stride(0),
+        q, w, index_keys, scales, req, ntok, counts, out,
+        r, t, h, d,
+        q.stride(0), q.stride(1), w.stride(0), w.stride(1),
         index_keys.stride(0), index_keys.stride(1), scales.stride(0),
         out.stride(0),
-        HAS_SCALE=key_scales is not None,
+        HAS_SCALE=key_scales is not None, HAS_INDEXED=indexed is not None,
+        # (the CPU interpreter multiplies 16-bit floats wrongly: it takes the float32 path)
+        DOT_IN_Q_DTYPE=(q.dtype in (torch.bfloat16, torch.float16) and index_keys.dtype in (q.dtype, fp8_dtype())
+                        and not interpreter_enabled()),
         BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
     )
     return out
@@ -170,10 +214,185 @@ def dsa_indexer(
     key_scales: Optional[torch.Tensor],
     req_pool_indices: torch.Tensor,
     num_tokens: torch.Tensor,
+    indexed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Indexer scores ``[B, T] float32`` (Triton on CUDA, reference on CPU)."""
+    """Indexer scores ``[B, T] float32`` (Triton on CUDA, reference on CPU); arguments as
+    :func:`dsa_indexer_reference`."""
     if use_triton(q):
         announce_path("dsa_indexer", "triton")
-        return dsa_indexer_triton(q, weights, index_keys, key_scales, req_pool_indices, num_tokens)
+        return dsa_indexer_triton(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
     announce_path("dsa_indexer", "reference")
-    return dsa_indexer_reference(q, weights, index_keys, key_scales, req_pool_indices, num_tokens)
+    return dsa_indexer_reference(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+
+
+# ----------------------------------------------------------------------------- decode store
+def _check_store(keys_flat: torch.Tensor, scales_flat: Optional[torch.Tensor], indexed: torch.Tensor,
+                 req_pool_indices: torch.Tensor, positions: torch.Tensor, index_keys: torch.Tensor,
+                 max_num_reqs: int, max_context_len: int) -> None:
+    n = max_num_reqs * max_context_len + 1
+    if keys_flat.dim() != 2 or keys_flat.shape[0] != n:
+        raise ValueError(f"keys_flat must be [max_num_reqs * max_context_len + 1 = {n}, Di], got {tuple(keys_flat.shape)}")
+    is_fp8 = keys_flat.dtype == fp8_dtype()
+    if is_fp8 != (scales_flat is not None):
+        raise ValueError("scales_flat is needed exactly when keys_flat is float8_e4m3fn")
+    if scales_flat is not None and (scales_flat.shape != (n,) or scales_flat.dtype != torch.float32):
+        raise ValueError(f"scales_flat must be [{n}] float32, got {tuple(scales_flat.shape)} {scales_flat.dtype}")
+    if indexed.dim() != 1 or indexed.shape[0] < max_num_reqs or indexed.dtype not in _INT_DTYPES:
+        raise ValueError(f"indexed must be an int32/int64 [>= max_num_reqs={max_num_reqs}] tensor, got "
+                         f"{tuple(indexed.shape)} {indexed.dtype}")
+    b = req_pool_indices.shape[0]
+    if req_pool_indices.dim() != 1 or positions.shape != (b,):
+        raise ValueError(f"req_pool_indices and positions must be [B], got {tuple(req_pool_indices.shape)}, {tuple(positions.shape)}")
+    if req_pool_indices.dtype not in _INT_DTYPES or positions.dtype not in _INT_DTYPES:
+        raise ValueError(f"req_pool_indices and positions must be int32/int64, got {req_pool_indices.dtype}, {positions.dtype}")
+    if index_keys.shape != (b, keys_flat.shape[1]) or not index_keys.is_floating_point():
+        raise ValueError(f"index_keys must be a floating [B={b}, Di={keys_flat.shape[1]}], got "
+                         f"{tuple(index_keys.shape)} {index_keys.dtype}")
+
+
+def dsa_store_index_keys_reference(
+    keys_flat: torch.Tensor,
+    scales_flat: Optional[torch.Tensor],
+    indexed: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    index_keys: torch.Tensor,
+    *,
+    max_num_reqs: int,
+    max_context_len: int,
+) -> None:
+    """Torch reference, in place: store one decoded index key per row and count it.
+
+    keys_flat:        ``[max_num_reqs * max_context_len + 1, Di]`` fp8 e4m3 / bf16 / fp32,
+                      key of position ``t`` of slot ``r`` at entry ``r * max_context_len + t``;
+                      the last entry is scratch (this reference dumps padding rows' writes
+                      there, the kernel writes nothing for them).
+    scales_flat:      ``[same] float32`` per-entry FP8 scale (FP8 keys), else None.
+    indexed:          ``[>= max_num_reqs]`` int tokens indexed per slot; becomes
+                      ``max(indexed[r], position + 1)``.
+    req_pool_indices: ``[B]`` int32/int64 (negative or ``>= max_num_reqs``: padding, nothing
+                      changes); positions ``[B]`` int32/int64 (outside
+                      ``[0, max_context_len)``: nothing changes).
+    index_keys:       ``[B, Di]`` float, quantised as :func:`quantize_index_keys` (FP8) or
+                      cast to the pool's dtype.
+    """
+    _check_store(keys_flat, scales_flat, indexed, req_pool_indices, positions, index_keys, max_num_reqs, max_context_len)
+    dev = keys_flat.device
+    req = req_pool_indices.to(dev).long()
+    pos = positions.to(dev).long()
+    ok = (req >= 0) & (req < max_num_reqs) & (pos >= 0) & (pos < max_context_len)
+    flat = torch.where(ok, req * max_context_len + pos, torch.full_like(req, keys_flat.shape[0] - 1))
+    if scales_flat is not None:
+        qk, sc = quantize_index_keys(index_keys.to(dev))
+        keys_flat[flat] = qk
+        scales_flat[flat] = sc
+    else:
+        keys_flat[flat] = index_keys.to(dev, keys_flat.dtype)
+    # padding rows add a 0 to slot 0's count: no change (counts are >= 0)
+    indexed.scatter_reduce_(0, torch.where(ok, req, 0), torch.where(ok, pos + 1, 0).to(indexed.dtype), reduce="amax")
+
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def _as_stored(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype`` (the value a store keeps), as float32. bf16 is
+    rounded to nearest even by hand: the CPU interpreter truncates on that conversion,
+    GPUs round, and both must store what torch's ``.to(bfloat16)`` stores."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _dsa_store_kernel(
+    keys_ptr, scales_ptr, indexed_ptr, req_ptr, pos_ptr, k_ptr,
+    R, T, D, stride_e, stride_kb,
+    IS_FP8: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    req = tl.load(req_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    ok = (req >= 0) & (req < R) & (pos >= 0) & (pos < T)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < tl.where(ok, D, 0)  # padding / out-of-range rows: nothing
+    k = tl.load(k_ptr + b * stride_kb + offs, mask=m, other=0.0).to(tl.float32)
+    entry = tl.where(ok, req * T + pos, 0)
+    if IS_FP8:
+        # as quantize_index_keys: IEEE-rounded divisions, so both paths store the same bytes
+        amax = tl.max(tl.abs(k), 0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        qk = tl.minimum(tl.maximum(tl.math.div_rn(k, scale), -FP8_MAX), FP8_MAX)
+        tl.store(keys_ptr + entry * stride_e + offs, qk.to(keys_ptr.dtype.element_ty), mask=m)
+        tl.store(scales_ptr + entry, scale, mask=ok)
+    else:
+        tl.store(keys_ptr + entry * stride_e + offs, _as_stored(k, keys_ptr.dtype.element_ty).to(keys_ptr.dtype.element_ty),
+                 mask=m)
+    tl.atomic_max(indexed_ptr + tl.where(ok, req, 0), (pos + 1).to(indexed_ptr.dtype.element_ty), mask=ok)
+
+
+
+def dsa_store_index_keys_triton(
+    keys_flat: torch.Tensor,
+    scales_flat: Optional[torch.Tensor],
+    indexed: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    index_keys: torch.Tensor,
+    *,
+    max_num_reqs: int,
+    max_context_len: int,
+) -> None:
+    """Triton launcher (one launch, one program per row: quantise, store, count); same
+    arguments and effect on the real entries as :func:`dsa_store_index_keys_reference`."""
+    _check_store(keys_flat, scales_flat, indexed, req_pool_indices, positions, index_keys, max_num_reqs, max_context_len)
+    b, d = index_keys.shape
+    if keys_flat.stride(1) != 1:
+        raise ValueError("keys_flat must have a contiguous last dim")
+    if b == 0:
+        return
+    dev = keys_flat.device
+    k = index_keys.to(dev)
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    _dsa_store_kernel[(b,)](
+        keys_flat, scales_flat if scales_flat is not None else keys_flat, indexed,
+        req_pool_indices.to(dev), positions.to(dev), k,
+        max_num_reqs, max_context_len, d, keys_flat.stride(0), k.stride(0),
+        IS_FP8=scales_flat is not None, BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def _triton_fp8_ok(device: torch.device) -> bool:
+    """Triton converts to fp8 e4m3 natively from compute capability 8.9 (the interpreter
+    always)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def dsa_store_index_keys(
+    keys_flat: torch.Tensor,
+    scales_flat: Optional[torch.Tensor],
+    indexed: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    index_keys: torch.Tensor,
+    *,
+    max_num_reqs: int,
+    max_context_len: int,
+) -> None:
+    """Store and count one decoded index key per row, in place (Triton on CUDA, reference
+    on CPU and for FP8 keys on GPUs below compute capability 8.9); arguments as
+    :func:`dsa_store_index_keys_reference`."""
+    args = (keys_flat, scales_flat, indexed, req_pool_indices, positions, index_keys)
+    kw = dict(max_num_reqs=max_num_reqs, max_context_len=max_context_len)
+    if use_triton(keys_flat) and (scales_flat is None or _triton_fp8_ok(keys_flat.device)):
+        announce_path("dsa_store_index_keys", "triton")
+        return dsa_store_index_keys_triton(*args, **kw)
+    announce_path("dsa_store_index_keys", "reference")
+    return dsa_store_index_keys_reference(*args, **kw)

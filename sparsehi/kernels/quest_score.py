@@ -7,7 +7,13 @@ Heads are reduced with ``sum`` (the bound of the summed exact score, since
 ``Σ_h max_t ≥ max_t Σ_h``) or ``max`` (the bound of the max-over-heads score); both keep
 the upper-bound property.
 
-Entry points: ``quest_score`` (dispatch), ``quest_score_triton``, ``quest_score_reference``.
+Pages per row come from the row's length (tokens, ``page_size``) inside the kernel, and
+rows whose request slot is negative (padding) or past the pool score ``-inf``: the decode
+path scores a layer in one launch, with no per-step derivations around it.
+
+Entry points: ``quest_score`` (dispatch), ``quest_score_triton``, ``quest_score_reference``;
+``quest_update_bounds`` (dispatch), ``quest_update_bounds_triton``,
+``quest_update_bounds_reference``: fold one decoded key per row into its page's min/max.
 """
 from __future__ import annotations
 
@@ -18,10 +24,11 @@ import triton.language as tl
 from hicache.triton_support import announce_path, use_triton
 
 HEAD_REDUCE = ("max", "sum")
+_INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_pool_indices: torch.Tensor,
-           num_pages: torch.Tensor, head_reduce: str) -> None:
+           lengths: torch.Tensor, head_reduce: str, page_size: int) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     if kmin.dim() != 4 or kmin.shape != kmax.shape:
@@ -29,10 +36,14 @@ def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, req_pool_ind
     b, hq, d = q.shape
     if kmin.shape[3] != d or hq % kmin.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit kmin {tuple(kmin.shape)}: need equal D and Hq % Hkv == 0")
-    if req_pool_indices.shape != (b,) or num_pages.shape != (b,):
-        raise ValueError(f"req_pool_indices and num_pages must be [B={b}], got {tuple(req_pool_indices.shape)}, {tuple(num_pages.shape)}")
+    if req_pool_indices.shape != (b,) or lengths.shape != (b,):
+        raise ValueError(f"req_pool_indices and lengths must be [B={b}], got {tuple(req_pool_indices.shape)}, {tuple(lengths.shape)}")
+    if req_pool_indices.dtype not in _INT_DTYPES or lengths.dtype not in _INT_DTYPES:
+        raise ValueError(f"req_pool_indices and lengths must be int32/int64, got {req_pool_indices.dtype}, {lengths.dtype}")
     if head_reduce not in HEAD_REDUCE:
         raise ValueError(f"head_reduce={head_reduce!r} is invalid: one of {HEAD_REDUCE}")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} is invalid: an integer >= 1")
 
 
 def quest_score_reference(
@@ -40,21 +51,28 @@ def quest_score_reference(
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     req_pool_indices: torch.Tensor,
-    num_pages: torch.Tensor,
+    lengths: torch.Tensor,
     head_reduce: str = "sum",
+    *,
+    page_size: int = 1,
 ) -> torch.Tensor:
     """Torch reference.
 
     q:                ``[B, Hq, D]`` float (any float dtype; computed in fp32).
     kmin, kmax:       ``[R, P, Hkv, D]`` per-page element-wise key min / max.
-    req_pool_indices: ``[B]`` int, row of kmin/kmax per batch row (``-1``: no request).
-    num_pages:        ``[B]`` int, pages written per row; pages ``>= num_pages`` score ``-inf``.
+    req_pool_indices: ``[B]`` int32/int64, row of kmin/kmax per batch row (negative or
+                      ``>= R``: no request, the row scores ``-inf``).
+    lengths:          ``[B]`` int32/int64, tokens written per row: pages
+                      ``>= ceil(lengths / page_size)`` score ``-inf`` (with the default
+                      ``page_size=1``, lengths count pages).
     Returns ``[B, P] float32``.
     """
-    _check(q, kmin, kmax, req_pool_indices, num_pages, head_reduce)
+    _check(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size)
     b, hq, d = q.shape
-    _, p, hkv, _ = kmin.shape
-    req = req_pool_indices.long().clamp(min=0)
+    r, p, hkv, _ = kmin.shape
+    req = req_pool_indices.to(q.device).long()
+    live_row = (req >= 0) & (req < r)
+    req = torch.where(live_row, req, torch.zeros_like(req))
     mn = kmin[req].float()
     mx = kmax[req].float()
     # max(q·a, q·b) element-wise == q·(a+b)/2 + |q|·(b-a)/2: two contractions instead of a
@@ -64,14 +82,15 @@ def quest_score_reference(
     bound = bound.reshape(b, hq, p)
     s = bound.amax(dim=1) if head_reduce == "max" else bound.sum(dim=1)
     pages = torch.arange(p, device=q.device)[None, :]
-    live = (pages < num_pages.to(q.device).long()[:, None]) & (req_pool_indices.to(q.device)[:, None] >= 0)
+    num_pages = (lengths.to(q.device).long() + page_size - 1) // page_size
+    live = (pages < num_pages[:, None]) & live_row[:, None]
     return torch.where(live, s, torch.full_like(s, float("-inf")))
 
 
 @triton.jit
 def _quest_score_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, req_ptr, npages_ptr, out_ptr,
-    P, D,
+    q_ptr, kmin_ptr, kmax_ptr, req_ptr, len_ptr, out_ptr,
+    R, P, D, PAGE_SIZE,
     stride_qb, stride_qh,
     stride_kr, stride_kp, stride_kg,
     stride_ob,
@@ -83,8 +102,8 @@ def _quest_score_kernel(
     offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     req = tl.load(req_ptr + b).to(tl.int64)
-    n = tl.load(npages_ptr + b)
-    n = tl.where(req >= 0, n, 0)
+    n = (tl.load(len_ptr + b).to(tl.int64) + PAGE_SIZE - 1) // PAGE_SIZE
+    n = tl.where((req >= 0) & (req < R), n, 0)  # padding / out-of-range rows: nothing
     live_p = offs_p < n
     out_mask = offs_p < P
     # Pages past the row's last one are masked out of every load, so a fixed [B, P] grid
@@ -117,31 +136,38 @@ def quest_score_triton(
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     req_pool_indices: torch.Tensor,
-    num_pages: torch.Tensor,
+    lengths: torch.Tensor,
     head_reduce: str = "sum",
-    block_p: int = 32,
+    *,
+    page_size: int = 1,
+    block_p: int = 16,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """Triton launcher; same arguments and result as :func:`quest_score_reference`."""
-    _check(q, kmin, kmax, req_pool_indices, num_pages, head_reduce)
+    """Triton launcher (one launch); same arguments and result as
+    :func:`quest_score_reference`. Index tensors are read in their dtype and q through its
+    strides: no conversion launches. ``block_p`` pages per program (16 x 128-dim tiles fit
+    in registers at 4 warps; 32 spilled)."""
+    _check(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size)
     b, hq, d = q.shape
-    _, p, hkv, _ = kmin.shape
+    r, p, hkv, _ = kmin.shape
     if kmin.stride(3) != 1 or kmax.stride() != kmin.stride():
         raise ValueError("kmin/kmax must share a layout with a contiguous last dim")
-    q = q.contiguous()
-    req = req_pool_indices.to(device=q.device, dtype=torch.int64).contiguous()
-    npg = num_pages.to(device=q.device, dtype=torch.int32).contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    req = req_pool_indices.to(q.device)
+    lens = lengths.to(q.device)
     out = torch.empty(b, p, dtype=torch.float32, device=q.device)
     if b == 0 or p == 0:
         return out
     grid = (b, triton.cdiv(p, block_p))
     _quest_score_kernel[grid](
-        q, kmin, kmax, req, npg, out,
-        p, d,
+        q, kmin, kmax, req, lens, out,
+        r, p, d, page_size,
         q.stride(0), q.stride(1),
         kmin.stride(0), kmin.stride(1), kmin.stride(2),
         out.stride(0),
         HKV=hkv, GROUP=hq // hkv, SUM_HEADS=(head_reduce == "sum"),
-        BLOCK_P=block_p, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_P=block_p, BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
     )
     return out
 
@@ -151,12 +177,170 @@ def quest_score(
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     req_pool_indices: torch.Tensor,
-    num_pages: torch.Tensor,
+    lengths: torch.Tensor,
     head_reduce: str = "sum",
+    *,
+    page_size: int = 1,
 ) -> torch.Tensor:
-    """Quest page upper bounds ``[B, P] float32`` (Triton on CUDA, reference on CPU)."""
+    """Quest page upper bounds ``[B, P] float32`` (Triton on CUDA, reference on CPU);
+    arguments as :func:`quest_score_reference`."""
     if use_triton(q):
         announce_path("quest_score", "triton")
-        return quest_score_triton(q, kmin, kmax, req_pool_indices, num_pages, head_reduce)
+        return quest_score_triton(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
     announce_path("quest_score", "reference")
-    return quest_score_reference(q, kmin, kmax, req_pool_indices, num_pages, head_reduce)
+    return quest_score_reference(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
+
+
+# ----------------------------------------------------------------------------- bound updates
+def _check_update(kmin_flat: torch.Tensor, kmax_flat: torch.Tensor, req_pool_indices: torch.Tensor,
+                  positions: torch.Tensor, new_keys: torch.Tensor, max_num_reqs: int, max_pages: int,
+                  page_size: int) -> None:
+    if kmin_flat.dim() != 3 or kmin_flat.shape != kmax_flat.shape or kmin_flat.dtype != kmax_flat.dtype:
+        raise ValueError(f"kmin_flat/kmax_flat must both be [R * P + 1, Hkv, D] of one dtype, got "
+                         f"{tuple(kmin_flat.shape)} {kmin_flat.dtype} and {tuple(kmax_flat.shape)} {kmax_flat.dtype}")
+    if kmin_flat.shape[0] != max_num_reqs * max_pages + 1:
+        raise ValueError(f"kmin_flat has {kmin_flat.shape[0]} entries, expected max_num_reqs * max_pages + 1 = "
+                         f"{max_num_reqs * max_pages + 1}")
+    b = req_pool_indices.shape[0]
+    if new_keys.shape != (b,) + tuple(kmin_flat.shape[1:]) or not new_keys.is_floating_point():
+        raise ValueError(f"new_keys must be a floating [B={b}, Hkv, D]={(b,) + tuple(kmin_flat.shape[1:])}, "
+                         f"got {tuple(new_keys.shape)} {new_keys.dtype}")
+    if positions.shape != (b,) or req_pool_indices.dim() != 1:
+        raise ValueError(f"req_pool_indices and positions must be [B], got {tuple(req_pool_indices.shape)}, "
+                         f"{tuple(positions.shape)}")
+    if req_pool_indices.dtype not in _INT_DTYPES or positions.dtype not in _INT_DTYPES:
+        raise ValueError(f"req_pool_indices and positions must be int32/int64, got {req_pool_indices.dtype}, {positions.dtype}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} is invalid: an integer >= 1")
+
+
+def quest_update_bounds_reference(
+    kmin_flat: torch.Tensor,
+    kmax_flat: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    new_keys: torch.Tensor,
+    *,
+    max_num_reqs: int,
+    max_pages: int,
+    page_size: int,
+) -> None:
+    """Torch reference, in place.
+
+    kmin_flat, kmax_flat: ``[max_num_reqs * max_pages + 1, Hkv, D]`` running key min / max
+                          of page ``p`` of request slot ``r`` at entry ``r * max_pages + p``;
+                          the last entry is scratch (this reference dumps the writes of
+                          padding rows there, the kernel writes nothing for them).
+    req_pool_indices:     ``[B]`` int32/int64 request slot per row (negative or
+                          ``>= max_num_reqs``: padding, nothing changes).
+    positions:            ``[B]`` int32/int64 token position of the new key (outside
+                          ``[0, max_pages * page_size)``: nothing changes).
+    new_keys:             ``[B, Hkv, D]`` float, folded into the page's min / max in the
+                          pools' dtype; a page's first token (``position % page_size == 0``)
+                          resets them (the slot may hold an old request's bounds).
+    """
+    _check_update(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, max_num_reqs, max_pages, page_size)
+    dev = kmin_flat.device
+    pos = positions.to(dev).long()
+    req = req_pool_indices.to(dev).long()
+    ok = (req >= 0) & (req < max_num_reqs) & (pos >= 0) & (pos < max_pages * page_size)
+    flat = torch.where(ok, req * max_pages + pos // page_size, kmin_flat.shape[0] - 1)
+    first = (pos % page_size == 0)[:, None, None]
+    k = new_keys.to(dev, kmin_flat.dtype)
+    old_min, old_max = kmin_flat.index_select(0, flat), kmax_flat.index_select(0, flat)
+    kmin_flat.index_copy_(0, flat, torch.where(first, k, torch.minimum(old_min, k)))
+    kmax_flat.index_copy_(0, flat, torch.where(first, k, torch.maximum(old_max, k)))
+
+
+@triton.jit
+def _as_stored(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype`` (the value a store keeps), as float32. bf16 is
+    rounded to nearest even by hand: the CPU interpreter truncates on that conversion,
+    GPUs round, and both must store what torch's ``.to(bfloat16)`` stores."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _quest_update_kernel(
+    kmin_ptr, kmax_ptr, req_ptr, pos_ptr, k_ptr,
+    R, P, PAGE_SIZE, HD, D,
+    stride_e, stride_kb, stride_kh,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    req = tl.load(req_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    ok = (req >= 0) & (req < R) & (pos >= 0) & (pos < P * PAGE_SIZE)
+    entry = req * P + pos // PAGE_SIZE
+    first = (pos % PAGE_SIZE) == 0
+    offs = tl.arange(0, BLOCK)
+    m = offs < tl.where(ok, HD, 0)  # padding / out-of-range rows: nothing
+    k = tl.load(k_ptr + b * stride_kb + (offs // D) * stride_kh + offs % D, mask=m, other=0.0)
+    k = _as_stored(k.to(tl.float32), kmin_ptr.dtype.element_ty)  # rounded to the pools' dtype first, as torch does
+    at = entry * stride_e + offs
+    # a page's first token does not read the old bounds
+    fold = offs < tl.where(ok & ((pos % PAGE_SIZE) != 0), HD, 0)
+    old_min = tl.load(kmin_ptr + at, mask=fold, other=0.0).to(tl.float32)
+    old_max = tl.load(kmax_ptr + at, mask=fold, other=0.0).to(tl.float32)
+    new_min = tl.where(first, k, tl.minimum(old_min, k, propagate_nan=tl.PropagateNan.ALL))
+    new_max = tl.where(first, k, tl.maximum(old_max, k, propagate_nan=tl.PropagateNan.ALL))
+    tl.store(kmin_ptr + at, new_min.to(kmin_ptr.dtype.element_ty), mask=m)
+    tl.store(kmax_ptr + at, new_max.to(kmax_ptr.dtype.element_ty), mask=m)
+
+
+def quest_update_bounds_triton(
+    kmin_flat: torch.Tensor,
+    kmax_flat: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    new_keys: torch.Tensor,
+    *,
+    max_num_reqs: int,
+    max_pages: int,
+    page_size: int,
+) -> None:
+    """Triton launcher (one launch, one program per row); same arguments and effect on
+    the real entries as :func:`quest_update_bounds_reference`."""
+    _check_update(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, max_num_reqs, max_pages, page_size)
+    b = req_pool_indices.shape[0]
+    hkv, d = kmin_flat.shape[1:]
+    if kmin_flat.stride()[1:] != (d, 1) or kmax_flat.stride() != kmin_flat.stride():
+        raise ValueError("kmin_flat/kmax_flat must share a layout with contiguous [Hkv, D] entries")
+    if b == 0:
+        return
+    dev = kmin_flat.device
+    k = new_keys.to(dev)
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    _quest_update_kernel[(b,)](
+        kmin_flat, kmax_flat, req_pool_indices.to(dev), positions.to(dev), k,
+        max_num_reqs, max_pages, page_size, hkv * d, d,
+        kmin_flat.stride(0), k.stride(0), k.stride(1),
+        BLOCK=triton.next_power_of_2(hkv * d),
+    )
+
+
+def quest_update_bounds(
+    kmin_flat: torch.Tensor,
+    kmax_flat: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    positions: torch.Tensor,
+    new_keys: torch.Tensor,
+    *,
+    max_num_reqs: int,
+    max_pages: int,
+    page_size: int,
+) -> None:
+    """Fold one decoded key per row into its page's min / max, in place (Triton on CUDA,
+    reference on CPU); arguments as :func:`quest_update_bounds_reference`."""
+    kw = dict(max_num_reqs=max_num_reqs, max_pages=max_pages, page_size=page_size)
+    if use_triton(kmin_flat):
+        announce_path("quest_update_bounds", "triton")
+        return quest_update_bounds_triton(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, **kw)
+    announce_path("quest_update_bounds", "reference")
+    return quest_update_bounds_reference(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, **kw)

@@ -1,14 +1,23 @@
-"""Masked top-k over per-id scores, shared by the built-in algorithms.
+"""Top-k selection over per-id scores, shared by the built-in algorithms.
 
-This is ``torch.topk`` on scores whose non-candidate ids are set to ``-inf``: the scoring
-kernels (Quest, DSA) are the bandwidth-heavy part; a selection over a few thousand ids
-per row is cheap in torch and stays CUDA-graph friendly (fixed shapes, no host sync).
+``topk_select`` is the decode path: one Triton launch (one program per row) that finds the
+exact top ``top_k`` candidates of every row by radix select on the scores' bits and writes
+them in ascending id order (``topk_select_triton``; ``topk_select_reference`` is the torch
+twin with identical results). ``masked_topk`` is the earlier torch formulation (a stable
+sort of the masked scores, ids by descending score), kept for scripts that compare the two.
+
+Also here: the argument checks the algorithms share (``selection_kwargs``,
+``check_int_vector``, ...) and ``IdentityMemo``.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
+
+from hicache.triton_support import announce_path, use_triton
 
 
 def _capturing() -> bool:
@@ -125,7 +134,321 @@ def masked_topk(
 
 
 _MASK_MEMO = IdentityMemo()
-_KWARGS_MEMO = IdentityMemo()
+
+
+# ----------------------------------------------------------------------------- topk_select
+def _check_select_args(scores: object, top_k: object, candidate_start: object, candidate_end: object,
+                       row_mask: object) -> None:
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
+        raise ValueError(f"top_k={top_k!r} is invalid: an integer > 0 (selection units)")
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
+        got = (tuple(scores.shape), scores.dtype) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores must be a floating [B, N] tensor, got {got}")
+    b = scores.shape[0]
+    check_int_vector("candidate_start", candidate_start, b)
+    check_int_vector("candidate_end", candidate_end, b)
+    if row_mask is not None and (not isinstance(row_mask, torch.Tensor) or tuple(row_mask.shape) != (b,)
+                                 or row_mask.dtype != torch.bool):
+        got = (tuple(row_mask.shape), row_mask.dtype) if isinstance(row_mask, torch.Tensor) else type(row_mask).__name__
+        raise ValueError(f"row_mask must be a [B={b}] bool tensor or None, got {got}")
+
+
+def topk_select_reference(
+    scores: torch.Tensor,
+    top_k: int,
+    candidate_start: torch.Tensor,
+    candidate_end: torch.Tensor,
+    row_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`topk_select` (same arguments, identical results)."""
+    _check_select_args(scores, top_k, candidate_start, candidate_end, row_mask)
+    bsz, n = scores.shape
+    dev = scores.device
+    s = scores.float()
+    ids = torch.arange(n, device=dev)[None, :]
+    ok = ((ids >= candidate_start.to(dev).long()[:, None]) & (ids < candidate_end.to(dev).long()[:, None])
+          & (s > float("-inf")))  # False for NaN too
+    if row_mask is not None:
+        ok &= row_mask.to(dev)[:, None]
+    # -0.0 ties with +0.0 (the kernel compares bit patterns)
+    s = torch.where(ok, torch.where(s == 0, torch.zeros_like(s), s), torch.full_like(s, float("-inf")))
+    valid = ok.sum(dim=1).clamp(max=top_k).to(torch.int32)
+    k_eff = min(top_k, n)
+    out = torch.full((bsz, top_k), -1, dtype=torch.int32, device=dev)
+    if k_eff > 0:
+        # stable: lower id first among equal scores
+        order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k_eff]
+        cols = torch.arange(k_eff, device=dev)[None, :]
+        picked = torch.sort(torch.where(cols < valid[:, None], order, n), dim=1).values
+        out[:, :k_eff] = torch.where(picked < n, picked, -1).to(torch.int32)
+    return out, valid
+
+
+@triton.jit
+def _order_keys(x, in_range):
+    """``uint32`` keys whose unsigned order is the float order of ``x``; 0 where the id is
+    not selectable (outside the candidates, -inf, NaN). Every selectable key is
+    ``>= 0x00800000`` (the key of -inf is ``0x007FFFFF``)."""
+    x = x.to(tl.float32)
+    ok = in_range & (x > float("-inf"))  # NaN compares False
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where(bits >= 0x80000000, ~bits, bits | 0x80000000)
+    return tl.where(ok, key, tl.zeros_like(key))
+
+
+@triton.jit
+def _high_bits(n):
+    """``uint32`` mask of bits ``[n, 32)`` (``n`` in ``[0, 32]``)."""
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    return tl.where(n >= 32, tl.zeros_like(ones), ones << tl.minimum(n, 31).to(tl.uint32))
+
+
+@triton.jit
+def _refine(hist, prefix, known_lo, need):
+    """One radix digit of the threshold key.
+
+    ``prefix`` holds the threshold's bits ``[known_lo, 32)``; ``hist [256]`` counts, among the
+    keys sharing them, the digit ``(key >> lo) & 255`` with ``lo = max(known_lo - 8, 0)``;
+    the threshold is the ``need``-th largest of those keys. Returns the prefix extended to
+    bits ``[lo, 32)``, ``lo``, and the rank left inside the chosen digit. A no-op once
+    every bit is known (``known_lo == 0``)."""
+    lo = tl.maximum(known_lo - 8, 0)
+    above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher digits
+    digit = tl.sum((above >= need).to(tl.int32), 0)
+    above_digit = tl.sum(tl.where(tl.arange(0, 256) == digit, above, 0), 0)
+    # a window that overlaps known bits (lo + 8 > known_lo) only finds digits agreeing with them
+    extended = (prefix & _high_bits(lo + 8)) | (digit.to(tl.uint32) << lo.to(tl.uint32))
+    active = known_lo > 0
+    return (tl.where(active, extended, prefix), tl.where(active, lo, known_lo),
+            tl.where(active, need - above_digit, need))
+
+
+@triton.jit
+def _shared_bits(kmin, kmax):
+    """Every ``uint32`` in ``[kmin, kmax]`` has the bits of ``kmax`` above the highest bit where
+    ``kmin`` and ``kmax`` differ. Returns those bits (``prefix``) and the lowest of them
+    (``known_lo``; 0 when ``kmin == kmax``): the radix digits start right below."""
+    diff = kmax ^ kmin
+    d = diff
+    msb = tl.full([], 0, tl.int32)
+    for sh in tl.static_range(5):
+        step = 16 >> sh
+        big = (d >> step) != 0
+        d = tl.where(big, d >> step, d)
+        msb += tl.where(big, step, 0)
+    known_lo = tl.where(diff != 0, msb + 1, 0)
+    return kmax & _high_bits(known_lo), known_lo
+
+
+@triton.jit
+def _threshold_in_registers(keys, need):
+    """The ``need``-th largest of ``keys`` (a block in registers, 0 = not selectable;
+    ``need <= `` their count): returns ``(threshold key, ties of it to take)``."""
+    ok = keys != 0
+    prefix, known_lo = _shared_bits(tl.min(tl.where(ok, keys, 0xFFFFFFFF), 0), tl.max(keys, 0))
+    known_lo = tl.where(need > 0, known_lo, 0)
+    for _ in tl.static_range(4):
+        if known_lo > 0:
+            hb = _high_bits(known_lo)
+            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+            match = ok & ((keys & hb) == (prefix & hb))
+            hist = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
+            prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+    return prefix, need
+
+
+@triton.jit
+def _emit(out, keys, ids, thr, need, ties, n_out):
+    """Write, in their order, the ``ids`` whose key is above ``thr`` and the ties of ``thr``
+    ranked below ``need`` (``ties`` met before this block); ``n_out`` written before."""
+    eq = keys == thr  # a key of 0 (not selectable) never equals a threshold
+    ei = eq.to(tl.int32)
+    rank = ties + tl.cumsum(ei, 0) - ei
+    sel = (keys > thr) | (eq & (rank < need))
+    si = sel.to(tl.int32)
+    tl.store(out + n_out + tl.cumsum(si, 0) - si, ids, mask=sel)
+    return ties + tl.sum(ei, 0), n_out + tl.sum(si, 0)
+
+
+@triton.jit
+def _shortlist_chunk(row, list_keys, list_ids, offs, lo, hi, floor, m, count, lmax):
+    """One chunk of the pass over the row: append the selectable ids whose key is
+    ``>= floor`` (and their keys) to the shortlist, in id order; count every selectable id."""
+    inr = (offs >= lo) & (offs < hi)
+    key = _order_keys(tl.load(row + offs, mask=inr, other=float("-inf")), inr)
+    ok = key != 0
+    keep = ok & (key >= floor)
+    ki = keep.to(tl.int32)
+    at = m + tl.cumsum(ki, 0) - ki
+    tl.store(list_keys + at, key.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(list_ids + at, offs, mask=keep)
+    return m + tl.sum(ki, 0), count + tl.sum(ok.to(tl.int32), 0), tl.maximum(lmax, tl.max(tl.where(keep, key, 0), 0))
+
+
+@triton.jit
+def _topk_select_kernel(
+    s_ptr, cs_ptr, ce_ptr, mask_ptr, ids_ptr, valid_ptr, work_ptr,
+    N, TOP_K, stride_sb, stride_ib,
+    HAS_ROW_MASK: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    lo = tl.minimum(tl.maximum(tl.load(cs_ptr + b).to(tl.int64), 0), N)
+    hi = tl.minimum(tl.maximum(tl.load(ce_ptr + b).to(tl.int64), lo), N)
+    if HAS_ROW_MASK:
+        hi = tl.where(tl.load(mask_ptr + b) != 0, hi, lo)
+    lo = lo.to(tl.int32)
+    hi = hi.to(tl.int32)
+    row = s_ptr + b * stride_sb
+    out = ids_ptr + b * stride_ib
+    # SAMPLE candidates in registers: all of them when they fit, else every stride-th
+    stride = tl.maximum((hi - lo + SAMPLE - 1) // SAMPLE, 1)
+    sid = lo + tl.arange(0, SAMPLE) * stride
+    sin = sid < hi
+    skey = _order_keys(tl.load(row + sid, mask=sin, other=float("-inf")), sin)
+    s_count = tl.sum((skey != 0).to(tl.int32), 0)
+    if stride == 1:
+        # the whole candidate range is in registers: select there
+        k_eff = tl.minimum(s_count, TOP_K)
+        thr, need = _threshold_in_registers(skey, k_eff)
+        thr = tl.where(k_eff > 0, thr, 0xFFFFFFFF)
+        _, n_out = _emit(out, skey, sid, thr, need, 0, 0)
+    else:
+        # 1. a floor from the sample: its key of rank ~1.25 top_k / stride, so that about
+        # 1.25 top_k ids of the row are at or above it
+        want = tl.minimum((TOP_K * 5 + stride * 4 - 1) // (stride * 4) + 16, s_count)
+        t0, _ = _threshold_in_registers(skey, want)
+        floor = tl.where(want > 0, t0, 1)
+        # 2. one pass over the row: the shortlist of the ids at or above the floor, in id
+        # order (per row: its keys, then its ids, in work)
+        list_keys = work_ptr + b * 2 * N
+        list_ids = list_keys + N
+        offs_blk = tl.arange(0, BLOCK)
+        start0 = (lo // BLOCK) * BLOCK
+        m = tl.full([], 0, tl.int32)
+        count = tl.full([], 0, tl.int32)
+        lmax = tl.full([], 0, tl.uint32)
+        for start in range(start0, hi, BLOCK):
+            m, count, lmax = _shortlist_chunk(row, list_keys, list_ids, start + offs_blk, lo, hi, floor, m, count, lmax)
+        k_eff = tl.minimum(count, TOP_K)
+        # the floor was above the k_eff-th key (an unrepresentative sample, or fewer than
+        # top_k selectable ids): shortlist every selectable id instead
+        redo = m < k_eff
+        floor = tl.where(redo, 1, floor)
+        m = tl.where(redo, 0, m)
+        for start in range(start0, tl.where(redo, hi, start0), BLOCK):
+            m, count, lmax = _shortlist_chunk(row, list_keys, list_ids, start + offs_blk, lo, hi, floor, m, count, lmax)
+        tl.debug_barrier()  # the shortlist is read back by other threads of this program
+        # 3. radix select over the shortlist (its keys lie in [floor, lmax])
+        prefix, known_lo = _shared_bits(floor, lmax)
+        known_lo = tl.where(k_eff > 0, known_lo, 0)
+        need = k_eff
+        offs_lst = tl.arange(0, LIST_BLOCK)
+        for _ in tl.static_range(4):
+            hb = _high_bits(known_lo)
+            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+            hist = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, tl.where(known_lo > 0, m, 0), LIST_BLOCK):
+                offs = start + offs_lst
+                key = tl.load(list_keys + offs, mask=offs < m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                match = (key != 0) & ((key & hb) == (prefix & hb))
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+        # 4. output: the shortlisted ids above the threshold and its first `need` ties
+        thr = tl.where(k_eff > 0, prefix, 0xFFFFFFFF)
+        ties = tl.full([], 0, tl.int32)
+        n_out = tl.full([], 0, tl.int32)
+        for start in range(0, m, LIST_BLOCK):
+            offs = start + offs_lst
+            inl = offs < m
+            key = tl.load(list_keys + offs, mask=inl, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            ids = tl.load(list_ids + offs, mask=inl, other=-1, cache_modifier=".cg")
+            ties, n_out = _emit(out, key, ids, thr, need, ties, n_out)
+    offs_out = tl.arange(0, LIST_BLOCK)
+    for start in range(0, TOP_K, LIST_BLOCK):
+        offs = start + offs_out
+        tl.store(out + offs, tl.full([LIST_BLOCK], -1, tl.int32), mask=(offs >= n_out) & (offs < TOP_K))
+    tl.store(valid_ptr + b, n_out)
+
+
+def topk_select_triton(
+    scores: torch.Tensor,
+    top_k: int,
+    candidate_start: torch.Tensor,
+    candidate_end: torch.Tensor,
+    row_mask: Optional[torch.Tensor] = None,
+    *,
+    sample: int = 4096,
+    block: int = 4096,
+    list_block: int = 2048,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of :func:`topk_select`: one launch, one program per row.
+
+    A row whose candidate range fits in ``sample`` ids is loaded once and selected in
+    registers (radix select on the keys, 8-bit digits below the bits all candidates share).
+    A longer row selects a floor from every ``ceil(range / sample)``-th candidate, keeps the
+    ids at or above it in one pass (about 1.25 ``top_k`` of them; all selectable ids, in a
+    second pass, if the floor was too high), and radix-selects that shortlist.
+    sample / block (ids per chunk of the pass over the row) / list_block (entries per chunk
+    of the shortlist): powers of two >= 256.
+    """
+    _check_select_args(scores, top_k, candidate_start, candidate_end, row_mask)
+    for name, v in (("sample", sample), ("block", block), ("list_block", list_block)):
+        if not isinstance(v, int) or v < 256 or v & (v - 1):
+            raise ValueError(f"{name}={v!r} is invalid: a power of two >= 256")
+    bsz, n = scores.shape
+    dev = scores.device
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    ids = torch.empty(bsz, top_k, dtype=torch.int32, device=dev)
+    valid = torch.empty(bsz, dtype=torch.int32, device=dev)
+    if bsz == 0:
+        return ids, valid
+    # shortlist space (keys, then ids, per row) only for rows longer than the sample
+    work = torch.empty(bsz, 2, n, dtype=torch.int32, device=dev) if n > sample else valid
+    cs, ce = candidate_start.to(dev), candidate_end.to(dev)
+    mask = row_mask.to(dev) if row_mask is not None else valid  # dummy pointer when unused
+    _topk_select_kernel[(bsz,)](
+        scores, cs, ce, mask, ids, valid, work,
+        n, top_k, scores.stride(0), ids.stride(0),
+        HAS_ROW_MASK=row_mask is not None, SAMPLE=sample, BLOCK=block, LIST_BLOCK=list_block, num_warps=num_warps,
+    )
+    return ids, valid
+
+
+def topk_select(
+    scores: torch.Tensor,
+    top_k: int,
+    candidate_start: torch.Tensor,
+    candidate_end: torch.Tensor,
+    row_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top ``top_k`` ids per row among the candidates, in ascending id order.
+
+    scores:          ``[B, N]`` float (any float dtype; compared in float32). ``-inf`` and NaN
+                     are never selected nor counted; ``-0.0`` ties with ``+0.0``.
+    top_k:           int > 0, ids returned per row at most.
+    candidate_start: ``[B]`` int32/int64, candidate_end ``[B]`` int32/int64: the half-open id
+                     range ``[start, end)`` per row, clipped to ``[0, N]``.
+    row_mask:        ``[B] bool`` or None; rows with False select nothing.
+
+    Returns ``(ids [B, top_k] int32`` ascending, ``-1`` after the valid ones,
+    ``valid [B] int32 = min(top_k, selectable ids))``. Among equal scores the lower id is
+    taken. Triton on CUDA (one launch; no host sync, fixed shapes), the torch reference on CPU.
+    """
+    if use_triton(scores):
+        announce_path("topk_select", "triton")
+        return topk_select_triton(scores, top_k, candidate_start, candidate_end, row_mask)
+    announce_path("topk_select", "reference")
+    return topk_select_reference(scores, top_k, candidate_start, candidate_end, row_mask)
+
+
+def as_row_mask(sparse_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``sparse_mask [B]`` as the ``bool`` row mask :func:`topk_select` takes, on ``device``
+    (no launch when it already is one)."""
+    m = sparse_mask if sparse_mask.device == torch.device(device) else sparse_mask.to(device)
+    return m if m.dtype == torch.bool else m != 0
 
 
 def selection_kwargs(
@@ -133,24 +456,24 @@ def selection_kwargs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Validate the keyword arguments the coordinator passes to ``retrieve_topk``.
 
-    Returns ``(seq_lens [B] int64, candidate_start [B] int64, candidate_end [B] int64,
-    top_k int)`` on ``device``; raises ValueError naming a missing or malformed one.
+    Returns ``(seq_lens, candidate_start, candidate_end)``, each ``[B]`` int32 or int64 as
+    given (moved to ``device`` only when elsewhere: the kernels read either dtype, so the
+    decode path needs no conversion launch), and ``top_k`` int; raises ValueError naming a
+    missing or malformed one.
     """
     ts = []
     for name in ("seq_lens", "candidate_start", "candidate_end"):
         t = kwargs.get(name)
-        if not isinstance(t, torch.Tensor) or t.shape != (batch,):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"retrieve_topk needs {name}: a [B={batch}] int tensor, got {got}")
-        ts.append(t)
-    # the same per-step tensors come with every layer: convert once
-    out = _KWARGS_MEMO.get(tuple(ts), (device,), lambda: [t.to(device=device, dtype=torch.long) for t in ts])
+        if not isinstance(t, torch.Tensor) or t.shape != (batch,) or t.dtype not in _INT_DTYPES:
+            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"retrieve_topk needs {name}: a [B={batch}] int32/int64 tensor, got {got}")
+        ts.append(t if t.device == torch.device(device) else t.to(device))
     top_k = kwargs.get("top_k")
     if isinstance(top_k, torch.Tensor) and top_k.numel() == 1:
         top_k = int(top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
         raise ValueError(f"retrieve_topk needs top_k: an integer > 0 (selection units), got {top_k!r}")
-    return out[0], out[1], out[2], top_k
+    return ts[0], ts[1], ts[2], top_k
 
 
 # ----------------------------------------------------------------------------- input guards

@@ -1,0 +1,184 @@
+"""Kernel launches per sparse layer of the built-in selection hooks, on their capture path.
+
+Counted: every aten op that runs a kernel (views, metadata and allocations excluded) plus
+one per Triton launch, while ``simulated_capture`` makes the hooks take the path they
+take inside a CUDA graph. On a CPU the Triton kernels run interpreted (their own aten
+calls, copies to and from the interpreter, are not counted: a GPU launch has none).
+"""
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sparsehi.algorithms.dsa import DSAAlgorithm
+from sparsehi.algorithms.graph_safety import simulated_capture
+from sparsehi.algorithms.quest import QuestAlgorithm
+from sparsehi.config import SparseConfig
+from sparsehi.kernels.quest_score import quest_score
+from sparsehi.kernels.topk import masked_topk
+
+aten = torch.ops.aten
+# no kernel behind these: views, metadata, allocation
+NO_LAUNCH = {aten.view, aten._unsafe_view, aten.slice, aten.select, aten.as_strided, aten.expand, aten.t,
+             aten.unsqueeze, aten.squeeze, aten.detach, aten.alias, aten.empty, aten.empty_strided,
+             aten.permute, aten.transpose, aten.reshape, aten.unbind, aten.split, aten.lift_fresh}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Records the aten ops that launch a kernel, and Triton launches as ``triton:<name>``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: list[str] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket not in NO_LAUNCH:
+            self.launches.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting_launches():
+    """``LaunchCounter`` active, Triton launches counted (and their interpreter's own aten
+    calls not), the hooks on their CUDA-graph capture path."""
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+
+    counter = LaunchCounter()
+    patched = []
+    for cls in (interp.InterpretedFunction, jit.JITFunction):
+        original = cls.run
+
+        def run(self, *args, _original=original, **kwargs):
+            if kwargs.get("warmup"):
+                return _original(self, *args, **kwargs)
+            counter.launches.append(f"triton:{getattr(self, 'fn', self).__name__}")
+            paused, counter.paused = counter.paused, True
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                counter.paused = paused
+
+        cls.run = run
+        patched.append((cls, original))
+    try:
+        with simulated_capture(), counter:
+            yield counter
+    finally:
+        for cls, original in patched:
+            cls.run = original
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def dev(request, monkeypatch):
+    """The device the hooks run on: a GPU natively, or a CPU with the kernels interpreted."""
+    if request.param == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("interpreted Triton kernels need TRITON_INTERPRET=1 (set on machines without CUDA)")
+        monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
+    return torch.device(request.param)
+
+
+def _quest(dev, B=4, ctx=512, ps=16, hq=8, hkv=2, d=32):
+    cfg = SparseConfig(algorithm="quest", page_size=ps, top_k=4 * ps, device_buffer_size=16 * ps)
+    alg = QuestAlgorithm(cfg, dev)
+    reqs = 3
+    alg.initialize_representation_pool(0, 3, reqs, ctx, kv_heads=hkv, head_dim=d, dtype=torch.bfloat16)
+    keys = torch.randn(reqs * ctx, hkv, d, device=dev, dtype=torch.bfloat16)
+    alg.construct_representations(2, torch.arange(reqs, device=dev), torch.full((reqs,), 400, device=dev),
+                                  keys, torch.arange(reqs * ctx, device=dev).view(reqs, ctx))
+    # a CUDA-graph batch: two requests, two padding rows; int32 metadata as the coordinator passes it
+    x = dict(req=torch.tensor([2, 0, -1, -1], device=dev), pos=torch.full((B,), 400, device=dev),
+             new=torch.randn(B, hkv, d, device=dev, dtype=torch.bfloat16),
+             q=torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16),
+             seq=torch.full((B,), 401, device=dev, dtype=torch.int32),
+             cs=torch.ones(B, device=dev, dtype=torch.int32), ce=torch.full((B,), 22, device=dev, dtype=torch.int32),
+             mask=torch.tensor([True, True, False, False], device=dev))
+    return alg, x
+
+
+def _dsa(dev, index_dtype, B=4, ctx=512, h=4, di=32):
+    cfg = SparseConfig(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=256,
+                       sparse_extra_config={"index_head_dim": di, "index_dtype": index_dtype})
+    alg = DSAAlgorithm(cfg, dev)
+    reqs = 3
+    alg.initialize_representation_pool(0, 1, reqs, ctx, kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+    alg.construct_representations(0, torch.arange(reqs, device=dev), torch.full((reqs,), 400, device=dev, dtype=torch.int32),
+                                  torch.zeros(1, 1, 8, device=dev), torch.zeros(reqs, 400, dtype=torch.long, device=dev),
+                                  index_keys=torch.randn(reqs, 400, di, device=dev))
+    x = dict(req=torch.tensor([2, 0, -1, -1], device=dev), pos=torch.full((B,), 400, device=dev),
+             ik=torch.randn(B, di, device=dev, dtype=torch.bfloat16),
+             q=torch.randn(B, h, di, device=dev, dtype=torch.bfloat16), w=torch.rand(B, h, device=dev),
+             seq=torch.full((B,), 401, device=dev, dtype=torch.int32),
+             cs=torch.ones(B, device=dev, dtype=torch.int32), ce=torch.full((B,), 300, device=dev, dtype=torch.int32),
+             mask=torch.tensor([True, True, False, False], device=dev))
+    return alg, x
+
+
+def test_quest_retrieve_is_at_most_three_launches(dev):
+    alg, x = _quest(dev)
+
+    def call():
+        return alg.retrieve_topk(x["q"], 2, x["req"], x["mask"], seq_lens=x["seq"], candidate_start=x["cs"],
+                                 candidate_end=x["ce"], top_k=4)
+
+    call()  # warm-up (a GPU compiles the kernels here)
+    with counting_launches() as c:
+        sel, valid = call()
+    assert len(c.launches) <= 3, c.launches
+    assert c.launches == ["triton:_quest_score_kernel", "triton:_topk_select_kernel"]
+    assert valid.tolist() == [4, 4, 0, 0]
+
+
+def test_quest_update_is_one_launch(dev):
+    alg, x = _quest(dev)
+    alg.update_representations(2, x["req"], x["pos"], x["new"])  # warm-up
+    with counting_launches() as c:
+        alg.update_representations(2, x["req"], x["pos"], x["new"])
+    assert c.launches == ["triton:_quest_update_kernel"]
+
+
+@pytest.mark.parametrize("index_dtype", ["fp8", "bf16"])
+def test_dsa_retrieve_is_at_most_three_launches(dev, index_dtype):
+    alg, x = _dsa(dev, index_dtype)
+
+    def call():
+        return alg.retrieve_topk(x["q"], 0, x["req"], x["mask"], seq_lens=x["seq"], candidate_start=x["cs"],
+                                 candidate_end=x["ce"], top_k=64, weights=x["w"])
+
+    call()  # warm-up
+    with counting_launches() as c:
+        sel, valid = call()
+    assert len(c.launches) <= 3, c.launches
+    assert c.launches == ["triton:_dsa_indexer_kernel", "triton:_topk_select_kernel"]
+    assert valid.tolist() == [64, 64, 0, 0]
+
+
+@pytest.mark.parametrize("index_dtype", ["fp8", "bf16"])
+def test_dsa_update_is_one_launch(dev, index_dtype):
+    alg, x = _dsa(dev, index_dtype)
+    attn_keys = torch.zeros(4, 1, 8, device=x["req"].device)  # not used by dsa
+    alg.update_representations(0, x["req"], x["pos"], attn_keys, index_keys=x["ik"])  # warm-up
+    with counting_launches() as c:
+        alg.update_representations(0, x["req"], x["pos"], attn_keys, index_keys=x["ik"])
+    assert c.launches == ["triton:_dsa_store_kernel"]
+
+
+def test_the_counter_sees_torch_launches(dev):
+    """The earlier selection (score kernel + torch sort over masked scores) counts its
+    torch ops: the counter is not blind to them."""
+    alg, x = _quest(dev)
+    kmin, kmax = alg._kmin[2], alg._kmax[2]
+
+    def old_path():
+        scores = quest_score(x["q"], kmin, kmax, x["req"], x["seq"], page_size=16)
+        return masked_topk(scores, 4, x["cs"], x["ce"], x["mask"])
+
+    old_path()  # warm-up
+    with counting_launches() as c:
+        old_path()
+    assert c.launches[0] == "triton:_quest_score_kernel"
+    assert "aten.sort" in c.launches and len(c.launches) > 6, c.launches
