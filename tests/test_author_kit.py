@@ -239,3 +239,20 @@ def test_examples_is_a_package_importable_by_path():
         assert cls.__name__ == "SinkWindow"
     finally:
         sys.path.remove(str(ROOT))
+
+
+def test_kit_holds_algorithms_to_their_selects_ascending_claim():
+    """An algorithm that says its ids come ascending (so the coordinator skips its sort) but
+    returns them in another order is caught."""
+    from sparsehi.algorithms.oracle import OracleAlgorithm
+
+    class ClaimsAscending(OracleAlgorithm):
+        def retrieve_topk(self, queries, layer_id, req_pool_indices, sparse_mask, **kw):
+            sel, val = super().retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kw)
+            cols = torch.arange(sel.shape[1], device=sel.device)[None, :]
+            rev = torch.where(cols < val[:, None], (val[:, None] - 1 - cols).clamp(min=0), cols)
+            return sel.gather(1, rev.long()), val  # valid ids descending, padding kept
+
+    check_algorithm(OracleAlgorithm, {"sparse_extra_config": {"validate": False}})
+    with pytest.raises(AssertionError, match="selects_ascending is True but"):
+        check_algorithm(ClaimsAscending, {"sparse_extra_config": {"validate": False}})

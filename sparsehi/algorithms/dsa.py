@@ -69,6 +69,7 @@ class DSAAlgorithm(BaseSparseAlgorithm):
     """Token-wise Top-k by the DSA lightning indexer (``page_size`` must be 1)."""
 
     mode = SparseMode.TOKEN_WISE
+    selects_ascending = True  # topk_select returns each row's ids in ascending order
     default_dense_layers: tuple[int, ...] = ()
 
     def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:

@@ -79,6 +79,8 @@ class OracleAlgorithm(BaseSparseAlgorithm):
 
     default_dense_layers: tuple[int, ...] = ()
 
+    selects_ascending = True  # topk_select returns each row's ids in ascending order
+
     def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:
         # The oracle serves both granularities, so its mode follows the config.
         self.mode = SparseMode.TOKEN_WISE if config.page_size == 1 else SparseMode.PAGE_WISE

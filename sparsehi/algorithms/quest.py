@@ -45,6 +45,7 @@ class QuestAlgorithm(BaseSparseAlgorithm):
     """Page-wise Top-k by the Quest bound. ``page_size`` must be a power of two >= 2."""
 
     mode = SparseMode.PAGE_WISE
+    selects_ascending = True  # topk_select returns each row's ids in ascending order
     default_dense_layers: tuple[int, ...] = (0, 1)
 
     def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:

@@ -223,7 +223,7 @@ def check_api(cls: type) -> None:
 
 def check_result(name: str, where: str, out: Any, top_k: int, candidate_start: torch.Tensor,
                  candidate_end: torch.Tensor, sparse_mask: torch.Tensor,
-                 req_pool_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 req_pool_indices: torch.Tensor, ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``retrieve_topk`` result against the contract; returns ``(selected, valid)``.
 
     On top of :func:`~sparsehi.algorithms.base.check_selection`: two torch tensors, padding
@@ -257,6 +257,12 @@ def check_result(name: str, where: str, out: Any, top_k: int, candidate_start: t
                     f"returned valid_lengths {valid[padding].tolist()}, ids {sel[padding].tolist()}: padding rows "
                     "must get valid_lengths == 0 "
                     "and all -1 ids, whatever their sparse_mask, seq_lens and candidates")
+    if ascending:  # the algorithm declares selects_ascending: the coordinator skips its sort
+        cols_v = cols < valid.long()[:, None]
+        nxt = torch.cat([sel[:, 1:], torch.full_like(sel[:, :1], torch.iinfo(torch.int32).max)], 1)
+        if bool((cols_v & (cols + 1 < valid.long()[:, None]) & (sel >= nxt)).any()):
+            _fail(name, f"{where}: selects_ascending is True but a row's ids are not in ascending order "
+                        "(the coordinator relies on it and skips its sort)")
     return sel, valid
 
 
@@ -292,6 +298,7 @@ class _Case:
         self.config, self.dev, self.inputs = config, dev, inputs
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.sparse_layers = sparse_layers
+        self.ascending = False  # the algorithm's selects_ascending claim, checked on every result
         ps = self.ps = config.page_size
         self.k_units = config.top_k_units
         gen = torch.Generator().manual_seed(seed)
@@ -433,7 +440,7 @@ class _Case:
     def checked(self, name: str, where: str, outs: list[Any], x: dict[str, torch.Tensor]):
         """Every layer's result of :meth:`call_retrieve` through :func:`check_result`."""
         return {layer: check_result(name, f"layer {layer} ({where})", out, self.k_units, x["cs"], x["ce"], x["mask"],
-                                    x["req"])
+                                    x["req"], ascending=self.ascending)
                 for layer, out in zip(self.sparse_layers, outs)}
 
 
@@ -649,6 +656,7 @@ def check_algorithm(
                  context_len=context_len, decode_steps=decode_steps, needles_per_row=needles_per_row,
                  sparse_layers=sparse_layers, seed=seed)
     alg = case.make(cls, name, algorithm_kwargs)
+    case.ascending = bool(getattr(alg, "selects_ascending", False))
     k_units = case.k_units
     report = AlgorithmReport(algorithm=name, mode=alg.mode.value, page_size=case.ps, top_k_units=k_units,
                              top_k_tokens=config.top_k)
