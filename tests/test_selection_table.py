@@ -10,7 +10,7 @@ from sparsehi.kernels.selection_table import selection_table_reference, selectio
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(seed: int, hier: bool, B=6, K=5, sink=2, R=3, ps=4, M=40, rows_total=8):
+def _case(seed: int, hier: bool, B=6, K=5, sink=2, R=3, ps=4, M=40, rows_total=8):  # noqa: N803
     g = torch.Generator().manual_seed(seed)
     P = torch.tensor([0, 1, 3, 6, 12, 30][:B])  # padding row, P < sink, P < sink + R, up to sparse
     seq = torch.where(P > 0, (P - 1) * ps + 1 + torch.randint(0, ps, (B,), generator=g), 0)
@@ -110,3 +110,28 @@ def test_bad_tables_are_rejected():
         selection_table_reference(*args, **{**kw, "ring_table": None})
     with pytest.raises(ValueError, match="topk_phys"):
         selection_table_reference(*args, **{**kw, "topk_phys": kw["topk_phys"][:, :2]})
+
+
+def test_triton_matches_reference_over_several_column_blocks():
+    """A table wider than one program's block (sink + top_k + recent > 512 columns)."""
+    g = torch.Generator().manual_seed(5)
+    B, K, sink, R, ps, M = 3, 600, 2, 3, 1, 1200
+    P = torch.tensor([0, 700, 1100], dtype=torch.int32)
+    seq = P.clone()
+    rows = torch.tensor([1, 0, 2])
+    topk = torch.full((B, K), -1, dtype=torch.int32)
+    valid = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n_sink = min(int(P[b]), sink)
+        rs = max(n_sink, int(P[b]) - R)
+        ids = sorted((torch.randperm(rs - n_sink, generator=g)[: min(K, rs - n_sink)] + n_sink).tolist())
+        topk[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        valid[b] = len(ids)
+    own = torch.randint(1, 1000, (3, M), generator=g, dtype=torch.int32)
+    args = tuple(a.to(DEV) for a in (topk, valid, P, seq, rows))
+    kw = dict(sink=sink, recent=R, page_size=ps, own_table=own.to(DEV))
+    ref = selection_table_reference(*args, **kw)
+    got = selection_table_triton(*args, **kw)
+    for name in ("logical", "physical", "page_table", "num_valid", "attended"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert int(ref.num_valid[2]) == sink + K + R  # the widest row fills every column block

@@ -126,7 +126,9 @@ def _selection_table_kernel(
     K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, HIER: tl.constexpr, HAS_TPHYS: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
+    # grid (row, column block): the row's scalars are recomputed by each block
     b = tl.program_id(0).to(tl.int64)
+    cb = tl.program_id(1)
     P = tl.load(npages_ptr + b).to(tl.int32)
     n_sink = tl.minimum(P, SINK)
     rs = tl.maximum(n_sink, P - RECENT)
@@ -134,7 +136,7 @@ def _selection_table_kernel(
     v = tl.minimum(tl.maximum(tl.load(valid_ptr + b), 0), K)
     row = tl.load(rows_ptr + b).to(tl.int64)
     nv = n_sink + v + n_rec
-    j = tl.arange(0, BLOCK_W)
+    j = cb * BLOCK_W + tl.arange(0, BLOCK_W)
     jm = j < W
     in_sink = j < n_sink
     in_top = (j >= n_sink) & (j < n_sink + v)
@@ -162,11 +164,15 @@ def _selection_table_kernel(
     tl.store(lid_out + b * stride_out + j, lid, mask=jm)
     tl.store(phys_out + b * stride_out + j, phys, mask=jm)
     tl.store(pt_out + b * stride_out + j, tl.where(ok, phys, 0), mask=jm)
-    last = tl.maximum(nv - 1, 0)
-    last_lid = tl.sum(tl.where(j == last, lid, 0), axis=0)
-    tail = tl.minimum(tl.maximum(tl.load(seq_ptr + b) - last_lid * PAGE, 0), PAGE)
-    tl.store(nv_out + b, nv)
-    tl.store(att_out + b, tl.where(nv > 0, last * PAGE + tail, 0))
+    if cb == 0:
+        # the last attended id: the recent window's last page, else the last selected id,
+        # else the last sink page
+        last = tl.maximum(nv - 1, 0)
+        last_top = tl.load(topk_ptr + b * stride_topk + tl.maximum(v - 1, 0))
+        last_lid = tl.where(n_rec > 0, P - 1, tl.where(v > 0, last_top, n_sink - 1))
+        tail = tl.minimum(tl.maximum(tl.load(seq_ptr + b) - last_lid * PAGE, 0), PAGE)
+        tl.store(nv_out + b, nv)
+        tl.store(att_out + b, tl.where(nv > 0, last * PAGE + tail, 0))
 
 
 def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,
@@ -187,7 +193,8 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
     hier = sink_table is not None
     dummy = topk
     own = own_table if own_table is not None else dummy
-    _selection_table_kernel[(b,)](
+    block_w = min(512, triton.next_power_of_2(w))
+    _selection_table_kernel[(b, triton.cdiv(w, block_w))](
         topk, valid, num_pages, seq_lens, rows,
         own, sink_table if hier else dummy, ring_table if hier else dummy, topk_phys if topk_phys is not None else dummy,
         slot_table if slot_table is not None else dummy,
@@ -196,7 +203,7 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
         topk_phys.stride(0) if topk_phys is not None else 0, slot_table.stride(0) if slot_table is not None else 0,
         out.logical.stride(0), own.shape[1] if own_table is not None else 1,
         slot_table.shape[1] if slot_table is not None else 1,
-        K=k, SINK=sink, RECENT=recent, PAGE=page_size, W=w, BLOCK_W=triton.next_power_of_2(w),
+        K=k, SINK=sink, RECENT=recent, PAGE=page_size, W=w, BLOCK_W=block_w,
         HIER=hier, HAS_TPHYS=topk_phys is not None, HAS_SLOTS=slot_table is not None, num_warps=4,
     )
     return out
