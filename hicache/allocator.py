@@ -49,8 +49,10 @@ class PagedSlotAllocator:
     def num_free_pages(self) -> int:
         return int(self._free_list.numel())
 
-    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
-        """``int64 [num_pages]`` page ids, or None when fewer pages are free."""
+    def alloc_pages(self, num_pages: int, on_host: bool = False) -> torch.Tensor | None:
+        """``int64 [num_pages]`` page ids (on the allocator's device, or on the CPU with
+        ``on_host``: no device copy for callers that only record them), or None when fewer
+        pages are free."""
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
             raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
         if num_pages > self._free_list.numel():
@@ -58,7 +60,7 @@ class PagedSlotAllocator:
         pages = self._free_list[:num_pages]
         self._free_list = self._free_list[num_pages:]
         self._is_free[pages] = False
-        return pages.clone().to(self.device)
+        return pages.clone() if on_host else pages.clone().to(self.device)
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """``int64 [ceil(num_tokens / page_size) * page_size]`` slots of whole pages, or None."""

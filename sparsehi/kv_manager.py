@@ -356,25 +356,27 @@ class SparseKVCacheManager:
 
     def _open_pages(self, rows: np.ndarray, pages: np.ndarray) -> None:
         """Pages for logical page ``pages[i]`` of ``rows[i]``: all taken before any table
-        changes, so running out of one pool leaves the manager as it was."""
+        changes, so running out of one pool leaves the manager as it was. The device tables
+        are updated from one host->device copy of every new entry."""
         n = rows.size
+        t = self.table
+        dev_mask = np.ones(n, dtype=bool) if not self.hier else t.dense[rows]
+        n_dev = int(dev_mask.sum())
         got: list[tuple] = []  # (allocator, pages) to give back on failure
         try:
-            dev_rows = rows if not self.hier else rows[self.table.dense[rows]]
-            new_dev = None
-            if dev_rows.size:
-                new_dev = self.device_pool.allocator.alloc_pages(int(dev_rows.size))
+            new_dev = new_host = new_dense = None
+            if n_dev:
+                new_dev = self.device_pool.allocator.alloc_pages(n_dev, on_host=True)
                 if new_dev is None:
-                    raise RuntimeError(f"device pool is out of space for {dev_rows.size} new decode pages")
+                    raise RuntimeError(f"device pool is out of space for {n_dev} new decode pages")
                 got.append((self.device_pool.allocator, new_dev))
-            new_host = new_dense = None
             if self.hier:
-                new_host = self.host_pool.allocator.alloc_pages(n)
+                new_host = self.host_pool.allocator.alloc_pages(n, on_host=True)
                 if new_host is None:
                     raise RuntimeError(f"host pool is out of space for {n} new decode pages")
                 got.append((self.host_pool.allocator, new_host))
                 if self.dense_pool is not None:
-                    new_dense = self.dense_pool.allocator.alloc_pages(n)
+                    new_dense = self.dense_pool.allocator.alloc_pages(n, on_host=True)
                     if new_dense is None:
                         raise RuntimeError(f"dense-layer pool is out of space for {n} new decode pages")
                     got.append((self.dense_pool.allocator, new_dense))
@@ -382,23 +384,29 @@ class SparseKVCacheManager:
             for alloc, p in got:
                 alloc.free_pages(p)
             raise
-        t, dev = self.table, self.device
-        ri = torch.from_numpy(rows).to(dev)
-        pi = torch.from_numpy(pages).to(dev)
-        if new_dev is not None:
-            dpages = new_dev.cpu()
-            dmask = np.isin(rows, dev_rows) if self.hier else np.ones(n, dtype=bool)
-            t.device[rows[dmask], pages[dmask]] = dpages.numpy()
-            sel = torch.from_numpy(np.flatnonzero(dmask)).to(dev)
-            self.page_table[ri[sel], pi[sel]] = dpages.to(dev, torch.int32)
+        # host tables, then one packed copy: [rows, pages, host, dense | dev rows, dev pages, dev ids]
+        parts = [rows, pages]
         if new_host is not None:
-            hp = new_host.cpu()
-            t.host[rows, pages] = hp.numpy()
-            self.host_page_table[ri, pi] = hp.to(dev)
+            t.host[rows, pages] = new_host.numpy()
+            parts.append(new_host.numpy())
         if new_dense is not None:
-            dp = new_dense.cpu()
-            t.dense_pool[rows, pages] = dp.numpy()
-            self.dense_pool_table[ri, pi] = dp.to(dev, torch.int32)
+            t.dense_pool[rows, pages] = new_dense.numpy()
+            parts.append(new_dense.numpy())
+        if new_dev is not None:
+            t.device[rows[dev_mask], pages[dev_mask]] = new_dev.numpy()
+            parts += [rows[dev_mask], pages[dev_mask], new_dev.numpy()]
+        packed = torch.from_numpy(np.concatenate(parts)).to(self.device)
+        ri, pi = packed[:n], packed[n:2 * n]
+        at = 2 * n
+        if new_host is not None:
+            self.host_page_table[ri, pi] = packed[at:at + n]
+            at += n
+        if new_dense is not None:
+            self.dense_pool_table[ri, pi] = packed[at:at + n].to(torch.int32)
+            at += n
+        if new_dev is not None:
+            dr, dp, dv = packed[at:at + n_dev], packed[at + n_dev:at + 2 * n_dev], packed[at + 2 * n_dev:]
+            self.page_table[dr, dp] = dv.to(torch.int32)
 
     # ------------------------------------------------------------------ decode: device part
     def begin_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, has_dense_rows: bool = False,

@@ -370,3 +370,22 @@ def test_end_request_waits_for_device_to_host_writes(monkeypatch):
     events.append("returned")
     assert events == ["sync", "returned"]
     assert out.host_slots.shape == (13,)
+
+
+def test_decode_page_allocation_out_of_space_changes_nothing():
+    """A row that opens a page when a pool is full: RuntimeError, every page taken for the
+    batch given back, no table, length or step counter moved; after freeing space it works."""
+    mgr = make_manager(layers_sparse=(1,), dense_pool_tokens=2 * 64)  # layer 0 dense: three pools take pages
+    truth = Truth(2, seed=11)
+    prefill(mgr, truth, [0, 1], [20, 24])  # both open a page at the next token (page size 2)
+    hog = mgr.host_pool.alloc(mgr.host_pool.available_size() - mgr.ps)  # room for one page only
+    before = (_free_counts(mgr), mgr.step, mgr.host_page_table.clone(), mgr.dense_pool_table.clone(),
+              [mgr.reqs[r].seq_len for r in (0, 1)])
+    with pytest.raises(RuntimeError, match="host pool is out of space"):
+        mgr.begin_decode([0, 1], [21, 25], torch.tensor([21, 25], dtype=torch.int32))
+    after = (_free_counts(mgr), mgr.step, mgr.host_page_table, mgr.dense_pool_table, [mgr.reqs[r].seq_len for r in (0, 1)])
+    assert before[0] == after[0] and before[1] == after[1] and before[4] == after[4]
+    assert torch.equal(before[2], after[2]) and torch.equal(before[3], after[3])
+    mgr.host_pool.free(hog)
+    step = decode_step(mgr, truth, [0, 1], [21, 25])
+    assert int(step.num_pages[0]) == 11 and mgr.reqs[0].host_pages[10] >= 1
