@@ -352,7 +352,11 @@ class SparseKVCacheManager:
         t.seq[r] = s
         self.step += 1
         self.step_t.fill_(self.step)
-        return bool(t.dense[r].any())
+        return self.has_dense_rows(r)
+
+    def has_dense_rows(self, rows: Sequence[int]) -> bool:
+        """Whether any of ``rows`` decodes densely (what ``prepare_decode`` returns; no effect)."""
+        return bool(self.table.dense[np.asarray(rows, dtype=np.int64)].any())
 
     def _open_pages(self, rows: np.ndarray, pages: np.ndarray) -> None:
         """Pages for logical page ``pages[i]`` of ``rows[i]``: all taken before any table

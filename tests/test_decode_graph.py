@@ -141,3 +141,20 @@ def test_reset_stats_keeps_counting_after_capture():
         runner.decode_step(reqs)
     st = runner.backend.coord.stats()
     assert st["steps"] == 5 and st["hits"] + st["misses"] > 0 and len(st["per_step"]) == 5
+
+
+@pytest.mark.gpu
+def test_generate_captures_before_timing(monkeypatch):
+    """generate() captures the step's graph before its timed decode loop: no step of the
+    loop captures (a capture is seconds of eager warm-up and recording)."""
+    sc = SparseConfig(min_sparse_prompt_len=0, **GQA)
+    prompts = _prompts((300, 333))
+    runner = _runner("tiny-gqa", "sparse-hier", sc, prompts, True)
+    captures = []
+    real = runner.graphs._capture
+    monkeypatch.setattr(runner.graphs, "_capture", lambda nb, v: captures.append(runner.backend.decode_variant([])) or real(nb, v))
+    real_step = runner.decode_step
+    in_loop = []
+    monkeypatch.setattr(runner, "decode_step", lambda reqs, feed=None: in_loop.append(len(captures)) or real_step(reqs, feed))
+    runner.generate(prompts, 5)
+    assert len(captures) == 1 and in_loop == [1] * 5

@@ -164,6 +164,11 @@ class ModeBackend:
         variant: a hashable fact the device part's shapes depend on (None for most modes)."""
         raise NotImplementedError
 
+    def decode_variant(self, reqs: list[Request]) -> Hashable:
+        """What ``prepare_decode`` would return for ``reqs``, without doing anything (the
+        runner captures the step's graph before it times decode steps)."""
+        return None
+
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor,
                       variant: Hashable) -> tuple[Callable, Callable[[], dict]]:
         """Device part (CUDA-graph safe: no host sync, fixed shapes): from ``rows [B] int64``

@@ -136,6 +136,16 @@ class DecodeGraphRunner:
         graph.replay()
         return self.inputs.next_tokens[:nb], out
 
+    def warm(self, batch: int, variant: Hashable = None) -> None:
+        """Capture the graph ``run`` will replay for a batch of ``batch`` rows and this
+        variant now (as SGLang captures at start-up): capture is seconds of work that must
+        not land in a timed decode step. A no-op when graphs are off or already captured."""
+        if not self.enabled:
+            return
+        key = (self.bucket(batch), variant)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+
     def _capture(self, nb: int, variant: Hashable) -> tuple[torch.cuda.CUDAGraph, dict]:
         self.inputs.fill_padding(nb)
         torch.cuda.synchronize(self.device)

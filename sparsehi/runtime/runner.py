@@ -158,6 +158,8 @@ class ModelRunner:
             self.prefill(r)
             if progress:
                 progress("prefill", 1)
+        if decode_steps:
+            self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
         _sync(be.device)
         t1 = time.perf_counter()
         for t in range(decode_steps):

@@ -200,6 +200,9 @@ class CoordinatorBackend(ModeBackend):
         has_dense = self.coord.prepare_decode([r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs])
         return has_dense, frozenset(self.record_layers)
 
+    def decode_variant(self, reqs: list[Request]) -> Hashable:
+        return self.coord.manager.has_dense_rows([r.req_pool_idx for r in reqs]), frozenset(self.record_layers)
+
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         has_dense, record = variant
         batch = ForwardBatch.decode(rows, seq_lens, prepared=True, has_dense_rows=has_dense)
