@@ -94,6 +94,7 @@ class ModelRunner:
         req.output.append(tok)
         return tok
 
+    @torch.no_grad()
     def _decode_body(self, inputs: DecodeInputs, nb: int, variant: Hashable) -> dict:
         """The device part of a decode step over ``nb`` (padded) rows: what a graph holds."""
         rows = inputs.req_pool_indices[:nb]
@@ -136,6 +137,7 @@ class ModelRunner:
             self._next_rid += 1
         return out
 
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], decode_steps: int,
                  progress: Optional[Callable[[str, int], None]] = None,
                  force_tokens: Optional[list[list[int]]] = None) -> GenerationResult:
