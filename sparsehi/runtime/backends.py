@@ -183,6 +183,14 @@ class ModeBackend:
             r.seq_len += 1
         self.sample_memory()
 
+    def _pages_opened(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, logical pages)`` ``int64`` of the requests whose next token opens a page."""
+        ps = self.rt.page_size
+        pos = np.fromiter((r.seq_len for r in reqs), dtype=np.int64, count=len(reqs))
+        opens = pos % ps == 0
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
+        return rows[opens], pos[opens] // ps
+
     def _check_decode_lengths(self, reqs: list[Request]) -> None:
         long = [r for r in reqs if r.seq_len >= self.rt.max_context_len]
         if long:
@@ -236,17 +244,13 @@ class DenseBackend(ModeBackend):
         """A page for every row whose new token opens one (one allocation for the batch)."""
         self._check_decode_lengths(reqs)
         ps = self.rt.page_size
-        pos = np.array([r.seq_len for r in reqs], dtype=np.int64)
-        rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
-        opens = pos % ps == 0
-        if opens.any():
-            n = int(opens.sum())
-            pages = self.pool.allocator.alloc_pages(n)
+        r, p = self._pages_opened(reqs)
+        if r.size:
+            pages = self.pool.allocator.alloc_pages(int(r.size), on_host=True)
             if pages is None:
                 raise ValueError(f"device KV pool is full ({self.pool.num_slots} slots): raise device_kv_tokens "
                                  f"or lower the batch / context")
-            r, p = rows[opens], pos[opens] // ps
-            self._decode_pages[r, p] = pages.cpu().numpy()
+            self._decode_pages[r, p] = pages.numpy()
             slots = pages.to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
             cols = torch.from_numpy(p).to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
             self.req_pool.req_to_token[torch.from_numpy(r).to(self.device)[:, None], cols] = slots

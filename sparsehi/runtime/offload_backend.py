@@ -78,17 +78,11 @@ class OffloadFullBackend(ModeBackend):
     def prepare_decode(self, reqs: list[Request]) -> Hashable:
         """A host page for every row whose new token opens one (one allocation)."""
         self._check_decode_lengths(reqs)
-        ps = self.rt.page_size
-        pos = np.array([r.seq_len for r in reqs], dtype=np.int64)
-        opens = pos % ps == 0
-        if opens.any():
-            n = int(opens.sum())
-            pages = self.host.allocator.alloc_pages(n)
+        rows, p = self._pages_opened(reqs)
+        if rows.size:
+            pages = self.host.allocator.alloc_pages(int(rows.size), on_host=True)
             if pages is None:
                 raise ValueError("host KV pool is full: raise host_kv_tokens")
-            rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)[opens]
-            p = pos[opens] // ps
-            pages = pages.cpu()
             self._host_pages[rows, p] = pages.numpy()
             self.host_page_table[torch.from_numpy(rows).to(self.device), torch.from_numpy(p).to(self.device)] = \
                 pages.to(self.device)
