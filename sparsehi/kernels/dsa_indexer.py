@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, interpreter_enabled, use_triton
+from sparsehi.kernels.store_rounding import as_stored
 
 FP8_E4M3_MAX = 448.0
 
@@ -296,19 +297,6 @@ FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
-def _as_stored(x, dtype: tl.constexpr):
-    """``x`` (float32) rounded to ``dtype`` (the value a store keeps), as float32. bf16 is
-    rounded to nearest even by hand: the CPU interpreter truncates on that conversion,
-    GPUs round, and both must store what torch's ``.to(bfloat16)`` stores."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _dsa_store_kernel(
     keys_ptr, scales_ptr, indexed_ptr, req_ptr, pos_ptr, k_ptr,
     R, T, D, stride_e, stride_kb,
@@ -330,7 +318,7 @@ def _dsa_store_kernel(
         tl.store(keys_ptr + entry * stride_e + offs, qk.to(keys_ptr.dtype.element_ty), mask=m)
         tl.store(scales_ptr + entry, scale, mask=ok)
     else:
-        tl.store(keys_ptr + entry * stride_e + offs, _as_stored(k, keys_ptr.dtype.element_ty).to(keys_ptr.dtype.element_ty),
+        tl.store(keys_ptr + entry * stride_e + offs, as_stored(k, keys_ptr.dtype.element_ty).to(keys_ptr.dtype.element_ty),
                  mask=m)
     tl.atomic_max(indexed_ptr + tl.where(ok, req, 0), (pos + 1).to(indexed_ptr.dtype.element_ty), mask=ok)
 

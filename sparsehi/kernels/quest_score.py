@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
+from sparsehi.kernels.store_rounding import as_stored
 
 HEAD_REDUCE = ("max", "sum")
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -253,19 +254,6 @@ def quest_update_bounds_reference(
 
 
 @triton.jit
-def _as_stored(x, dtype: tl.constexpr):
-    """``x`` (float32) rounded to ``dtype`` (the value a store keeps), as float32. bf16 is
-    rounded to nearest even by hand: the CPU interpreter truncates on that conversion,
-    GPUs round, and both must store what torch's ``.to(bfloat16)`` stores."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _quest_update_kernel(
     kmin_ptr, kmax_ptr, req_ptr, pos_ptr, k_ptr,
     R, P, PAGE_SIZE, HD, D,
@@ -281,7 +269,7 @@ def _quest_update_kernel(
     offs = tl.arange(0, BLOCK)
     m = offs < tl.where(ok, HD, 0)  # padding / out-of-range rows: nothing
     k = tl.load(k_ptr + b * stride_kb + (offs // D) * stride_kh + offs % D, mask=m, other=0.0)
-    k = _as_stored(k.to(tl.float32), kmin_ptr.dtype.element_ty)  # rounded to the pools' dtype first, as torch does
+    k = as_stored(k.to(tl.float32), kmin_ptr.dtype.element_ty)  # rounded to the pools' dtype first, as torch does
     at = entry * stride_e + offs
     # a page's first token does not read the old bounds
     fold = offs < tl.where(ok & ((pos % PAGE_SIZE) != 0), HD, 0)
