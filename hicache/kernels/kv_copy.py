@@ -119,6 +119,27 @@ def _pick_word(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int) -> tuple[
     return 1, torch.uint8
 
 
+@dataclass(frozen=True)
+class WordRows:
+    """Both views as integer words and the row geometry a copy kernel walks: ``nseg`` head
+    segments per (layer, buffer), ``chunk`` words per row, ``width`` bytes per word."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    nseg: int
+    chunk: int
+    width: int
+
+
+def word_rows(src: torch.Tensor, dst: torch.Tensor) -> WordRows:
+    """The widest word views of ``src`` / ``dst`` and their row geometry (heads move as one
+    row when both sides keep them adjacent; ``page_head`` splits them)."""
+    nseg, row_len = row_segments(src, dst)
+    chunk_bytes = row_len * src.element_size()
+    width, wdtype = _pick_word(src, dst, chunk_bytes)
+    return WordRows(_word_view(src, width, wdtype), _word_view(dst, width, wdtype), nseg, chunk_bytes // width, width)
+
+
 def _default_config(chunk_words: int, word_bytes: int) -> KVCopyConfig:
     block_c = triton.next_power_of_2(chunk_words)
     # ~32 KiB per program keeps enough PCIe reads in flight per SM.
@@ -152,12 +173,8 @@ def kv_copy_triton(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor
     if n == 0:
         return
     nbuf = src.shape[3]
-    # Heads are copied as one row when both sides keep them adjacent; page_head splits them.
-    nseg, row_len = row_segments(src, dst)
-    chunk_bytes = row_len * src.element_size()
-    width, wdtype = _pick_word(src, dst, chunk_bytes)
-    ws, wd = _word_view(src, width, wdtype), _word_view(dst, width, wdtype)
-    chunk = chunk_bytes // width
+    wr = word_rows(src, dst)
+    ws, wd, nseg, chunk, width = wr.src, wr.dst, wr.nseg, wr.chunk, wr.width
     cfg = _default_config(chunk, width)
     if config is not None:
         cfg = KVCopyConfig(*(getattr(config, f) if getattr(config, f) is not None else getattr(cfg, f)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.kernels.kv_copy import _pick_word, _word_view, kv_copy_reference, row_segments
+from hicache.kernels.kv_copy import kv_copy_reference, word_rows
 from hicache.triton_support import announce_path, use_triton
 
 
@@ -122,14 +122,11 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
         return
     ps = page_size
     nbuf = src.shape[3]
-    nseg, row_len = row_segments(src, dst)
-    chunk_bytes = row_len * src.element_size()
-    width, wdtype = _pick_word(src, dst, chunk_bytes)
-    ws, wd = _word_view(src, width, wdtype), _word_view(dst, width, wdtype)
-    chunk = chunk_bytes // width
+    wr = word_rows(src, dst)
+    ws, wd, nseg, chunk = wr.src, wr.dst, wr.nseg, wr.chunk
     seg = _piece_words(chunk)
     parts = chunk // seg
-    misses = max(1, block_bytes // (chunk_bytes * ps))
+    misses = max(1, block_bytes // (chunk * wr.width * ps))
     tile = triton.next_power_of_2(misses * ps * parts)
     ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
     li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
