@@ -45,7 +45,6 @@ Beyond SGLang, the sparse runtime inserts a request whose KV it already offloade
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ import torch
 
 from hicache.config import write_through_threshold
 from hicache.hicache_stats import HiCacheStats
+from hicache.storage.keys import page_hash_chain
 from hicache import tp_sync
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -338,18 +338,13 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ hashes (L3 keys)
     def page_hashes(self, node: TreeNode) -> list[str]:
-        """Hash chain keys of ``node``'s pages: each covers the page and its whole prefix."""
+        """Hash chain keys of ``node``'s pages (``hicache.storage.keys``): each covers the
+        page and its whole prefix."""
         if node is self.root:
             return []
         if node.hash_keys is None:
             prev = self.page_hashes(node.parent)
-            h = prev[-1] if prev else ""
-            out = []
-            for i in range(0, len(node.key), self.page_size):
-                page = node.key[i:i + self.page_size]
-                h = hashlib.sha256((h + ",".join(map(str, page))).encode()).hexdigest()
-                out.append(h)
-            node.hash_keys = out
+            node.hash_keys = page_hash_chain(node.key, self.page_size, prev[-1] if prev else "")
         return node.hash_keys
 
     # ------------------------------------------------------------------ locks

@@ -1,0 +1,1 @@
+"""The L3 storage tier: backends below the pinned host pool (see ``base.HiCacheStorage``)."""
