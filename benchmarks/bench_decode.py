@@ -311,17 +311,21 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
         be.coord.reset_stats()
         be.recorded.clear()
     _sync(device)
-    host_ms = []
+    host_ms, host_splits = [], []
     t0 = time.perf_counter()
     for _ in range(timed):
         runner.decode_step(reqs)
         host_ms.append(runner.last_host_ms)
+        host_splits.append(runner.last_host_split)
     _sync(device)
+    worst = max(range(len(host_ms)), key=host_ms.__getitem__)
     dt = time.perf_counter() - t0
     row: dict[str, Any] = {"mode": mode, "context": ctx, "batch": batch, "tokens_per_s": batch * timed / dt,
                            "step_ms": 1e3 * dt / timed, "hit_rate": None, "topk_overlap": None,
                            "graphs": runner.graphs.enabled, "host_ms_per_step": sum(host_ms) / len(host_ms),
-                           "host_ms_per_step_max": max(host_ms)}
+                           "host_ms_per_step_max": max(host_ms),
+                           "host_ms_split_of_max": {k: round(v, 3) for k, v in host_splits[worst].items()},
+                           "host_ms_max_at_seq_len": reqs[0].seq_len - (timed - 1 - worst)}
     if hasattr(be, "coord"):
         be.record_layers = frozenset()
         if mode == "sparse-hier":

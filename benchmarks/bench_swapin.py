@@ -2,15 +2,17 @@
 
 What is timed: one sparse layer's way from a Top-k selection ``[B, K] int32`` (ascending ids,
 -1 padded) to a ready attention input, as ``SparseCoordinator._sparse_selection`` makes it
-in hierarchical mode: ``SparseKVCacheManager.begin_step`` (the step's tables),
-``SparseKVCacheManager.swap_in`` (LRU diff + copy of the misses from the pinned host pool,
-two launches) and ``selection_table`` (the page table / token indices of sink, selected
-and recent ids, one launch; at page size 1 its physical ids are the token indices the DSA
-adaptor hands to attention), captured in one CUDA graph. Each step runs
-``prepare_decode`` on the host first (outside the graph, as the runtime does), then the
-replay; the GPU time is taken with CUDA events around the replay, with a spin kernel queued
-ahead of the first event so that the interval holds GPU time only (not the host's submit).
-``us`` is the median over the timed steps.
+in hierarchical mode: ``SparseKVCacheManager.swap_in`` (LRU diff + copy of the misses from
+the pinned host pool, two launches) and ``selection_table`` (the page table / token indices
+of sink, selected and recent ids, one launch; at page size 1 its physical ids are the token
+indices the DSA adaptor hands to attention), captured in one CUDA graph. The step's shared
+tables (``SparseKVCacheManager.begin_step``: write locations, page counts; once per decode
+step for all layers, not per layer) are captured in a graph of their own, replayed just
+before and timed apart: ``step_setup_us``. Each step runs ``prepare_decode`` on the host
+first (outside the graphs, as the runtime does), then the replays; the GPU time is taken
+with CUDA events around the replay, with a spin kernel queued ahead of the first event so
+that the interval holds GPU time only (not the host's submit). ``us`` is the median over
+the timed steps.
 
 The manager is real: a DeviceKVPool and a pinned HostKVPool (the library's allocation:
 registered, huge-page advised host memory), one layer, requests opened with
@@ -40,7 +42,9 @@ with the same spin ahead when capture fails). Absent, ``hisparse_us`` is null.
 Targets: MLA rows ``us <= min(hisparse_us, 1.15 * io_limit_us + 15)``, MHA rows
 ``us <= 1.15 * io_limit_us + 15``. Every row also gets the split: the LRU diff, the copy and
 the selection table each in a graph of its own (``begin_step`` in a fourth, untimed),
-replayed on further steps of the same trace; a missed target names its largest term.
+replayed on further steps of the same trace; a missed target names its largest term. The
+copy is also timed at each of ``--copy-blocks`` block sizes (bytes of rows per program) on
+the same misses: ``copy_block_us``.
 
 Usage: ``PYTHONPATH=. python benchmarks/bench_swapin.py`` on a GPU (HiSparse: see
 ``../shared/anchor/README.md``); ``--quick`` runs tiny sizes eagerly (CPU: torch
@@ -69,7 +73,7 @@ from hicache.kv_spec import KVCacheSpec  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff  # noqa: E402
 from sparsehi.kernels.selection_table import SelectionTable, selection_table  # noqa: E402
-from sparsehi.kernels.swap_in_copy import swap_in_copy  # noqa: E402
+from sparsehi.kernels.swap_in_copy import DEFAULT_BLOCK_BYTES, swap_in_copy  # noqa: E402
 from sparsehi.kv_manager import SparseKVCacheManager  # noqa: E402
 
 LAYER = 0  # the one (sparse) layer of the pools
@@ -311,7 +315,8 @@ def _sync(device: torch.device) -> None:
 class SwapInStep:
     """One sparse layer's decode-step swap-in, as the runtime issues it: static inputs
     (rows ``[B] int64``, lengths ``[B] int32``, Top-k ``[B, K] int32``, valid ``[B] int32``),
-    ``body`` = begin_step + swap_in + selection_table."""
+    ``begin`` = begin_step (once per step), ``layer`` = swap_in + selection_table (per
+    sparse layer), ``body`` = both."""
 
     def __init__(self, mgr: SparseKVCacheManager, batch: int, k_units: int, context: int) -> None:
         dev = mgr.device
@@ -337,10 +342,16 @@ class SwapInStep:
                                recent=m.R, page_size=m.ps, sink_table=m.sink_table, ring_table=m.ring_table,
                                slot_table=m.buf_pages, topk_phys=slots)
 
-    def body(self):
-        step = self.mgr.begin_step(self.rows, self.seq)
+    def begin(self):
+        return self.mgr.begin_step(self.rows, self.seq)
+
+    def layer(self, step) -> SelectionTable:
         slots = self.mgr.swap_in(LAYER, step, self.topk, self.valid)
-        return step, self.table(step, slots)
+        return self.table(step, slots)
+
+    def body(self):
+        step = self.begin()
+        return step, self.layer(step)
 
 
 class SwapInParts:
@@ -364,10 +375,10 @@ class SwapInParts:
     def diff(self, step) -> None:
         lru_diff(self.s.topk, self.s.valid, *self.state, self.mgr.step_t, rows=step.rows, out=self.res)
 
-    def copy(self, step) -> None:
+    def copy(self, step, block_bytes: Optional[int] = None) -> None:
         r, m = self.res, self.mgr
         swap_in_copy(*self.views, LAYER, r.load_ids, r.load_slots, r.num_loads, step.rows, m.host_page_table,
-                     m.buf_pages, m.ps)
+                     m.buf_pages, m.ps, **({} if block_bytes is None else {"block_bytes": block_bytes}))
 
     def table(self, step) -> SelectionTable:
         return self.s.table(step, self.res.device_slots)
@@ -384,19 +395,29 @@ class SplitGraphs:
     """``SwapInParts`` each in a graph of its own; ``replay`` times the diff, the copy and
     the table (begin_step runs first, untimed)."""
 
-    def __init__(self, parts: SwapInParts) -> None:
+    def __init__(self, parts: SwapInParts, copy_blocks: tuple[int, ...] = ()) -> None:
         # once eagerly on padding rows (they select nothing and change no state), as the
         # runtime warms a graph, so that nothing compiles during capture
-        parts.run(torch.full_like(parts.s.rows, -1))
+        pad = torch.full_like(parts.s.rows, -1)
+        parts.run(pad)
+        for bb in copy_blocks:
+            parts.copy(parts.begin(pad), bb)
         self.g_begin, step = capture(lambda: parts.begin(parts.s.rows))
         self.g_diff, _ = capture(lambda: parts.diff(step))
         self.g_copy, _ = capture(lambda: parts.copy(step))
         self.g_table, self.tab = capture(lambda: parts.table(step))
+        # the same copy at other block sizes: replayed after the timed one, on the same
+        # misses (it writes the same rows again)
+        self.g_blocks = {bb: capture(lambda bb=bb: parts.copy(step, bb))[0] for bb in copy_blocks}
 
     def replay(self) -> dict[str, float]:
         self.g_begin.replay()
         d, c, t = gpu_intervals([self.g_diff.replay, self.g_copy.replay, self.g_table.replay])
-        return {"diff": d, "copy": c, "table": t}
+        out = {"diff": d, "copy": c, "table": t}
+        if self.g_blocks:
+            times = gpu_intervals([g.replay for g in self.g_blocks.values()])
+            out.update({f"copy_{bb}": us for bb, us in zip(self.g_blocks, times)})
+        return out
 
 
 # ----------------------------------------------------------------------------- HiSparse
@@ -470,7 +491,8 @@ class HiSparsePeer:
 
 # ----------------------------------------------------------------------------- one row
 def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: int, split_steps: int,
-                      warm_min: int, graphs: bool, hisparse_fn: Optional[Callable], seed: int = 0) -> dict:
+                      warm_min: int, graphs: bool, hisparse_fn: Optional[Callable], seed: int = 0,
+                      copy_blocks: tuple[int, ...] = ()) -> dict:
     """Measure one (shape, batch, overlap) row; see the module docstring."""
     shape = pools.shape
     dev = pools.device_pool.device
@@ -507,17 +529,20 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
         _sync(dev)
         peer_correct &= peer.holds_host_data(s.topk, host_slots)
 
-    graph = None
+    graph = g_begin = None
     if graphs:
-        graph, (step, tab) = capture(s.body)
+        g_begin, step = capture(s.begin)
+        graph, tab = capture(lambda: s.layer(step))
         if peer is not None:
             peer.try_capture()
-    times, misses, peer_times, peer_misses = [], [], [], []
+    times, setup_times, misses, peer_times, peer_misses = [], [], [], [], []
     for _ in range(timed):
         topk = trace.next()
         s.prepare(topk)
         if graph is not None:
-            times.append(gpu_intervals([graph.replay])[0])
+            t_setup, t_layer = gpu_intervals([g_begin.replay, graph.replay])
+            setup_times.append(t_setup)
+            times.append(t_layer)
         else:
             _sync(dev)
             t0 = time.perf_counter()
@@ -533,16 +558,17 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
             peer_misses.append(int((peer.dbuf_tokens != before).sum()))
             peer_correct &= peer.holds_host_data(s.topk, host_slots)
 
-    split = None
+    split, blocks = None, {}
     if graphs and split_steps:
-        graph = None  # its memory goes back before the split graphs are captured
-        parts = SplitGraphs(SwapInParts(s, pools.host_pool, pools.device_pool))
+        graph = g_begin = None  # their memory goes back before the split graphs are captured
+        parts = SplitGraphs(SwapInParts(s, pools.host_pool, pools.device_pool), copy_blocks)
         got = []
         for _ in range(split_steps):
             s.prepare(trace.next())
             got.append(parts.replay())
             correct &= selection_holds_host_data(pools, parts.tab, s.topk, host_slots, mgr.sink, mgr.R)
         split = {key: round(statistics.median(g[key] for g in got), 1) for key in got[0]}
+        blocks = {int(key[5:]): split.pop(key) for key in list(split) if key.startswith("copy_")}
         del parts
 
     page_bytes = pools.spec.page_bytes_per_layer
@@ -552,6 +578,7 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
         "kind": shape.kind, "layout": shape.layout, "B": batch, "overlap": overlap,
         "K": shape.top_k, "S": shape.buffer, "page_size": shape.page_size, "context": shape.context,
         "us": round(statistics.median(times), 1),
+        "step_setup_us": round(statistics.median(setup_times), 1) if setup_times else None,
         "hisparse_us": round(statistics.median(peer_times), 1) if peer_times else None,
         "io_limit_us": None,
         "misses_per_step": round(miss_mean, 1),
@@ -563,6 +590,8 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
         "warmup_steps": warm, "timed_steps": timed,
         "split_us": split,
     }
+    if split is not None and blocks:
+        row["copy_block_us"] = blocks
     if peer is not None:
         row.update(hisparse_correct=bool(peer_correct), hisparse_misses_per_step=round(statistics.mean(peer_misses), 1),
                    hisparse_timing=peer.timing)
@@ -606,6 +635,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--no-hisparse", action="store_true", help="skip SGLang HiSparse even when importable")
     ap.add_argument("--timed-steps", type=int, default=None, help="timed steps per row (default 15; quick 2)")
     ap.add_argument("--split-steps", type=int, default=5, help="steps of the per-kernel split per row (GPU)")
+    ap.add_argument("--copy-blocks", default="", help="comma-separated copy block sizes in bytes to time beside "
+                    "the default in the split (GPU), e.g. 2048,4096,16384")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -613,6 +644,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     timed = args.timed_steps or (2 if args.quick else 15)
     warm_min = 2 if args.quick else 6
     split_steps = args.split_steps if graphs else 0
+    try:
+        copy_blocks = tuple(int(x) for x in args.copy_blocks.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--copy-blocks={args.copy_blocks!r} is invalid: comma-separated integers (bytes)")
+    if any(b < 1 for b in copy_blocks):
+        ap.error(f"--copy-blocks={args.copy_blocks!r} is invalid: each block size must be >= 1 byte")
     hisparse_fn, hisparse_why = (None, "not run: --quick") if args.quick else \
         (None, "not run: --no-hisparse") if args.no_hisparse else load_hisparse()
     gbps = large_h2d_copy_gbps() if cuda else None
@@ -627,25 +664,29 @@ def main(argv: Optional[list[str]] = None) -> dict:
         pools = ShapePools(shape, max(b for b, _ in cfgs), max_steps, dev)
         for batch, overlap in cfgs:
             row = run_configuration(pools, batch, overlap, timed=timed, split_steps=split_steps, warm_min=warm_min,
-                                    graphs=graphs, hisparse_fn=hisparse_fn if shape.kind == "mla" else None)
+                                    graphs=graphs, hisparse_fn=hisparse_fn if shape.kind == "mla" else None,
+                                    copy_blocks=copy_blocks)
             if gbps:
                 row["io_limit_us"] = round(row["bytes_per_step"] / (gbps * 1e3), 1)
             rows.append(row)
             print(f"[{time.perf_counter() - t_start:6.1f} s] {shape.kind} {shape.layout} B={batch} ov={overlap}: "
                   f"us={row['us']} hisparse={row['hisparse_us']} io={row['io_limit_us']} "
-                  f"misses={row['misses_per_step']} correct={row['correct']} split={row['split_us']}", flush=True)
+                  f"setup={row['step_setup_us']} misses={row['misses_per_step']} correct={row['correct']} "
+                  f"split={row['split_us']} blocks={row.get('copy_block_us')}", flush=True)
         del pools
         gc.collect()
     targets = [judge(r) for r in rows]
     payload = {
-        "what": "per-layer swap-in (begin_step + swap_in + selection_table) as the runtime runs it, beside SGLang "
-                "HiSparse's fused kernel on the same traces and the pinned host->device IO limit",
+        "what": "per-layer swap-in (swap_in + selection_table; the step's begin_step apart as step_setup_us) as "
+                "the runtime runs it, beside SGLang HiSparse's fused kernel on the same traces and the pinned "
+                "host->device IO limit",
         "h2d_gbps": round(gbps, 1) if gbps else None,
         "hisparse": {"available": hisparse_fn is not None, "why_not": hisparse_why,
                      "kernel": "sglang.kernels.ops.kvcache.hisparse.load_cache_to_device_buffer_mla",
                      "block_size": HISPARSE_BLOCK},
         "settings": {"quick": args.quick, "graphs": graphs, "timed_steps": timed, "split_steps": split_steps,
                      "spin_cycles_ahead_of_events": SPIN_CYCLES if cuda else None,
+                     "copy_block_bytes_default": DEFAULT_BLOCK_BYTES, "copy_blocks_swept": list(copy_blocks),
                      "trace": "adjacent steps share round(K * overlap) ids; the rest uniform over the candidates "
                               "the previous step did not hold; ascending",
                      "shapes": {f"{sh.kind}/{sh.layout}": sh.__dict__ | {"spec_token_bytes": sh.spec().token_bytes}

@@ -58,7 +58,9 @@ def test_copy_matches_page_by_page(layout, attention, ps):
             for t in range(ps):
                 src = hv[(hp * ps + t) // hv.shape[1], (hp * ps + t) % hv.shape[1], layer]
                 want[:, layer, dp * ps + t] = src.to(want.device)
-    for fn in (swap_in_copy_reference, swap_in_copy_triton):
+    # block sizes: one token row per program (pages split over programs) and many pages each
+    for fn, kw in ((swap_in_copy_reference, {}), (swap_in_copy_triton, {"block_bytes": 64}),
+                   (swap_in_copy_triton, {"block_bytes": 4096})):
         dev.kv_data.zero_()
         want_z = want.clone()
         touched = torch.zeros_like(want, dtype=torch.bool)
@@ -67,9 +69,8 @@ def test_copy_matches_page_by_page(layout, attention, ps):
                 dp = int(slot_pages[int(rows[b]), load_slots[b, j]])
                 touched[:, layer, dp * ps:(dp + 1) * ps] = True
         want_z[~touched] = 0
-        kw = {"block_bytes": 64} if fn is swap_in_copy_triton else {}  # several programs per row
         fn(hv, dv, layer, *args, ps, **kw)
-        assert torch.equal(dev.kv_data, want_z), fn.__name__
+        assert torch.equal(dev.kv_data, want_z), (fn.__name__, kw)
 
 
 def test_bad_views_are_rejected():

@@ -69,25 +69,28 @@ def _swap_in_copy_kernel(
     stride_ids, stride_hp, stride_sp,
     s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
     PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
-    PARTS: tl.constexpr, SEG: tl.constexpr, MISSES: tl.constexpr, TILE: tl.constexpr,
+    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr,
 ):
-    # grid: (batch row, block of MISSES misses, buffer x head segment). A tile row is one
-    # SEG-word piece of a token's row (PARTS pieces per row): the inner dimension is
-    # contiguous, so loads and stores are wide, and no lane idles on odd row sizes.
+    # grid: (batch row, run of TOKS token rows of the row's misses, buffer x head segment).
+    # Token rows are numbered miss * PS + token, so a run may hold several small pages or a
+    # piece of a large one: the block size alone sets how many programs share a row's copy.
+    # A tile row is one SEG-word piece of a token's row (PARTS pieces per row): the inner
+    # dimension is contiguous, so loads and stores are wide, and no lane idles on odd rows.
     b = tl.program_id(0).to(tl.int64)
-    m0 = tl.program_id(1) * MISSES
+    t0 = tl.program_id(1) * TOKS
     seg = tl.program_id(2)
     n = tl.load(nload_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    if (m0 < n) & (row >= 0):
+    if (t0 < n * PS) & (row >= 0):
         head = (seg % NUM_SEG).to(tl.int64)
         buf = (seg // NUM_SEG).to(tl.int64)
         piece = tl.arange(0, TILE)
         part = (piece % PARTS).to(tl.int64)
         tok_row = piece // PARTS
-        miss = m0 + tok_row // PS
-        tok = (tok_row % PS).to(tl.int64)
-        live = (tok_row < MISSES * PS) & (miss < n) & (miss < K)
+        t = t0 + tok_row
+        miss = t // PS
+        tok = (t % PS).to(tl.int64)
+        live = (tok_row < TOKS) & (miss < n) & (miss < K)
         lid = tl.load(ids_ptr + b * stride_ids + miss, mask=live, other=-1)
         slot = tl.load(slots_ptr + b * stride_ids + miss, mask=live, other=-1)
         live = live & (lid >= 0) & (lid < hp_cols) & (slot >= 0) & (slot < sp_cols)
@@ -112,11 +115,17 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
     return seg
 
 
+DEFAULT_BLOCK_BYTES = 8192
+
+
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
-                        page_size, block_bytes: int = 8192) -> None:
-    """Triton launcher (see the module docstring); about ``block_bytes`` of rows per program
-    (small blocks spread one request's misses over many SMs)."""
+                        page_size, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+    """Triton launcher (see the module docstring); about ``block_bytes`` of one buffer x
+    head segment's rows per program (small blocks spread one request's misses, or one
+    large page, over many SMs)."""
     _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    if not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes={block_bytes!r} is invalid: an int >= 1")
     b, k = load_ids.shape
     if b == 0 or k == 0:
         return
@@ -126,34 +135,36 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
     ws, wd, nseg, chunk = wr.src, wr.dst, wr.nseg, wr.chunk
     seg = _piece_words(chunk)
     parts = chunk // seg
-    misses = max(1, block_bytes // (chunk * wr.width * ps))
-    tile = triton.next_power_of_2(misses * ps * parts)
+    toks = max(1, block_bytes // (chunk * wr.width))
+    tile = triton.next_power_of_2(toks * parts)
     ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
     li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
-    _swap_in_copy_kernel[(b, triton.cdiv(k, misses), nbuf * nseg)](
+    _swap_in_copy_kernel[(b, triton.cdiv(k * ps, toks), nbuf * nseg)](
         ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
         layer, k, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
         li.stride(0), host_pages.stride(0), slot_pages.stride(0),
         ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), ws.stride(4),
         wd.stride(0), wd.stride(1), wd.stride(2), wd.stride(3), wd.stride(4),
-        PS=ps, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, PARTS=parts, SEG=seg, MISSES=misses,
+        PS=ps, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, PARTS=parts, SEG=seg, TOKS=toks,
         TILE=tile, num_warps=4,
     )
 
 
-def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size) -> None:
+def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
     """Copy one layer's missed pages host -> device (see the module docstring).
 
     src / dst: host / device 6-D pool views; load_ids, load_slots ``[B, K] int32`` and
     num_loads ``[B] int32`` from the LRU diff; rows ``[B] int64`` request rows (-1
     padding); host_pages ``[R, M] int64`` host page of each logical id; slot_pages ``[R, S]
     int32`` device page of each buffer slot; page_size tokens per page (page ``p`` is
-    token slots ``[p * page_size, (p + 1) * page_size)`` on both sides)."""
+    token slots ``[p * page_size, (p + 1) * page_size)`` on both sides); block_bytes: bytes
+    of rows per program (Triton path)."""
     probe = dst if dst.is_cuda else src
     args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     if use_triton(probe):
         announce_path("swap_in_copy", "triton")
-        swap_in_copy_triton(*args)
+        swap_in_copy_triton(*args, block_bytes=block_bytes)
     else:
         announce_path("swap_in_copy", "reference")
         swap_in_copy_reference(*args)
