@@ -42,9 +42,11 @@ with the same spin ahead when capture fails). Absent, ``hisparse_us`` is null.
 Targets: MLA rows ``us <= min(hisparse_us, 1.15 * io_limit_us + 15)``, MHA rows
 ``us <= 1.15 * io_limit_us + 15``. Every row also gets the split: the LRU diff, the copy and
 the selection table each in a graph of its own (``begin_step`` in a fourth, untimed),
-replayed on further steps of the same trace; a missed target names its largest term. The
-copy is also timed at each of ``--copy-blocks`` block sizes (bytes of rows per program) on
-the same misses: ``copy_block_us``.
+replayed on further steps of the same trace; a missed target names its largest term. With
+``--copy-variants`` the copy is also timed at other block sizes (bytes of rows per program)
+and launch orders: the steps of the split take the variants in turn, each as the step's only
+copy (a second copy of the same misses would find the host pages' translations warm), and
+``copy_variant_us`` holds each variant's median.
 
 Usage: ``PYTHONPATH=. python benchmarks/bench_swapin.py`` on a GPU (HiSparse: see
 ``../shared/anchor/README.md``); ``--quick`` runs tiny sizes eagerly (CPU: torch
@@ -73,7 +75,7 @@ from hicache.kv_spec import KVCacheSpec  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff  # noqa: E402
 from sparsehi.kernels.selection_table import SelectionTable, selection_table  # noqa: E402
-from sparsehi.kernels.swap_in_copy import DEFAULT_BLOCK_BYTES, swap_in_copy  # noqa: E402
+from sparsehi.kernels.swap_in_copy import DEFAULT_BLOCK_BYTES, DEFAULT_ROW_MAJOR, swap_in_copy  # noqa: E402
 from sparsehi.kv_manager import SparseKVCacheManager  # noqa: E402
 
 LAYER = 0  # the one (sparse) layer of the pools
@@ -375,10 +377,11 @@ class SwapInParts:
     def diff(self, step) -> None:
         lru_diff(self.s.topk, self.s.valid, *self.state, self.mgr.step_t, rows=step.rows, out=self.res)
 
-    def copy(self, step, block_bytes: Optional[int] = None) -> None:
+    def copy(self, step, variant: Optional[tuple[int, bool]] = None) -> None:
         r, m = self.res, self.mgr
+        kw = {} if variant is None else {"block_bytes": variant[0], "row_major": variant[1]}
         swap_in_copy(*self.views, LAYER, r.load_ids, r.load_slots, r.num_loads, step.rows, m.host_page_table,
-                     m.buf_pages, m.ps, **({} if block_bytes is None else {"block_bytes": block_bytes}))
+                     m.buf_pages, m.ps, **kw)
 
     def table(self, step) -> SelectionTable:
         return self.s.table(step, self.res.device_slots)
@@ -392,32 +395,28 @@ class SwapInParts:
 
 
 class SplitGraphs:
-    """``SwapInParts`` each in a graph of its own; ``replay`` times the diff, the copy and
-    the table (begin_step runs first, untimed)."""
+    """``SwapInParts`` each in a graph of its own; ``replay`` times the diff, the copy (the
+    default, or a variant ``(block_bytes, row_major)``) and the table (begin_step runs
+    first, untimed)."""
 
-    def __init__(self, parts: SwapInParts, copy_blocks: tuple[int, ...] = ()) -> None:
+    def __init__(self, parts: SwapInParts, variants: tuple[tuple[int, bool], ...] = ()) -> None:
         # once eagerly on padding rows (they select nothing and change no state), as the
         # runtime warms a graph, so that nothing compiles during capture
         pad = torch.full_like(parts.s.rows, -1)
         parts.run(pad)
-        for bb in copy_blocks:
-            parts.copy(parts.begin(pad), bb)
+        for v in variants:
+            parts.copy(parts.begin(pad), v)
         self.g_begin, step = capture(lambda: parts.begin(parts.s.rows))
         self.g_diff, _ = capture(lambda: parts.diff(step))
         self.g_copy, _ = capture(lambda: parts.copy(step))
         self.g_table, self.tab = capture(lambda: parts.table(step))
-        # the same copy at other block sizes: replayed after the timed one, on the same
-        # misses (it writes the same rows again)
-        self.g_blocks = {bb: capture(lambda bb=bb: parts.copy(step, bb))[0] for bb in copy_blocks}
+        self.g_variants = {v: capture(lambda v=v: parts.copy(step, v))[0] for v in variants}
 
-    def replay(self) -> dict[str, float]:
+    def replay(self, variant: Optional[tuple[int, bool]] = None) -> dict[str, float]:
         self.g_begin.replay()
-        d, c, t = gpu_intervals([self.g_diff.replay, self.g_copy.replay, self.g_table.replay])
-        out = {"diff": d, "copy": c, "table": t}
-        if self.g_blocks:
-            times = gpu_intervals([g.replay for g in self.g_blocks.values()])
-            out.update({f"copy_{bb}": us for bb, us in zip(self.g_blocks, times)})
-        return out
+        g_copy = self.g_copy if variant is None else self.g_variants[variant]
+        d, c, t = gpu_intervals([self.g_diff.replay, g_copy.replay, self.g_table.replay])
+        return {"diff": d, "copy": c, "table": t}
 
 
 # ----------------------------------------------------------------------------- HiSparse
@@ -492,7 +491,7 @@ class HiSparsePeer:
 # ----------------------------------------------------------------------------- one row
 def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: int, split_steps: int,
                       warm_min: int, graphs: bool, hisparse_fn: Optional[Callable], seed: int = 0,
-                      copy_blocks: tuple[int, ...] = ()) -> dict:
+                      copy_variants: tuple[tuple[int, bool], ...] = ()) -> dict:
     """Measure one (shape, batch, overlap) row; see the module docstring."""
     shape = pools.shape
     dev = pools.device_pool.device
@@ -504,7 +503,7 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
     pools.reset()
     mgr = SparseKVCacheManager(cfg, pools.device_pool, mode="hierarchical", host_pool=pools.host_pool,
                                sparse_layers=(LAYER,), max_num_reqs=batch,
-                               max_context_len=shape.context + warm + timed + split_steps + 1, validate=False)
+                               max_context_len=shape.context + warm + timed + split_steps * (1 + len(copy_variants)) + 1, validate=False)
     host_slots = open_requests(pools, mgr, batch)
     s = SwapInStep(mgr, batch, k_units, shape.context)
     peer = HiSparsePeer(hisparse_fn, pools, host_slots, k_units, s_units) if hisparse_fn is not None else None
@@ -558,17 +557,21 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
             peer_misses.append(int((peer.dbuf_tokens != before).sum()))
             peer_correct &= peer.holds_host_data(s.topk, host_slots)
 
-    split, blocks = None, {}
+    split, variant_us = None, {}
     if graphs and split_steps:
         graph = g_begin = None  # their memory goes back before the split graphs are captured
-        parts = SplitGraphs(SwapInParts(s, pools.host_pool, pools.device_pool), copy_blocks)
-        got = []
-        for _ in range(split_steps):
+        parts = SplitGraphs(SwapInParts(s, pools.host_pool, pools.device_pool), copy_variants)
+        got, by_variant = [], {v: [] for v in copy_variants}
+        turns = (None,) + copy_variants
+        for i in range(split_steps * len(turns)):
+            v = turns[i % len(turns)]
             s.prepare(trace.next())
-            got.append(parts.replay())
+            t = parts.replay(v)
+            (got if v is None else by_variant[v]).append(t)
             correct &= selection_holds_host_data(pools, parts.tab, s.topk, host_slots, mgr.sink, mgr.R)
         split = {key: round(statistics.median(g[key] for g in got), 1) for key in got[0]}
-        blocks = {int(key[5:]): split.pop(key) for key in list(split) if key.startswith("copy_")}
+        variant_us = {f"{bb}{'/row' if rm else '/batch'}": round(statistics.median(t["copy"] for t in ts), 1)
+                      for (bb, rm), ts in by_variant.items()}
         del parts
 
     page_bytes = pools.spec.page_bytes_per_layer
@@ -590,8 +593,8 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
         "warmup_steps": warm, "timed_steps": timed,
         "split_us": split,
     }
-    if split is not None and blocks:
-        row["copy_block_us"] = blocks
+    if variant_us:
+        row["copy_variant_us"] = variant_us
     if peer is not None:
         row.update(hisparse_correct=bool(peer_correct), hisparse_misses_per_step=round(statistics.mean(peer_misses), 1),
                    hisparse_timing=peer.timing)
@@ -627,6 +630,17 @@ def judge(row: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
+def parse_copy_variants(text: str, ap: argparse.ArgumentParser) -> tuple[tuple[int, bool], ...]:
+    """``"4096/row,8192/batch"`` -> ``((4096, True), (8192, False))``."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        size, _, order = item.partition("/")
+        if not size.isdigit() or int(size) < 1 or order not in ("row", "batch"):
+            ap.error(f"--copy-variants entry {item!r} is invalid: BYTES/row or BYTES/batch with BYTES >= 1")
+        out.append((int(size), order == "row"))
+    return tuple(out)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, eager, no HiSparse (CPU: torch references)")
@@ -635,8 +649,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--no-hisparse", action="store_true", help="skip SGLang HiSparse even when importable")
     ap.add_argument("--timed-steps", type=int, default=None, help="timed steps per row (default 15; quick 2)")
     ap.add_argument("--split-steps", type=int, default=5, help="steps of the per-kernel split per row (GPU)")
-    ap.add_argument("--copy-blocks", default="", help="comma-separated copy block sizes in bytes to time beside "
-                    "the default in the split (GPU), e.g. 2048,4096,16384")
+    ap.add_argument("--copy-variants", default="", help="comma-separated copy variants to time beside the default "
+                    "in the split (GPU): BYTES/row or BYTES/batch (block size, launch order), e.g. 4096/row,8192/batch")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -644,12 +658,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     timed = args.timed_steps or (2 if args.quick else 15)
     warm_min = 2 if args.quick else 6
     split_steps = args.split_steps if graphs else 0
-    try:
-        copy_blocks = tuple(int(x) for x in args.copy_blocks.split(",") if x.strip())
-    except ValueError:
-        ap.error(f"--copy-blocks={args.copy_blocks!r} is invalid: comma-separated integers (bytes)")
-    if any(b < 1 for b in copy_blocks):
-        ap.error(f"--copy-blocks={args.copy_blocks!r} is invalid: each block size must be >= 1 byte")
+    copy_variants = parse_copy_variants(args.copy_variants, ap)
     hisparse_fn, hisparse_why = (None, "not run: --quick") if args.quick else \
         (None, "not run: --no-hisparse") if args.no_hisparse else load_hisparse()
     gbps = large_h2d_copy_gbps() if cuda else None
@@ -658,21 +667,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{'present' if hisparse_fn else hisparse_why}", flush=True)
     rows = []
     for shape, cfgs in configurations(args.quick, args.only):
-        max_steps = 64 + timed + split_steps + max(
+        max_steps = 64 + timed + split_steps * (1 + len(copy_variants)) + max(
             warmup_steps(shape.top_k // shape.page_size, shape.buffer // shape.page_size,
                          int(round(shape.top_k // shape.page_size * ov)), warm_min) for _, ov in cfgs)
         pools = ShapePools(shape, max(b for b, _ in cfgs), max_steps, dev)
         for batch, overlap in cfgs:
             row = run_configuration(pools, batch, overlap, timed=timed, split_steps=split_steps, warm_min=warm_min,
                                     graphs=graphs, hisparse_fn=hisparse_fn if shape.kind == "mla" else None,
-                                    copy_blocks=copy_blocks)
+                                    copy_variants=copy_variants)
             if gbps:
                 row["io_limit_us"] = round(row["bytes_per_step"] / (gbps * 1e3), 1)
             rows.append(row)
             print(f"[{time.perf_counter() - t_start:6.1f} s] {shape.kind} {shape.layout} B={batch} ov={overlap}: "
                   f"us={row['us']} hisparse={row['hisparse_us']} io={row['io_limit_us']} "
                   f"setup={row['step_setup_us']} misses={row['misses_per_step']} correct={row['correct']} "
-                  f"split={row['split_us']} blocks={row.get('copy_block_us')}", flush=True)
+                  f"split={row['split_us']} variants={row.get('copy_variant_us')}", flush=True)
         del pools
         gc.collect()
     targets = [judge(r) for r in rows]
@@ -686,7 +695,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                      "block_size": HISPARSE_BLOCK},
         "settings": {"quick": args.quick, "graphs": graphs, "timed_steps": timed, "split_steps": split_steps,
                      "spin_cycles_ahead_of_events": SPIN_CYCLES if cuda else None,
-                     "copy_block_bytes_default": DEFAULT_BLOCK_BYTES, "copy_blocks_swept": list(copy_blocks),
+                     "copy_default": {"block_bytes": DEFAULT_BLOCK_BYTES, "row_major": DEFAULT_ROW_MAJOR},
+                     "copy_variants": [f"{bb}/{'row' if rm else 'batch'}" for bb, rm in copy_variants],
                      "trace": "adjacent steps share round(K * overlap) ids; the rest uniform over the candidates "
                               "the previous step did not hold; ascending",
                      "shapes": {f"{sh.kind}/{sh.layout}": sh.__dict__ | {"spec_token_bytes": sh.spec().token_bytes}

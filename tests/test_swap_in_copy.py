@@ -60,7 +60,8 @@ def test_copy_matches_page_by_page(layout, attention, ps):
                 want[:, layer, dp * ps + t] = src.to(want.device)
     # block sizes: one token row per program (pages split over programs) and many pages each
     for fn, kw in ((swap_in_copy_reference, {}), (swap_in_copy_triton, {"block_bytes": 64}),
-                   (swap_in_copy_triton, {"block_bytes": 4096})):
+                   (swap_in_copy_triton, {"block_bytes": 4096}),
+                   (swap_in_copy_triton, {"block_bytes": 64, "row_major": True})):
         dev.kv_data.zero_()
         want_z = want.clone()
         touched = torch.zeros_like(want, dtype=torch.bool)

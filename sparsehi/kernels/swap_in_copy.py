@@ -69,15 +69,22 @@ def _swap_in_copy_kernel(
     stride_ids, stride_hp, stride_sp,
     s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
     PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
-    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr,
+    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr, ROW_MAJOR: tl.constexpr,
 ):
-    # grid: (batch row, run of TOKS token rows of the row's misses, buffer x head segment).
+    # grid: (batch row, run of TOKS token rows of the row's misses, buffer x head segment),
+    # or with ROW_MAJOR the first two swapped: programs launch x-fastest, so the runs of one
+    # row are then in flight together and read its (ascending) host pages in order, while
+    # batch-fastest spreads the reads of the moment over every row's host region.
     # Token rows are numbered miss * PS + token, so a run may hold several small pages or a
     # piece of a large one: the block size alone sets how many programs share a row's copy.
     # A tile row is one SEG-word piece of a token's row (PARTS pieces per row): the inner
     # dimension is contiguous, so loads and stores are wide, and no lane idles on odd rows.
-    b = tl.program_id(0).to(tl.int64)
-    t0 = tl.program_id(1) * TOKS
+    if ROW_MAJOR:
+        b = tl.program_id(1).to(tl.int64)
+        t0 = tl.program_id(0) * TOKS
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        t0 = tl.program_id(1) * TOKS
     seg = tl.program_id(2)
     n = tl.load(nload_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
@@ -116,10 +123,11 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
 
 
 DEFAULT_BLOCK_BYTES = 8192
+DEFAULT_ROW_MAJOR = False
 
 
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
-                        page_size, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+                        page_size, block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR) -> None:
     """Triton launcher (see the module docstring); about ``block_bytes`` of one buffer x
     head segment's rows per program (small blocks spread one request's misses, or one
     large page, over many SMs)."""
@@ -139,19 +147,20 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
     tile = triton.next_power_of_2(toks * parts)
     ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
     li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
-    _swap_in_copy_kernel[(b, triton.cdiv(k * ps, toks), nbuf * nseg)](
+    runs = triton.cdiv(k * ps, toks)
+    _swap_in_copy_kernel[(runs, b, nbuf * nseg) if row_major else (b, runs, nbuf * nseg)](
         ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
         layer, k, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
         li.stride(0), host_pages.stride(0), slot_pages.stride(0),
         ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), ws.stride(4),
         wd.stride(0), wd.stride(1), wd.stride(2), wd.stride(3), wd.stride(4),
         PS=ps, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, PARTS=parts, SEG=seg, TOKS=toks,
-        TILE=tile, num_warps=4,
+        TILE=tile, ROW_MAJOR=bool(row_major), num_warps=4,
     )
 
 
 def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR) -> None:
     """Copy one layer's missed pages host -> device (see the module docstring).
 
     src / dst: host / device 6-D pool views; load_ids, load_slots ``[B, K] int32`` and
@@ -159,12 +168,12 @@ def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pa
     padding); host_pages ``[R, M] int64`` host page of each logical id; slot_pages ``[R, S]
     int32`` device page of each buffer slot; page_size tokens per page (page ``p`` is
     token slots ``[p * page_size, (p + 1) * page_size)`` on both sides); block_bytes: bytes
-    of rows per program (Triton path)."""
+    of rows per program, row_major: launch order (a row's programs adjacent); Triton path."""
     probe = dst if dst.is_cuda else src
     args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     if use_triton(probe):
         announce_path("swap_in_copy", "triton")
-        swap_in_copy_triton(*args, block_bytes=block_bytes)
+        swap_in_copy_triton(*args, block_bytes=block_bytes, row_major=row_major)
     else:
         announce_path("swap_in_copy", "reference")
         swap_in_copy_reference(*args)
