@@ -546,8 +546,7 @@ class SparseKVCacheManager:
             out = step.memo["lru_out"] = torch.empty(3, B, K, dtype=torch.int32, device=topk.device)
         counts: StepCounts = step.memo["counts"]
         r = lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
-                     out=LruDiffResult(out[0], out[1], out[2], counts.loads[li]))
-        counts.valid[li].copy_(valid)
+                     out=LruDiffResult(out[0], out[1], out[2], counts.loads[li], counts.valid[li]))
         if self._fused_copy:
             swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, step.rows,
                          self.host_page_table, self.buf_pages, self.ps)

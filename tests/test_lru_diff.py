@@ -845,3 +845,29 @@ def test_padding_rows_select_nothing_and_change_no_state(helpers):
     assert int(out.num_loads[0]) == 0 and (out.device_slots == -1).all()
     for name in only_pad:
         assert torch.equal(st_tri[name], only_pad[name]), name
+
+
+@interpreted
+def test_num_valid_output_counts_selected_ids():
+    """The optional num_valid output: valid clamped to [0, K] per live row, 0 for padding rows,
+    the same from the kernel and the reference, and the other outputs unchanged by it."""
+    K, S, M = 4, 6, 32
+    st_ref, st_tri = new_state(3, S, M), new_state(3, S, M)
+    topk, valid = make_topk([[1, 2, 3], [4, 5, 6, 7], [8], [9, 10]], K)
+    rows = torch.tensor([0, -1, 2, 1])
+    nv_tri = torch.full((4,), 99, dtype=torch.int32)
+
+    def out(nv):
+        return lru_diff_mod.LruDiffResult(*(torch.empty(4, K, dtype=torch.int32) for _ in range(3)),
+                             torch.empty(4, dtype=torch.int32), nv)
+
+    a = lru_diff_reference(topk, valid, st_ref["resident"], st_ref["last_used"], st_ref["slot_of"], 1, rows=rows)
+    b = lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], 1, rows=rows,
+                        out=out(nv_tri))
+    assert a.num_valid.tolist() == [3, 0, 1, 2]
+    assert torch.equal(b.num_valid, a.num_valid) and b.num_valid is nv_tri
+    for name in ("device_slots", "load_ids", "load_slots", "num_loads"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(ValueError, match="num_valid"):
+        lru_diff_triton(topk, valid, st_tri["resident"], st_tri["last_used"], st_tri["slot_of"], 2, rows=rows,
+                        out=out(torch.zeros(3, dtype=torch.int32)))

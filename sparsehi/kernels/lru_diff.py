@@ -114,12 +114,16 @@ INT_MIN = tl.constexpr(-2147483648)
 
 @dataclass
 class LruDiffResult:
-    """device_slots/load_ids/load_slots ``[B, K] int32`` (-1 padded), num_loads ``[B] int32``."""
+    """device_slots/load_ids/load_slots ``[B, K] int32`` (-1 padded), num_loads ``[B] int32``;
+    num_valid ``[B] int32`` (optional output: the ids each row selected, ``valid`` clamped to
+    ``[0, K]``, 0 for padding rows; written when given, so callers that count hits need no
+    copy of ``valid`` of their own)."""
 
     device_slots: torch.Tensor
     load_ids: torch.Tensor
     load_slots: torch.Tensor
     num_loads: torch.Tensor
+    num_valid: Optional[torch.Tensor] = None
 
 
 # --------------------------------------------------------------------------- validation
@@ -263,8 +267,9 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
         resident[ridx[live]] = res_ext[live, :s].to(torch.int32)
         last_used[ridx[live]] = lu_ext[live, :s].to(torch.int32)
         slot_of[ridx[live]] = so_ext[live, :m].to(torch.int32)
+    num_valid = torch.where(pad, 0, valid.long().clamp(0, k)).to(torch.int32)
     return LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
-                         nmiss.to(torch.int32))
+                         nmiss.to(torch.int32), num_valid)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -422,10 +427,11 @@ def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_pt
 @triton.jit
 def _lru_diff_kernel(
     topk_ptr, valid_ptr, rows_ptr, resident_ptr, last_used_ptr, slot_of_ptr, step_ptr,
-    dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr,
+    dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr, num_valid_ptr,
     M, stride_topk, stride_state, stride_slot_of, stride_out,
     K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
     WINDOW: tl.constexpr, MAX_ROUNDS: tl.constexpr, HELPERS: tl.constexpr, MISS_SIDE: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
 ):
     # Grid (1 + HELPERS, B): program 0 of a row selects and installs victims, programs
     # 1..HELPERS stamp the row's hits (a column chunk each). Nothing waits for a helper.
@@ -436,7 +442,10 @@ def _lru_diff_kernel(
     # a padding row (row < 0, e.g. the unused rows of a CUDA-graph batch) selects nothing:
     # every state store below is masked by a hit, miss or victim, so its (row 0) state is
     # only read; its outputs are all -1 and no load
-    nvalid = tl.where(row < 0, 0, tl.minimum(tl.load(valid_ptr + b), K))
+    nvalid = tl.where(row < 0, 0, tl.minimum(tl.maximum(tl.load(valid_ptr + b), 0), K))
+    if HAS_NVALID:
+        if p == 0:
+            tl.store(num_valid_ptr + b, nvalid)
     row = tl.maximum(row, 0)
     res_p = resident_ptr + row * stride_state
     lu_p = last_used_ptr + row * stride_state
@@ -701,8 +710,14 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
         if o.shape != (b, k) or o.stride() != out.device_slots.stride() or o.stride(1) != 1:
             raise ValueError(f"out.{name} must be [B={b}, K={k}] with device_slots' strides "
                              f"{out.device_slots.stride()} (contiguous rows), got {tuple(o.shape)} {o.stride()}")
+    if out.num_valid is not None and (out.num_valid.shape != (b,) or out.num_valid.dtype != torch.int32
+                                      or out.num_valid.device != dev):
+        raise ValueError(f"out.num_valid must be [B={b}] int32 on {dev}, got {tuple(out.num_valid.shape)} "
+                         f"{out.num_valid.dtype} on {out.num_valid.device}")
     if b == 0 or k == 0:
         out.device_slots.fill_(-1), out.load_ids.fill_(-1), out.load_slots.fill_(-1), out.num_loads.zero_()
+        if out.num_valid is not None:
+            out.num_valid.zero_()
         return out
     topk_c = topk if topk.stride(1) == 1 else topk.contiguous()
     valid = valid if valid.is_contiguous() else valid.contiguous()
@@ -716,9 +731,10 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
     _lru_diff_kernel[(1 + h, b)](
         topk_c, valid, rows_t, resident, last_used, slot_of, st,
         out.device_slots, out.load_ids, out.load_slots, out.num_loads,
-        slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
+        out.num_valid if out.num_valid is not None else out.num_loads, slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
         K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, WINDOW=WINDOW, MAX_ROUNDS=MAX_ROUNDS, HELPERS=h,
-        MISS_SIDE=int(default_miss_side(block_k, block_s) if miss_side is None else miss_side), num_warps=nw,
+        MISS_SIDE=int(default_miss_side(block_k, block_s) if miss_side is None else miss_side),
+        HAS_NVALID=out.num_valid is not None, num_warps=nw,
     )
     return out
 
@@ -735,5 +751,7 @@ def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, la
     if out is not None:
         out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
         out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
+        if out.num_valid is not None:
+            out.num_valid.copy_(res.num_valid)
         return out
     return res

@@ -122,8 +122,12 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
     return seg
 
 
-DEFAULT_BLOCK_BYTES = 8192
-DEFAULT_ROW_MAJOR = False
+# Measured on one H100 (benchmarks/results/swapin.json, copy_variant_us, 2026-11-25): a row's
+# programs adjacent in launch order read its ascending host pages together and take 7-18 %
+# off the MLA copy at B = 64..128 (fewer host-page translations in flight), the same at
+# small batch; 4 KiB blocks are as fast as or faster than 2, 8 and 16 KiB there.
+DEFAULT_BLOCK_BYTES = 4096
+DEFAULT_ROW_MAJOR = True
 
 
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,

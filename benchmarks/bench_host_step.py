@@ -1,0 +1,137 @@
+"""Host time of a decode step outside the graph replay, every mode, across page boundaries.
+
+The CUDA-graph decode step leaves the host three parts (``ModelRunner.last_host_split``):
+``prepare`` (the backend's host part: batch checks, pages for the rows that open one,
+vectorised, and the step counter), ``launch`` (the step's inputs into the graph's static
+buffers and the replay) and ``after`` (bookkeeping once the tokens are back). The target is
+at most 1 ms per step at every batch. Steps that open a page do the most host work, so each
+run decodes enough steps to cross ``--boundaries`` page boundaries and reports the steps
+that open a page apart from the others.
+
+Model: the Llama-8B shape (random weights; host time does not depend on them), Quest,
+page 16, K = 2048 tokens, buffer 2 x K, as ``bench_decode.py`` scenario a; prompts are
+filled synthetically (``synth_prefill``) at ``--context`` tokens.
+
+Usage: ``PYTHONPATH=. python benchmarks/bench_host_step.py`` on a GPU (``--quick``: tiny
+model on CPU, eager, to check the script). Result: ``host_step.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_decode import make_runner  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from sparsehi.config import SparseConfig  # noqa: E402
+from sparsehi.runtime.model_config import get_model_config  # noqa: E402
+from sparsehi.runtime.synth import synth_prefill  # noqa: E402
+from sparsehi.runtime.weights import build_model  # noqa: E402
+
+MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
+TARGET_MS = 1.0
+
+
+def _stats(xs: list[float]) -> Optional[dict[str, float]]:
+    if not xs:
+        return None
+    return {"mean": round(statistics.mean(xs), 3), "p50": round(statistics.median(xs), 3), "max": round(max(xs), 3),
+            "n": len(xs)}
+
+
+def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> dict[str, Any]:
+    """Decode ``steps`` steps (after two warm-up steps); host ms per step by part."""
+    runner = make_runner(model, mode, ctx, batch, sc, steps + 2, device, dtype)
+    reqs = runner.new_requests([[0]] * batch)
+    synth_prefill(runner.backend, reqs, ctx, seed=1)
+    runner.graphs.warm(batch, runner.backend.decode_variant(reqs))
+    for _ in range(2):
+        runner.decode_step(reqs)
+    ps = sc.page_size
+    opening, other = [], []
+    worst: dict[str, Any] = {"ms": -1.0}
+    for _ in range(steps):
+        pos = reqs[0].seq_len  # position of the token this step writes
+        runner.decode_step(reqs)
+        ms = runner.last_host_ms
+        (opening if pos % ps == 0 else other).append(ms)
+        if ms > worst["ms"]:
+            worst = {"ms": round(ms, 3), "opens_page": pos % ps == 0,
+                     "split": {k: round(v, 3) for k, v in runner.last_host_split.items()}}
+    allv = opening + other
+    row = {"mode": mode, "batch": batch, "context": ctx, "steps": steps, "graphs": runner.graphs.enabled,
+           "host_ms": _stats(allv), "host_ms_opening_steps": _stats(opening), "host_ms_other_steps": _stats(other),
+           "worst_step": worst, "meets_1ms": max(allv) <= TARGET_MS}
+    del runner
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model on CPU (eager): checks the script")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap.add_argument("--context", type=int, default=8192, help="prompt tokens (host time barely depends on it)")
+    ap.add_argument("--batches", default="1,8,32", help="comma list of batch sizes")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of modes from {MODES}")
+    ap.add_argument("--boundaries", type=int, default=3, help="page boundaries each run crosses")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes has {bad}: allowed {MODES}")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        ap.error(f"--batches={args.batches!r} is invalid: comma-separated integers >= 1")
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches={args.batches!r} is invalid: comma-separated integers >= 1")
+    cuda = torch.cuda.is_available() and not args.quick
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.quick:
+        cfg, k, ps, ctx, batches = get_model_config("tiny-gqa", num_layers=2), 64, 16, 256, batches[:2]
+    else:
+        cfg, k, ps, ctx = get_model_config("llama-8b-shape"), 2048, 16, args.context
+    model = build_model(config=cfg, device=device, dtype=dtype)
+    sc = SparseConfig(algorithm="quest", top_k=k, device_buffer_size=2 * k, page_size=ps, min_sparse_prompt_len=0,
+                      sink_tokens=64 if not args.quick else 16, recent_tokens=64 if not args.quick else 16)
+    steps = args.boundaries * ps + 1
+    rows = []
+    t0 = time.perf_counter()
+    for mode in modes:
+        for b in batches:
+            try:
+                row = run_point(model, mode, ctx, b, sc, steps, device, dtype)
+            except (RuntimeError, ValueError) as e:  # e.g. out of device memory for the dense KV
+                row = {"mode": mode, "batch": b, "context": ctx, "skipped": f"{type(e).__name__}: {e}"[:300]}
+                if cuda:
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"[{time.perf_counter() - t0:6.1f} s] {mode:>12} B={b:<3} "
+                  f"{row.get('host_ms') or row.get('skipped')} opening={row.get('host_ms_opening_steps')} "
+                  f"worst={row.get('worst_step')}", flush=True)
+    measured = [r for r in rows if "host_ms" in r]
+    payload = {
+        "what": "host ms per decode step outside the device's work (prepare + launch + after), steps that open a "
+                "page apart, every mode",
+        "target": f"<= {TARGET_MS} ms at every batch",
+        "model": cfg.name, "context": ctx, "page_size": ps, "top_k": k,
+        "max_host_ms": max((r["host_ms"]["max"] for r in measured), default=None),
+        "all_meet_target": all(r["meets_1ms"] for r in measured) if measured else None,
+        "rows": rows,
+    }
+    path = write_result("host_step.json", payload, args.out)
+    print(f"wrote {path}; max host ms/step {payload['max_host_ms']}, all <= {TARGET_MS} ms: "
+          f"{payload['all_meet_target']}", flush=True)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""benchmarks/bench_host_step.py end to end on CPU (--quick): rows per mode and batch, the
+page-opening steps counted apart, the result file written."""
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_host_step as bh
+
+
+def test_quick_run_writes_rows(tmp_path):
+    out = bh.main(["--quick", "--out", str(tmp_path), "--modes", "sparse-hier,dense", "--batches", "1,2",
+                   "--boundaries", "1"])
+    rows = out["rows"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("sparse-hier", 1), ("sparse-hier", 2), ("dense", 1),
+                                                        ("dense", 2)]
+    for r in rows:
+        assert r["host_ms_opening_steps"]["n"] == 1  # one page boundary crossed
+        assert r["host_ms"]["n"] == r["steps"] == 17
+        assert r["worst_step"]["ms"] == r["host_ms"]["max"]
+    assert json.loads((tmp_path / "host_step.json").read_text())["rows"] == rows
+
+
+def test_bad_modes_are_rejected(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bh.main(["--quick", "--out", str(tmp_path), "--modes", "sparse"])
+    assert "--modes" in capsys.readouterr().err
