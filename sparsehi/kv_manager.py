@@ -39,6 +39,7 @@ from sparsehi.config import SparseConfig
 from sparsehi.decode_step import DecodeStep
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
 from sparsehi.kernels.swap_in_copy import swap_in_copy
+from sparsehi.kernels.table_scatter import stage_entries, table_scatter
 from sparsehi.lru_buffer import LruState
 from sparsehi.prefill_offload import finish_prefill_hierarchical
 from sparsehi.request_table import FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
@@ -70,6 +71,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _entries(table: int, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``[n, 4] int64`` ``table_scatter`` entries: (table, row, col, value) per new page."""
+    return np.stack([np.full(rows.size, table, dtype=np.int64), rows, cols, values.astype(np.int64)], 1)
 
 
 class SparseKVCacheManager:
@@ -388,29 +394,20 @@ class SparseKVCacheManager:
             for alloc, p in got:
                 alloc.free_pages(p)
             raise
-        # host tables, then one packed copy: [rows, pages, host, dense | dev rows, dev pages, dev ids]
-        parts = [rows, pages]
+        # host tables, then the device tables' entries in one staged copy and one launch
+        ents = []
         if new_host is not None:
             t.host[rows, pages] = new_host.numpy()
-            parts.append(new_host.numpy())
+            ents.append(_entries(0, rows, pages, new_host.numpy()))
         if new_dense is not None:
             t.dense_pool[rows, pages] = new_dense.numpy()
-            parts.append(new_dense.numpy())
+            ents.append(_entries(1, rows, pages, new_dense.numpy()))
         if new_dev is not None:
             t.device[rows[dev_mask], pages[dev_mask]] = new_dev.numpy()
-            parts += [rows[dev_mask], pages[dev_mask], new_dev.numpy()]
-        packed = torch.from_numpy(np.concatenate(parts)).to(self.device)
-        ri, pi = packed[:n], packed[n:2 * n]
-        at = 2 * n
-        if new_host is not None:
-            self.host_page_table[ri, pi] = packed[at:at + n]
-            at += n
-        if new_dense is not None:
-            self.dense_pool_table[ri, pi] = packed[at:at + n].to(torch.int32)
-            at += n
-        if new_dev is not None:
-            dr, dp, dv = packed[at:at + n_dev], packed[at + n_dev:at + 2 * n_dev], packed[at + 2 * n_dev:]
-            self.page_table[dr, dp] = dv.to(torch.int32)
+            ents.append(_entries(2, rows[dev_mask], pages[dev_mask], new_dev.numpy()))
+        tables = [self.host_page_table if self.hier else self.page_table,
+                  self.dense_pool_table if self.dense_pool_table is not None else self.page_table, self.page_table]
+        table_scatter(stage_entries(np.concatenate(ents), self.device), tables)
 
     # ------------------------------------------------------------------ decode: device part
     def begin_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, has_dense_rows: bool = False,

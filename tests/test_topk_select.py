@@ -209,3 +209,59 @@ def test_gpu_replay_equals_eager():
         g.replay()
         want = topk_select_reference(scores, k, cs, ce)
         assert torch.equal(ids, want[0]) and torch.equal(valid, want[1])
+
+
+# ----------------------------------------------------------------------------- split select
+from sparsehi.kernels.topk_split import split_plan, topk_select_split  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), n=st.integers(1, 500), top_k=st.integers(1, 64),
+       p=st.sampled_from([2, 4, 8]), kind=st.sampled_from(["normal", "ties", "special"]), use_mask=st.booleans())
+def test_split_select_equals_python(seed, b, n, top_k, p, kind, use_mask):
+    """Several programs per row (chunk shortlists, then a merge) select exactly what the
+    plain-Python rule selects, ties to the lower id across chunk borders included."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(-2, 3, (b, n), generator=g).float() if kind == "ties" else torch.randn(b, n, generator=g)
+    if kind == "special":
+        pick = torch.rand(b, n, generator=g)
+        s = torch.where(pick < 0.1, float("nan"), torch.where(pick < 0.3, float("-inf"), s))
+    cs = torch.randint(-5, n + 3, (b,), generator=g)
+    ce = cs + torch.randint(-3, n + 10, (b,), generator=g)
+    mask = (torch.rand(b, generator=g) < 0.8) if use_mask else None
+    chunk = max(16, 1 << math.ceil(math.log2(max(1, -(-n // p)))))
+    got = topk_select_split(s, top_k, cs, ce, mask, (p, chunk))
+    want = python_topk(s, top_k, cs, ce, mask)
+    assert torch.equal(got[0], want[0]), f"ids\n{got[0]}\nwant\n{want[0]}"
+    assert torch.equal(got[1], want[1])
+
+
+def test_split_plan_rules():
+    assert split_plan(1, 4096, 128, 132) == (8, 512)  # Quest at 64k, page 16: balanced chunks
+    assert split_plan(64, 4096, 128, 132) == (4, 1024)  # fewer chunks as rows fill the GPU
+    assert split_plan(200, 4096, 128, 132) is None  # enough rows: one program each
+    assert split_plan(1, 65536, 2048, 132) is None  # chunks past the register bound
+    assert split_plan(1, 200, 128, 132) is None  # nothing to shortlist
+    assert split_plan(1, 4096, 128, 0) is None  # no GPU (interpreter): never unasked
+    with pytest.raises(ValueError, match="plan"):
+        topk_select_split(torch.zeros(1, 100), 8, torch.zeros(1), torch.full((1,), 100), None, (2, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, n, k", [(1, 4096, 128), (4, 2048, 128), (16, 4100, 128), (1, 4096, 2048)])
+def test_gpu_split_select_equals_reference(b, n, k):
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for scores in (torch.randn(b, n, device=dev), torch.randint(0, 50, (b, n), device=dev).float()):
+        cs = torch.randint(0, 8, (b,), device=dev, dtype=torch.int32)
+        ce = torch.full((b,), n - 5, device=dev, dtype=torch.int32)
+        mask = torch.rand(b, device=dev) < 0.9
+        ref = topk_select_reference(scores, k, cs, ce, mask)
+        plan = split_plan(b, n, k, sms)
+        if plan is not None:
+            got = topk_select_split(scores, k, cs, ce, mask, plan)
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+        got = topk_select(scores, k, cs, ce, mask)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert split_plan(1, 4096, 128, sms) is not None  # the decode shape does split

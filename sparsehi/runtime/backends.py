@@ -16,6 +16,7 @@ from hicache.device_pool import DeviceKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
 from sparsehi.kernels.decoder_ops import store_kv
+from sparsehi.kernels.table_scatter import stage_entries, table_scatter
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -251,9 +252,9 @@ class DenseBackend(ModeBackend):
                 raise ValueError(f"device KV pool is full ({self.pool.num_slots} slots): raise device_kv_tokens "
                                  f"or lower the batch / context")
             self._decode_pages[r, p] = pages.numpy()
-            slots = pages.to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
-            cols = torch.from_numpy(p).to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
-            self.req_pool.req_to_token[torch.from_numpy(r).to(self.device)[:, None], cols] = slots
+            # req_to_token[r, p * ps + j] = page * ps + j: one staged copy, one launch
+            ents = np.stack([np.zeros_like(r), r, p, pages.numpy() * ps], 1)
+            table_scatter(stage_entries(ents, self.device), [self.req_pool.req_to_token], span=ps)
         return None
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):

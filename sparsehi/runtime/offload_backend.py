@@ -14,6 +14,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kernels.kv_copy import kv_copy
 from hicache.transfer import KVTransferEngine
+from sparsehi.kernels.table_scatter import stage_entries, table_scatter
 from sparsehi.runtime.backends import ModeBackend, Request
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -84,8 +85,8 @@ class OffloadFullBackend(ModeBackend):
             if pages is None:
                 raise ValueError("host KV pool is full: raise host_kv_tokens")
             self._host_pages[rows, p] = pages.numpy()
-            self.host_page_table[torch.from_numpy(rows).to(self.device), torch.from_numpy(p).to(self.device)] = \
-                pages.to(self.device)
+            ents = np.stack([np.zeros_like(rows), rows, p, pages.numpy()], 1)
+            table_scatter(stage_entries(ents, self.device), [self.host_page_table])
         self.step_bytes.append(sum(r.seq_len for r in reqs) * self.spec.token_bytes)
         return None
 

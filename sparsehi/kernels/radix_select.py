@@ -1,0 +1,98 @@
+"""Radix-select building blocks shared by the Top-k kernels (``topk``, ``topk_split``).
+
+Scores become ``uint32`` keys whose unsigned order is the float order (0: not selectable);
+the threshold key of rank ``need`` is found digit by digit (8-bit histograms below the bits
+every candidate shares), and ``_emit`` writes the ids above it plus the first ``need`` ties
+in their given order (so, fed in id order, lower ids win ties).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_keys(x, in_range):
+    """``uint32`` keys whose unsigned order is the float order of ``x``; 0 where the id is
+    not selectable (outside the candidates, -inf, NaN). Every selectable key is
+    ``>= 0x00800000`` (the key of -inf is ``0x007FFFFF``)."""
+    x = x.to(tl.float32)
+    ok = in_range & (x > float("-inf"))  # NaN compares False
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where(bits >= 0x80000000, ~bits, bits | 0x80000000)
+    return tl.where(ok, key, tl.zeros_like(key))
+
+
+@triton.jit
+def _high_bits(n):
+    """``uint32`` mask of bits ``[n, 32)`` (``n`` in ``[0, 32]``)."""
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    return tl.where(n >= 32, tl.zeros_like(ones), ones << tl.minimum(n, 31).to(tl.uint32))
+
+
+@triton.jit
+def _refine(hist, prefix, known_lo, need):
+    """One radix digit of the threshold key.
+
+    ``prefix`` holds the threshold's bits ``[known_lo, 32)``; ``hist [256]`` counts, among the
+    keys sharing them, the digit ``(key >> lo) & 255`` with ``lo = max(known_lo - 8, 0)``;
+    the threshold is the ``need``-th largest of those keys. Returns the prefix extended to
+    bits ``[lo, 32)``, ``lo``, and the rank left inside the chosen digit. A no-op once
+    every bit is known (``known_lo == 0``)."""
+    lo = tl.maximum(known_lo - 8, 0)
+    above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher digits
+    digit = tl.sum((above >= need).to(tl.int32), 0)
+    above_digit = tl.sum(tl.where(tl.arange(0, 256) == digit, above, 0), 0)
+    # a window that overlaps known bits (lo + 8 > known_lo) only finds digits agreeing with them
+    extended = (prefix & _high_bits(lo + 8)) | (digit.to(tl.uint32) << lo.to(tl.uint32))
+    active = known_lo > 0
+    return (tl.where(active, extended, prefix), tl.where(active, lo, known_lo),
+            tl.where(active, need - above_digit, need))
+
+
+@triton.jit
+def _shared_bits(kmin, kmax):
+    """Every ``uint32`` in ``[kmin, kmax]`` has the bits of ``kmax`` above the highest bit where
+    ``kmin`` and ``kmax`` differ. Returns those bits (``prefix``) and the lowest of them
+    (``known_lo``; 0 when ``kmin == kmax``): the radix digits start right below."""
+    diff = kmax ^ kmin
+    d = diff
+    msb = tl.full([], 0, tl.int32)
+    for sh in tl.static_range(5):
+        step = 16 >> sh
+        big = (d >> step) != 0
+        d = tl.where(big, d >> step, d)
+        msb += tl.where(big, step, 0)
+    known_lo = tl.where(diff != 0, msb + 1, 0)
+    return kmax & _high_bits(known_lo), known_lo
+
+
+@triton.jit
+def _threshold_in_registers(keys, need):
+    """The ``need``-th largest of ``keys`` (a block in registers, 0 = not selectable;
+    ``need <= `` their count): returns ``(threshold key, ties of it to take)``."""
+    ok = keys != 0
+    prefix, known_lo = _shared_bits(tl.min(tl.where(ok, keys, 0xFFFFFFFF), 0), tl.max(keys, 0))
+    known_lo = tl.where(need > 0, known_lo, 0)
+    for _ in tl.static_range(4):
+        if known_lo > 0:
+            hb = _high_bits(known_lo)
+            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+            match = ok & ((keys & hb) == (prefix & hb))
+            hist = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
+            prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+    return prefix, need
+
+
+@triton.jit
+def _emit(out, keys, ids, thr, need, ties, n_out):
+    """Write, in their order, the ``ids`` whose key is above ``thr`` and the ties of ``thr``
+    ranked below ``need`` (``ties`` met before this block); ``n_out`` written before."""
+    eq = keys == thr  # a key of 0 (not selectable) never equals a threshold
+    ei = eq.to(tl.int32)
+    rank = ties + tl.cumsum(ei, 0) - ei
+    sel = (keys > thr) | (eq & (rank < need))
+    si = sel.to(tl.int32)
+    tl.store(out + n_out + tl.cumsum(si, 0) - si, ids, mask=sel)
+    return ties + tl.sum(ei, 0), n_out + tl.sum(si, 0)
