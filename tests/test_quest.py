@@ -45,6 +45,10 @@ def test_kernel_matches_reference(reduce):
     npages = torch.tensor([70, 9, 33])
     ref = quest_score_reference(q, kmin, kmax, req, npages, reduce)
     tri = quest_score_triton(q, kmin, kmax, req, npages, reduce)
+    # both tilings (small batches: small tiles, every group's loads up front) agree
+    wide = quest_score_triton(q, kmin, kmax, req, npages, reduce, block_p=16, unroll=False, num_warps=4)
+    assert torch.equal(torch.isinf(wide), torch.isinf(tri))
+    assert torch.allclose(wide[~torch.isinf(tri)], tri[~torch.isinf(tri)], rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.isinf(ref), torch.isinf(tri))
     live = ~torch.isinf(ref)
     assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-4)
