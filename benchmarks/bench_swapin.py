@@ -75,7 +75,9 @@ from hicache.kv_spec import KVCacheSpec  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff  # noqa: E402
 from sparsehi.kernels.selection_table import SelectionTable, selection_table  # noqa: E402
-from sparsehi.kernels.swap_in_copy import DEFAULT_BLOCK_BYTES, DEFAULT_ROW_MAJOR, swap_in_copy  # noqa: E402
+from hicache.kernels.kv_copy import word_rows  # noqa: E402
+from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, DEFAULT_ROW_MAJOR, PROGRAMS_IN_FLIGHT,  # noqa: E402
+                                           swap_in_copy)
 from sparsehi.kv_manager import SparseKVCacheManager  # noqa: E402
 
 LAYER = 0  # the one (sparse) layer of the pools
@@ -377,9 +379,16 @@ class SwapInParts:
     def diff(self, step) -> None:
         lru_diff(self.s.topk, self.s.valid, *self.state, self.mgr.step_t, rows=step.rows, out=self.res)
 
-    def copy(self, step, variant: Optional[tuple[int, bool]] = None) -> None:
+    def copy(self, step, variant: Optional[tuple[int, bool, Optional[int]]] = None) -> None:
         r, m = self.res, self.mgr
-        kw = {} if variant is None else {"block_bytes": variant[0], "row_major": variant[1]}
+        kw = {}
+        if variant is not None:
+            bb, rm, pif = variant
+            kw = {"block_bytes": bb, "row_major": rm}
+            if pif is not None:  # programs in flight per SM over the batch
+                nseg = word_rows(*self.views).nseg * self.views[0].shape[3]
+                kw["programs_per_row"] = max(1, pif * torch.cuda.get_device_properties(m.device).multi_processor_count
+                                             // (self.s.batch * nseg))
         swap_in_copy(*self.views, LAYER, r.load_ids, r.load_slots, r.num_loads, step.rows, m.host_page_table,
                      m.buf_pages, m.ps, **kw)
 
@@ -399,7 +408,7 @@ class SplitGraphs:
     default, or a variant ``(block_bytes, row_major)``) and the table (begin_step runs
     first, untimed)."""
 
-    def __init__(self, parts: SwapInParts, variants: tuple[tuple[int, bool], ...] = ()) -> None:
+    def __init__(self, parts: SwapInParts, variants: tuple[tuple[int, bool, Optional[int]], ...] = ()) -> None:
         # once eagerly on padding rows (they select nothing and change no state), as the
         # runtime warms a graph, so that nothing compiles during capture
         pad = torch.full_like(parts.s.rows, -1)
@@ -412,7 +421,7 @@ class SplitGraphs:
         self.g_table, self.tab = capture(lambda: parts.table(step))
         self.g_variants = {v: capture(lambda v=v: parts.copy(step, v))[0] for v in variants}
 
-    def replay(self, variant: Optional[tuple[int, bool]] = None) -> dict[str, float]:
+    def replay(self, variant: Optional[tuple[int, bool, Optional[int]]] = None) -> dict[str, float]:
         self.g_begin.replay()
         g_copy = self.g_copy if variant is None else self.g_variants[variant]
         d, c, t = gpu_intervals([self.g_diff.replay, g_copy.replay, self.g_table.replay])
@@ -491,7 +500,7 @@ class HiSparsePeer:
 # ----------------------------------------------------------------------------- one row
 def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: int, split_steps: int,
                       warm_min: int, graphs: bool, hisparse_fn: Optional[Callable], seed: int = 0,
-                      copy_variants: tuple[tuple[int, bool], ...] = ()) -> dict:
+                      copy_variants: tuple[tuple[int, bool, Optional[int]], ...] = ()) -> dict:
     """Measure one (shape, batch, overlap) row; see the module docstring."""
     shape = pools.shape
     dev = pools.device_pool.device
@@ -570,8 +579,7 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
             (got if v is None else by_variant[v]).append(t)
             correct &= selection_holds_host_data(pools, parts.tab, s.topk, host_slots, mgr.sink, mgr.R)
         split = {key: round(statistics.median(g[key] for g in got), 1) for key in got[0]}
-        variant_us = {f"{bb}{'/row' if rm else '/batch'}": round(statistics.median(t["copy"] for t in ts), 1)
-                      for (bb, rm), ts in by_variant.items()}
+        variant_us = {variant_name(v): round(statistics.median(t["copy"] for t in ts), 1) for v, ts in by_variant.items()}
         del parts
 
     page_bytes = pools.spec.page_bytes_per_layer
@@ -630,15 +638,25 @@ def judge(row: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
-def parse_copy_variants(text: str, ap: argparse.ArgumentParser) -> tuple[tuple[int, bool], ...]:
-    """``"4096/row,8192/batch"`` -> ``((4096, True), (8192, False))``."""
+def parse_copy_variants(text: str, ap: argparse.ArgumentParser) -> tuple[tuple[int, bool, Optional[int]], ...]:
+    """``"4096/row,8192/batch/16"`` -> ``((4096, True, None), (8192, False, 16))``: block
+    bytes, launch order, programs in flight per SM (None: the library's default)."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        size, _, order = item.partition("/")
-        if not size.isdigit() or int(size) < 1 or order not in ("row", "batch"):
-            ap.error(f"--copy-variants entry {item!r} is invalid: BYTES/row or BYTES/batch with BYTES >= 1")
-        out.append((int(size), order == "row"))
+        parts = item.split("/")
+        ok = len(parts) in (2, 3) and parts[0].isdigit() and int(parts[0]) >= 1 and parts[1] in ("row", "batch")
+        if ok and len(parts) == 3:
+            ok = parts[2].isdigit() and int(parts[2]) >= 1
+        if not ok:
+            ap.error(f"--copy-variants entry {item!r} is invalid: BYTES/row or BYTES/batch with BYTES >= 1, "
+                     "optionally /PROGRAMS (programs in flight per SM, >= 1)")
+        out.append((int(parts[0]), parts[1] == "row", int(parts[2]) if len(parts) == 3 else None))
     return tuple(out)
+
+
+def variant_name(v: tuple[int, bool, Optional[int]]) -> str:
+    bb, rm, pif = v
+    return f"{bb}/{'row' if rm else 'batch'}" + (f"/{pif}" if pif is not None else "")
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -695,8 +713,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                      "block_size": HISPARSE_BLOCK},
         "settings": {"quick": args.quick, "graphs": graphs, "timed_steps": timed, "split_steps": split_steps,
                      "spin_cycles_ahead_of_events": SPIN_CYCLES if cuda else None,
-                     "copy_default": {"block_bytes": DEFAULT_BLOCK_BYTES, "row_major": DEFAULT_ROW_MAJOR},
-                     "copy_variants": [f"{bb}/{'row' if rm else 'batch'}" for bb, rm in copy_variants],
+                     "copy_default": {"block_bytes": DEFAULT_BLOCK_BYTES, "row_major": DEFAULT_ROW_MAJOR,
+                                      "programs_in_flight_per_sm": PROGRAMS_IN_FLIGHT},
+                     "copy_variants": [variant_name(v) for v in copy_variants],
                      "trace": "adjacent steps share round(K * overlap) ids; the rest uniform over the candidates "
                               "the previous step did not hold; ascending",
                      "shapes": {f"{sh.kind}/{sh.layout}": sh.__dict__ | {"spec_token_bytes": sh.spec().token_bytes}

@@ -61,7 +61,10 @@ def test_copy_matches_page_by_page(layout, attention, ps):
     # block sizes: one token row per program (pages split over programs) and many pages each
     for fn, kw in ((swap_in_copy_reference, {}), (swap_in_copy_triton, {"block_bytes": 64}),
                    (swap_in_copy_triton, {"block_bytes": 4096}),
-                   (swap_in_copy_triton, {"block_bytes": 64, "row_major": True})):
+                   (swap_in_copy_triton, {"block_bytes": 64, "row_major": True}),
+                   # one program per row loops over all its runs; more programs than runs
+                   (swap_in_copy_triton, {"block_bytes": 64, "programs_per_row": 1}),
+                   (swap_in_copy_triton, {"block_bytes": 64, "row_major": False, "programs_per_row": 1000})):
         dev.kv_data.zero_()
         want_z = want.clone()
         touched = torch.zeros_like(want, dtype=torch.bool)

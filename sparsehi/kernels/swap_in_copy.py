@@ -16,6 +16,8 @@ Entry points: ``swap_in_copy`` (dispatch), ``swap_in_copy_triton``, ``swap_in_co
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -71,33 +73,39 @@ def _swap_in_copy_kernel(
     PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
     PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr, ROW_MAJOR: tl.constexpr,
 ):
-    # grid: (batch row, run of TOKS token rows of the row's misses, buffer x head segment),
-    # or with ROW_MAJOR the first two swapped: programs launch x-fastest, so the runs of one
-    # row are then in flight together and read its (ascending) host pages in order, while
-    # batch-fastest spreads the reads of the moment over every row's host region.
+    # grid: (batch row, G programs per row, buffer x head segment), or with ROW_MAJOR the
+    # first two swapped: programs launch x-fastest, so a row's programs are then in flight
+    # together and read its (ascending) host pages in order, while batch-fastest spreads
+    # the reads of the moment over every row's host region. Program g of a row copies the
+    # runs g, g + G, g + 2G, ... of TOKS token rows until the row's misses end: a bounded
+    # grid whatever K is, so few misses leave few programs to start and retire.
     # Token rows are numbered miss * PS + token, so a run may hold several small pages or a
-    # piece of a large one: the block size alone sets how many programs share a row's copy.
+    # piece of a large one: the block size alone sets how many token rows a run moves.
     # A tile row is one SEG-word piece of a token's row (PARTS pieces per row): the inner
     # dimension is contiguous, so loads and stores are wide, and no lane idles on odd rows.
     if ROW_MAJOR:
         b = tl.program_id(1).to(tl.int64)
-        t0 = tl.program_id(0) * TOKS
+        g = tl.program_id(0)
+        G = tl.num_programs(0)
     else:
         b = tl.program_id(0).to(tl.int64)
-        t0 = tl.program_id(1) * TOKS
+        g = tl.program_id(1)
+        G = tl.num_programs(1)
     seg = tl.program_id(2)
     n = tl.load(nload_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    if (t0 < n * PS) & (row >= 0):
-        head = (seg % NUM_SEG).to(tl.int64)
-        buf = (seg // NUM_SEG).to(tl.int64)
-        piece = tl.arange(0, TILE)
-        part = (piece % PARTS).to(tl.int64)
-        tok_row = piece // PARTS
+    end = tl.where(row >= 0, tl.minimum(n, K) * PS, 0)
+    head = (seg % NUM_SEG).to(tl.int64)
+    buf = (seg // NUM_SEG).to(tl.int64)
+    piece = tl.arange(0, TILE)
+    part = (piece % PARTS).to(tl.int64)
+    tok_row = piece // PARTS
+    w = tl.arange(0, SEG)[None, :]
+    for t0 in range(g * TOKS, end, G * TOKS):
         t = t0 + tok_row
         miss = t // PS
         tok = (t % PS).to(tl.int64)
-        live = (tok_row < TOKS) & (miss < n) & (miss < K)
+        live = (tok_row < TOKS) & (t < end)
         lid = tl.load(ids_ptr + b * stride_ids + miss, mask=live, other=-1)
         slot = tl.load(slots_ptr + b * stride_ids + miss, mask=live, other=-1)
         live = live & (lid >= 0) & (lid < hp_cols) & (slot >= 0) & (slot < sp_cols)
@@ -108,7 +116,6 @@ def _swap_in_copy_kernel(
         live = live & (hp >= 0) & (hs < src_slots) & (dp >= 0) & (ds < dst_slots)
         s_off = (hs // SRC_PS) * s_sp + (hs % SRC_PS) * s_st + layer * s_sl + buf * s_sb + head * s_sh + part * SEG
         d_off = (ds // DST_PS) * d_sp + (ds % DST_PS) * d_st + layer * d_sl + buf * d_sb + head * d_sh + part * SEG
-        w = tl.arange(0, SEG)[None, :]
         m = live[:, None] & (w < SEG)
         x = tl.load(src_ptr + s_off[:, None] + w, mask=m)
         tl.store(dst_ptr + d_off[:, None] + w, x, mask=m)
@@ -128,10 +135,26 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
 # small batch; 4 KiB blocks are as fast as or faster than 2, 8 and 16 KiB there.
 DEFAULT_BLOCK_BYTES = 4096
 DEFAULT_ROW_MAJOR = True
+# Programs per SM the grid aims at (a row's programs loop over its runs): enough reads in
+# flight to cover the PCIe latency, few enough that programs with nothing to copy (rows
+# with few misses) cost little to start.
+PROGRAMS_IN_FLIGHT = 8
+_SMS: dict = {}
+
+
+def _sm_count(t: torch.Tensor) -> int:
+    """SMs of ``t``'s CUDA device (16 for CPU tensors: the interpreter's grid size only)."""
+    if not t.is_cuda:
+        return 16
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
-                        page_size, block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR) -> None:
+                        page_size, block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR,
+                        programs_per_row: Optional[int] = None) -> None:
     """Triton launcher (see the module docstring); about ``block_bytes`` of one buffer x
     head segment's rows per program (small blocks spread one request's misses, or one
     large page, over many SMs)."""
@@ -151,8 +174,11 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
     tile = triton.next_power_of_2(toks * parts)
     ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
     li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
-    runs = triton.cdiv(k * ps, toks)
-    _swap_in_copy_kernel[(runs, b, nbuf * nseg) if row_major else (b, runs, nbuf * nseg)](
+    runs = triton.cdiv(k * ps, toks)  # the most a row can need
+    if programs_per_row is None:
+        programs_per_row = max(1, (PROGRAMS_IN_FLIGHT * _sm_count(dst)) // (b * nbuf * nseg))
+    gpr = max(1, min(runs, programs_per_row))
+    _swap_in_copy_kernel[(gpr, b, nbuf * nseg) if row_major else (b, gpr, nbuf * nseg)](
         ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
         layer, k, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
         li.stride(0), host_pages.stride(0), slot_pages.stride(0),
@@ -164,7 +190,8 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
 
 
 def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR,
+                 programs_per_row: Optional[int] = None) -> None:
     """Copy one layer's missed pages host -> device (see the module docstring).
 
     src / dst: host / device 6-D pool views; load_ids, load_slots ``[B, K] int32`` and
@@ -172,12 +199,14 @@ def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pa
     padding); host_pages ``[R, M] int64`` host page of each logical id; slot_pages ``[R, S]
     int32`` device page of each buffer slot; page_size tokens per page (page ``p`` is
     token slots ``[p * page_size, (p + 1) * page_size)`` on both sides); block_bytes: bytes
-    of rows per program, row_major: launch order (a row's programs adjacent); Triton path."""
+    of rows per run, row_major: launch order (a row's programs adjacent), programs_per_row:
+    programs looping over a row's runs (None: about ``PROGRAMS_IN_FLIGHT`` per SM over the
+    batch); Triton path."""
     probe = dst if dst.is_cuda else src
     args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     if use_triton(probe):
         announce_path("swap_in_copy", "triton")
-        swap_in_copy_triton(*args, block_bytes=block_bytes, row_major=row_major)
+        swap_in_copy_triton(*args, block_bytes=block_bytes, row_major=row_major, programs_per_row=programs_per_row)
     else:
         announce_path("swap_in_copy", "reference")
         swap_in_copy_reference(*args)
