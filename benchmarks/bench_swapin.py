@@ -76,8 +76,7 @@ from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff  # noqa: E402
 from sparsehi.kernels.selection_table import SelectionTable, selection_table  # noqa: E402
 from hicache.kernels.kv_copy import word_rows  # noqa: E402
-from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, DEFAULT_ROW_MAJOR, PROGRAMS_IN_FLIGHT,  # noqa: E402
-                                           swap_in_copy)
+from sparsehi.kernels.swap_in_copy import DEFAULT_BLOCK_BYTES, DEFAULT_ROW_MAJOR, swap_in_copy  # noqa: E402
 from sparsehi.kv_manager import SparseKVCacheManager  # noqa: E402
 
 LAYER = 0  # the one (sparse) layer of the pools
@@ -714,7 +713,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "settings": {"quick": args.quick, "graphs": graphs, "timed_steps": timed, "split_steps": split_steps,
                      "spin_cycles_ahead_of_events": SPIN_CYCLES if cuda else None,
                      "copy_default": {"block_bytes": DEFAULT_BLOCK_BYTES, "row_major": DEFAULT_ROW_MAJOR,
-                                      "programs_in_flight_per_sm": PROGRAMS_IN_FLIGHT},
+                                      "programs_per_row": "one per run"},
                      "copy_variants": [variant_name(v) for v in copy_variants],
                      "trace": "adjacent steps share round(K * overlap) ids; the rest uniform over the candidates "
                               "the previous step did not hold; ascending",

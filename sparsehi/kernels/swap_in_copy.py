@@ -73,7 +73,8 @@ def _swap_in_copy_kernel(
     PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
     PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr, ROW_MAJOR: tl.constexpr,
 ):
-    # grid: (batch row, G programs per row, buffer x head segment), or with ROW_MAJOR the
+    # grid: (batch row, G programs per row, buffer x head segment; G = one per run unless
+    # bounded by the caller), or with ROW_MAJOR the
     # first two swapped: programs launch x-fastest, so a row's programs are then in flight
     # together and read its (ascending) host pages in order, while batch-fastest spreads
     # the reads of the moment over every row's host region. Program g of a row copies the
@@ -129,27 +130,22 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
     return seg
 
 
+def _piece_words(chunk: int, cap: int = 64) -> int:
+    """Largest power of two dividing ``chunk`` (words of a row), at most ``cap``."""
+    seg = 1
+    while seg * 2 <= cap and chunk % (seg * 2) == 0:
+        seg *= 2
+    return seg
+
+
 # Measured on one H100 (benchmarks/results/swapin.json, copy_variant_us, 2026-11-25): a row's
 # programs adjacent in launch order read its ascending host pages together and take 7-18 %
 # off the MLA copy at B = 64..128 (fewer host-page translations in flight), the same at
-# small batch; 4 KiB blocks are as fast as or faster than 2, 8 and 16 KiB there.
+# small batch; 4 KiB blocks are as fast as or faster than 2, 8 and 16 KiB there. One program
+# per run (the full grid): bounding it to 4-64 programs per SM, each looping over its row's
+# runs, was never faster and up to 20 % slower at B = 128 (fewer reads in flight).
 DEFAULT_BLOCK_BYTES = 4096
 DEFAULT_ROW_MAJOR = True
-# Programs per SM the grid aims at (a row's programs loop over its runs): enough reads in
-# flight to cover the PCIe latency, few enough that programs with nothing to copy (rows
-# with few misses) cost little to start.
-PROGRAMS_IN_FLIGHT = 8
-_SMS: dict = {}
-
-
-def _sm_count(t: torch.Tensor) -> int:
-    """SMs of ``t``'s CUDA device (16 for CPU tensors: the interpreter's grid size only)."""
-    if not t.is_cuda:
-        return 16
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
@@ -175,9 +171,7 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
     ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
     li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
     runs = triton.cdiv(k * ps, toks)  # the most a row can need
-    if programs_per_row is None:
-        programs_per_row = max(1, (PROGRAMS_IN_FLIGHT * _sm_count(dst)) // (b * nbuf * nseg))
-    gpr = max(1, min(runs, programs_per_row))
+    gpr = runs if programs_per_row is None else max(1, min(runs, programs_per_row))
     _swap_in_copy_kernel[(gpr, b, nbuf * nseg) if row_major else (b, gpr, nbuf * nseg)](
         ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
         layer, k, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
@@ -200,8 +194,7 @@ def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pa
     int32`` device page of each buffer slot; page_size tokens per page (page ``p`` is
     token slots ``[p * page_size, (p + 1) * page_size)`` on both sides); block_bytes: bytes
     of rows per run, row_major: launch order (a row's programs adjacent), programs_per_row:
-    programs looping over a row's runs (None: about ``PROGRAMS_IN_FLIGHT`` per SM over the
-    batch); Triton path."""
+    programs looping over a row's runs (None: one per run); Triton path."""
     probe = dst if dst.is_cuda else src
     args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     if use_triton(probe):
