@@ -130,14 +130,6 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
     return seg
 
 
-def _piece_words(chunk: int, cap: int = 64) -> int:
-    """Largest power of two dividing ``chunk`` (words of a row), at most ``cap``."""
-    seg = 1
-    while seg * 2 <= cap and chunk % (seg * 2) == 0:
-        seg *= 2
-    return seg
-
-
 # Measured on one H100 (benchmarks/results/swapin.json, copy_variant_us, 2026-11-25): a row's
 # programs adjacent in launch order read its ascending host pages together and take 7-18 %
 # off the MLA copy at B = 64..128 (fewer host-page translations in flight), the same at
