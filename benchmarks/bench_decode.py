@@ -235,13 +235,13 @@ def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps:
 
 def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tuple[dict[str, float], float]:
     """Time ``steps`` decode steps with sections; returns (mean ms per section, mean step ms)."""
-    import sparsehi.kv_manager as kvm
+    import sparsehi.swap_in as swi
 
     be = runner.backend
     timer = be.timer
     undo = []
     coord = getattr(be, "coord", None)
-    orig_diff = kvm.lru_diff
+    orig_diff, orig_fused = swi.lru_diff, swi.swap_in_copy_and_table
     if coord is not None:
         undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
         if coord.manager.hier:
@@ -251,7 +251,11 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
         def timed_diff(*a, **kw):
             with timer.section("lru_diff"):
                 return orig_diff(*a, **kw)
-        kvm.lru_diff = timed_diff
+
+        def timed_fused(*a, **kw):  # the copy of the misses (and the page table, same launch)
+            with timer.section("io"):
+                return orig_fused(*a, **kw)
+        swi.lru_diff, swi.swap_in_copy_and_table = timed_diff, timed_fused
     timer.enabled = True
     graphs_on = runner.graphs.enabled
     runner.graphs.enabled = False  # section events need the eager step (same kernels as the graph)
@@ -279,7 +283,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     finally:
         timer.enabled = False
         runner.graphs.enabled = graphs_on
-        kvm.lru_diff = orig_diff
+        swi.lru_diff, swi.swap_in_copy_and_table = orig_diff, orig_fused
         for u in undo:
             u()
     n = max(1, steps)

@@ -2,10 +2,11 @@
 
 What is timed: one sparse layer's way from a Top-k selection ``[B, K] int32`` (ascending ids,
 -1 padded) to a ready attention input, as ``SparseCoordinator._sparse_selection`` makes it
-in hierarchical mode: ``SparseKVCacheManager.swap_in`` (LRU diff + copy of the misses from
-the pinned host pool, two launches) and ``selection_table`` (the page table / token indices
-of sink, selected and recent ids, one launch; at page size 1 its physical ids are the token
-indices the DSA adaptor hands to attention), captured in one CUDA graph. The step's shared
+in hierarchical mode: ``SparseKVCacheManager.swap_in_table``: the LRU diff (one launch), then
+the copy of the misses from the pinned host pool and the selection table (the page table /
+token indices of sink, selected and recent ids; at page size 1 its physical ids are the
+token indices the DSA adaptor hands to attention) together in one launch, captured in one
+CUDA graph. The step's shared
 tables (``SparseKVCacheManager.begin_step``: write locations, page counts; once per decode
 step for all layers, not per layer) are captured in a graph of their own, replayed just
 before and timed apart: ``step_setup_us``. Each step runs ``prepare_decode`` on the host
@@ -349,8 +350,7 @@ class SwapInStep:
         return self.mgr.begin_step(self.rows, self.seq)
 
     def layer(self, step) -> SelectionTable:
-        slots = self.mgr.swap_in(LAYER, step, self.topk, self.valid)
-        return self.table(step, slots)
+        return self.mgr.swap_in_table(LAYER, step, self.topk, self.valid)
 
     def body(self):
         step = self.begin()
@@ -703,7 +703,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         gc.collect()
     targets = [judge(r) for r in rows]
     payload = {
-        "what": "per-layer swap-in (swap_in + selection_table; the step's begin_step apart as step_setup_us) as "
+        "what": "per-layer swap-in (swap_in_table: LRU diff, then copy + selection table in one launch; the step's "
+                "begin_step apart as step_setup_us) as "
                 "the runtime runs it, beside SGLang HiSparse's fused kernel on the same traces and the pinned "
                 "host->device IO limit",
         "h2d_gbps": round(gbps, 1) if gbps else None,

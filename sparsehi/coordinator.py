@@ -311,13 +311,11 @@ class SparseCoordinator:
             topk = key.masked_fill_(key == _INT32_MAX, -1)
         topk = topk.contiguous()
         m.check_topk(step, topk, valid, t.ce)
-        kw: dict[str, Any] = dict(sink=m.sink, recent=m.R, page_size=self.config.page_size)
-        if m.hier:  # LRU diff + copy of the misses; the table maps buffer slots to pages
-            kw.update(sink_table=m.sink_table, ring_table=m.ring_table, slot_table=m.buf_pages,
-                      topk_phys=m.swap_in(layer_id, step, topk, valid))
+        if m.hier:  # LRU diff, then the copy of the misses and the table (buffer pages) in one launch
+            tab = m.swap_in_table(layer_id, step, topk, valid)
         else:
-            kw.update(own_table=m.page_table)
-        tab = selection_table(topk, valid, step.num_pages, step.seq_lens, step.safe_rows, **kw)
+            tab = selection_table(topk, valid, step.num_pages, step.seq_lens, step.safe_rows, sink=m.sink, recent=m.R,
+                                  page_size=self.config.page_size, own_table=m.page_table)
         if step.dense_rows is None:
             return SparseSelection(tab.logical, tab.physical, tab.num_valid, step.seq_lens, self.config.page_size,
                                    self.sel_mode, page_table=tab.page_table, attended=tab.attended)

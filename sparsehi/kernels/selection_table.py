@@ -118,7 +118,8 @@ def selection_table_reference(topk: torch.Tensor, valid: torch.Tensor, num_pages
 
 
 @triton.jit
-def _selection_table_kernel(
+def _selection_table_block(
+    b, cb,
     topk_ptr, valid_ptr, npages_ptr, seq_ptr, rows_ptr,
     own_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
     lid_out, phys_out, pt_out, nv_out, att_out,
@@ -126,9 +127,8 @@ def _selection_table_kernel(
     K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, HIER: tl.constexpr, HAS_TPHYS: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
-    # grid (row, column block): the row's scalars are recomputed by each block
-    b = tl.program_id(0).to(tl.int64)
-    cb = tl.program_id(1)
+    """Column block ``cb`` of batch row ``b`` (int64); the row's scalars are recomputed by
+    each block."""
     P = tl.load(npages_ptr + b).to(tl.int32)
     n_sink = tl.minimum(P, SINK)
     rs = tl.maximum(n_sink, P - RECENT)
@@ -173,6 +173,22 @@ def _selection_table_kernel(
         tail = tl.minimum(tl.maximum(tl.load(seq_ptr + b) - last_lid * PAGE, 0), PAGE)
         tl.store(nv_out + b, nv)
         tl.store(att_out + b, tl.where(nv > 0, last * PAGE + tail, 0))
+
+
+@triton.jit
+def _selection_table_kernel(
+    topk_ptr, valid_ptr, npages_ptr, seq_ptr, rows_ptr,
+    own_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
+    lid_out, phys_out, pt_out, nv_out, att_out,
+    stride_topk, stride_own, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out, own_cols, slot_cols,
+    K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
+    BLOCK_W: tl.constexpr, HIER: tl.constexpr, HAS_TPHYS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+):
+    # grid (row, column block)
+    _selection_table_block(tl.program_id(0).to(tl.int64), tl.program_id(1), topk_ptr, valid_ptr, npages_ptr, seq_ptr, rows_ptr, own_ptr, sink_ptr, ring_ptr, tphys_ptr,
+                           slot_ptr, lid_out, phys_out, pt_out, nv_out, att_out, stride_topk, stride_own, stride_sink,
+                           stride_ring, stride_tphys, stride_slot, stride_out, own_cols, slot_cols,
+                           K, SINK, RECENT, PAGE, W, BLOCK_W, HIER, HAS_TPHYS, HAS_SLOTS)
 
 
 def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,

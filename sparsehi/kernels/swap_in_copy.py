@@ -65,34 +65,17 @@ def swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, row
 
 
 @triton.jit
-def _swap_in_copy_kernel(
+def _swap_in_copy_block(
+    b, g, G, seg,
     src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
     layer, K, src_slots, dst_slots, hp_cols, sp_cols,
     stride_ids, stride_hp, stride_sp,
     s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
     PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
-    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr, ROW_MAJOR: tl.constexpr,
+    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr,
 ):
-    # grid: (batch row, G programs per row, buffer x head segment; G = one per run unless
-    # bounded by the caller), or with ROW_MAJOR the
-    # first two swapped: programs launch x-fastest, so a row's programs are then in flight
-    # together and read its (ascending) host pages in order, while batch-fastest spreads
-    # the reads of the moment over every row's host region. Program g of a row copies the
-    # runs g, g + G, g + 2G, ... of TOKS token rows until the row's misses end: a bounded
-    # grid whatever K is, so few misses leave few programs to start and retire.
-    # Token rows are numbered miss * PS + token, so a run may hold several small pages or a
-    # piece of a large one: the block size alone sets how many token rows a run moves.
-    # A tile row is one SEG-word piece of a token's row (PARTS pieces per row): the inner
-    # dimension is contiguous, so loads and stores are wide, and no lane idles on odd rows.
-    if ROW_MAJOR:
-        b = tl.program_id(1).to(tl.int64)
-        g = tl.program_id(0)
-        G = tl.num_programs(0)
-    else:
-        b = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
-        G = tl.num_programs(1)
-    seg = tl.program_id(2)
+    """Program ``g`` of ``G`` of batch row ``b`` (int64), buffer x head segment ``seg``:
+    the runs g, g + G, ... of the row's misses (see the kernel's comments)."""
     n = tl.load(nload_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
     end = tl.where(row >= 0, tl.minimum(n, K) * PS, 0)
@@ -120,6 +103,39 @@ def _swap_in_copy_kernel(
         m = live[:, None] & (w < SEG)
         x = tl.load(src_ptr + s_off[:, None] + w, mask=m)
         tl.store(dst_ptr + d_off[:, None] + w, x, mask=m)
+
+
+@triton.jit
+def _swap_in_copy_kernel(
+    src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+    layer, K, src_slots, dst_slots, hp_cols, sp_cols,
+    stride_ids, stride_hp, stride_sp,
+    s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
+    PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr,
+    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr, ROW_MAJOR: tl.constexpr,
+):
+    # grid: (batch row, G programs per row, buffer x head segment), or with ROW_MAJOR the
+    # first two swapped: programs launch x-fastest, so a row's programs are then in flight
+    # together and read its (ascending) host pages in order, while batch-fastest spreads
+    # the reads of the moment over every row's host region. Program g of a row copies the
+    # runs g, g + G, g + 2G, ... of TOKS token rows until the row's misses end (G: one
+    # program per run by default, so each copies at most one; a caller may bound G).
+    # Token rows are numbered miss * PS + token, so a run may hold several small pages or a
+    # piece of a large one: the block size alone sets how many token rows a run moves.
+    # A tile row is one SEG-word piece of a token's row (PARTS pieces per row): the inner
+    # dimension is contiguous, so loads and stores are wide, and no lane idles on odd rows.
+    if ROW_MAJOR:
+        b = tl.program_id(1).to(tl.int64)
+        g = tl.program_id(0)
+        G = tl.num_programs(0)
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        G = tl.num_programs(1)
+    _swap_in_copy_block(b, g, G, tl.program_id(2), src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr,
+                        sp_ptr, layer, K, src_slots, dst_slots, hp_cols, sp_cols, stride_ids, stride_hp, stride_sp,
+                        s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
+                        PS, SRC_PS, DST_PS, NUM_SEG, PARTS, SEG, TOKS, TILE)
 
 
 def _piece_words(chunk: int, cap: int = 64) -> int:

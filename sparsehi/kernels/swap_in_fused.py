@@ -1,0 +1,148 @@
+"""One launch after the LRU diff: the copy of the misses and the selection table together.
+
+In hierarchical mode a sparse layer's swap-in is the LRU diff (``lru_diff``), the copy of its
+misses host -> device (``swap_in_copy``) and the page table attention reads
+(``selection_table`` over the buffer slots the diff returned). The copy and the table both
+read only the diff's outputs, so one grid holds both: its last ``z`` slice builds the table
+(one program per column block of a row), the others copy (as ``swap_in_copy``). That is one
+launch fewer per sparse layer; at small batches, where each launch's latency is most of a
+layer's swap-in, that is what it saves.
+
+Arguments: those of ``swap_in_copy`` (host / device 6-D pool views, the diff's load lists,
+request rows ``[B] int64`` with ``-1`` padding, the host-page and slot-page tables, page size)
+and those of ``selection_table`` in hierarchical form (``topk [B, K] int32`` ascending,
+``valid [B]``, ``num_pages [B]``, ``seq_lens [B]``, ``table_rows [B] int64`` (padding mapped to
+row 0), ``sink`` / ``recent`` pages, ``sink_table`` / ``ring_table`` ``[R, *] int32``,
+``device_slots [B, K] int32`` from the diff, ``slot_table [R, S] int32``). Returns the
+``SelectionTable``.
+
+Entry points: ``swap_in_copy_and_table`` (dispatch), ``swap_in_copy_and_table_triton``,
+``swap_in_copy_and_table_reference``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hicache.kernels.kv_copy import word_rows
+from hicache.triton_support import announce_path, use_triton
+from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
+                                              selection_table_reference)
+from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _piece_words,
+                                           _swap_in_copy_block, swap_in_copy_reference)
+
+
+@triton.jit
+def _swap_in_and_table_kernel(
+    src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+    layer, K_LOAD, src_slots, dst_slots, hp_cols, sp_cols,
+    stride_ids, stride_hp, stride_sp,
+    s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
+    topk_ptr, valid_ptr, npages_ptr, seq_ptr, trows_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
+    lid_out, phys_out, pt_out, nv_out, att_out,
+    stride_topk, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out, slot_cols,
+    G,
+    PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr, NSEGS: tl.constexpr,
+    PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr,
+    K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
+    BLOCK_W: tl.constexpr, WBLOCKS: tl.constexpr,
+):
+    # grid (max(G, WBLOCKS), B, NSEGS + 1), x fastest: a row's copy programs launch together
+    # (as swap_in_copy's row-major order); the last z slice holds the table programs
+    x = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    z = tl.program_id(2)
+    if z < NSEGS:
+        if x < G:
+            _swap_in_copy_block(b, x, G, z, src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+                                layer, K_LOAD, src_slots, dst_slots, hp_cols, sp_cols, stride_ids, stride_hp,
+                                stride_sp, s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
+                                PS, SRC_PS, DST_PS, NUM_SEG, PARTS, SEG, TOKS, TILE)
+    else:
+        if x < WBLOCKS:
+            _selection_table_block(b, x, topk_ptr, valid_ptr, npages_ptr, seq_ptr, trows_ptr, topk_ptr, sink_ptr,
+                                   ring_ptr, tphys_ptr, slot_ptr, lid_out, phys_out, pt_out, nv_out, att_out,
+                                   stride_topk, 0, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out,
+                                   1, slot_cols, K, SINK, RECENT, PAGE, W, BLOCK_W, True, True, True)
+
+
+def _empty_table(b: int, w: int, dev: torch.device) -> SelectionTable:
+    return SelectionTable(*(torch.empty(b, w, dtype=torch.int32, device=dev) for _ in range(3)),
+                          torch.empty(b, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev))
+
+
+def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
+                                     page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
+                                     sink_table, ring_table, device_slots) -> SelectionTable:
+    """Torch reference: ``swap_in_copy_reference`` then ``selection_table_reference``."""
+    swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    return selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
+                                     page_size=page_size, sink_table=sink_table, ring_table=ring_table,
+                                     topk_phys=device_slots, slot_table=slot_pages)
+
+
+def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
+                                  page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
+                                  sink_table, ring_table, device_slots, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                                  out: Optional[SelectionTable] = None) -> SelectionTable:
+    """One launch (see the module docstring); ``out`` reuses table buffers."""
+    _check_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    _check_table(topk, valid, num_pages, seq_lens, table_rows, None, sink_table, ring_table, device_slots, sink,
+                 recent, slot_pages)
+    if not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes={block_bytes!r} is invalid: an int >= 1")
+    b, k = topk.shape
+    if load_ids.shape[0] != b:
+        raise ValueError(f"load lists have {load_ids.shape[0]} rows, topk {b}: one batch")
+    w = sink + k + recent
+    out = out if out is not None else _empty_table(b, w, topk.device)
+    if b == 0:
+        return out
+    kl = load_ids.shape[1]
+    wr = word_rows(src, dst)
+    ws, wd, nseg, chunk = wr.src, wr.dst, wr.nseg, wr.chunk
+    seg = _piece_words(chunk)
+    parts = chunk // seg
+    toks = max(1, block_bytes // (chunk * wr.width))
+    tile = triton.next_power_of_2(toks * parts)
+    ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
+    li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
+    runs = max(1, triton.cdiv(kl * page_size, toks))
+    block_w = min(512, triton.next_power_of_2(w))
+    wblocks = triton.cdiv(w, block_w)
+    nsegs = src.shape[3] * nseg
+    _swap_in_and_table_kernel[(max(runs, wblocks), b, nsegs + 1)](
+        ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
+        layer, kl, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
+        li.stride(0), host_pages.stride(0), slot_pages.stride(0),
+        ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), ws.stride(4),
+        wd.stride(0), wd.stride(1), wd.stride(2), wd.stride(3), wd.stride(4),
+        topk, valid, num_pages, seq_lens, table_rows, sink_table, ring_table, device_slots, slot_pages,
+        out.logical, out.physical, out.page_table, out.num_valid, out.attended,
+        topk.stride(0), sink_table.stride(0), ring_table.stride(0), device_slots.stride(0), slot_pages.stride(0),
+        out.logical.stride(0), slot_pages.shape[1],
+        runs,
+        PS=page_size, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, NSEGS=nsegs, PARTS=parts, SEG=seg,
+        TOKS=toks, TILE=tile, K=k, SINK=sink, RECENT=recent, PAGE=page_size, W=w, BLOCK_W=block_w, WBLOCKS=wblocks,
+        num_warps=4,
+    )
+    return out
+
+
+def swap_in_copy_and_table(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
+                           topk, valid, num_pages, seq_lens, table_rows, *, sink, recent, sink_table, ring_table,
+                           device_slots, out: Optional[SelectionTable] = None) -> SelectionTable:
+    """Dispatch (see the module docstring): Triton when the device side is CUDA (or the
+    interpreter is forced), the torch references otherwise."""
+    probe = dst if dst.is_cuda else src
+    args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, topk, valid,
+            num_pages, seq_lens, table_rows)
+    kw = dict(sink=sink, recent=recent, sink_table=sink_table, ring_table=ring_table, device_slots=device_slots)
+    if use_triton(probe):
+        announce_path("swap_in_copy_and_table", "triton")
+        return swap_in_copy_and_table_triton(*args, **kw, out=out)
+    announce_path("swap_in_copy_and_table", "reference")
+    return swap_in_copy_and_table_reference(*args, **kw)
