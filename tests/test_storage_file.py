@@ -302,3 +302,10 @@ def test_directory_defaults_to_the_environment(tmp_path, monkeypatch):
     unusable.write_text("x")
     with pytest.raises(ValueError, match="file_path"):
         FileStorage(StorageConfig(extra={"file_path": str(unusable)}))
+
+
+def test_clear_on_an_unusable_directory_is_counted_not_raised(root):
+    s = file_factory(root)(sc.fresh_config())
+    _replace_directory_with_file(s)
+    s.clear()
+    assert s.stats.faults == 1

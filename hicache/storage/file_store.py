@@ -198,12 +198,17 @@ class FileStorage(HiCacheStorage):
             entries = list(os.scandir(self.directory))
         except FileNotFoundError:
             return
+        except OSError as e:
+            self._record_fault("clear", f"{self.directory}: {e!r}")
+            return
         for e in entries:
             if e.name.endswith(OBJECT_SUFFIX) or self._is_stale_tmp(e):
                 try:
                     os.unlink(e.path)
                 except FileNotFoundError:
                     pass
+                except OSError as err:
+                    self._record_fault("clear", f"{e.path}: {err!r}")
 
     # -- reads -------------------------------------------------------------------------------
     def _get_one(self, key: str, path: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
