@@ -13,7 +13,13 @@ import json
 import os
 import tomllib
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+from hicache.storage.dynamic import DYNAMIC_KEYS, missing_dynamic_keys
+from hicache.storage.registry import BUILTIN_BACKENDS, check_storage_backend_name, storage_backend_names
+
+if TYPE_CHECKING:
+    from hicache.storage.base import StorageConfig
 
 # The single definition of the io backend and host layout names: this module imports
 # nothing heavy (no torch), so hicache.transfer, hicache.host_pool and sparsehi.config all
@@ -22,10 +28,10 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 IO_BACKENDS = ("direct", "kernel")
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MEM_LAYOUTS = HOST_LAYOUTS  # SGLang's name (--hicache-mem-layout)
-STORAGE_BACKENDS = ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic")
+STORAGE_BACKENDS = BUILTIN_BACKENDS  # plus names registered with hicache.storage.registry
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # L3 backends that hand host pages to storage zero-copy need one page contiguous across layers.
-_ZERO_COPY_STORAGE = ("mooncake", "hf3fs")
+_ZERO_COPY_STORAGE = ("mooncake",)
 # Which io backend can move which host layout (page_first_direct is copied per page and
 # layer group with plain copies; the other layouts are gathered row-wise by the kernel or,
 # for layer_first, by direct indexed copies).
@@ -81,7 +87,7 @@ class HiCacheConfig:
     hicache_storage_backend: Optional[str] = None
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_backend_extra_config: Optional[str] = None
-    """JSON string, or ``@path`` to a JSON / TOML file."""
+    """JSON string, or ``@path`` to a ``.json``, ``.toml`` or ``.yaml`` / ``.yml`` file."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,8 +118,8 @@ class HiCacheConfig:
             bad("hicache-io-backend", self.hicache_io_backend, f"one of {IO_BACKENDS}")
         if self.hicache_mem_layout not in MEM_LAYOUTS:
             bad("hicache-mem-layout", self.hicache_mem_layout, f"one of {MEM_LAYOUTS}")
-        if self.hicache_storage_backend is not None and self.hicache_storage_backend not in STORAGE_BACKENDS:
-            bad("hicache-storage-backend", self.hicache_storage_backend, f"None or one of {STORAGE_BACKENDS}")
+        if self.hicache_storage_backend is not None:
+            check_storage_backend_name(self.hicache_storage_backend)
         if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
             bad("hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, f"one of {PREFETCH_POLICIES}")
         check_layout_io(self.hicache_mem_layout, self.hicache_io_backend, "--hicache-mem-layout", "--hicache-io-backend")
@@ -125,43 +131,30 @@ class HiCacheConfig:
             )
         extra = self.storage_extra_config()  # parse errors surface at construction
         if self.hicache_storage_backend == "dynamic":
-            missing = [k for k in ("backend_name", "module_path", "class_name") if k not in extra]
+            missing = missing_dynamic_keys(extra)
             if missing:
                 raise ValueError(
                     "--hicache-storage-backend=dynamic needs --hicache-storage-backend-extra-config "
-                    f"with keys backend_name, module_path, class_name (missing: {missing})"
+                    f"with string keys {', '.join(DYNAMIC_KEYS)} (missing: {missing})"
                 )
         if self.hicache_storage_backend is None and self.hicache_storage_backend_extra_config is not None:
             raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend to be set")
 
     def storage_extra_config(self) -> dict[str, Any]:
         """The parsed ``hicache_storage_backend_extra_config`` ({} when unset)."""
-        raw = self.hicache_storage_backend_extra_config
-        if raw is None or raw == "":
-            return {}
-        if not isinstance(raw, str):
-            raise ValueError("--hicache-storage-backend-extra-config must be a JSON string or '@file' (.json/.toml)")
-        try:
-            if raw.startswith("@"):
-                path = raw[1:]
-                if path.endswith(".toml"):
-                    with open(path, "rb") as f:
-                        data = tomllib.load(f)
-                elif path.endswith(".json"):
-                    with open(path) as f:
-                        data = json.load(f)
-                else:
-                    raise ValueError(f"unsupported file type {os.path.splitext(path)[1]!r}")
-            else:
-                data = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"--hicache-storage-backend-extra-config={raw!r} is invalid: a JSON object or '@file.json' / "
-                f"'@file.toml' ({e})"
-            ) from e
-        if not isinstance(data, dict):
-            raise ValueError(f"--hicache-storage-backend-extra-config={raw!r} is invalid: must be a JSON object")
-        return data
+        return parse_storage_extra_config(self.hicache_storage_backend_extra_config)
+
+    def storage_config(self, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
+                       model_name: Optional[str] = None) -> "StorageConfig":
+        """What ``hicache.storage.registry.create_storage_backend(self.hicache_storage_backend, ...)``
+        is given: this rank's place in the TP group, whether pages are MLA (shared by all ranks),
+        the model name that namespaces the keys, and the parsed extra config."""
+        from hicache.storage.base import StorageConfig
+
+        if self.hicache_storage_backend is None:
+            raise ValueError("storage_config needs --hicache-storage-backend to be set")
+        return StorageConfig(tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla, model_name=model_name,
+                             extra=self.storage_extra_config())
 
     def prefetch_options(self) -> dict[str, Any]:
         """prefetch_threshold (tokens), prefetch_timeout_base (s), prefetch_timeout_per_ki_token (s)."""
@@ -184,11 +177,13 @@ class HiCacheConfig:
         g.add_argument("--hicache-write-policy", choices=WRITE_POLICIES, default=d["hicache_write_policy"].default)
         g.add_argument("--hicache-io-backend", choices=IO_BACKENDS, default=d["hicache_io_backend"].default)
         g.add_argument("--hicache-mem-layout", choices=MEM_LAYOUTS, default=d["hicache_mem_layout"].default)
-        g.add_argument("--hicache-storage-backend", choices=STORAGE_BACKENDS, default=None)
+        g.add_argument("--hicache-storage-backend", type=_storage_backend_arg, default=None,
+                       metavar="{" + ",".join(storage_backend_names()) + "}",
+                       help="L3 storage backend (names registered with hicache.storage.registry count too)")
         g.add_argument("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES,
                        default=d["hicache_storage_prefetch_policy"].default)
         g.add_argument("--hicache-storage-backend-extra-config", type=str, default=None,
-                       help="JSON object string, or @file.json / @file.toml")
+                       help="JSON object string, or @file.json / @file.toml / @file.yaml")
         return parser
 
     @classmethod
@@ -196,3 +191,55 @@ class HiCacheConfig:
         """Build (and validate) a config from parsed CLI args; missing attributes keep defaults."""
         kw = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**kw)
+
+
+_EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+
+
+def _load_extra_file(path: str) -> Any:
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".toml":
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    if ext == ".json":
+        with open(path) as f:
+            return json.load(f)
+    if ext in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ValueError("reading a YAML file needs PyYAML (pip install pyyaml); or use .json / .toml") from e
+        with open(path) as f:
+            try:
+                return yaml.safe_load(f)
+            except yaml.YAMLError as e:  # not a ValueError
+                raise ValueError(f"malformed YAML: {e}") from e
+    raise ValueError(f"unsupported file type {ext!r}: use .json, .toml, .yaml or .yml")
+
+
+def parse_storage_extra_config(raw: Optional[str]) -> dict[str, Any]:
+    """``--hicache-storage-backend-extra-config``: a JSON object string, or ``@path`` to a
+    ``.json`` / ``.toml`` / ``.yaml`` / ``.yml`` file holding one; {} when None or empty.
+    ValueError naming the flag for anything else (unreadable or malformed file, not an object)."""
+    if raw is None or raw == "":
+        return {}
+    if not isinstance(raw, str):
+        raise ValueError(f"{_EXTRA_FLAG} must be a JSON string or '@file' (.json/.toml/.yaml), got "
+                         f"{type(raw).__name__}")
+    try:
+        data = _load_extra_file(raw[1:]) if raw.startswith("@") else json.loads(raw)
+    except (OSError, ValueError) as e:  # json / toml decode errors are ValueErrors
+        raise ValueError(f"{_EXTRA_FLAG}={raw!r} is invalid: a JSON object or '@file.json' / '@file.toml' / "
+                         f"'@file.yaml' ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{_EXTRA_FLAG}={raw!r} is invalid: must hold an object (key/value mapping), got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _storage_backend_arg(name: str) -> str:
+    try:
+        check_storage_backend_name(name, "--hicache-storage-backend")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return name

@@ -122,3 +122,63 @@ def test_tree_takes_write_through_threshold_from_config():
     with pytest.raises(ValueError, match="write_policy"):
         write_through_threshold("lazy")
     assert "write_back" not in inspect.signature(HiRadixTree.write_backup).parameters
+
+
+def _extra(raw):
+    return HiCacheConfig(hicache_storage_backend="file", hicache_storage_backend_extra_config=raw)
+
+
+def test_extra_config_from_yaml(tmp_path, monkeypatch):
+    y = tmp_path / "c.yaml"
+    y.write_text("prefetch_threshold: 2048\nfile_path: /srv/l3\n")
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="PyYAML"):
+            _extra(f"@{y}")
+    else:
+        assert _extra(f"@{y}").storage_extra_config() == {"prefetch_threshold": 2048, "file_path": "/srv/l3"}
+    monkeypatch.setitem(__import__("sys").modules, "yaml", None)  # as on a machine without PyYAML
+    for name in ("c.yaml", "c.yml"):
+        (tmp_path / name).write_text("a: 1\n")
+        with pytest.raises(ValueError, match="--hicache-storage-backend-extra-config.*PyYAML"):
+            _extra(f"@{tmp_path / name}")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("bad.toml", "prefetch_threshold = \n"),
+    ("bad.json", "{\"a\": 1,}"),
+    ("list.json", "[1, 2]"),
+    ("scalar.toml", ""),  # an empty TOML file is an empty table: fine, checked below
+    ("c.ini", "[x]\na=1\n"),
+])
+def test_malformed_extra_config_files_name_the_flag(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    if name == "scalar.toml":
+        assert _extra(f"@{p}").storage_extra_config() == {}
+        return
+    with pytest.raises(ValueError, match="--hicache-storage-backend-extra-config") as e:
+        _extra(f"@{p}")
+    assert name in str(e.value)
+
+
+def test_malformed_yaml_names_the_flag(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("a: [1, 2\n")
+    with pytest.raises(ValueError, match="--hicache-storage-backend-extra-config"):
+        _extra(f"@{p}")
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="object"):
+        _extra(f"@{p}")
+    assert yaml is not None
+
+
+def test_storage_backend_names_come_from_the_registry():
+    from hicache.config import STORAGE_BACKENDS
+    from hicache.storage.registry import BUILTIN_BACKENDS
+
+    assert STORAGE_BACKENDS is BUILTIN_BACKENDS == ("file", "mooncake", "dynamic")
+    with pytest.raises(ValueError, match="--hicache-storage-backend='hf3fs'"):
+        HiCacheConfig(hicache_storage_backend="hf3fs", hicache_mem_layout="page_first")

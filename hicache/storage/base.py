@@ -27,11 +27,15 @@ Rules every backend keeps (the tests hold each backend to them):
 """
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+
+logger = logging.getLogger("hicache.storage")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,19 @@ class StorageConfig:
     """Namespaces keys when set, so two models never share an object."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The parsed ``--hicache-storage-backend-extra-config``."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp_rank", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"StorageConfig.{name} must be an int, got {v!r}")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"StorageConfig needs tp_size >= 1 and 0 <= tp_rank < tp_size, "
+                             f"got tp_rank={self.tp_rank}, tp_size={self.tp_size}")
+        if self.model_name is not None and not isinstance(self.model_name, str):
+            raise ValueError(f"StorageConfig.model_name must be a str or None, got {type(self.model_name).__name__}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"StorageConfig.extra must be a dict, got {type(self.extra).__name__}")
 
     @property
     def writes_pages(self) -> bool:
@@ -80,6 +97,30 @@ class HiCacheStorage(ABC):
         self.config = config
         self.stats = StorageStats()
         self.host_pool = None  # set by register_host_pool
+        self._stats_lock = threading.Lock()
+        self._fault_kinds_logged: set[str] = set()
+
+    # -- counters (for implementations) ----------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        """Add ``deltas`` to the ``stats`` fields of the same names (thread-safe)."""
+        with self._stats_lock:
+            for name, d in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + d)
+
+    def _record_fault(self, kind: str, detail: object, corrupt: bool = False) -> None:
+        """Count one fault served as a miss (``stats.faults``, and ``stats.corrupt`` for a page
+        that failed its length / checksum check). The first fault of each ``kind`` is logged
+        as a warning, later ones at debug level: a broken disk or a lost master must not
+        flood the log once per page."""
+        with self._stats_lock:
+            self.stats.faults += 1
+            if corrupt:
+                self.stats.corrupt += 1
+            first = kind not in self._fault_kinds_logged
+            self._fault_kinds_logged.add(kind)
+        log = logger.warning if first else logger.debug
+        log("%s: %s fault served as a cache miss%s: %s", type(self).__name__, kind,
+            " (further ones of this kind are logged at debug level)" if first else "", detail)
 
     # -- host pool -------------------------------------------------------------------------
     def register_host_pool(self, host_pool: Any) -> None:
