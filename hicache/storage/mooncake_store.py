@@ -56,6 +56,7 @@ MASTER_FAULTS = (-900, -901)  # RPC_FAIL, RPC_TIMEOUT
 HC_HEALTHY = 0  # health_check(): 1 not initialised / closed, 2 master unreachable
 
 _REGEX_SPECIAL = set("\\^$.|?*+()[]{}")
+STAGE_BYTES = 256 << 20  # staging memory one read call may hold
 _UNCLOSED: list[Any] = []  # clients whose close was put off (see MooncakeStorage._retire)
 
 
@@ -124,7 +125,9 @@ class MooncakeStorage(HiCacheStorage):
                                f"({region[1]} bytes); protocol {self.settings.protocol!r} needs it")
 
     def _swap_registration(self, store: Any, old: Optional[tuple[int, int]], new: tuple[int, int]) -> bool:
-        if old is not None and old != new:
+        if old == new:
+            return True
+        if old is not None:
             store.unregister_buffer(old[0])
         return store.register_buffer(new[0], new[1]) == 0
 
@@ -155,17 +158,20 @@ class MooncakeStorage(HiCacheStorage):
         keys = _check_keys(keys)
         if targets is not None and len(targets) != len(keys):
             raise ValueError(f"keys and targets must have the same length, got {len(keys)} and {len(targets)}")
-        views = None if targets is None else [_byte_view(t, "targets") for t in targets]
-        payloads = self._get(keys, None if views is None else [v.numel() for v in views])
-        out: list[Optional[torch.Tensor]] = []
-        for i, payload in enumerate(payloads):
-            if payload is None:
-                out.append(None)
-            elif targets is None:
-                out.append(torch.from_numpy(payload))
-            else:
-                views[i].copy_(torch.from_numpy(payload))
-                out.append(targets[i])
+        out: list[Optional[torch.Tensor]] = [None] * len(keys)
+        if targets is None:
+            def keep(i: int, payload: np.ndarray) -> None:
+                out[i] = torch.from_numpy(payload.copy())
+
+            self._get(keys, None, keep)
+            return out
+        views = [_byte_view(t, "targets") for t in targets]
+
+        def fill(i: int, payload: np.ndarray) -> None:
+            views[i].copy_(torch.from_numpy(payload))
+            out[i] = targets[i]
+
+        self._get(keys, [v.numel() for v in views], fill)
         return out
 
     # -- pages -----------------------------------------------------------------------------
@@ -185,11 +191,10 @@ class MooncakeStorage(HiCacheStorage):
         keys = _check_keys(keys)
         _check_pairs(keys, host_pages, pool.num_pages)
         pages = [pool.page_tensor(int(p)).view(torch.uint8).view(-1) for p in host_pages]
-        payloads = self._get(keys, [p.numel() for p in pages])
-        for page, payload in zip(pages, payloads):
-            if payload is not None:
-                page.copy_(torch.from_numpy(payload))
-        return [p is not None for p in payloads]
+        def fill(i: int, payload: np.ndarray) -> None:
+            pages[i].copy_(torch.from_numpy(payload))
+
+        return self._get(keys, [p.numel() for p in pages], fill)
 
     # -- lifecycle -------------------------------------------------------------------------
     def clear(self) -> None:
@@ -285,61 +290,80 @@ class MooncakeStorage(HiCacheStorage):
                 done[full[i]] = ok
         return [done[k] for k in full]
 
-    def _get(self, keys: list[str], payload_sizes: Optional[list[int]]) -> list[Optional[np.ndarray]]:
-        """Verified payloads (views into the call's staging buffer) or None per key."""
+    def _get(self, keys: list[str], payload_sizes: Optional[list[int]],
+             sink: Callable[[int, np.ndarray], None]) -> list[bool]:
+        """Fetch and verify; ``sink(i, payload)`` gets each verified payload (a view into a
+        staging buffer, valid during the call). Known sizes are fetched in chunks of at most
+        STAGE_BYTES, so staging memory stays bounded whatever the batch."""
         n = len(keys)
         if n == 0:
             return []
         full = [self.object_key(k) for k in keys]
         self._count(gets=n)
+        ok = [False] * n
+        if payload_sizes is None:
+            self._get_chunk(full, list(range(n)), None, sink, ok)
+        else:
+            chunk: list[int] = []
+            held = 0
+            for i, p in enumerate(payload_sizes):
+                if chunk and held + p > STAGE_BYTES:
+                    self._get_chunk(full, chunk, payload_sizes, sink, ok)
+                    chunk, held = [], 0
+                chunk.append(i)
+                held += p
+            self._get_chunk(full, chunk, payload_sizes, sink, ok)
+        self._count(misses=n - sum(ok))
+        return ok
 
-        def fetch(st: Any) -> tuple[list[int], np.ndarray, list[int], list[int]]:
+    def _get_chunk(self, full: list[str], idx: list[int], payload_sizes: Optional[list[int]],
+                   sink: Callable[[int, np.ndarray], None], ok: list[bool]) -> None:
+        keys = [full[i] for i in idx]
+
+        def fetch(st: Any) -> tuple[list[int], np.ndarray, list[tuple[int, int, int]]]:
             if payload_sizes is None:  # unknown sizes: ask the store (one lookup per key)
-                sizes = [int(st.get_size(k)) for k in full]
+                sizes = [int(st.get_size(k)) for k in keys]
             else:
-                sizes = [p + DIGEST_BYTES for p in payload_sizes]
-            want = [i for i in range(n) if sizes[i] > DIGEST_BYTES]
-            offs = np.cumsum([0] + [sizes[i] for i in want]).tolist()
+                sizes = [payload_sizes[i] + DIGEST_BYTES for i in idx]
+            want = [j for j, size in enumerate(sizes) if size > DIGEST_BYTES]
+            offs = np.cumsum([0] + [sizes[j] for j in want]).tolist()
             stage = np.empty(int(offs[-1]), np.uint8)
             codes: list[int] = []
             if want:
                 base = stage.ctypes.data
                 codes = self._registered(st, [stage], lambda: st.batch_get_into(
-                    [full[i] for i in want], [base + o for o in offs[:-1]], [sizes[i] for i in want]))
-            return sizes, stage, want, list(zip(offs, codes))
+                    [keys[j] for j in want], [base + o for o in offs[:-1]], [sizes[j] for j in want]))
+            return sizes, stage, list(zip(want, offs, codes))
 
-        res = self._call("get", n, fetch)
+        res = self._call("get", len(idx), fetch)
         if res is None:
-            self._count(misses=n)
-            return [None] * n
-        sizes, stage, want, placed = res
-        out: list[Optional[np.ndarray]] = [None] * n
-        for i in range(n):
-            size = sizes[i]
+            return
+        sizes, stage, placed = res
+        for j, size in enumerate(sizes):
             if 0 <= size <= DIGEST_BYTES:  # too small to be a page object
-                self._bad_object(full[i], f"object is {size} bytes")
+                self._bad_object(keys[j], f"object is {size} bytes")
             elif size < 0 and size != OBJECT_NOT_FOUND:
                 self._fault("get", 1, f"get_size returned {size}", size)
-        for i, (off, code) in zip(want, placed):
-            size = sizes[i]
+        for j, off, code in placed:
+            size = sizes[j]
             if code == size:
                 obj = stage[off:off + size]
                 try:
                     PageDigest.from_bytes(obj[size - DIGEST_BYTES:]).verify(obj[:size - DIGEST_BYTES])
                 except CorruptPage as exc:
-                    self._bad_object(full[i], str(exc))
+                    self._bad_object(keys[j], str(exc))
                     continue
-                out[i] = obj[:size - DIGEST_BYTES]
+                sink(idx[j], obj[:size - DIGEST_BYTES])
+                ok[idx[j]] = True
                 self._count(hits=1, bytes_read=size - DIGEST_BYTES)
             elif code == OBJECT_NOT_FOUND:
                 pass
             elif code >= 0 or code == INVALID_PARAMS:
-                # stored under the same key with another length (short, or longer than the target)
-                self._bad_object(full[i], f"object is {code if code >= 0 else 'longer than'} {size} bytes expected")
+                # stored under this key with another length: short, or longer than expected
+                got = f"{code} bytes" if code >= 0 else "longer"
+                self._bad_object(keys[j], f"object is {got}, expected {size}")
             else:
                 self._fault("get", 1, f"batch_get_into returned {code}", code)
-        self._count(misses=sum(o is None for o in out))
-        return out
 
     def _bad_object(self, key: str, why: str) -> None:
         """A corrupt or wrong-length object: a miss, counted; removed so a good copy can be
@@ -369,8 +393,7 @@ class MooncakeStorage(HiCacheStorage):
         """``fn(store)`` under the deadline; None on any fault (``n`` faults counted)."""
         client = self._checkout()
         if client is None:
-            self._fault("unavailable", n, "mooncake storage unavailable (master unreachable, reconnecting or "
-                        "closed): serving misses")
+            self._fault("unavailable", n, "store unavailable (master unreachable, a call still hung, or closed)")
             return None
         store = client.store
 
