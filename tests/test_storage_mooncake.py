@@ -325,7 +325,7 @@ def test_bad_input_is_a_clear_error(store):
     assert st.batch_exists([]) == [] and st.batch_get([]) == [] and st.batch_set([], []) == []
 
 
-def test_import_without_mooncake_is_cheap():
+def test_hicache_imports_without_mooncake():
     """hicache and its storage interface import without the Mooncake client."""
     import subprocess
     import sys
