@@ -1,0 +1,152 @@
+"""A real ``mooncake_master`` (with its HTTP metadata server) on 127.0.0.1, for tests.
+
+``MooncakeMaster`` picks free ports, starts the master the ``mooncake`` package ships, waits
+until its RPC and metadata ports accept connections, and stops it. ``kill`` / ``start``
+again on the same ports are the fault test's "master killed mid-run, then restarted".
+``missing_reason()`` says why the tests cannot run here (no client package, or no binary).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def master_binary() -> Optional[str]:
+    """The ``mooncake_master`` executable: the one inside the installed ``mooncake`` package
+    (the wheel ships it there), else one on PATH."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        for d in spec.submodule_search_locations:
+            p = Path(d, "mooncake_master")
+            if p.is_file():
+                return str(p)
+    return shutil.which("mooncake_master")
+
+
+def missing_reason() -> Optional[str]:
+    """None when the Mooncake client imports and the master binary exists; else why not."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return (f"Mooncake client not importable ({exc}); install the 'mooncake' extra "
+                "(mooncake-transfer-engine-non-cuda) and libibverbs1, or run scripts/setup.sh")
+    if master_binary() is None:
+        return "mooncake_master binary not found (in the mooncake package or on PATH)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """One master process; ports stay fixed across ``kill`` / ``start``."""
+
+    def __init__(self, lease_ttl_ms: int = 500, extra_flags: tuple[str, ...] = ()) -> None:
+        binary = master_binary()
+        if binary is None:
+            raise RuntimeError("mooncake_master binary not found")
+        self.binary = binary
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.lease_ttl_ms = lease_ttl_ms
+        self.extra_flags = tuple(extra_flags)
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = Path(tempfile.mkstemp(prefix="mooncake_master_", suffix=".log")[1])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def extra_config(self, **overrides) -> dict:
+        """The storage backend's extra config for this master (small segment for tests)."""
+        cfg = {"master_server_address": self.address, "metadata_server": self.metadata_server,
+               "protocol": "tcp", "local_hostname": "127.0.0.1", "global_segment_size": "64mb",
+               "local_buffer_size": "16mb"}
+        cfg.update(overrides)
+        return cfg
+
+    def start(self, timeout: float = 20.0) -> "MooncakeMaster":
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        cmd = [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+               f"--http_metadata_server_port={self.http_port}",
+               "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+               # short leases, so a full pool can evict and removed objects go at once
+               f"--default_kv_lease_ttl={self.lease_ttl_ms}", *self.extra_flags]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not (_listening(self.rpc_port) and _listening(self.http_port)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_master did not listen within {timeout:g} s: {self.log_tail()}")
+            time.sleep(0.02)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it (no clean shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        """SIGSTOP: a master that hangs (connections stay open, nothing answers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.resume()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
