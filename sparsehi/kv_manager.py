@@ -37,7 +37,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
 from sparsehi.decode_step import DecodeStep
-from sparsehi.kernels.table_scatter import stage_entries, table_scatter
+from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.lru_buffer import LruState
 from sparsehi.prefill_offload import finish_prefill_hierarchical
 from sparsehi.request_table import FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
@@ -147,6 +147,8 @@ class SparseKVCacheManager(SwapInMixin):
         self.table = RequestTable(max_num_reqs, self.M, self.sink, self.R, self.S)
         self.step = 0
         self.step_t = torch.zeros(1, dtype=torch.int32, device=dev)
+        # page-boundary table entries: at most three tables per row of a batch
+        self._stager = EntryStager(3 * max_num_reqs, dev)
         # main-pool pages of a request's whole context: every request (gpu_only), dense rows (hierarchical)
         self.page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int32, device=dev)
         self.dense_rows_t = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
@@ -406,7 +408,7 @@ class SparseKVCacheManager(SwapInMixin):
             ents.append(_entries(2, rows[dev_mask], pages[dev_mask], new_dev.numpy()))
         tables = [self.host_page_table if self.hier else self.page_table,
                   self.dense_pool_table if self.dense_pool_table is not None else self.page_table, self.page_table]
-        table_scatter(stage_entries(np.concatenate(ents), self.device), tables)
+        table_scatter(self._stager.stage(np.concatenate(ents)), tables)
 
     # ------------------------------------------------------------------ decode: device part
     def begin_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, has_dense_rows: bool = False,

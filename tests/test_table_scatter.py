@@ -50,3 +50,20 @@ def test_bad_arguments_are_named():
         table_scatter_triton(torch.zeros(1, 4, dtype=torch.int64, device=DEV), [t, t, t, t])
     with pytest.raises(ValueError, match=r"tables\[0\]"):
         table_scatter_triton(torch.zeros(1, 4, dtype=torch.int64, device=DEV), [t.float()])
+
+
+def test_entry_stager_reuses_its_buffers_and_spills_past_capacity():
+    from sparsehi.kernels.table_scatter import EntryStager
+
+    st = EntryStager(4, torch.device(DEV))
+    t = torch.full((3, 8), -1, dtype=torch.int64, device=DEV)
+    a = st.stage(np.array([[0, 0, 1, 5], [0, 2, 3, 6]]))
+    table_scatter_triton(a, [t])
+    b = st.stage(np.array([[0, 1, 0, 7]]))  # the same buffers again
+    table_scatter_triton(b, [t])
+    big = st.stage(np.array([[0, 1, i, i] for i in range(6)]))  # past capacity: staged apart
+    assert big.shape == (6, 4)
+    table_scatter_triton(big, [t])
+    assert t[0, 1] == 5 and t[2, 3] == 6 and t[1].tolist()[:6] == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="capacity"):
+        EntryStager(0, torch.device(DEV))

@@ -13,7 +13,7 @@ table entry; ``span == page_size`` with ``value`` a page's first slot: a ``req_t
 row's slots of that page). Entries naming no table, or rows / columns outside their table,
 are skipped. Up to three tables per launch, any integer dtypes (values are cast on store).
 
-Entry points: ``stage_entries``, ``table_scatter`` (dispatch), ``table_scatter_triton``,
+Entry points: ``EntryStager`` / ``stage_entries``, ``table_scatter`` (dispatch), ``table_scatter_triton``,
 ``table_scatter_reference``.
 """
 from __future__ import annotations
@@ -32,12 +32,51 @@ MAX_TABLES = 3
 
 def stage_entries(entries: np.ndarray, device: torch.device) -> torch.Tensor:
     """``[E, 4] int64`` entries on ``device``: through pinned memory, non-blocking, when
-    ``device`` is CUDA (the pinned block is held by the host allocator until the copy ran)."""
+    ``device`` is CUDA (the pinned block is held by the host allocator until the copy ran).
+    Callers that stage often keep an ``EntryStager`` instead (no allocation per call)."""
     arr = np.ascontiguousarray(entries, dtype=np.int64).reshape(-1, 4)
     t = torch.from_numpy(arr)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class EntryStager:
+    """A pinned host buffer and a device buffer of ``capacity`` entries, reused by every
+    ``stage`` call: the entries are written into the pinned buffer (after the previous
+    copy out of it has run: an event, normally long complete) and copied to the device
+    buffer non-blocking, on the current stream, so a kernel queued after it reads them.
+    More entries than ``capacity`` go through ``stage_entries``."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity={capacity!r} is invalid: an int >= 1")
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self._cuda = self.device.type == "cuda"
+        self._host = torch.empty(capacity, 4, dtype=torch.int64, pin_memory=self._cuda)
+        self._host_np = self._host.numpy()
+        self._dev = torch.empty(capacity, 4, dtype=torch.int64, device=self.device)
+        self._event = torch.cuda.Event() if self._cuda else None
+        self._pending = False
+
+    def stage(self, entries: np.ndarray) -> torch.Tensor:
+        """``[E, 4] int64`` on the device (a view of the reused buffer, valid until the next
+        ``stage``: consume it with kernels queued on the same stream)."""
+        arr = np.asarray(entries, dtype=np.int64).reshape(-1, 4)
+        n = arr.shape[0]
+        if n > self.capacity:
+            return stage_entries(arr, self.device)
+        if not self._cuda:
+            return torch.from_numpy(arr.copy()).to(self.device)
+        if self._pending:
+            self._event.synchronize()
+        self._host_np[:n] = arr
+        out = self._dev[:n]
+        out.copy_(self._host[:n], non_blocking=True)
+        self._event.record()
+        self._pending = True
+        return out
 
 
 def _check(entries: torch.Tensor, tables: Sequence[torch.Tensor], span: int) -> None:

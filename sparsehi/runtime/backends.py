@@ -16,7 +16,7 @@ from hicache.device_pool import DeviceKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
 from sparsehi.kernels.decoder_ops import store_kv
-from sparsehi.kernels.table_scatter import stage_entries, table_scatter
+from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -235,6 +235,7 @@ class DenseBackend(ModeBackend):
         self.max_pages = -(-self.req_pool.max_context_len // ps)
         # pages each request row took at decode page boundaries (freed at request end)
         self._decode_pages = np.full((rt.max_num_reqs, self.max_pages), -1, dtype=np.int64)
+        self._stager = EntryStager(rt.max_num_reqs, self.device)
 
     def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
         slots = super().prefill_slots(req, prefix_len)
@@ -254,7 +255,7 @@ class DenseBackend(ModeBackend):
             self._decode_pages[r, p] = pages.numpy()
             # req_to_token[r, p * ps + j] = page * ps + j: one staged copy, one launch
             ents = np.stack([np.zeros_like(r), r, p, pages.numpy() * ps], 1)
-            table_scatter(stage_entries(ents, self.device), [self.req_pool.req_to_token], span=ps)
+            table_scatter(self._stager.stage(ents), [self.req_pool.req_to_token], span=ps)
         return None
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):

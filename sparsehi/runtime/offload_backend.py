@@ -14,7 +14,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kernels.kv_copy import kv_copy
 from hicache.transfer import KVTransferEngine
-from sparsehi.kernels.table_scatter import stage_entries, table_scatter
+from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.runtime.backends import ModeBackend, Request
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -39,6 +39,7 @@ class OffloadFullBackend(ModeBackend):
         # copy the graph-captured step reads)
         self._host_pages = np.full((rt.max_num_reqs, self.ctx_pages), -1, dtype=np.int64)
         self.host_page_table = torch.zeros(rt.max_num_reqs, self.ctx_pages, dtype=torch.int64, device=self.device)
+        self._stager = EntryStager(rt.max_num_reqs, self.device)
 
     def stats(self) -> dict:
         """Host->device bytes of every decode step (the whole context, all layers)."""
@@ -86,7 +87,7 @@ class OffloadFullBackend(ModeBackend):
                 raise ValueError("host KV pool is full: raise host_kv_tokens")
             self._host_pages[rows, p] = pages.numpy()
             ents = np.stack([np.zeros_like(rows), rows, p, pages.numpy()], 1)
-            table_scatter(stage_entries(ents, self.device), [self.host_page_table])
+            table_scatter(self._stager.stage(ents), [self.host_page_table])
         self.step_bytes.append(sum(r.seq_len for r in reqs) * self.spec.token_bytes)
         return None
 
