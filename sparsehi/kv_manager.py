@@ -149,6 +149,10 @@ class SparseKVCacheManager(SwapInMixin):
         self.step_t = torch.zeros(1, dtype=torch.int32, device=dev)
         # page-boundary table entries: at most three tables per row of a batch
         self._stager = EntryStager(3 * max_num_reqs, dev)
+        self.defer_page_entries = False
+        """True: ``prepare_decode`` leaves the new pages' device-table entries for the caller
+        (``take_page_entries``) to write inside its decode step instead of writing them."""
+        self._page_entries: Optional[np.ndarray] = None
         # main-pool pages of a request's whole context: every request (gpu_only), dense rows (hierarchical)
         self.page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int32, device=dev)
         self.dense_rows_t = torch.zeros(max_num_reqs, dtype=torch.bool, device=dev)
@@ -406,9 +410,24 @@ class SparseKVCacheManager(SwapInMixin):
         if new_dev is not None:
             t.device[rows[dev_mask], pages[dev_mask]] = new_dev.numpy()
             ents.append(_entries(2, rows[dev_mask], pages[dev_mask], new_dev.numpy()))
-        tables = [self.host_page_table if self.hier else self.page_table,
-                  self.dense_pool_table if self.dense_pool_table is not None else self.page_table, self.page_table]
-        table_scatter(self._stager.stage(np.concatenate(ents)), tables)
+        ents = np.concatenate(ents)
+        if self.defer_page_entries:  # the decode step writes them (take_page_entries)
+            self._page_entries = ents if self._page_entries is None else np.concatenate([self._page_entries, ents])
+        else:
+            table_scatter(self._stager.stage(ents), self.page_entry_tables())
+
+    def page_entry_tables(self) -> list[torch.Tensor]:
+        """The device tables page entries name, by table index: host pages (hierarchical),
+        dense-pool pages, device pages (``table_scatter`` format)."""
+        return [self.host_page_table if self.hier else self.page_table,
+                self.dense_pool_table if self.dense_pool_table is not None else self.page_table, self.page_table]
+
+    def take_page_entries(self) -> Optional[np.ndarray]:
+        """With ``defer_page_entries``: ``[E, 4] int64`` entries of the pages the last
+        ``prepare_decode`` opened (None: none), for a caller that writes them inside its
+        decode step (a CUDA graph's inputs); cleared by the call."""
+        ents, self._page_entries = self._page_entries, None
+        return ents
 
     # ------------------------------------------------------------------ decode: device part
     def begin_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, has_dense_rows: bool = False,

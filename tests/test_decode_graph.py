@@ -38,6 +38,22 @@ def test_inputs_pad_rows_with_row_minus_one():
     assert inp.req_pool_indices[:2].tolist() == [2, -1]
 
 
+def test_inputs_carry_the_steps_page_entries_and_clear_them_after():
+    """A step's new page-table entries travel in the packed inputs; the next step's slots
+    are all unused again (a replayed stale entry could overwrite a reused row's table)."""
+    import numpy as np
+
+    inp = DecodeInputs.allocate(2, torch.device("cpu"))
+    assert inp.page_entries.shape == (6, 4) and (inp.page_entries[:, 0] == -1).all()
+    inp.fill([1, 2], [3, 4], [0, 1], [4, 5], 2, np.array([[0, 1, 2, 30], [2, 0, 5, 40]]))
+    assert inp.page_entries[:2].tolist() == [[0, 1, 2, 30], [2, 0, 5, 40]]
+    assert (inp.page_entries[2:, 0] == -1).all()
+    inp.fill([1, 2], [4, 5], [0, 1], [5, 6], 2)
+    assert (inp.page_entries[:, 0] == -1).all()
+    with pytest.raises(ValueError, match="page entries"):
+        inp.fill([1], [1], [0], [2], 1, np.zeros((7, 4), dtype=np.int64))
+
+
 _MODELS: dict = {}
 
 

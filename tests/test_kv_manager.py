@@ -389,3 +389,29 @@ def test_decode_page_allocation_out_of_space_changes_nothing():
     mgr.host_pool.free(hog)
     step = decode_step(mgr, truth, [0, 1], [21, 25])
     assert int(step.num_pages[0]) == 11 and mgr.reqs[0].host_pages[10] >= 1
+
+
+def test_deferred_page_entries_match_the_written_tables():
+    """With defer_page_entries (the runtime's decode graph writes them), prepare_decode
+    leaves the device tables alone and hands out exactly the entries that the immediate
+    path writes: applied with table_scatter they give the same tables."""
+    from sparsehi.kernels.table_scatter import table_scatter
+
+    tabs = {}
+    for defer in (False, True):
+        mgr = make_manager(layers_sparse=(1,), dense_pool_tokens=4 * 64)
+        mgr.defer_page_entries = defer
+        prefill(mgr, Truth(2, seed=3), [0, 1], [20, 24])  # both open a page at the next token
+        before = [t.clone() for t in mgr.page_entry_tables()]
+        mgr.prepare_decode([0, 1], [21, 25])
+        ents = mgr.take_page_entries()
+        if defer:
+            assert ents is not None and len(ents) == 4  # host and dense-pool page of two rows
+            assert all(torch.equal(a, b) for a, b in zip(before, mgr.page_entry_tables()))  # nothing written yet
+            table_scatter(torch.from_numpy(ents).to(mgr.device), mgr.page_entry_tables())
+            assert mgr.take_page_entries() is None  # taken once
+        else:
+            assert ents is None
+        tabs[defer] = [t.clone() for t in mgr.page_entry_tables()]
+    assert all(torch.equal(a, b) for a, b in zip(tabs[False], tabs[True]))
+    assert not torch.equal(tabs[True][0], before[0])  # the host page table did change

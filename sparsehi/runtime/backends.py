@@ -16,7 +16,6 @@ from hicache.device_pool import DeviceKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
 from sparsehi.kernels.decoder_ops import store_kv
-from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -170,6 +169,17 @@ class ModeBackend:
         runner captures the step's graph before it times decode steps)."""
         return None
 
+    def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
+        """The device tables ``(tables, span)`` the decode step writes the new pages' entries
+        into (``table_scatter``), or None when the mode keeps none."""
+        return None
+
+    def take_page_entries(self) -> Optional[np.ndarray]:
+        """``[E, 4] int64`` entries of the pages ``prepare_decode`` just opened (None: none),
+        handed to the decode step's inputs; cleared by the call."""
+        ents, self._page_entries = getattr(self, "_page_entries", None), None
+        return ents
+
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor,
                       variant: Hashable) -> tuple[Callable, Callable[[], dict]]:
         """Device part (CUDA-graph safe: no host sync, fixed shapes): from ``rows [B] int64``
@@ -235,7 +245,6 @@ class DenseBackend(ModeBackend):
         self.max_pages = -(-self.req_pool.max_context_len // ps)
         # pages each request row took at decode page boundaries (freed at request end)
         self._decode_pages = np.full((rt.max_num_reqs, self.max_pages), -1, dtype=np.int64)
-        self._stager = EntryStager(rt.max_num_reqs, self.device)
 
     def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
         slots = super().prefill_slots(req, prefix_len)
@@ -254,9 +263,12 @@ class DenseBackend(ModeBackend):
                                  f"or lower the batch / context")
             self._decode_pages[r, p] = pages.numpy()
             # req_to_token[r, p * ps + j] = page * ps + j: one staged copy, one launch
-            ents = np.stack([np.zeros_like(r), r, p, pages.numpy() * ps], 1)
-            table_scatter(self._stager.stage(ents), [self.req_pool.req_to_token], span=ps)
+            # req_to_token[r, p * ps + j] = page * ps + j, written by the step itself
+            self._page_entries = np.stack([np.zeros_like(r), r, p, pages.numpy() * ps], 1)
         return None
+
+    def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
+        return [self.req_pool.req_to_token], self.rt.page_size
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         from sparsehi.kernels.paged_decode import paged_decode

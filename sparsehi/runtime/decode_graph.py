@@ -23,9 +23,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
+ENTRY_ROWS = 12
+"""Packed-input rows holding page entries: 3 entries of 4 int64 per batch row."""
 
 DecodeBody = Callable[["DecodeInputs", int, Hashable], dict]
 """``body(inputs, nb, variant) -> outputs``: one decode step over the first ``nb`` rows of
@@ -48,8 +52,11 @@ class DecodeInputs:
     """Static per-step inputs of ``N`` rows (the largest bucket) and the step's output.
 
     input_ids, positions, req_pool_indices, seq_lens: ``[N] int64`` views of one packed
-    device buffer (padding rows: id 0, position 0, row -1, length 1); next_tokens ``[N]
-    int64`` greedy tokens the step wrote.
+    device buffer (padding rows: id 0, position 0, row -1, length 1); page_entries
+    ``[3N, 4] int64`` the same buffer's tail: the device-table entries of the pages this
+    step's rows open (``sparsehi.kernels.table_scatter`` format, table ``-1`` when unused),
+    written by the step itself so that no launch or copy of its own happens on the host;
+    next_tokens ``[N] int64`` greedy tokens the step wrote.
     """
 
     packed: torch.Tensor
@@ -59,12 +66,15 @@ class DecodeInputs:
     @classmethod
     def allocate(cls, n: int, device: torch.device) -> "DecodeInputs":
         pin = device.type == "cuda"
-        packed = torch.zeros(4, n, dtype=torch.int64, device=device)
-        staging = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
+        packed = torch.zeros(4 + ENTRY_ROWS, n, dtype=torch.int64, device=device)
+        staging = torch.zeros(4 + ENTRY_ROWS, n, dtype=torch.int64, pin_memory=pin)
+        for t in (packed, staging):  # entry slots start unused
+            t[4:].view(-1, 4)[:, 0] = -1
         return cls(packed, staging, torch.zeros(n, dtype=torch.int64, device=device))
 
     def __post_init__(self) -> None:
         self._host = self.staging.numpy()  # writes through NumPy: no tensor per step
+        self._entries_live = True  # the device copy of the entry slots may hold entries
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -82,15 +92,32 @@ class DecodeInputs:
     def seq_lens(self) -> torch.Tensor:
         return self.packed[3]
 
-    def fill(self, ids: list[int], positions: list[int], rows: list[int], seq_lens: list[int], nb: int) -> None:
-        """Rows ``[0, B)`` from the lists, ``[B, nb)`` padding; one host->device copy."""
+    @property
+    def page_entries(self) -> torch.Tensor:
+        return self.packed[4:].view(-1, 4)
+
+    def fill(self, ids: list[int], positions: list[int], rows: list[int], seq_lens: list[int], nb: int,
+             page_entries: Optional[np.ndarray] = None) -> None:
+        """Rows ``[0, B)`` from the lists, ``[B, nb)`` padding, the page entries (``[E, 4]``,
+        ``E <= 3N``; none: every slot unused); one host->device copy."""
         b = len(rows)
         h = self._host
         h[0, b:nb], h[1, b:nb], h[2, b:nb], h[3, b:nb] = 0, 0, -1, 1
         if b:
             h[0, :b], h[1, :b], h[2, :b], h[3, :b] = ids, positions, rows, seq_lens
+        ents = h[4:].reshape(-1, 4)
+        e = 0 if page_entries is None else len(page_entries)
+        if e > ents.shape[0]:
+            raise ValueError(f"{e} page entries exceed the step's {ents.shape[0]} slots (3 per row)")
+        if e:
+            ents[:e] = page_entries
+        ents[e:, 0] = -1
         # the previous step's copy has finished: its tokens were read back
-        self.packed[:, :nb].copy_(self.staging[:, :nb], non_blocking=True)
+        if e or self._entries_live:
+            self.packed.copy_(self.staging, non_blocking=True)
+        else:
+            self.packed[:4, :nb].copy_(self.staging[:4, :nb], non_blocking=True)
+        self._entries_live = e > 0
 
     def fill_padding(self, nb: int) -> None:
         self.fill([], [], [], [], nb)
@@ -120,19 +147,20 @@ class DecodeGraphRunner:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
     def run(self, ids: list[int], positions: list[int], rows: list[int], seq_lens: list[int],
-            variant: Hashable = None) -> tuple[torch.Tensor, dict]:
+            variant: Hashable = None, page_entries: Optional[np.ndarray] = None) -> tuple[torch.Tensor, dict]:
         """One step: returns ``(next_tokens [nb] int64, outputs)`` (device, static when
-        graphed: read them before the next step)."""
+        graphed: read them before the next step). ``page_entries``: the step's new
+        device-table entries (``DecodeInputs.page_entries``), applied by the body."""
         nb = self.bucket(len(rows))
         if not self.enabled:
-            self.inputs.fill(ids, positions, rows, seq_lens, nb)
+            self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries)
             out = self.body(self.inputs, nb, variant)
             return self.inputs.next_tokens[:nb], out
         key = (nb, variant)
         if key not in self._graphs:
             self._graphs[key] = self._capture(nb, variant)
         graph, out = self._graphs[key]
-        self.inputs.fill(ids, positions, rows, seq_lens, nb)
+        self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries)
         graph.replay()
         return self.inputs.next_tokens[:nb], out
 

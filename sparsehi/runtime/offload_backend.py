@@ -6,7 +6,7 @@ attended densely. Its cost is the whole context over PCIe per layer and step.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Hashable
+from typing import Hashable, Optional
 
 import numpy as np
 import torch
@@ -14,7 +14,6 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kernels.kv_copy import kv_copy
 from hicache.transfer import KVTransferEngine
-from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.runtime.backends import ModeBackend, Request
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
@@ -39,7 +38,6 @@ class OffloadFullBackend(ModeBackend):
         # copy the graph-captured step reads)
         self._host_pages = np.full((rt.max_num_reqs, self.ctx_pages), -1, dtype=np.int64)
         self.host_page_table = torch.zeros(rt.max_num_reqs, self.ctx_pages, dtype=torch.int64, device=self.device)
-        self._stager = EntryStager(rt.max_num_reqs, self.device)
 
     def stats(self) -> dict:
         """Host->device bytes of every decode step (the whole context, all layers)."""
@@ -86,10 +84,12 @@ class OffloadFullBackend(ModeBackend):
             if pages is None:
                 raise ValueError("host KV pool is full: raise host_kv_tokens")
             self._host_pages[rows, p] = pages.numpy()
-            ents = np.stack([np.zeros_like(rows), rows, p, pages.numpy()], 1)
-            table_scatter(self._stager.stage(ents), [self.host_page_table])
+            self._page_entries = np.stack([np.zeros_like(rows), rows, p, pages.numpy()], 1)  # applied by the step
         self.step_bytes.append(sum(r.seq_len for r in reqs) * self.spec.token_bytes)
         return None
+
+    def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
+        return [self.host_page_table], 1
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         from sparsehi.kernels.paged_decode import paged_decode

@@ -11,6 +11,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
+from sparsehi.kernels.table_scatter import table_scatter
 from sparsehi.runtime.backends import ModeBackend, Request, _sync
 from sparsehi.runtime.decode_graph import DecodeGraphRunner, DecodeInputs
 from sparsehi.runtime.modes import RuntimeConfig
@@ -99,6 +100,9 @@ class ModelRunner:
         """The device part of a decode step over ``nb`` (padded) rows: what a graph holds."""
         rows = inputs.req_pool_indices[:nb]
         seq = inputs.seq_lens[:nb].to(torch.int32)
+        tables = self.backend.page_entry_tables()
+        if tables is not None:  # the pages this step's rows opened (prepare_decode)
+            table_scatter(inputs.page_entries, tables[0], tables[1])
         attn, close = self.backend.decode_device(rows, seq, variant)
         hidden = self.model(inputs.input_ids[:nb], inputs.positions[:nb], attn)
         outputs = close()
@@ -118,7 +122,8 @@ class ModelRunner:
         variant = be.prepare_decode(reqs)
         tp = time.perf_counter()
         toks_t, outputs = self.graphs.run([int(t) for t in last], [r.seq_len for r in reqs],
-                                          [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant)
+                                          [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant,
+                                          be.take_page_entries())
         t1 = time.perf_counter()
         toks = toks_t[: len(reqs)].tolist()  # waits for the step
         t2 = time.perf_counter()

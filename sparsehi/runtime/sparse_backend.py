@@ -14,6 +14,7 @@ import logging
 
 from typing import Any, Callable, Hashable, Optional
 
+import numpy as np
 import torch
 
 from hicache.layer_sync import LayerLoadCounter
@@ -85,6 +86,8 @@ class CoordinatorBackend(ModeBackend):
             max_context_len=max_ctx, validate=rt.value_checks,
             dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
         )
+        # the step writes the new pages' table entries itself (runner: DecodeInputs.page_entries)
+        self.coord.manager.defer_page_entries = True
         self.layer_loads = LayerLoadCounter(cfg.num_layers)
         """Reused prefixes loading back while their prefill runs (one producer per request)."""
         self.peak_host_tokens = 0
@@ -202,6 +205,12 @@ class CoordinatorBackend(ModeBackend):
 
     def decode_variant(self, reqs: list[Request]) -> Hashable:
         return self.coord.manager.has_dense_rows([r.req_pool_idx for r in reqs]), frozenset(self.record_layers)
+
+    def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
+        return self.coord.manager.page_entry_tables(), 1
+
+    def take_page_entries(self) -> Optional[np.ndarray]:
+        return self.coord.manager.take_page_entries()
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         has_dense, record = variant
