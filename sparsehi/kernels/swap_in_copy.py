@@ -16,6 +16,7 @@ Entry points: ``swap_in_copy`` (dispatch), ``swap_in_copy_triton``, ``swap_in_co
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -156,6 +157,35 @@ DEFAULT_BLOCK_BYTES = 4096
 DEFAULT_ROW_MAJOR = True
 
 
+@dataclass
+class CopyGeometry:
+    """How the copy kernel walks one layer's rows: word views, segments per row (``nseg``),
+    pieces of ``seg`` words per segment (``parts``), token rows per run (``toks``), the
+    tile (``tile`` pieces), and the load lists with matching strides."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    nseg: int
+    seg: int
+    parts: int
+    toks: int
+    tile: int
+    load_ids: torch.Tensor
+    load_slots: torch.Tensor
+
+
+def copy_geometry(src, dst, load_ids, load_slots, block_bytes: int) -> CopyGeometry:
+    """The ``CopyGeometry`` of a copy of ``block_bytes`` of rows per run (shared by this
+    kernel and the fused copy + table launch)."""
+    wr = word_rows(src, dst)
+    seg = _piece_words(wr.chunk)
+    parts = wr.chunk // seg
+    toks = max(1, block_bytes // (wr.chunk * wr.width))
+    ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
+    li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
+    return CopyGeometry(wr.src, wr.dst, wr.nseg, seg, parts, toks, triton.next_power_of_2(toks * parts), li, ls)
+
+
 def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                         page_size, block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR,
                         programs_per_row: Optional[int] = None) -> None:
@@ -170,14 +200,9 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
         return
     ps = page_size
     nbuf = src.shape[3]
-    wr = word_rows(src, dst)
-    ws, wd, nseg, chunk = wr.src, wr.dst, wr.nseg, wr.chunk
-    seg = _piece_words(chunk)
-    parts = chunk // seg
-    toks = max(1, block_bytes // (chunk * wr.width))
-    tile = triton.next_power_of_2(toks * parts)
-    ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
-    li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
+    g = copy_geometry(src, dst, load_ids, load_slots, block_bytes)
+    ws, wd, nseg, li, ls = g.src, g.dst, g.nseg, g.load_ids, g.load_slots
+    seg, parts, toks, tile = g.seg, g.parts, g.toks, g.tile
     runs = triton.cdiv(k * ps, toks)  # the most a row can need
     gpr = runs if programs_per_row is None else max(1, min(runs, programs_per_row))
     _swap_in_copy_kernel[(gpr, b, nbuf * nseg) if row_major else (b, gpr, nbuf * nseg)](

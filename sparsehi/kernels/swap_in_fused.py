@@ -27,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.kernels.kv_copy import word_rows
 from hicache.triton_support import announce_path, use_triton
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
                                               selection_table_reference)
-from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _piece_words,
-                                           _swap_in_copy_block, swap_in_copy_reference)
+from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _swap_in_copy_block,
+                                           copy_geometry, swap_in_copy_reference)
 
 
 @triton.jit
@@ -102,14 +101,9 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
     if b == 0:
         return out
     kl = load_ids.shape[1]
-    wr = word_rows(src, dst)
-    ws, wd, nseg, chunk = wr.src, wr.dst, wr.nseg, wr.chunk
-    seg = _piece_words(chunk)
-    parts = chunk // seg
-    toks = max(1, block_bytes // (chunk * wr.width))
-    tile = triton.next_power_of_2(toks * parts)
-    ls = load_slots if load_slots.stride() == load_ids.stride() else load_slots.contiguous()
-    li = load_ids if load_ids.stride() == ls.stride() else load_ids.contiguous()
+    g = copy_geometry(src, dst, load_ids, load_slots, block_bytes)
+    ws, wd, nseg, li, ls = g.src, g.dst, g.nseg, g.load_ids, g.load_slots
+    seg, parts, toks, tile = g.seg, g.parts, g.toks, g.tile
     runs = max(1, triton.cdiv(kl * page_size, toks))
     block_w = min(512, triton.next_power_of_2(w))
     wblocks = triton.cdiv(w, block_w)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
 from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
-from sparsehi.kernels.topk_split import split_plan, topk_select_split
+from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
 
 def _capturing() -> bool:
@@ -335,10 +335,7 @@ def topk_select_triton(
         plan = split_plan(bsz, n, top_k, _sm_count(dev))
         if plan is not None:
             return topk_select_split(scores, top_k, candidate_start, candidate_end, row_mask, plan)
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    ids = torch.empty(bsz, top_k, dtype=torch.int32, device=dev)
-    valid = torch.empty(bsz, dtype=torch.int32, device=dev)
+    scores, ids, valid = select_outputs(scores, top_k)
     if bsz == 0:
         return ids, valid
     # shortlist space (keys, then ids, per row) only for rows longer than the sample

@@ -96,6 +96,16 @@ def _merge_topk_kernel(wkey_ptr, wid_ptr, wcount_ptr, ids_ptr, valid_ptr, TOP_K,
     tl.store(valid_ptr + b, n_out)
 
 
+def select_outputs(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``scores`` with unit column stride, and empty ``ids [B, top_k]`` / ``valid [B]`` int32
+    outputs on its device (both select launchers)."""
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    b = scores.shape[0]
+    return (scores, torch.empty(b, top_k, dtype=torch.int32, device=scores.device),
+            torch.empty(b, dtype=torch.int32, device=scores.device))
+
+
 def topk_select_split(scores: torch.Tensor, top_k: int, candidate_start: torch.Tensor, candidate_end: torch.Tensor,
                       row_mask: Optional[torch.Tensor], plan: tuple[int, int],
                       num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,10 +119,7 @@ def topk_select_split(scores: torch.Tensor, top_k: int, candidate_start: torch.T
     kp = triton.next_power_of_2(top_k)
     if p * kp > MAX_MERGE:
         raise ValueError(f"plan={plan} merges {p} x {kp} > {MAX_MERGE} entries: use fewer chunks")
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    ids = torch.empty(bsz, top_k, dtype=torch.int32, device=dev)
-    valid = torch.empty(bsz, dtype=torch.int32, device=dev)
+    scores, ids, valid = select_outputs(scores, top_k)
     if bsz == 0:
         return ids, valid
     work = torch.empty(2, bsz, p, kp, dtype=torch.int32, device=dev)
