@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", ".venv", "__pycache__", "outputs", "runs", "build", "dist", ".hypothesis", ".pytest_cache",
+SKIP_DIRS = {".git", ".venv", ".venv-sglang", "__pycache__", "outputs", "runs", "build", "dist", ".hypothesis", ".pytest_cache",
              ".anchor", ".scratch", ".whl", ".gl"}  # local, git-ignored: third-party builds, scratch files
 SUFFIXES = {".py", ".md", ".json", ".txt", ".sh", ".toml"}
 

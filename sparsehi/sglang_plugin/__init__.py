@@ -1,0 +1,22 @@
+"""sparsehi as an SGLang general plugin (entry point group ``sglang.srt.plugins``).
+
+``register()`` is what SGLang's ``load_plugins()`` calls. Importing ``sparsehi`` (or this
+package) never imports SGLang; only ``register()`` does.
+"""
+from __future__ import annotations
+
+from sparsehi.sglang_plugin.options import ATTR, OPTIONS, add_arguments, config_from_namespace
+
+TESTED_SGLANG = "0.5.23"
+
+
+def register() -> list[str]:
+    """Register the plugin's hooks with SGLang's ``HookRegistry``; returns the hooked targets."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sparsehi.sglang_plugin.hooks import register_hooks
+
+    return register_hooks(HookRegistry, HookType)
+
+
+__all__ = ["ATTR", "OPTIONS", "TESTED_SGLANG", "add_arguments", "config_from_namespace", "register"]

@@ -1,0 +1,91 @@
+"""The ``--sparsehi-*`` server options: their argparse surface and their check.
+
+SGLang's ``ServerArgs`` is a closed msgspec record built from the parsed namespace by
+``ServerArgs.from_cli_args`` (only its own fields are copied), so the plugin adds its
+options to the parser and, when the record is built, turns them into a ``SparseConfig``
+kept beside the record (``ServerArgs`` is declared with ``dict=True``, so an attribute
+outside its fields survives). Nothing here imports SGLang: the hooks in
+``sparsehi.sglang_plugin.hooks`` call these functions with SGLang's objects.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sparsehi.config import SPARSE_BACKENDS, SparseConfig
+
+ATTR = "sparsehi_config"
+"""Name of the attribute set on SGLang's ``ServerArgs`` (None: sparsehi is off)."""
+
+# (flag, SparseConfig field, type, help). The algorithm flag is the switch: without it
+# every other option is ignored and every hook is a no-op.
+_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    ("--sparsehi-algorithm", "algorithm", str,
+     "Turns sparsehi on: a registered algorithm name (quest, dsa, oracle) or an import "
+     "path 'package.module:ClassName'. Without it the other --sparsehi-* options are ignored."),
+    ("--sparsehi-backend", "backend", str,
+     f"Attention backend adaptor that rewrites the page table: one of {SPARSE_BACKENDS}."),
+    ("--sparsehi-top-k", "top_k", int, "Tokens selected per decode step and layer (multiple of the page size)."),
+    ("--sparsehi-device-buffer-size", "device_buffer_size", int,
+     "Tokens of GPU LRU buffer per request and layer (>= top-k, multiple of the page size)."),
+    ("--sparsehi-page-size", "page_size", int,
+     "Selection page size in tokens (power of two <= 256); defaults to SGLang's --page-size."),
+    ("--sparsehi-sink-tokens", "sink_tokens", int, "Leading tokens always attended."),
+    ("--sparsehi-recent-tokens", "recent_tokens", int, "Trailing tokens always attended (>= 1)."),
+    ("--sparsehi-min-sparse-prompt-len", "min_sparse_prompt_len", int,
+     "Requests with a shorter prompt take SGLang's unmodified attention path."),
+    ("--sparsehi-host-to-device-ratio", "host_to_device_ratio", float,
+     "Host KV pool size over the GPU KV the live requests hold (> 1)."),
+)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    flag: str
+    field: str
+    type: type
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+OPTIONS: tuple[OptionSpec, ...] = tuple(OptionSpec(*o) for o in _OPTIONS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--sparsehi-*`` options (all default to None: unset) in their own group."""
+    group = parser.add_argument_group("sparsehi (hierarchical sparse attention)")
+    for o in OPTIONS:
+        if any(o.flag in a.option_strings for a in parser._actions):
+            continue  # a second add_cli_args call on the same parser
+        group.add_argument(o.flag, dest=o.dest, type=o.type, default=None, help=o.help)
+
+
+def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Optional[SparseConfig]:
+    """The ``SparseConfig`` the parsed options ask for; None when ``--sparsehi-algorithm`` is unset.
+
+    Raises ``ValueError`` naming the flag (not the dataclass field) on a bad value.
+    """
+    values = {o.field: getattr(ns, o.dest, None) for o in OPTIONS}
+    if values["algorithm"] is None:
+        given = [o.flag for o in OPTIONS if values[o.field] is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --sparsehi-algorithm, which turns sparsehi on")
+        return None
+    if values["page_size"] is None and sglang_page_size is not None:
+        values["page_size"] = int(sglang_page_size)
+    kwargs = {k: v for k, v in values.items() if v is not None}
+    # defaults whose budgets must follow a page size other than SparseConfig's 64
+    page = kwargs.get("page_size", SparseConfig.page_size)
+    for f in ("sink_tokens", "recent_tokens"):
+        kwargs.setdefault(f, max(page, getattr(SparseConfig, f)))
+    try:
+        return SparseConfig(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        for o in OPTIONS:
+            msg = msg.replace(f"SparseConfig.{o.field}=", f"{o.flag}=")
+        raise ValueError(msg) from None
