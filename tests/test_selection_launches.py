@@ -82,6 +82,11 @@ def dev(request, monkeypatch):
     return torch.device(request.param)
 
 
+# the Top-k: one program per row, or (a batch smaller than the GPU, on CUDA) split over
+# several programs per row: chunk shortlists, then a merge
+TOPK_LAUNCHES = (["triton:_topk_select_kernel"], ["triton:_chunk_topk_kernel", "triton:_merge_topk_kernel"])
+
+
 def _quest(dev, B=4, ctx=512, ps=16, hq=8, hkv=2, d=32):
     cfg = SparseConfig(algorithm="quest", page_size=ps, top_k=4 * ps, device_buffer_size=16 * ps)
     alg = QuestAlgorithm(cfg, dev)
@@ -129,7 +134,7 @@ def test_quest_retrieve_is_at_most_three_launches(dev):
     with counting_launches() as c:
         sel, valid = call()
     assert len(c.launches) <= 3, c.launches
-    assert c.launches == ["triton:_quest_score_kernel", "triton:_topk_select_kernel"]
+    assert c.launches[:1] == ["triton:_quest_score_kernel"] and c.launches[1:] in TOPK_LAUNCHES, c.launches
     assert valid.tolist() == [4, 4, 0, 0]
 
 
@@ -153,7 +158,7 @@ def test_dsa_retrieve_is_at_most_three_launches(dev, index_dtype):
     with counting_launches() as c:
         sel, valid = call()
     assert len(c.launches) <= 3, c.launches
-    assert c.launches == ["triton:_dsa_indexer_kernel", "triton:_topk_select_kernel"]
+    assert c.launches[:1] == ["triton:_dsa_indexer_kernel"] and c.launches[1:] in TOPK_LAUNCHES, c.launches
     assert valid.tolist() == [64, 64, 0, 0]
 
 
