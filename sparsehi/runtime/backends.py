@@ -72,6 +72,7 @@ class ModeBackend:
         self.cfg = cfg
         self.rt = rt
         self.device = torch.device(rt.device)
+        self._page_entries: Optional[np.ndarray] = None  # prepare_decode -> take_page_entries
         self.spec = kv_spec_for(cfg, rt)
         n_dev = rt.device_kv_tokens or rt.auto_device_tokens()
         self.pool = DeviceKVPool(self.spec, round_up(n_dev, rt.page_size), self.device)
@@ -177,7 +178,7 @@ class ModeBackend:
     def take_page_entries(self) -> Optional[np.ndarray]:
         """``[E, 4] int64`` entries of the pages ``prepare_decode`` just opened (None: none),
         handed to the decode step's inputs; cleared by the call."""
-        ents, self._page_entries = getattr(self, "_page_entries", None), None
+        ents, self._page_entries = self._page_entries, None
         return ents
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor,
