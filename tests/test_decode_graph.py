@@ -130,7 +130,8 @@ def test_replay_makes_no_host_sync(mode):
         torch.cuda.set_sync_debug_mode("error")
         try:
             toks, outputs = runner.graphs.run([r.output[-1] for r in reqs], [r.seq_len for r in reqs],
-                                              [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant)
+                                              [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant,
+                                              be.take_page_entries())
         finally:
             torch.cuda.set_sync_debug_mode("default")
         be.end_decode(reqs, outputs)
