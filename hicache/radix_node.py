@@ -16,6 +16,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "device_indices", "host_indices", "hash_keys",
         "lock_ref", "host_lock_ref", "hit_count", "last_access", "loading", "write_ack",
+        "in_storage", "storage_op",
     )
     _ids = itertools.count()
 
@@ -33,6 +34,8 @@ class TreeNode:
         self.last_access = 0
         self.loading = False
         self.write_ack: Optional[int] = None  # ack id of the in-flight backup covering this node
+        self.in_storage = False  # its pages are known to be in L3 (written, or read from there)
+        self.storage_op: Optional[int] = None  # id of the in-flight L3 write covering this node
 
     @property
     def on_device(self) -> bool:

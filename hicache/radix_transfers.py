@@ -92,6 +92,7 @@ class TierMoves:
                 for nd in nodes:
                     nd.write_ack = None
                 self.dec_lock_ref(nodes[0])
+                self._on_host_backup_done(nodes)
         return len(results)
 
     def _subtree_postorder(self, top: TreeNode) -> list[TreeNode]:
@@ -389,6 +390,7 @@ class TierMoves:
                 self._evict_device(x)
 
     def check_hicache_events(self) -> None:
-        """Per scheduler step: retire finished writes and loads."""
+        """Per scheduler step: retire finished writes and loads (host and L3)."""
         self.writing_check()
         self.loading_check()
+        self.check_storage_events()

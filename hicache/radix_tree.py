@@ -53,6 +53,7 @@ import torch
 from hicache.config import write_through_threshold
 from hicache.hicache_stats import HiCacheStats
 from hicache.radix_node import _EMPTY, InsertResult, MatchResult, TreeNode, _as_tokens
+from hicache.radix_storage import StorageTier
 from hicache.radix_transfers import TierMoves
 from hicache.storage.keys import page_hash_chain
 from hicache import tp_sync
@@ -61,11 +62,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from hicache.config import HiCacheConfig
     from hicache.controller import HiCacheController
     from hicache.device_pool import DeviceKVPool
+    from hicache.storage.base import HiCacheStorage
 
 __all__ = ["HiRadixTree", "TreeNode", "MatchResult", "InsertResult"]
 
 
-class HiRadixTree(TierMoves):
+class HiRadixTree(TierMoves, StorageTier):
     """GPU (L1) + host (L2) radix cache. Pools, transfers and write policy come from
     ``controller`` (a :class:`hicache.controller.HiCacheController`)."""
 
@@ -81,9 +83,11 @@ class HiRadixTree(TierMoves):
 
     @classmethod
     def from_config(cls, config: "HiCacheConfig", device_pool: "DeviceKVPool", tp_group=None,
-                    pin_memory: Optional[bool] = None) -> "HiRadixTree":
+                    pin_memory: Optional[bool] = None, storage: Optional["HiCacheStorage"] = None) -> "HiRadixTree":
         """Build host pool (``--hicache-ratio/size``, ``--hicache-mem-layout``), controller
-        (``--hicache-write-policy``, ``--hicache-io-backend``) and tree over ``device_pool``."""
+        (``--hicache-write-policy``, ``--hicache-io-backend``) and tree over ``device_pool``;
+        with ``storage`` (see ``hicache.storage_setup.backend_from_config``) attach it as L3
+        under ``--hicache-storage-prefetch-policy`` and the extra config's prefetch keys."""
         from hicache.controller import HiCacheController
         from hicache.host_pool import HostKVPool
 
@@ -92,10 +96,20 @@ class HiRadixTree(TierMoves):
                              f"{device_pool.page_size}")
         host = HostKVPool(device_pool, hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size,
                           layout=config.hicache_mem_layout, pin_memory=pin_memory)
-        return cls(HiCacheController.from_config(config, device_pool, host, tp_group))
+        tree = cls(HiCacheController.from_config(config, device_pool, host, tp_group))
+        if storage is not None:
+            from hicache.storage_controller import StoragePolicy
+
+            tree.attach_storage_backend(storage, StoragePolicy.from_config(config))
+        return tree
 
     def close(self) -> None:
-        """Stop the controller's worker thread."""
+        """Finish L3 operations (drain; abandoned after 10 s) and stop the worker threads."""
+        if self.storage_ctl is not None:
+            try:
+                self.detach_storage_backend(timeout=10.0)
+            except TimeoutError:
+                self.detach_storage_backend(force=True)
         self.controller.close()
 
     # ------------------------------------------------------------------ state
@@ -115,6 +129,7 @@ class HiRadixTree(TierMoves):
         # Nodes whose load-back failed while a request still held them: their device slots
         # hold no valid KV; matched never, dropped from the device when the last lock goes.
         self._stale: set[TreeNode] = set()
+        self._reset_storage()
         self.fault_stats = {"write_failures": 0, "write_retries": 0, "load_failures": 0,
                             "failed_write_host_tokens_freed": 0, "failed_load_device_tokens_freed": 0}
 
@@ -212,6 +227,10 @@ class HiRadixTree(TierMoves):
         if child.write_ack is not None:
             new.write_ack = child.write_ack
             self.ongoing_write[child.write_ack].append(new)
+        new.in_storage = child.in_storage
+        if child.storage_op is not None:
+            new.storage_op = child.storage_op
+            self.ongoing_backup[child.storage_op].nodes.append(new)
         if child in self._stale:
             self._stale.add(new)
         child.key = child.key[m:]
@@ -508,6 +527,7 @@ class HiRadixTree(TierMoves):
             stale_nodes=len(self._stale),
         )
         out.update(self.fault_stats)
+        out.update(self.storage_stats_dict())
         return out
 
     def check_invariants(self) -> None:
@@ -538,6 +558,8 @@ class HiRadixTree(TierMoves):
                 assert x.backed_up, f"{x}: host-locked without host copy"
             if x.loading or x.write_ack is not None:
                 assert x.lock_ref > 0, f"{x}: in-flight transfer without a lock"
+            if x.storage_op is not None:
+                assert x.host_lock_ref > 0 and x.storage_op in self.ongoing_backup, f"{x}: L3 write without a host lock"
             if self._is_device_leaf(x):
                 dleaves.add(x)
             if self._is_host_leaf(x):
