@@ -161,7 +161,7 @@ class StorageController:
         self.counters = {
             "l3_pages_fetched": 0, "l3_bytes_fetched": 0, "l3_fetch_miss_pages": 0, "l3_fetch_faults": 0,
             "l3_pages_written": 0, "l3_bytes_written": 0, "l3_write_skipped_existing": 0, "l3_write_faults": 0,
-            "l3_write_failed_pages": 0, "l3_exists_faults": 0,
+            "l3_write_incomplete_ops": 0, "l3_exists_faults": 0,
         }
         self.backup_acks: "queue.Queue[BackupOp]" = queue.Queue()
         self._prefetch_q: "queue.Queue[Optional[PrefetchOp]]" = queue.Queue()
@@ -332,7 +332,7 @@ class StorageController:
             self.counters["l3_bytes_written"] += op.written * self.page_bytes
             self.counters["l3_write_skipped_existing"] += op.skipped
         if not op.ok:
-            self._fault("l3_write_failed_pages", f"{len(res) - op.written} of {len(res)} page(s) not stored")
+            self._fault("l3_write_incomplete_ops", f"{len(res) - op.written} of {len(res)} page(s) not stored")
 
     # ------------------------------------------------------------------ lifecycle
     def wait_idle(self, timeout: Optional[float]) -> bool:

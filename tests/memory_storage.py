@@ -37,6 +37,7 @@ class MemoryStorage(HiCacheStorage):
         """Break the contract: let an exception escape ``get_pages``."""
         self.pages_read = 0
         self.set_calls: list[list[str]] = []
+        self.set_waiting = 0  # writes that reached set_gate
 
     # -- switches helpers ------------------------------------------------------------------
     def _fault(self) -> None:
@@ -93,6 +94,8 @@ class MemoryStorage(HiCacheStorage):
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[bool]:
         if self.set_gate is not None:
+            with self.lock:
+                self.set_waiting += 1
             self.set_gate.wait()
         with self.lock:
             self.set_calls.append(list(keys))
