@@ -225,7 +225,9 @@ class StorageTier:
         local, io_done = ctl.stop(op)  # the thread stops at its next batch boundary
         if take_pages is not None:
             local = min(local, take_pages)
-        pages = tp_sync.agree_min(local, self.controller.tp_group)
+        # Orphan or release at once: agreed too, so every rank's orphan list is the same and
+        # their releases can be agreed in order.
+        pages, io_done = tp_sync.agree_min_many([local, int(io_done)], self.controller.tp_group)
         n = pages * ps
         if pages < op.num_pages:
             self.storage_stats["prefetch_truncated"] += 1
