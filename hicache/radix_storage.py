@@ -317,9 +317,10 @@ class StorageTier:
         self._submit_storage_backup(todo)
 
     def _submit_storage_backup(self, nodes: list[TreeNode]) -> int:
-        """One background write of ``nodes`` (root-first; each is an ancestor of the last)."""
+        """One background write of ``nodes`` (nodes of one root path)."""
         if not nodes:
             return 0
+        nodes = sorted(nodes, key=lambda x: len(self._path(x)))  # root first: the last one locks them all
         ctl = self.storage_ctl
         ps = self.page_size
         keys: list[str] = []
@@ -363,7 +364,7 @@ class StorageTier:
         self._release_orphans()
 
     def _release_orphans(self) -> None:
-        if not self._orphans and tp_sync.world_size(self.controller.tp_group) <= 1:
+        if not self._orphans:  # the same list on every rank (settling agrees on it): no collective
             return
         k = 0
         while k < len(self._orphans) and self._orphans[k][0].done:

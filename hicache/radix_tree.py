@@ -29,6 +29,10 @@ host-only. If a request still holds a lock on a node whose load failed, the node
 stale — ``match_prefix`` stops before it — and its device copy is dropped when the last lock
 is released.
 
+The L3 storage paths (prefetch from a storage backend into host nodes, write-through of
+host pages to it, runtime attach/detach) live in ``hicache.radix_storage``; the tree's tier
+moves (backups, evictions, load-back) in ``hicache.radix_transfers``.
+
 Beyond SGLang, the sparse runtime inserts a request whose KV it already offloaded to host
 *host-only* and keeps those host pages locked while the request decodes::
 
@@ -568,5 +572,8 @@ class HiRadixTree(TierMoves, StorageTier):
         live = set(self.nodes())
         for x in self._stale:
             assert x in live and x.on_device and x.lock_ref > 0, f"{x}: stale node not held on the device"
+        for op in self.ongoing_prefetch.values():
+            st = op.start_node
+            assert st is self.root or (st in live and st.host_lock_ref > 0), f"{st}: prefetch start not host-locked"
         assert dleaves == self.device_leaves, "device leaf set drifted"
         assert hleaves == self.host_leaves, "host leaf set drifted"

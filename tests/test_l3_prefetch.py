@@ -261,7 +261,7 @@ def test_terminate_releases_pages_and_the_counter_shows_leaks(cold_store):
 def test_start_node_stays_host_locked_while_fetching(cold_store):
     s, tree, host = _gated(cold_store.objects, StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=8),
                            block_after=0)
-    store(tree, dev := tree.controller.device_pool, TOKS[:16])
+    store(tree, tree.controller.device_pool, TOKS[:16])
     tree.evict(10 ** 6)
     _, m = prefetch(tree, "r", TOKS)
     start = m.last_backed_node
@@ -271,7 +271,6 @@ def test_start_node_stays_host_locked_while_fetching(cold_store):
     settle(tree, "r")
     assert start.host_lock_ref == 0 and tree.match_prefix(TOKS).total_hit_length == 64
     no_leaks(tree)
-    del dev
     tree.close()
 
 
