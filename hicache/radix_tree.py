@@ -29,6 +29,10 @@ host-only. If a request still holds a lock on a node whose load failed, the node
 stale — ``match_prefix`` stops before it — and its device copy is dropped when the last lock
 is released.
 
+The L3 storage paths (prefetch from a storage backend into host nodes, write-through of
+host pages to it, runtime attach/detach) live in ``hicache.radix_storage``; the tree's tier
+moves (backups, evictions, load-back) in ``hicache.radix_transfers``.
+
 Beyond SGLang, the sparse runtime inserts a request whose KV it already offloaded to host
 *host-only* and keeps those host pages locked while the request decodes::
 
@@ -45,15 +49,16 @@ Beyond SGLang, the sparse runtime inserts a request whose KV it already offloade
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
 from hicache.config import write_through_threshold
 from hicache.hicache_stats import HiCacheStats
+from hicache.radix_node import _EMPTY, InsertResult, MatchResult, TreeNode, _as_tokens
+from hicache.radix_storage import StorageTier
+from hicache.radix_transfers import TierMoves
 from hicache.storage.keys import page_hash_chain
 from hicache import tp_sync
 
@@ -61,117 +66,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from hicache.config import HiCacheConfig
     from hicache.controller import HiCacheController
     from hicache.device_pool import DeviceKVPool
+    from hicache.storage.base import HiCacheStorage
 
-_EMPTY = torch.empty((0,), dtype=torch.int64)
-
-
-class TreeNode:
-    """One span of tokens (a whole number of pages) and where its KV lives."""
-
-    __slots__ = (
-        "id", "key", "parent", "children", "device_indices", "host_indices", "hash_keys",
-        "lock_ref", "host_lock_ref", "hit_count", "last_access", "loading", "write_ack",
-    )
-    _ids = itertools.count()
-
-    def __init__(self, key: tuple[int, ...] = (), parent: Optional["TreeNode"] = None) -> None:
-        self.id: int = next(TreeNode._ids)
-        self.key: tuple[int, ...] = key
-        self.parent: Optional[TreeNode] = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.device_indices: Optional[torch.Tensor] = None  # int64 [len(key)] device slots
-        self.host_indices: Optional[torch.Tensor] = None  # int64 [len(key)] host slots
-        self.hash_keys: Optional[list[str]] = None  # one per page, computed on demand
-        self.lock_ref = 0
-        self.host_lock_ref = 0
-        self.hit_count = 0
-        self.last_access = 0
-        self.loading = False
-        self.write_ack: Optional[int] = None  # ack id of the in-flight backup covering this node
-
-    @property
-    def on_device(self) -> bool:
-        return self.device_indices is not None
-
-    @property
-    def evicted(self) -> bool:
-        """SGLang's name: not on the device."""
-        return self.device_indices is None
-
-    @property
-    def backed_up(self) -> bool:
-        """Host slots assigned (the write may still be in flight, see ``write_ack``)."""
-        return self.host_indices is not None
-
-    def __lt__(self, other: "TreeNode") -> bool:  # heap order: least recently used first
-        return (self.last_access, self.id) < (other.last_access, other.id)
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, len={len(self.key)}, dev={self.on_device}, host={self.backed_up}, "
-                f"lock={self.lock_ref}, hlock={self.host_lock_ref})")
+__all__ = ["HiRadixTree", "TreeNode", "MatchResult", "InsertResult"]
 
 
-@dataclass
-class MatchResult:
-    """Longest cached prefix of a query, split by tier.
-
-    ``device_indices`` int64 [device_hit_length]: device slots of the device-resident
-    prefix (ends at ``last_device_node``). ``host_indices`` int64 [host_hit_length]: host
-    slots of the following tokens that are on host only (ends at ``last_host_node``; load
-    them back with ``init_load_back``). ``backed_host_indices`` int64 [backed_length]: host
-    slots of the longest backed-up prefix of the match (both tiers), ending at
-    ``last_backed_node`` — what a sparse request reads from host.
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    host_indices: torch.Tensor
-    last_host_node: TreeNode
-    backed_host_indices: torch.Tensor
-    last_backed_node: TreeNode
-
-    @property
-    def device_hit_length(self) -> int:
-        return int(self.device_indices.numel())
-
-    @property
-    def host_hit_length(self) -> int:
-        return int(self.host_indices.numel())
-
-    @property
-    def backed_length(self) -> int:
-        return int(self.backed_host_indices.numel())
-
-    @property
-    def total_hit_length(self) -> int:
-        return self.device_hit_length + self.host_hit_length
-
-
-@dataclass
-class InsertResult:
-    """``prefix_len``: leading tokens that were already on the device (SGLang's return
-    value). ``device_unused`` / ``host_unused`` int64: the caller's slots the tree did not
-    take (the tree already held other slots for those tokens); the caller frees them once it
-    stops reading them. ``last_node``: node ending the inserted sequence."""
-
-    prefix_len: int
-    last_node: TreeNode
-    device_unused: torch.Tensor = field(default_factory=lambda: _EMPTY)
-    host_unused: torch.Tensor = field(default_factory=lambda: _EMPTY)
-
-
-def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        return tuple(int(t) for t in token_ids.tolist())
-    try:
-        return tuple(int(t) for t in token_ids)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"token_ids must be a sequence of ints ({e})") from e
-
-
-class HiRadixTree:
+class HiRadixTree(TierMoves, StorageTier):
     """GPU (L1) + host (L2) radix cache. Pools, transfers and write policy come from
     ``controller`` (a :class:`hicache.controller.HiCacheController`)."""
 
@@ -187,9 +87,11 @@ class HiRadixTree:
 
     @classmethod
     def from_config(cls, config: "HiCacheConfig", device_pool: "DeviceKVPool", tp_group=None,
-                    pin_memory: Optional[bool] = None) -> "HiRadixTree":
+                    pin_memory: Optional[bool] = None, storage: Optional["HiCacheStorage"] = None) -> "HiRadixTree":
         """Build host pool (``--hicache-ratio/size``, ``--hicache-mem-layout``), controller
-        (``--hicache-write-policy``, ``--hicache-io-backend``) and tree over ``device_pool``."""
+        (``--hicache-write-policy``, ``--hicache-io-backend``) and tree over ``device_pool``;
+        with ``storage`` (see ``hicache.storage_setup.backend_from_config``) attach it as L3
+        under ``--hicache-storage-prefetch-policy`` and the extra config's prefetch keys."""
         from hicache.controller import HiCacheController
         from hicache.host_pool import HostKVPool
 
@@ -198,10 +100,20 @@ class HiRadixTree:
                              f"{device_pool.page_size}")
         host = HostKVPool(device_pool, hicache_ratio=config.hicache_ratio, hicache_size=config.hicache_size,
                           layout=config.hicache_mem_layout, pin_memory=pin_memory)
-        return cls(HiCacheController.from_config(config, device_pool, host, tp_group))
+        tree = cls(HiCacheController.from_config(config, device_pool, host, tp_group))
+        if storage is not None:
+            from hicache.storage_controller import StoragePolicy
+
+            tree.attach_storage_backend(storage, StoragePolicy.from_config(config))
+        return tree
 
     def close(self) -> None:
-        """Stop the controller's worker thread."""
+        """Finish L3 operations (drain; abandoned after 10 s) and stop the worker threads."""
+        if self.storage_ctl is not None:
+            try:
+                self.detach_storage_backend(timeout=10.0)
+            except TimeoutError:
+                self.detach_storage_backend(force=True)
         self.controller.close()
 
     # ------------------------------------------------------------------ state
@@ -221,6 +133,7 @@ class HiRadixTree:
         # Nodes whose load-back failed while a request still held them: their device slots
         # hold no valid KV; matched never, dropped from the device when the last lock goes.
         self._stale: set[TreeNode] = set()
+        self._reset_storage()
         self.fault_stats = {"write_failures": 0, "write_retries": 0, "load_failures": 0,
                             "failed_write_host_tokens_freed": 0, "failed_load_device_tokens_freed": 0}
 
@@ -318,6 +231,10 @@ class HiRadixTree:
         if child.write_ack is not None:
             new.write_ack = child.write_ack
             self.ongoing_write[child.write_ack].append(new)
+        new.in_storage = child.in_storage
+        if child.storage_op is not None:
+            new.storage_op = child.storage_op
+            self.ongoing_backup[child.storage_op].nodes.append(new)
         if child in self._stale:
             self._stale.add(new)
         child.key = child.key[m:]
@@ -586,381 +503,6 @@ class HiRadixTree:
                             device_unused=torch.cat(dev_unused) if dev_unused else self._empty_device,
                             host_unused=torch.cat(host_unused) if host_unused else _EMPTY)
 
-    # ------------------------------------------------------------------ write policies
-    def _inc_hit_count(self, node: TreeNode) -> None:
-        if self.write_policy == "write_back":
-            return
-        node.hit_count += 1
-        if not node.backed_up and node.on_device and node.hit_count >= self.write_through_threshold:
-            self.write_backup(node)
-
-    def _alloc_agreed(self, alloc, free, evict, n: int) -> Optional[torch.Tensor]:
-        """Allocate ``n`` slots on every TP rank or on none: ranks agree (MIN) on success
-        before and after making room, so all ranks' trees take the same decisions."""
-        group = self.controller.tp_group
-        idx = alloc(n)
-        if tp_sync.all_ranks_true(idx is not None, group):
-            return idx
-        if idx is not None:
-            free(idx)
-        evict(n)
-        idx = alloc(n)
-        if tp_sync.all_ranks_true(idx is not None, group):
-            return idx
-        if idx is not None:
-            free(idx)
-        return None
-
-    def write_backup(self, node: TreeNode) -> int:
-        """Back ``node``'s device KV up to host. Returns tokens queued (0: parent not backed
-        up yet — continuity — or no host room). The node's path stays locked until the
-        write is acknowledged by ``writing_check``."""
-        if node.backed_up or not node.on_device:
-            return 0
-        if node.parent is not self.root and not node.parent.backed_up:
-            return 0
-        c = self.controller
-        n = len(node.device_indices)
-        host = self._alloc_agreed(c.alloc_host, c.free_host, self.evict_host, n)
-        if host is None:
-            self.stats_.write_alloc_failures += 1
-            return 0
-        ack = next(self._ack_ids)
-        c.write(node.device_indices, host, ack)
-        self._set_host(node, host)
-        node.write_ack = ack
-        self.ongoing_write[ack] = [node]
-        self.inc_lock_ref(node)
-        self.stats_.backup_tokens += n
-        return n
-
-    def _agreed_results(self, ready_here: int, pop: Callable[[], Any]) -> list[tuple[Any, int]]:
-        """Pop the transfer results every TP rank has (MIN of ``ready_here`` over the ranks)
-        and pair each with its outcome agreed over the ranks: a copy that failed on any rank
-        counts as failed on all (dropping a good copy is safe; keeping a bad one is not), so
-        the trees stay identical."""
-        group = self.controller.tp_group
-        batches = [pop() for _ in range(tp_sync.agree_min(ready_here, group))]
-        return list(zip(batches, tp_sync.agree_min_many([int(b.ok) for b in batches], group)))
-
-    def writing_check(self, block: bool = False) -> int:
-        """Issue queued writes and retire acknowledged ones (unlock, mark complete). TP ranks
-        agree (MIN) on how many acks to retire. block=True waits for every write in flight.
-        Returns the number of writes retired."""
-        c = self.controller
-        c.start_writing()
-        if block:
-            c.wait_writes()
-        results = self._agreed_results(c.write_acks_ready(), c.pop_write_result)
-        for batch, ok in results:
-            for ack in batch.ack_ids:
-                if not ok:
-                    self._fail_write(ack)
-                    continue
-                nodes = self.ongoing_write.pop(ack)
-                for nd in nodes:
-                    nd.write_ack = None
-                self.dec_lock_ref(nodes[0])
-        return len(results)
-
-    def _subtree_postorder(self, top: TreeNode) -> list[TreeNode]:
-        """``top`` and its descendants, children before parents."""
-        out, stack = [], [top]
-        while stack:
-            x = stack.pop()
-            out.append(x)
-            stack.extend(x.children.values())
-        out.reverse()
-        return out
-
-    def _fail_write(self, ack: int) -> None:
-        """The backup ``ack`` failed: its host slots hold no valid KV. Free them and leave
-        the nodes device-only (``hit_count`` is kept, so the next hit writes again). Host
-        copies below them (adopted by ``insert`` or written while this write was in
-        flight) would break continuity: they are dropped too, host-only ones with their
-        node. If any of those host pages is still in use (host-locked, being loaded or
-        being written), the write is re-issued to the same slots instead."""
-        nodes = self.ongoing_write.pop(ack)
-        pieces = set(nodes)
-        self.fault_stats["write_failures"] += 1
-        top = next(x for x in nodes if x.parent not in pieces)
-        affected = [x for x in self._subtree_postorder(top) if x.backed_up]
-        busy = any(x.host_lock_ref > 0 or (x not in pieces and (x.loading or x.write_ack is not None))
-                   for x in affected)
-        if busy:
-            new = next(self._ack_ids)
-            self.controller.write(torch.cat([x.device_indices for x in nodes]),
-                                  torch.cat([x.host_indices for x in nodes]), new)
-            for x in nodes:
-                x.write_ack = new
-            self.ongoing_write[new] = nodes
-            self.fault_stats["write_retries"] += 1
-            return
-        for x in affected:
-            self.fault_stats["failed_write_host_tokens_freed"] += len(x.host_indices)
-            self.controller.free_host(x.host_indices)
-            self._set_host(x, None)
-            if x in pieces:
-                x.write_ack = None
-            elif not x.on_device:
-                self._remove_leaf(x)  # its (host-only) children went first
-        self.dec_lock_ref(nodes[0])
-
-    # ------------------------------------------------------------------ device eviction
-    def evict_node(self, node: TreeNode) -> int:
-        """Evict one device leaf now (demote if backed up, else delete). Locked, loading,
-        not-on-device or non-leaf nodes -> ValueError, tree unchanged. write_back policy: a
-        node without a host copy is backed up first (blocking)."""
-        if node is self.root or not node.on_device:
-            raise ValueError(f"evict_node: node {node.id} holds no device KV")
-        if node.lock_ref > 0 or node.loading:
-            raise ValueError(f"evict_node: node {node.id} is locked (lock_ref={node.lock_ref}) or loading")
-        if node not in self.device_leaves:
-            raise ValueError(f"evict_node: node {node.id} has children on the device; evict them first")
-        if not node.backed_up and self.write_policy == "write_back":
-            self._write_back_chain(node)
-            self.writing_check(block=True)
-        if node.write_ack is not None:  # pragma: no cover - in-flight writes hold a lock
-            raise ValueError(f"evict_node: node {node.id} has a write in flight")
-        return self._evict_device(node)
-
-    def _evict_device(self, node: TreeNode) -> int:
-        n = len(node.device_indices)
-        self.controller.free_device(node.device_indices)
-        self._set_device(node, None)
-        self.stats_.device_evicted_tokens += n
-        if node.backed_up:
-            self.stats_.device_demoted_tokens += n
-        else:
-            assert not node.children, "an unbacked node cannot have host-only children (continuity)"
-            self.stats_.device_deleted_tokens += n
-            self._remove_leaf(node)
-        return n
-
-    def _write_back_chain(self, node: TreeNode) -> int:
-        """write_back: back up ``node`` and its unbacked ancestors (root first) so continuity
-        holds; the ancestors stay on the device."""
-        chain = []
-        n = node
-        while n is not self.root and not n.backed_up:
-            chain.append(n)
-            n = n.parent
-        total = 0
-        for x in reversed(chain):
-            got = self.write_backup(x)
-            if got == 0:
-                break
-            total += got
-        return total
-
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device tokens if unlocked nodes allow, least recently
-        used leaves first. Backed-up nodes are demoted (host copy kept), others deleted;
-        write_back first backs them up and waits for those writes. Returns tokens freed."""
-        if num_tokens < 0:
-            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
-        freed = 0
-        while freed < num_tokens:
-            heap = [x for x in self.device_leaves if x.lock_ref == 0 and not x.loading]
-            heapq.heapify(heap)
-            pending: list[TreeNode] = []
-            pending_tokens = 0
-            progress = False
-            while freed + pending_tokens < num_tokens and heap:
-                x = heapq.heappop(heap)
-                if x.lock_ref > 0 or x.loading or not x.on_device:
-                    continue
-                parent = x.parent
-                if not x.backed_up and self.write_policy == "write_back":
-                    if self._write_back_chain(x) and x.backed_up:
-                        pending.append(x)
-                        pending_tokens += len(x.device_indices)
-                        continue
-                freed += self._evict_device(x)
-                progress = True
-                if self._is_device_leaf(parent) and parent.lock_ref == 0 and not parent.loading:
-                    heapq.heappush(heap, parent)
-            if pending:
-                self.writing_check(block=True)
-                for x in pending:
-                    if x.on_device and x.lock_ref == 0 and not x.loading:
-                        freed += self._evict_device(x)
-                        progress = True
-            if not progress:
-                break
-        return freed
-
-    # ------------------------------------------------------------------ host eviction
-    def _host_evictable(self, node: TreeNode) -> bool:
-        return node in self.host_leaves and node.lock_ref == 0 and node.host_lock_ref == 0 and not node.loading
-
-    def evict_host_node(self, node: TreeNode) -> int:
-        """Drop one host leaf (a node not on the device, without children). Locked or
-        host-locked nodes -> ValueError, tree unchanged."""
-        if node not in self.host_leaves:
-            raise ValueError(f"evict_host_node: node {node.id} is not a host leaf (on device, has children, or no host copy)")
-        if not self._host_evictable(node):
-            raise ValueError(f"evict_host_node: node {node.id} is locked (lock_ref={node.lock_ref}, "
-                             f"host_lock_ref={node.host_lock_ref})")
-        return self._evict_host(node)
-
-    def _evict_host(self, node: TreeNode) -> int:
-        n = len(node.host_indices)
-        self.controller.free_host(node.host_indices)
-        self._set_host(node, None)
-        self._remove_leaf(node)
-        self.stats_.host_evicted_tokens += n
-        return n
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens from nodes that are not on the device
-        and not (host-)locked, least recently used first. Returns tokens freed."""
-        if num_tokens < 0:
-            raise ValueError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
-        heap = [x for x in self.host_leaves if self._host_evictable(x)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            x = heapq.heappop(heap)
-            if not self._host_evictable(x):
-                continue
-            parent = x.parent
-            freed += self._evict_host(x)
-            if self._host_evictable(parent):
-                heapq.heappush(heap, parent)
-        return freed
-
-    # ------------------------------------------------------------------ load back
-    def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
-        """Queue a host -> device load of the host-only chain ending at ``node``. Returns the
-        new device slots (int64, chain order) or None (nothing to load, below
-        ``load_back_threshold``, over ``mem_quota`` tokens, or no device room). The chain
-        stays locked and ``loading`` until ``loading_check`` sees the ack; the data arrives
-        layer by layer after ``ready_to_load_host_cache()``."""
-        return self._load_back(node, mem_quota)[0]
-
-    def _truncate_chain(self, chain: list[TreeNode], n: int) -> list[TreeNode]:
-        """First ``n`` tokens (a page multiple) of the root-first ``chain``, splitting the
-        node the cut falls in."""
-        keep: list[TreeNode] = []
-        got = 0
-        for x in chain:
-            if got >= n:
-                break
-            if got + len(x.key) > n:
-                x = self._split(x, n - got)
-            keep.append(x)
-            got += len(x.key)
-        return keep
-
-    def _load_back(self, node: TreeNode, mem_quota: Optional[int]) -> tuple[Optional[torch.Tensor], TreeNode]:
-        """``load_back``; also returns the last node loaded (``node``, or the node ending
-        the TP-agreed part of its chain)."""
-        chain: list[TreeNode] = []
-        last = node
-        while node is not self.root and node.evicted:
-            if not node.backed_up:  # pragma: no cover - invariant
-                raise AssertionError(f"node {node.id} is neither on device nor on host")
-            chain.append(node)
-            node = node.parent
-        ancestor = node
-        chain.reverse()
-        n_local = sum(len(x.key) for x in chain)
-        # Every rank loads the same number of tokens (collective on every call, also when
-        # this rank has nothing to load, so the ranks' collectives stay paired).
-        n = tp_sync.agree_min(n_local, self.controller.tp_group)
-        if n < n_local:
-            chain = self._truncate_chain(chain, n)
-            last = chain[-1] if chain else ancestor
-        if not chain:
-            return None, last
-        host = torch.cat([x.host_indices for x in chain])
-        if n < self.load_back_threshold or (mem_quota is not None and n > mem_quota):
-            return None, last
-        self.inc_lock_ref(last)  # the chain and its ancestors survive the eviction below
-        c = self.controller
-        dev = self._alloc_agreed(c.alloc_device, c.free_device, self.evict, n)
-        if dev is None:
-            self.dec_lock_ref(last)
-            self.stats_.load_alloc_failures += 1
-            return None, last
-        ack = next(self._ack_ids)
-        c.load(host, dev, ack)
-        off = 0
-        for x in chain:
-            k = len(x.host_indices)
-            self._set_device(x, dev[off:off + k])
-            x.loading = True
-            off += k
-        self.ongoing_load[ack] = (ancestor, last)
-        self.stats_.loadback_tokens += n
-        return dev, last
-
-    def init_load_back(self, last_node: TreeNode, host_hit_length: int = 0,
-                       mem_quota: Optional[int] = None) -> tuple[torch.Tensor, TreeNode]:
-        """SGLang's entry point: load back the host part of a match if possible; returns
-        (new device slots, last node now on device). Under TP the loaded length is the
-        ranks' minimum (every rank must call this, also with nothing to load)."""
-        del host_hit_length  # kept for SGLang signature compatibility
-        dev, loaded = self._load_back(last_node, mem_quota)
-        if dev is not None:
-            return dev, loaded
-        while last_node is not self.root and last_node.evicted:
-            last_node = last_node.parent
-        return self._empty_device, last_node
-
-    def ready_to_load_host_cache(self) -> int:
-        """Issue every queued load layer by layer; returns the producer id the forward pass
-        waits on (``controller.layer_counter``), -1 when nothing was queued."""
-        return self.controller.start_loading()
-
-    def loading_check(self, block: bool = False) -> int:
-        """Retire acknowledged loads: unlock their chains and clear ``loading``. TP ranks agree
-        (MIN) on how many. Returns loads retired."""
-        c = self.controller
-        if block:
-            c.start_loading()
-            c.wait_loads()
-        results = self._agreed_results(c.load_acks_ready(), c.pop_load_result)
-        for batch, ok in results:
-            for ack in batch.ack_ids:
-                ancestor, last = self.ongoing_load.pop(ack)
-                chain = []
-                x = last
-                while x is not ancestor:
-                    x.loading = False
-                    chain.append(x)
-                    x = x.parent
-                self.dec_lock_ref(last)
-                if not ok:
-                    self._fail_load(chain)
-        return len(results)
-
-    def _fail_load(self, chain: list[TreeNode]) -> None:
-        """A load-back of ``chain`` (last node first) failed: its device slots hold no valid
-        KV. Drop them (the host copies stay, a later match loads again); nodes a request
-        still holds become stale until their last lock is released."""
-        self.fault_stats["load_failures"] += 1
-        for x in reversed(chain):  # top-down: locks only shrink going down
-            if x.lock_ref == 0:
-                self._drop_device_subtree(x)
-                return
-            self._stale.add(x)
-
-    def _drop_device_subtree(self, top: TreeNode) -> None:
-        """Free the device copies of the unlocked ``top`` and its descendants (backed-up
-        nodes are demoted, others deleted)."""
-        for x in self._subtree_postorder(top):
-            if x in self._stale:
-                self._stale.discard(x)
-                self.fault_stats["failed_load_device_tokens_freed"] += len(x.key)
-            if x.on_device:
-                self._evict_device(x)
-
-    def check_hicache_events(self) -> None:
-        """Per scheduler step: retire finished writes and loads."""
-        self.writing_check()
-        self.loading_check()
 
     # ------------------------------------------------------------------ introspection
     def nodes(self) -> Iterable[TreeNode]:
@@ -989,6 +531,7 @@ class HiRadixTree:
             stale_nodes=len(self._stale),
         )
         out.update(self.fault_stats)
+        out.update(self.storage_stats_dict())
         return out
 
     def check_invariants(self) -> None:
@@ -1019,6 +562,8 @@ class HiRadixTree:
                 assert x.backed_up, f"{x}: host-locked without host copy"
             if x.loading or x.write_ack is not None:
                 assert x.lock_ref > 0, f"{x}: in-flight transfer without a lock"
+            if x.storage_op is not None:
+                assert x.host_lock_ref > 0 and x.storage_op in self.ongoing_backup, f"{x}: L3 write without a host lock"
             if self._is_device_leaf(x):
                 dleaves.add(x)
             if self._is_host_leaf(x):
@@ -1027,5 +572,8 @@ class HiRadixTree:
         live = set(self.nodes())
         for x in self._stale:
             assert x in live and x.on_device and x.lock_ref > 0, f"{x}: stale node not held on the device"
+        for op in self.ongoing_prefetch.values():
+            st = op.start_node
+            assert st is self.root or (st in live and st.host_lock_ref > 0), f"{st}: prefetch start not host-locked"
         assert dleaves == self.device_leaves, "device leaf set drifted"
         assert hleaves == self.host_leaves, "host leaf set drifted"

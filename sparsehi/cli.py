@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from hicache.config import HOST_LAYOUTS, check_layout_io
+from hicache.config import HOST_LAYOUTS, HiCacheConfig, check_layout_io
 from sparsehi.config import IO_BACKENDS, SparseConfig
 from sparsehi.kernels.lru_diff import MAX_SLOTS
 
@@ -116,10 +116,27 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "the selected pages; auto = flashattention (GQA) / dsa (MLA) (default: auto on CUDA, none "
                         "on CPU)")
     g = p.add_argument_group("memory tiers")
-    g.add_argument("--host-layout", choices=HOST_LAYOUTS, default="layer_first",
-                   help="host KV pool layout (default layer_first)")
-    g.add_argument("--io-backend", choices=IO_BACKENDS, default="kernel",
-                   help="host->device loads: kernel (Triton zero-copy gather) or direct (default kernel)")
+    g.add_argument("--host-layout", choices=HOST_LAYOUTS, default=None,
+                   help="host KV pool layout (default layer_first; SGLang's name: --hicache-mem-layout)")
+    g.add_argument("--io-backend", choices=IO_BACKENDS, default=None,
+                   help="host->device loads: kernel (Triton zero-copy gather) or direct (default kernel; SGLang's "
+                        "name: --hicache-io-backend)")
+    HiCacheConfig.add_cli_args(p)
+    # The layout and io flags above are the same settings under SGLang's names: unset here,
+    # so _hicache_config can tell a given flag from a default and reject two that disagree.
+    p.set_defaults(hicache_mem_layout=None, hicache_io_backend=None)
+    for a in p._actions:
+        if a.dest == "hicache_storage_backend":
+            a.help = ("L3 storage below the host pool (sparse-hier): prefixes written by one run are prefetched by "
+                      "the next instead of recomputed (default: none)")
+        elif a.dest == "hicache_storage_prefetch_policy":
+            a.help = "when a prefetch from L3 is taken: best_effort, wait_complete or timeout (default best_effort)"
+        elif a.dest in ("hicache_mem_layout", "hicache_io_backend"):
+            a.help = f"SGLang's name for --{'host-layout' if a.dest == 'hicache_mem_layout' else 'io-backend'}"
+        elif a.dest == "hicache_write_policy":
+            a.help = "SGLang's host write policy (the runtime offloads every prompt to host; accepted for launch lines)"
+        elif a.dest in ("enable_hierarchical_cache", "hicache_ratio", "hicache_size"):
+            a.help = (a.help or "") + " (accepted for SGLang launch lines; sparse-hier sizes its host pool itself)"
     g = p.add_argument_group("execution")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
@@ -206,10 +223,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
     if family == "mla" and page != 1:
         parser.error(f"--page-size must be 1 for the MLA/DSA model {args.model} (DSA selects tokens)")
     top_k, buf = _sizes(args, parser, page, context_flag, shortest, longest)
-    try:
-        check_layout_io(args.host_layout, args.io_backend, "--host-layout", "--io-backend")
-    except ValueError as e:
-        parser.error(str(e))
+    args.hicache_config = _hicache_config(args, parser, page)
     try:
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
@@ -242,6 +256,46 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
     if args.adaptor is None:
         args.adaptor = "auto" if device.startswith("cuda") else "none"
     return device, dtype, sc
+
+
+def _same_setting(args: argparse.Namespace, parser: argparse.ArgumentParser, ours: str, sglang: str,
+                  default: str) -> str:
+    """One setting given under our flag name or SGLang's: both given must agree."""
+    a, b = getattr(args, ours), getattr(args, sglang)
+    if a is not None and b is not None and a != b:
+        parser.error(f"--{ours.replace('_', '-')} {a} and --{sglang.replace('_', '-')} {b} name the same setting "
+                     f"and disagree: give one of them")
+    return a or b or default
+
+
+def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, page: int) -> HiCacheConfig:
+    """The ``--hicache-*`` flags as a validated HiCacheConfig (page size: the run's). Also
+    settles ``args.host_layout`` / ``args.io_backend`` from either name of each."""
+    args.host_layout = _same_setting(args, parser, "host_layout", "hicache_mem_layout", "layer_first")
+    args.io_backend = _same_setting(args, parser, "io_backend", "hicache_io_backend", "kernel")
+    try:
+        check_layout_io(args.host_layout, args.io_backend, "--host-layout", "--io-backend")
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        hc = HiCacheConfig(
+            enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
+            hicache_size=args.hicache_size, page_size=page, hicache_write_policy=args.hicache_write_policy,
+            hicache_io_backend=args.io_backend, hicache_mem_layout=args.host_layout,
+            hicache_storage_backend=args.hicache_storage_backend,
+            hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+            hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config)
+        if hc.hicache_storage_backend is not None:
+            from hicache.storage_controller import StoragePolicy
+
+            StoragePolicy.from_config(hc)  # bad prefetch keys fail here, before any work
+    except ValueError as e:
+        parser.error(str(e))
+    if hc.hicache_storage_backend is not None and hc.hicache_mem_layout == "layer_first":
+        parser.error(f"--hicache-storage-backend {hc.hicache_storage_backend} stores whole pages of the host pool: "
+                     "use --host-layout (--hicache-mem-layout) page_first with --io-backend kernel, or "
+                     "page_first_direct with --io-backend direct, not layer_first")
+    return hc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,7 +339,8 @@ def _setup_kwargs(args: argparse.Namespace, modes: list[str], sparse, device: st
     common options."""
     return dict(model=args.model, model_path=args.model_path, num_layers=args.num_layers, modes=modes,
                 sparse=sparse, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
-                seed=args.seed, output_dir=args.output_dir, cuda_graph=not args.no_cuda_graph)
+                seed=args.seed, output_dir=args.output_dir, cuda_graph=not args.no_cuda_graph,
+                hicache=args.hicache_config)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

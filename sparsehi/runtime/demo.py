@@ -47,6 +47,21 @@ class DemoConfig(RunSetup):
     progress: bool = True
 
 
+def _l3_backend(cfg: DemoConfig, mcfg) -> tuple[Any, Any]:
+    """The ``--hicache-storage-backend`` backend and prefetch policy for sparse-hier, or
+    (None, None). Its keys are namespaced by everything that changes a page's bytes for the
+    same tokens (model, layers, dtype, page size, host layout)."""
+    hc = cfg.hicache
+    if hc is None or hc.hicache_storage_backend is None:
+        return None, None
+    from hicache.storage_controller import StoragePolicy
+    from hicache.storage_setup import backend_from_config
+
+    dtype = str(cfg.dtype).replace("torch.", "")
+    name = f"{mcfg.name}-L{mcfg.num_layers}-{dtype}-p{cfg.sparse.page_size}-{cfg.host_layout}"
+    return (backend_from_config(hc, is_mla=mcfg.family == "mla", model_name=name), StoragePolicy.from_config(hc))
+
+
 def make_prompts(vocab: int, batch: int, context: int, seed: int, shared_prefix: float = 0.0) -> list[list[int]]:
     """Fixed-seed random prompts (token ids uniform over the vocabulary); requests after
     the first start with the first one's leading ``shared_prefix`` share."""
@@ -115,10 +130,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     per_mode: dict[str, dict[str, Any]] = {}
     token_bytes = None
+    storage, policy = _l3_backend(cfg, mcfg) if "sparse-hier" in order else (None, None)
     for mode in order:
+        l3 = mode == "sparse-hier" and storage is not None
         rt = RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
                            max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
-                           host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph)
+                           host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph,
+                           storage=storage if l3 else None, storage_policy=policy if l3 else None)
         do_forced = cfg.forced and mode != "dense" and "dense" in results
         total = (cfg.batch + cfg.decode_tokens) * (2 if do_forced else 1)
         bar = tqdm(total=total, desc=f"{mode:>12}", unit="step", leave=True, disable=not cfg.progress) if tqdm else None
@@ -132,11 +150,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             forced[mode] = fr.generate(prompts, cfg.decode_tokens, progress=progress,
                                        force_tokens=[t[:-1] for t in results["dense"].tokens])
             fr.backend.close()
+        l3_stats = runner.backend.l3_stats() if l3 else {}
         runner.backend.close()
         if bar is not None:
             bar.close()
         row = _mode_row(mode, res, token_bytes)
         row["prefix_reused_tokens"] = sum(res.prefix_hits)
+        if l3_stats:
+            row.update(l3_stats)
         if "dense" in results:
             row["agree_dense_free"] = free_running_agreement(res.tokens, results["dense"].tokens)
             row["agree_dense_forced"] = (forced_agreement(forced[mode].tokens, results["dense"].tokens)
@@ -145,6 +166,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             row["agree_sparse_gpu"] = free_running_agreement(res.tokens, results["sparse-gpu"].tokens)
         rows.append(row)
         per_mode[mode] = {**row, "per_step": (res.stats or {}).get("per_step")}
+    if storage is not None:
+        storage.close()  # connections only: what this run wrote stays for the next one
     print()
     print(summary_table(rows))
     notes = [
@@ -164,6 +187,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         notes.append(f"{mcfg.name} is initialised with tied, scaled q/k projections (qk_tie={mcfg.qk_tie}, "
                      f"qk_gain={mcfg.qk_gain}) so attention is peaky like a trained model's; random prompts make "
                      f"Top-k track the current token, so adjacent-step overlap is lower than in real models.")
+    hier = next((r for r in rows if r["mode"] == "sparse-hier"), None)
+    if hier is not None and "l3_hit_tokens" in hier:
+        notes.append(f"L3 ({cfg.hicache.hicache_storage_backend}, {cfg.hicache.hicache_storage_prefetch_policy}): "
+                     f"sparse-hier prefetched {hier['l3_hit_tokens']} prompt tokens "
+                     f"({hier['l3_bytes_fetched'] / MIB:.2f} MiB) from L3 instead of recomputing them and wrote "
+                     f"{hier['l3_pages_written']} new pages ({hier['l3_bytes_written'] / MIB:.2f} MiB) to it")
     if "sparse-hier" in results and cfg.shared_prefix > 0 and cfg.batch > 1:
         notes.append(f"prefix reuse: requests 1.. share {cfg.shared_prefix:.0%} of request 0's prompt; sparse-hier "
                      f"matched {sum(results['sparse-hier'].prefix_hits)} prompt tokens in the HiRadixTree and loaded "

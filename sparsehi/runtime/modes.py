@@ -78,6 +78,12 @@ class RuntimeConfig:
     cuda_graph: bool = True
     """Decode steps replay CUDA graphs, one per batch bucket (CUDA devices only; False runs
     the very same step eagerly, for debugging, as SGLang's ``--disable-cuda-graph``)."""
+    storage: Optional[Any] = None
+    """sparse-hier: an L3 backend (``hicache.storage.base.HiCacheStorage``) the prefix tree
+    attaches: prompts are prefetched from it and finished requests written to it. The
+    caller owns it (closes it); the host layout must be a page layout."""
+    storage_policy: Optional[Any] = None
+    """``hicache.storage_controller.StoragePolicy`` for ``storage`` (None: its defaults)."""
     host_pool: Optional[Any] = None
     """Host modes: an existing ``HostKVPool`` of the same KV spec to use instead of
     allocating one (benchmarks: pinning tens of GiB per run point is slow). Its allocator

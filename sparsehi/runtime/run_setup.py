@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from hicache.config import HiCacheConfig
 from sparsehi.config import SparseConfig
 
 
@@ -25,3 +26,6 @@ class RunSetup:
     output_dir: str = "outputs"
     cuda_graph: bool = True
     """Decode steps replay CUDA graphs on a CUDA device (False: the same step eagerly)."""
+    hicache: Optional[HiCacheConfig] = None
+    """SGLang's ``--hicache-*`` options; with ``hicache_storage_backend`` the sparse-hier
+    tree gets that L3 backend (built once per command, shared by its runs)."""

@@ -7,11 +7,18 @@ prefix is matched, loaded back into device slots for the prefill, and handed to 
 coordinator as tree-owned host slots, so prefix reuse and hierarchical sparsity work
 together. DSA requests skip the match: the indexer keys of a reused prefix are not kept
 (they live on the GPU only and are freed with the request), so the prefix is recomputed.
+
+With an L3 backend (``RuntimeConfig.storage``) the tree attaches it: a prompt whose prefix
+continues in L3 beyond the host hit is prefetched into host pages before its prefill, and
+a finished request's pages are written to L3 (only those L3 lacks). This runtime has no
+other requests to schedule while one waits, so it gives a fetch its policy's time budget
+(``wait_complete``: until done; ``best_effort`` / ``timeout``: up to the timeout formula)
+before taking what arrived.
 """
 from __future__ import annotations
 
 import logging
-
+import time
 from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
@@ -80,6 +87,8 @@ class CoordinatorBackend(ModeBackend):
                 self.controller = HiCacheController(self.pool, self.host, io_backend=sc.io_backend,
                                                     transfer=self.transfer)
                 self.tree = HiRadixTree(self.controller)
+                if rt.storage is not None:
+                    self.tree.attach_storage_backend(rt.storage, rt.storage_policy)
         self.coord = SparseCoordinator(
             sc, self.algorithm, self.pool, mode="hierarchical" if self.hier else "gpu_only",
             host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
@@ -131,6 +140,8 @@ class CoordinatorBackend(ModeBackend):
         ps = self.rt.page_size
         n = len(req.prompt)
         m = self.tree.match_prefix(req.prompt)
+        if self.tree.storage_backend is not None and self._prefetch(req, m):
+            m = self.tree.match_prefix(req.prompt)
         h = min(m.backed_length, (n - 1) // ps * ps)  # at least one token left to prefill
         if h > 0:
             self.tree.inc_host_lock(m.last_backed_node)
@@ -138,6 +149,35 @@ class CoordinatorBackend(ModeBackend):
             req.host_slots = m.backed_host_indices[:h].clone()
         req.prefix_hit = h
         return h
+
+    def _prefetch(self, req: Request, m) -> int:
+        """Fetch the prompt's continuation from L3 into the tree (see the module docstring).
+        Returns the tokens fetched."""
+        tree = self.tree
+        want = tree.prefetch_from_storage(req.rid, m.last_backed_node, req.prompt[m.backed_length:])
+        if not want:
+            return 0
+        policy = tree.storage_ctl.policy
+        tree.wait_prefetch(req.rid, None if policy.prefetch_policy == "wait_complete" else policy.timeout_for(want))
+        while not tree.check_prefetch_progress(req.rid):
+            time.sleep(0.001)
+        return want
+
+    def l3_stats(self) -> dict[str, int]:
+        """L3 counters of the prefix tree after its writes in flight finished ({} without a
+        backend)."""
+        if self.tree is None or self.tree.storage_backend is None:
+            return {}
+        self.tree.flush_storage()
+        st = self.tree.stats()
+        return {k: st[k] for k in ("l3_hit_tokens", "l3_bytes_fetched", "l3_pages_fetched", "l3_pages_written",
+                                   "l3_bytes_written", "l3_write_skipped_existing", "l3_fetch_faults",
+                                   "l3_fetch_miss_pages", "prefetch_reserved_pages")}
+
+    def close(self) -> None:
+        if self.tree is not None:
+            self.tree.close()  # drains L3 writes; the backend itself stays open (its owner closes it)
+        super().close()
 
     def prefill_slots(self, req: Request, prefix_len: int) -> torch.Tensor:
         slots = super().prefill_slots(req, prefix_len)
@@ -263,6 +303,10 @@ class CoordinatorBackend(ModeBackend):
                     res = self.tree.insert(toks, host_indices=hs[:seq_al])
                     self._free_host_slots(res.host_unused)
                     keep = seq_al // ps
+                    if self.tree.storage_backend is not None:
+                        if str(self.device).startswith("cuda"):
+                            torch.cuda.synchronize(self.device)  # host pages complete before L3 reads them
+                        self.tree.write_backup_storage(res.last_node)
                 if req.tree_node is not None:
                     self.tree.dec_host_lock(req.tree_node)
                     req.tree_node = None

@@ -1,0 +1,32 @@
+"""Build the L3 backend ``--hicache-storage-backend`` names, for a tree to attach.
+
+The backends and their registry (``hicache.storage.registry``) are imported only here and
+only when a backend is asked for, so a cache without L3 never loads them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hicache.config import HiCacheConfig
+    from hicache.storage.base import HiCacheStorage
+
+
+def backend_from_config(config: "HiCacheConfig", tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
+                        model_name: Optional[str] = None) -> Optional["HiCacheStorage"]:
+    """The backend ``config.hicache_storage_backend`` names (None when unset), built through
+    ``hicache.storage.registry.create_storage_backend`` with this rank's ``StorageConfig``
+    and the parsed ``--hicache-storage-backend-extra-config``."""
+    name = config.hicache_storage_backend
+    if name is None:
+        return None
+    from hicache.storage.base import StorageConfig
+
+    try:
+        from hicache.storage.registry import create_storage_backend
+    except ImportError as e:
+        raise ImportError(f"--hicache-storage-backend={name} needs hicache.storage.registry, which this "
+                          f"installation lacks ({e}); install a sparsehi version that ships the L3 backends") from e
+    sc = StorageConfig(tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla, model_name=model_name,
+                       extra=config.storage_extra_config())
+    return create_storage_backend(name, sc)
