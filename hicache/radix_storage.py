@@ -262,15 +262,7 @@ class StorageTier:
         adopts the host slots. Returns (last node, unused host slots)."""
         ps = self.page_size
         node, pos, unused = start, 0, []
-        self._tick(start)
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            m = self._match_len(child.key, key, pos)
-            if m < len(child.key):
-                child = self._split(child, m)
-            self._tick(child)
+        for child, pos, m in self._walk_splitting(start, key):
             seg = host[pos:pos + m]
             if child.backed_up:
                 unused.append(seg)
@@ -280,11 +272,9 @@ class StorageTier:
             node = child
             pos += m
         if pos < len(key):
-            new = TreeNode(key[pos:], node)
-            node.children[self._child_key(new.key)] = new
+            new = self._new_leaf(node, key, pos)
             new.hash_keys = list(hash_keys[pos // ps: len(key) // ps])
             new.in_storage = True
-            self._tick(new)
             self._set_host(new, host[pos:].clone())
             self._refresh(new)
             self.stats_.inserted_tokens += len(key) - pos

@@ -210,6 +210,30 @@ class HiRadixTree(TierMoves, StorageTier):
                 return i
         return n  # pragma: no cover
 
+    def _walk_splitting(self, start: TreeNode, key: tuple[int, ...]):
+        """The children along ``key`` below ``start`` (ticked), splitting the one the key
+        leaves part-way: yields ``(child, pos, m)``, ``key[pos:pos + m] == child.key``. The
+        insert paths walk with it and attach the rest with ``_new_leaf``."""
+        node, pos = start, 0
+        self._tick(start)
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                return
+            m = self._match_len(child.key, key, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            self._tick(child)
+            yield child, pos, m
+            node, pos = child, pos + m
+
+    def _new_leaf(self, parent: TreeNode, key: tuple[int, ...], pos: int) -> TreeNode:
+        """A new child of ``parent`` holding ``key[pos:]`` (linked and ticked; no KV yet)."""
+        new = TreeNode(key[pos:], parent)
+        parent.children[self._child_key(new.key)] = new
+        self._tick(new)
+        return new
+
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` at ``m`` tokens (a page multiple, 0 < m < len): returns the new
         parent holding the first ``m`` tokens."""
@@ -455,15 +479,7 @@ class HiRadixTree(TierMoves, StorageTier):
         pos = 0
         prefix_len = 0
         device_prefix = True
-        self._tick(self.root)
-        while pos < n:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            m = self._match_len(child.key, key, pos)
-            if m < len(child.key):
-                child = self._split(child, m)
-            self._tick(child)
+        for child, pos, m in self._walk_splitting(self.root, key):
             if dev is not None:
                 seg = dev[pos:pos + m]
                 if child.on_device:
@@ -487,9 +503,7 @@ class HiRadixTree(TierMoves, StorageTier):
             node = child
             pos += m
         if pos < n:
-            new = TreeNode(key[pos:], node)
-            node.children[self._child_key(new.key)] = new
-            self._tick(new)
+            new = self._new_leaf(node, key, pos)
             if dev is not None:
                 self._set_device(new, dev[pos:].clone())
             if hst is not None:
