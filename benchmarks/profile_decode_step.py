@@ -34,15 +34,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rho", type=float, default=0.9995, help="query trace drift (bench_decode calibrates it)")
     ap.add_argument("--steps", type=int, default=8, help="timed graph replays")
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--top-k", type=int, default=2048, help="selected tokens per step")
+    ap.add_argument("--buffer", type=int, default=4096, help="device buffer tokens per request")
     args = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
     cfg = get_model_config(args.model)
     model = build_model(config=cfg, device=device, dtype=dtype)
     if cfg.family == "mla":
-        sc = SparseConfig(algorithm="dsa", top_k=2048, device_buffer_size=4096, page_size=1, min_sparse_prompt_len=0,
+        sc = SparseConfig(algorithm="dsa", top_k=args.top_k, device_buffer_size=args.buffer, page_size=1, min_sparse_prompt_len=0,
                           sink_tokens=64, recent_tokens=64)
     else:
-        sc = SparseConfig(algorithm="quest", top_k=2048, device_buffer_size=4096, page_size=16,
+        sc = SparseConfig(algorithm="quest", top_k=args.top_k, device_buffer_size=args.buffer, page_size=16,
                           min_sparse_prompt_len=0, sink_tokens=64, recent_tokens=64)
     runner = make_runner(model, args.mode, args.context, args.batch, sc, 64, device, dtype)
     be = runner.backend

@@ -17,6 +17,9 @@ def test_quick_run_writes_rows(tmp_path):
         assert r["host_ms_opening_steps"]["n"] == 1  # one page boundary crossed
         assert r["host_ms"]["n"] == r["steps"] == 17
         assert r["worst_step"]["ms"] == r["host_ms"]["max"]
+        probe = r["cpu_probe"]
+        assert probe["p50_us"] > 0 and probe["max_over_median"] >= 1.0
+        assert r["worst_step"]["probe_over_median"] > 0
     assert json.loads((tmp_path / "host_step.json").read_text())["rows"] == rows
 
 

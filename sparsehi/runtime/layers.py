@@ -2,6 +2,7 @@
 the per-layer attention callback type, and seeded init helpers."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Protocol
 
@@ -54,13 +55,22 @@ def llama3_inv_freq(inv: torch.Tensor, factor: float, low_freq_factor: float, hi
     return torch.where(medium, blended, scaled)
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq(dim: int, theta: float, scaling: Optional[tuple[float, float, float, int]],
+              device: torch.device) -> torch.Tensor:
+    """``[dim / 2] float32`` RoPE frequencies, built once per shape and device: a decode
+    step then spends no launches on them (the first call, outside capture, builds them)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, *scaling)
+    return inv
+
+
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float,
                  scaling: Optional[tuple[float, float, float, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[T, dim]`` float32 for the rotate-half (HF Llama) RoPE convention;
     ``scaling`` = llama3 (factor, low_freq_factor, high_freq_factor, original_max_pos)."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    if scaling is not None:
-        inv = llama3_inv_freq(inv, *scaling)
+    inv = _inv_freq(dim, float(theta), tuple(scaling) if scaling is not None else None, positions.device)
     ang = positions.to(torch.float32)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
