@@ -89,3 +89,29 @@ def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Op
         for o in OPTIONS:
             msg = msg.replace(f"SparseConfig.{o.field}=", f"{o.flag}=")
         raise ValueError(msg) from None
+
+
+def check_sglang_features(ns: Any) -> None:
+    """SGLang settings sparsehi cannot run with, checked on the parsed namespace when
+    sparsehi is on (ValueError naming the flag). Decode CUDA graphs: the plugin's decode
+    hooks run in Python around each layer, which a replayed graph would skip, so decode
+    runs eagerly: left unset, ``--cuda-graph-backend-decode`` becomes ``disabled`` (logged);
+    any other explicit choice is an error. ``--enable-mixed-chunk`` puts decode rows in
+    extend batches, which the coordinator's one-prefill-per-request protocol cannot follow.
+    """
+    import logging
+
+    if getattr(ns, "enable_mixed_chunk", False):
+        raise ValueError("--enable-mixed-chunk cannot be used with --sparsehi-algorithm (decode rows inside "
+                         "extend batches); leave it off")
+    if getattr(ns, "disable_cuda_graph", False):
+        return
+    backend = getattr(ns, "cuda_graph_backend_decode", None)
+    if backend is None:
+        ns.cuda_graph_backend_decode = "disabled"
+        logging.getLogger(__name__).warning(
+            "sparsehi: decode CUDA graphs disabled (--cuda-graph-backend-decode disabled): the plugin's "
+            "decode hooks run eagerly inside SGLang")
+    elif backend != "disabled":
+        raise ValueError(f"--cuda-graph-backend-decode={backend!r} cannot be used with --sparsehi-algorithm: "
+                         f"allowed 'disabled' (the plugin's decode hooks run eagerly inside SGLang)")
