@@ -41,6 +41,9 @@ from sparsehi.sglang_plugin.pool_view import adopt_kv_pool, req_to_token_rows
 logger = logging.getLogger(__name__)
 
 
+ATTEND_WITH = ("adaptor", "sglang_triton")
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -76,14 +79,22 @@ class SGLangSparseBridge:
     config: the parsed ``--sparsehi-*`` options. req_to_token_pool / kv_pool: SGLang's.
     max_running_requests: requests decoding at once (sizes the reserved buffer region and
     the dense-layer pool). adaptor_impl: the adaptor's kernel choice (``auto``: Triton on
-    CUDA, torch reference on CPU). validate: the coordinator's host-side value checks
-    (syncs; tests only).
+    CUDA, torch reference on CPU). attend_with: ``adaptor`` (the adaptor's own decode
+    kernel) or ``sglang_triton`` (``--sparsehi-backend triton`` only: SGLang's Triton decode
+    kernel over the adaptor's rewritten ``kv_indptr`` / ``kv_indices``). validate: the
+    coordinator's host-side value checks (syncs; tests only).
     """
 
     def __init__(self, config: SparseConfig, req_to_token_pool: Any, kv_pool: Any, *, max_running_requests: int,
-                 adaptor_impl: str = "auto", validate: bool = False) -> None:
+                 adaptor_impl: str = "auto", attend_with: str = "adaptor", validate: bool = False) -> None:
         if not isinstance(max_running_requests, int) or max_running_requests < 1:
             raise ValueError(f"max_running_requests must be an int >= 1, got {max_running_requests!r}")
+        if attend_with not in ATTEND_WITH:
+            raise ValueError(f"attend_with must be one of {ATTEND_WITH}, got {attend_with!r}")
+        if attend_with == "sglang_triton" and config.backend != "triton":
+            raise ValueError(f"attend_with='sglang_triton' reads Triton metadata: needs --sparsehi-backend triton, "
+                             f"got {config.backend!r}")
+        self.attend_with = attend_with
         self.config = config
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
@@ -225,7 +236,12 @@ class SGLangSparseBridge:
             self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
         plan = self.coord.attention_begin(layer_id, state.batch, q=q3)
         plan.write_kv(k3, v3)
-        o = plan.attend(q3, float(layer.scaling))
+        if self.attend_with == "sglang_triton" and plan.is_sparse:
+            from sparsehi.sglang_plugin.sglang_kernels import sglang_triton_decode
+
+            o = sglang_triton_decode(q3, plan.layer_cache[0], plan.layer_cache[1], plan.metadata, float(layer.scaling))
+        else:
+            o = plan.attend(q3, float(layer.scaling))
         self.coord.attention_end(layer_id, state.batch, k=k3, v=v3)
         if dense is not None:
             o = torch.where(state.ours[:, None, None], o, dense.reshape(b, hq, dv).to(o.dtype))

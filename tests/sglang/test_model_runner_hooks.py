@@ -47,6 +47,23 @@ def test_hooked_decode_equals_runtime_sparse_hier():
         assert torch.equal(world.kv_pool.k_buffer[1][slots[-1]], layers[1][1].view(len(rows), HKV, D)[rows.index(r)])
 
 
+def test_sglangs_triton_kernel_reads_the_rewritten_metadata():
+    """SGLang's own Triton decode kernel (run by the Triton interpreter on CPU) over the
+    kv_indptr / kv_indices our adaptor rewrote gives the runtime's sparse-hier output."""
+    cfg = sparse_config(backend="triton")
+    world, ref = World(cfg), ReferenceHier(cfg)
+    world.bridge.attend_with = "sglang_triton"
+    gen = torch.Generator().manual_seed(5)
+    k_all, v_all = _prefill(world, 1, 57, gen)
+    ref.prefill(1, k_all, v_all)
+    for n in (58, 59):
+        layers = qkv(1, gen)
+        got = world.run(world.decode([1], [n]), layers)
+        want = ref.decode([1], layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+
+
 def test_sparse_selection_differs_from_dense_and_dense_budget_equals_sglang():
     """With top-k below the context the hooked output is not SGLang's dense one (the path
     is really sparse); with top-k covering the context it equals SGLang's own attention."""
