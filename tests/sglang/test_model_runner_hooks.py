@@ -140,3 +140,17 @@ def test_freeing_the_row_ends_the_request():
     world.req_pool.free_rows([3])
     assert not world.bridge.registered[3]
     assert world.bridge.host_pool.allocator.available_size() == free_before
+
+
+def test_load_plugins_hooks_attention_and_the_request_pool():
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sparsehi.sglang_plugin import hooks
+
+    assert hasattr(RadixAttention.forward, "__wrapped__")
+    assert hasattr(ReqToTokenPool.free_rows, "__wrapped__") and hasattr(ReqToTokenPool.clear, "__wrapped__")
+    seen = []
+    hooks.register_hooks(type("Registry", (), {"register": staticmethod(lambda t, h, k: seen.append(t))}),
+                         type("HookType", (), {"AFTER": 1, "AROUND": 2, "BEFORE": 3}))
+    assert f"{hooks.MODEL_RUNNER}.alloc_memory_pool" in seen and f"{hooks.MODEL_RUNNER}._forward_raw" in seen
