@@ -72,12 +72,16 @@ def test_hicache_flags_keep_their_meaning():
     assert ours.enable_hierarchical_cache and ours.hicache_ratio == 3 and ours.hicache_mem_layout == "page_first"
 
 
-def test_decode_cuda_graph_is_turned_off_or_refused():
+def test_cuda_graphs_are_turned_off_or_refused():
     sa = _parse(["--sparsehi-algorithm", "quest"])
-    assert sa.cuda_graph_backend_decode == "disabled"
-    assert _parse([]).cuda_graph_backend_decode is None  # untouched without sparsehi
-    with pytest.raises(ValueError, match="--cuda-graph-backend-decode"):
-        _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-backend-decode", "full"])
+    assert sa.cuda_graph_backend_decode == "disabled" and sa.cuda_graph_backend_prefill == "disabled"
+    plain = _parse([])  # untouched without sparsehi
+    assert plain.cuda_graph_backend_decode is None and plain.cuda_graph_backend_prefill is None
+    for phase in ("decode", "prefill"):
+        with pytest.raises(ValueError, match=f"--cuda-graph-backend-{phase}"):
+            _parse(["--sparsehi-algorithm", "quest", f"--cuda-graph-backend-{phase}", "breakable"])
+    with pytest.raises(ValueError, match="--cuda-graph-config"):
+        _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-config", '{"decode": {"backend": "full"}}'])
 
 
 def test_mixed_chunk_is_refused():
