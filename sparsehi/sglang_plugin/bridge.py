@@ -220,20 +220,22 @@ class SGLangSparseBridge:
             out = original()
             self.coord.attention_end(layer_id, state.batch)
             return out
-        if self.kv_kind != "mha":
-            raise NotImplementedError("sparsehi decode inside SGLang covers MHA (GQA) models; the MLA pool is "
-                                      "adopted and offloaded, its decode hook is not written yet")
-        if k is None or v is None:
-            raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v")
+        if k is None or (self.kv_kind == "mha" and v is None):
+            raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v (MLA: the latent k)")
         b = state.batch.batch_size
-        hq, hkv = int(layer.tp_q_head_num), int(layer.tp_k_head_num)
-        d, dv = int(layer.qk_head_dim), int(layer.v_head_dim)
-        q3, k3, v3 = q.reshape(b, hq, d), k.reshape(b, hkv, d), v.reshape(b, hkv, dv)
+        hq, dv = int(layer.tp_q_head_num), int(layer.v_head_dim)
+        d = int(layer.qk_head_dim)
+        q3 = q.reshape(b, hq, d)
+        if self.kv_kind == "mla":  # k is the whole latent + rope row; v (its latent part) is not stored
+            k3, v3 = k.reshape(b, 1, d), None
+        else:
+            hkv = int(layer.tp_k_head_num)
+            k3, v3 = k.reshape(b, hkv, d), v.reshape(b, hkv, dv)
         dense = None
         if not state.all_ours:
             dense = original()  # SGLang's attention for its rows; writes every row's KV to its slots
         elif save_kv_cache:
-            self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k3, v3)
+            self._write_sglang_slot(layer, layer_id, fb.out_cache_loc, k3, v3)
         plan = self.coord.attention_begin(layer_id, state.batch, q=q3)
         plan.write_kv(k3, v3)
         if self.attend_with == "sglang_triton" and plan.is_sparse:
@@ -246,6 +248,18 @@ class SGLangSparseBridge:
         if dense is not None:
             o = torch.where(state.ours[:, None, None], o, dense.reshape(b, hq, dv).to(o.dtype))
         return o.reshape(b, hq * dv)
+
+    def _write_sglang_slot(self, layer: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                           v: Optional[torch.Tensor]) -> None:
+        """The new token into SGLang's own slot (what its backend would have written), so
+        its radix cache holds the request's full KV. MHA through SGLang's writer; MLA
+        straight into the shared buffer (SGLang's MLA writer needs its parallel context,
+        and the unquantised row it would write is exactly ``k``)."""
+        if self.kv_kind == "mha":
+            self.kv_pool.set_kv_buffer(layer, loc, k, v)
+        else:
+            buf = self.device_pool.get_key_buffer(layer_id)
+            buf.index_copy_(0, loc.long(), k.to(buf.dtype))
 
     # ------------------------------------------------------------------ requests
     def release_rows(self, rows: list[int]) -> None:

@@ -20,10 +20,11 @@ from typing import Optional
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.plugins import load_plugins
+from sglang.srt.runtime_context import get_parallel
 
 from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
@@ -39,6 +40,7 @@ load_plugins()  # applies the plugin's hooks (RadixAttention.forward, ReqToToken
 
 L, HQ, HKV, D, PS = 3, 4, 2, 16, 4
 SCALE = D ** -0.5
+LORA, ROPE = 16, 8  # MLA: latent width and rope part (a row of the latent cache is LORA + ROPE)
 MAX_CTX = 128
 POOL_TOKENS = 512
 MAX_REQS = 4
@@ -93,6 +95,7 @@ class World:
     """SGLang's pools, backend and layers, with the plugin's model-runner hooks applied."""
 
     cfg: Optional[SparseConfig]
+    mla: bool = False
     req_pool: ReqToTokenPool = field(init=False)
     kv_pool: MHATokenToKVPool = field(init=False)
     runner: Runner = field(init=False)
@@ -102,12 +105,18 @@ class World:
 
     def __post_init__(self) -> None:
         self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
-        self.kv_pool = MHATokenToKVPool(POOL_TOKENS, PS, torch.float32, HKV, D, L, "cpu", False)
+        if self.mla:
+            self.kv_pool = MLATokenToKVPool(POOL_TOKENS, PS, torch.float32, LORA, ROPE, L, "cpu", False)
+        else:
+            self.kv_pool = MHATokenToKVPool(POOL_TOKENS, PS, torch.float32, HKV, D, L, "cpu", False)
         args = type("Args", (), {"sparsehi_config": self.cfg})()
         self.runner = Runner(args, self.req_pool, self.kv_pool)
         hooks.after_alloc_memory_pool(None, self.runner)  # what SGLang runs after alloc_memory_pool
         self.backend = TorchNativeAttnBackend(self.runner)
-        self.layers = [RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in range(L)]
+        if self.mla:
+            self.layers = [RadixAttention(HQ, LORA + ROPE, SCALE, 1, layer_id=i, v_head_dim=LORA) for i in range(L)]
+        else:
+            self.layers = [RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in range(L)]
         self.pages = SlotPages()
 
     @property
@@ -116,7 +125,8 @@ class World:
 
     def _model(self, qkv):
         def forward_raw(runner, fb):
-            with forward_context(ForwardContext(attn_backend=self.backend)):
+            # SGLang's MLA writer reads its parallel context (one rank, no decode context parallelism)
+            with forward_context(ForwardContext(attn_backend=self.backend)), get_parallel().override(dcp_enabled=False):
                 self.backend.init_forward_metadata(fb)
                 return [self.layers[i].forward(q, k, v, fb) for i, (q, k, v) in enumerate(qkv)]
         return forward_raw
@@ -159,8 +169,15 @@ class World:
         )
 
 
-def qkv(n: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer q ``[n, HQ*D]``, k / v ``[n, HKV*D]`` (the shapes a model hands RadixAttention)."""
+def qkv(n: int, gen: torch.Generator, mla: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer q ``[n, HQ*D]``, k / v ``[n, HKV*D]`` (the shapes a model hands RadixAttention).
+    MLA: absorbed q ``[n, HQ*(LORA+ROPE)]``, k the latent row ``[n, LORA+ROPE]``, v its latent part."""
+    if mla:
+        out = []
+        for _ in range(L):
+            k = torch.randn(n, LORA + ROPE, generator=gen)
+            out.append((torch.randn(n, HQ * (LORA + ROPE), generator=gen), k, k[:, :LORA].clone()))
+        return out
     return [(torch.randn(n, HQ * D, generator=gen), torch.randn(n, HKV * D, generator=gen),
              torch.randn(n, HKV * D, generator=gen)) for _ in range(L)]
 
@@ -168,12 +185,18 @@ def qkv(n: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, 
 class ReferenceHier:
     """The runtime's ``sparse-hier`` decode: the hierarchical coordinator over hicache's pools."""
 
-    def __init__(self, cfg: SparseConfig) -> None:
-        spec = KVCacheSpec("mha", L, HKV, D, torch.float32, PS)
+    def __init__(self, cfg: SparseConfig, mla: bool = False) -> None:
+        self.mla = mla
+        if mla:
+            spec = KVCacheSpec("mla", L, 1, LORA + ROPE, torch.float32, PS, kv_lora_rank=LORA)
+            adaptor = create_adaptor("dsa", kv_lora_rank=LORA)
+        else:
+            spec = KVCacheSpec("mha", L, HKV, D, torch.float32, PS)
+            adaptor = create_adaptor(cfg.backend)
         self.pool = DeviceKVPool(spec, POOL_TOKENS * 2, "cpu")
         self.host = HostKVPool(self.pool, hicache_ratio=4.0, pin_memory=False)
         self.coord = SparseCoordinator(cfg, create_algorithm(cfg, "cpu"), self.pool, mode="hierarchical",
-                                       host_pool=self.host, adaptor=create_adaptor(cfg.backend),
+                                       host_pool=self.host, adaptor=adaptor,
                                        max_num_reqs=MAX_REQS + 1, max_context_len=MAX_CTX, validate=True,
                                        dense_pool_tokens=POOL_TOKENS * 2)
         self.seq: dict[int, int] = {}
@@ -183,7 +206,10 @@ class ReferenceHier:
         n = k_all[0].shape[0]
         slots = self.pool.allocator.alloc(n)[:n]
         for i in range(L):
-            self.pool.set_kv(i, slots, k_all[i].view(n, HKV, D), v_all[i].view(n, HKV, D))
+            if self.mla:
+                self.pool.set_kv(i, slots, k_all[i].view(n, 1, LORA + ROPE))
+            else:
+                self.pool.set_kv(i, slots, k_all[i].view(n, HKV, D), v_all[i].view(n, HKV, D))
         self.coord.on_request_begin(row)
         batch = SparseBatch.prefill(torch.tensor([row]), torch.tensor([n], dtype=torch.int32), slots[None, :])
         for i in range(L):
@@ -199,10 +225,13 @@ class ReferenceHier:
         self.coord.forward_begin(batch)
         outs = []
         for i, (q, k, v) in enumerate(layers_qkv):
-            q3, k3, v3 = q.view(b, HQ, D), k.view(b, HKV, D), v.view(b, HKV, D)
+            if self.mla:
+                q3, k3, v3 = q.view(b, HQ, LORA + ROPE), k.view(b, 1, LORA + ROPE), None
+            else:
+                q3, k3, v3 = q.view(b, HQ, D), k.view(b, HKV, D), v.view(b, HKV, D)
             plan = self.coord.attention_begin(i, batch, q=q3)
             plan.write_kv(k3, v3)
-            outs.append(plan.attend(q3, SCALE).reshape(b, HQ * D))
+            outs.append(plan.attend(q3, SCALE).reshape(b, -1))
             self.coord.attention_end(i, batch, k=k3, v=v3)
         self.coord.forward_end(batch)
         return outs

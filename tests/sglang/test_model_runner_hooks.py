@@ -10,11 +10,11 @@ pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed (run s
 
 import torch  # noqa: E402
 
-from sgl_kit import HKV, HQ, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
+from sgl_kit import HKV, HQ, LORA, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
 
 
 def _prefill(world: World, row: int, n: int, gen: torch.Generator):
-    layers = qkv(n, gen)
+    layers = qkv(n, gen, mla=world.mla)
     world.run(world.extend([row], [n]), layers)
     return [k for _, k, _ in layers], [v for _, _, v in layers]
 
@@ -45,6 +45,32 @@ def test_hooked_decode_equals_runtime_sparse_hier():
     for r in rows:
         slots = world.req_pool.req_to_token[r, : lens[r]].long()
         assert torch.equal(world.kv_pool.k_buffer[1][slots[-1]], layers[1][1].view(len(rows), HKV, D)[rows.index(r)])
+
+
+def test_hooked_mla_decode_equals_runtime_sparse_hier():
+    """SGLang's MLA pool: the latent row is written, offloaded and attended through the dsa
+    adaptor; equal to the sparse-hier decode over hicache's MLA pool, and SGLang's own
+    attention (its CPU backend) for a short request beside it is untouched."""
+    cfg = sparse_config(backend="dsa")
+    world, ref, plain = World(cfg, mla=True), ReferenceHier(cfg, mla=True), World(None, mla=True)
+    gen = torch.Generator().manual_seed(6)
+    k_all, v_all = _prefill(world, 1, 66, gen)
+    ref.prefill(1, k_all, v_all)
+    short = qkv(12, gen, mla=True)
+    world.run(world.extend([2], [12]), short)
+    plain.run(plain.extend([2], [12]), short, hooked=False)
+    n, m = 66, 12
+    for _ in range(3):
+        n, m = n + 1, m + 1
+        layers = qkv(2, gen, mla=True)
+        got = world.run(world.decode([1, 2], [n, m]), layers)
+        want = ref.decode([1], [(q[:1], k[:1], v[:1]) for q, k, v in layers])
+        solo = plain.run(plain.decode([2], [m]), [(q[1:], k[1:], v[1:]) for q, k, v in layers], hooked=False)
+        for i in range(L):
+            assert got[i].shape == (2, HQ * LORA)
+            torch.testing.assert_close(got[i][:1], want[i], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[i][1:], solo[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.coord.stats()["misses"] > 0
 
 
 def test_sglangs_triton_kernel_reads_the_rewritten_metadata():
