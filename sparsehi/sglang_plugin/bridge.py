@@ -89,6 +89,9 @@ class SGLangSparseBridge:
                  adaptor_impl: str = "auto", attend_with: str = "adaptor", validate: bool = False) -> None:
         if not isinstance(max_running_requests, int) or max_running_requests < 1:
             raise ValueError(f"max_running_requests must be an int >= 1, got {max_running_requests!r}")
+        if config.algorithm == "dsa":
+            raise ValueError("--sparsehi-algorithm dsa needs the DeepSeek indexer's queries and keys, which SGLang's "
+                             "RadixAttention does not hand the plugin: use quest, oracle or package.module:ClassName")
         if attend_with not in ATTEND_WITH:
             raise ValueError(f"attend_with must be one of {ATTEND_WITH}, got {attend_with!r}")
         if attend_with == "sglang_triton" and config.backend != "triton":
@@ -210,9 +213,9 @@ class SGLangSparseBridge:
                   ) -> torch.Tensor:
         """One ``RadixAttention.forward`` of a forward the bridge takes part in.
 
-        Prefill: SGLang's attention, then the layer's representations. Decode (MHA): k/v
-        written to SGLang's slots and to the coordinator's buffer, attention over the
-        selection; rows that are not ours keep SGLang's output. Returns SGLang's shape
+        Prefill: SGLang's attention, then the layer's representations. Decode: k/v (MLA:
+        the latent row ``k``) written to SGLang's slots and to the coordinator's buffer,
+        attention over the selection; rows that are not ours keep SGLang's output. Returns SGLang's shape
         ``[B, Hq * Dv]``.
         """
         layer_id = int(layer.layer_id)

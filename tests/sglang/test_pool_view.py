@@ -67,6 +67,13 @@ def test_mla_bridge_offloads_a_prompt():
         torch.testing.assert_close(bridge.host_pool.read_tokens(layer, hs)[0], kv + layer)
 
 
+def test_dsa_algorithm_is_refused_in_sglang():
+    req = ReqToTokenPool(2, 64, "cpu", False)
+    sgl = MLATokenToKVPool(128, 4, torch.float32, 16, 8, 2, "cpu", False)
+    with pytest.raises(ValueError, match="--sparsehi-algorithm dsa"):
+        SGLangSparseBridge(sparse_config(algorithm="dsa", backend="dsa"), req, sgl, max_running_requests=2)
+
+
 def test_unsupported_pools_are_refused():
     sgl = MHATokenToKVPool(32, 4, torch.float32, 2, 8, 2, "cpu", False, v_head_dim=4)
     with pytest.raises(ValueError, match="same head dim"):
