@@ -207,6 +207,15 @@ class SGLangSparseBridge:
             return
         self.coord.forward_end(state.batch)
 
+    def abort_forward(self, state: Optional[DecodeState | PrefillState]) -> None:
+        """SGLang's forward raised: a prefill's rows are dropped (not registered; SGLang
+        retries or frees them), a decode step is closed so the next one can start."""
+        if isinstance(state, PrefillState):
+            for row in state.rows:
+                self.coord.on_request_end(row)
+        elif isinstance(state, DecodeState):
+            self.coord.forward_end(state.batch)
+
     # ------------------------------------------------------------------ attention
     def attention(self, state: DecodeState | PrefillState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
                   v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor]

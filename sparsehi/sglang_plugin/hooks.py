@@ -84,6 +84,9 @@ def around_forward_raw(original: Callable[..., Any], runner: Any, forward_batch:
     _ACTIVE.append((forward_batch, bridge, state))
     try:
         out = original(runner, forward_batch, *args, **kwargs)
+    except BaseException:
+        bridge.abort_forward(state)
+        raise
     finally:
         _ACTIVE.pop()
     bridge.end_forward(state)

@@ -10,6 +10,7 @@ pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed (run s
 
 import torch  # noqa: E402
 
+from sparsehi.sglang_plugin import hooks  # noqa: E402
 from sgl_kit import HKV, HQ, LORA, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
 
 
@@ -180,3 +181,20 @@ def test_load_plugins_hooks_attention_and_the_request_pool():
     hooks.register_hooks(type("Registry", (), {"register": staticmethod(lambda t, h, k: seen.append(t))}),
                          type("HookType", (), {"AFTER": 1, "AROUND": 2, "BEFORE": 3}))
     assert f"{hooks.MODEL_RUNNER}.alloc_memory_pool" in seen and f"{hooks.MODEL_RUNNER}._forward_raw" in seen
+
+
+def test_a_failed_prefill_registers_nothing():
+    world = World(sparse_config())
+    gen = torch.Generator().manual_seed(7)
+    free_before = world.bridge.host_pool.allocator.available_size()
+
+    def broken(runner, fb):
+        raise RuntimeError("model failed")
+
+    with pytest.raises(RuntimeError, match="model failed"):
+        hooks.around_forward_raw(broken, world.runner, world.extend([1], [50]))
+    assert not world.bridge.registered[1]
+    assert world.bridge.host_pool.allocator.available_size() == free_before
+    _prefill(world, 1, 50, gen)  # the retry goes through
+    assert world.bridge.registered[1]
+    world.run(world.decode([1], [51]), qkv(1, gen))
