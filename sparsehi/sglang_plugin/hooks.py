@@ -14,6 +14,18 @@ from sparsehi.sglang_plugin import options
 logger = logging.getLogger(__name__)
 
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+RADIX_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention"
+REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+
+BRIDGE_ATTR = "sparsehi_bridge"
+"""Attribute of SGLang's ``ModelRunner`` holding its ``SGLangSparseBridge`` (absent: sparsehi off)."""
+
+# Bridges by the id of the ReqToTokenPool they watch (its free hook has only the pool).
+_BY_REQ_POOL: dict[int, Any] = {}
+# The forward in flight: (SGLang's ForwardBatch, bridge, state). The layer hook acts only
+# on that very batch object, so attention outside a hooked forward is SGLang's own.
+_ACTIVE: list[tuple[Any, Any, Any]] = []
 
 
 def after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
@@ -29,12 +41,94 @@ def around_from_cli_args(original: Callable[..., Any], cls: type, ns: argparse.N
 
     The selection page size defaults to SGLang's ``--page-size``.
     """
-    server_args = original(cls, ns, *args, **kwargs)
     cfg = options.config_from_namespace(ns, sglang_page_size=getattr(ns, "page_size", None))
+    if cfg is not None:
+        options.check_sglang_features(ns)
+    server_args = original(cls, ns, *args, **kwargs)
     setattr(server_args, options.ATTR, cfg)
     if cfg is not None:
         logger.info("sparsehi on: %s", cfg)
     return server_args
+
+
+def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``ModelRunner.alloc_memory_pool``: with sparsehi on, build the coordinator over
+    the runner's ``req_to_token_pool`` and ``token_to_kv_pool`` (see ``bridge``)."""
+    cfg = getattr(getattr(runner, "server_args", None), options.ATTR, None)
+    if cfg is None:
+        return None
+    from sparsehi.sglang_plugin.bridge import SGLangSparseBridge
+
+    old = getattr(runner, BRIDGE_ATTR, None)
+    if old is not None:  # pools rebuilt (e.g. after a weight update): forget the old ones
+        _BY_REQ_POOL.pop(id(old.req_to_token_pool), None)
+    max_running = int(getattr(runner, "max_running_requests", None) or runner.req_to_token_pool.size)
+    bridge = SGLangSparseBridge(cfg, runner.req_to_token_pool, runner.token_to_kv_pool,
+                                max_running_requests=max_running)
+    setattr(runner, BRIDGE_ATTR, bridge)
+    _BY_REQ_POOL[id(runner.req_to_token_pool)] = bridge
+    return None
+
+
+def around_forward_raw(original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+    """AROUND ``ModelRunner._forward_raw``: the coordinator's host part and
+    ``forward_begin`` before the model, ``forward_end`` after it (decode); the prefill's
+    registration and offload (extend). Without a bridge: SGLang's forward, untouched."""
+    bridge = getattr(runner, BRIDGE_ATTR, None)
+    if bridge is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    state = bridge.begin_forward(forward_batch)
+    if state is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    _ACTIVE.append((forward_batch, bridge, state))
+    try:
+        out = original(runner, forward_batch, *args, **kwargs)
+    except BaseException:
+        bridge.abort_forward(state)
+        raise
+    finally:
+        _ACTIVE.pop()
+    bridge.end_forward(state)
+    return out
+
+
+def around_radix_attention(original: Callable[..., Any], layer: Any, q: Any, k: Any, v: Any, forward_batch: Any,
+                           save_kv_cache: bool = True, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``RadixAttention.forward``: inside a forward the bridge takes part in,
+    ``attention_begin`` / adaptor attention / ``attention_end`` for our rows; anywhere
+    else SGLang's own call."""
+    def call() -> Any:
+        return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+
+    if not _ACTIVE or _ACTIVE[-1][0] is not forward_batch:
+        return call()
+    _, bridge, state = _ACTIVE[-1]
+    if args or kwargs:
+        from sparsehi.sglang_plugin.bridge import DecodeState
+
+        if isinstance(state, DecodeState):
+            raise NotImplementedError(f"sparsehi decode does not take RadixAttention's extra arguments "
+                                      f"{sorted(kwargs)} (layer {layer.layer_id}); MHA models calling "
+                                      f"attn(q, k, v, forward_batch) are covered")
+    return bridge.attention(state, layer, q, k, v, forward_batch, save_kv_cache, call)
+
+
+def before_free_rows(pool: Any, indices: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``ReqToTokenPool.free_rows``: a request whose row SGLang frees ends in the
+    coordinator (its host pages are given back)."""
+    bridge = _BY_REQ_POOL.get(id(pool))
+    if bridge is not None:
+        bridge.release_rows([int(i) for i in indices])
+    return None
+
+
+def before_clear(pool: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``ReqToTokenPool.clear``: every request of ours ends."""
+    bridge = _BY_REQ_POOL.get(id(pool))
+    if bridge is not None:
+        bridge.release_all()
+    return None
 
 
 def register_hooks(registry: Any, hook_type: Any) -> list[str]:
@@ -43,6 +137,11 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
     for target, hook, kind in (
         (f"{SERVER_ARGS}.add_cli_args", after_add_cli_args, hook_type.AFTER),
         (f"{SERVER_ARGS}.from_cli_args", around_from_cli_args, hook_type.AROUND),
+        (f"{MODEL_RUNNER}.alloc_memory_pool", after_alloc_memory_pool, hook_type.AFTER),
+        (f"{MODEL_RUNNER}._forward_raw", around_forward_raw, hook_type.AROUND),
+        (f"{RADIX_ATTENTION}.forward", around_radix_attention, hook_type.AROUND),
+        (f"{REQ_TO_TOKEN_POOL}.free_rows", before_free_rows, hook_type.BEFORE),
+        (f"{REQ_TO_TOKEN_POOL}.clear", before_clear, hook_type.BEFORE),
     ):
         registry.register(target, hook, kind)
         targets.append(target)

@@ -89,3 +89,38 @@ def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Op
         for o in OPTIONS:
             msg = msg.replace(f"SparseConfig.{o.field}=", f"{o.flag}=")
         raise ValueError(msg) from None
+
+
+def check_sglang_features(ns: Any) -> None:
+    """SGLang settings sparsehi cannot run with, checked on the parsed namespace when
+    sparsehi is on (ValueError naming the flag).
+
+    CUDA graphs: the plugin's hooks run in Python around each attention layer, which a
+    replayed graph skips (a breakable prefill graph re-enters attention below the hooked
+    ``RadixAttention.forward``), so decode and prefill run eagerly: a phase whose
+    ``--cuda-graph-backend-*`` is left unset becomes ``disabled`` (logged); any other
+    explicit choice, or a ``--cuda-graph-config`` JSON, is an error. ``--enable-mixed-chunk``
+    puts decode rows in extend batches, which the coordinator's one-prefill-per-request
+    protocol cannot follow.
+    """
+    import logging
+
+    if getattr(ns, "enable_mixed_chunk", False):
+        raise ValueError("--enable-mixed-chunk cannot be used with --sparsehi-algorithm (decode rows inside "
+                         "extend batches); leave it off")
+    if getattr(ns, "cuda_graph_config", None) is not None:
+        raise ValueError("--cuda-graph-config cannot be used with --sparsehi-algorithm: the plugin's hooks run "
+                         "eagerly inside SGLang (decode and prefill CUDA graphs are turned off)")
+    if getattr(ns, "disable_cuda_graph", False):
+        return
+    for phase in ("decode", "prefill"):
+        dest = f"cuda_graph_backend_{phase}"
+        backend = getattr(ns, dest, None)
+        if backend is None:
+            setattr(ns, dest, "disabled")
+            logging.getLogger(__name__).warning(
+                "sparsehi: %s CUDA graphs disabled (--cuda-graph-backend-%s disabled): the plugin's hooks run "
+                "eagerly inside SGLang", phase, phase)
+        elif backend != "disabled":
+            raise ValueError(f"--cuda-graph-backend-{phase}={backend!r} cannot be used with --sparsehi-algorithm: "
+                             f"allowed 'disabled' (the plugin's hooks run eagerly inside SGLang)")

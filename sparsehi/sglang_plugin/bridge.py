@@ -1,0 +1,290 @@
+"""The coordinator inside SGLang's model runner: one :class:`SGLangSparseBridge` per
+model runner, built when its memory pools are allocated.
+
+SGLang keeps owning its pools, allocator, radix cache and scheduling. The bridge only
+watches: an extend (prefill) forward registers every request whose prompt reaches
+``min_sparse_prompt_len`` with the coordinator (hierarchical mode: its KV is offloaded to
+a host pool and its sparse buffer set up in a region reserved after SGLang's slots,
+see :mod:`sparsehi.sglang_plugin.pool_view`); a decode forward runs the coordinator's
+step for the registered rows; SGLang freeing a ``ReqToTokenPool`` row ends the request.
+SGLang's own KV of a registered request stays where SGLang put it (its decode tokens
+are written there too), so its radix cache can still reuse and cache the request's
+prefix; a prompt shorter than ``min_sparse_prompt_len`` is never registered and takes
+SGLang's unmodified attention path.
+
+Attention of registered rows goes through our backend adaptor (``--sparsehi-backend``:
+the Triton ``kv_indptr`` / ``kv_indices`` or the FlashAttention page-table metadata,
+built from the selection by :mod:`sparsehi.adapters`) over the shared KV memory.
+Batches mixing short and registered rows run SGLang's dense attention as well, for
+the short rows only: the coordinator sees the short rows as padding rows (-1).
+
+Per step, the host part (which rows are ours, their lengths, ``prepare_decode``) runs in
+the model runner's forward hook; the layer hooks do device work only, over static
+row/length buffers allocated here (no host sync, no allocation of Python data).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from hicache.host_pool import HostKVPool
+from sparsehi.algorithms.registry import create_algorithm
+from sparsehi.config import SparseConfig
+from sparsehi.coordinator import SparseCoordinator
+from sparsehi.forward_batch import ForwardBatch as SparseBatch
+from sparsehi.sglang_plugin.pool_view import adopt_kv_pool, req_to_token_rows
+
+logger = logging.getLogger(__name__)
+
+
+ATTEND_WITH = ("adaptor", "sglang_triton")
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass
+class DecodeState:
+    """One decode forward: the coordinator's batch over all B rows (rows that are not
+    ours are padding rows, -1) and which rows are ours."""
+
+    batch: SparseBatch
+    ours: torch.Tensor  # [B] bool, on the device
+    all_ours: bool  # host fact: no row takes SGLang's dense path
+
+
+@dataclass
+class PrefillState:
+    """One extend forward: the coordinator's prefill batch of the rows it registers."""
+
+    batch: SparseBatch
+    rows: list[int]
+
+
+def _host_ints(cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
+    """Host copy of a per-row value: SGLang's own CPU copy when it has one, else a read-back."""
+    if cpu is not None:
+        return np.asarray(cpu.tolist() if isinstance(cpu, torch.Tensor) else cpu, dtype=np.int64)
+    return dev.cpu().numpy().astype(np.int64)
+
+
+class SGLangSparseBridge:
+    """Coordinator over SGLang's ``ReqToTokenPool`` and KV pool (MHA or MLA).
+
+    config: the parsed ``--sparsehi-*`` options. req_to_token_pool / kv_pool: SGLang's.
+    max_running_requests: requests decoding at once (sizes the reserved buffer region and
+    the dense-layer pool). adaptor_impl: the adaptor's kernel choice (``auto``: Triton on
+    CUDA, torch reference on CPU). attend_with: ``adaptor`` (the adaptor's own decode
+    kernel) or ``sglang_triton`` (``--sparsehi-backend triton`` only: SGLang's Triton decode
+    kernel over the adaptor's rewritten ``kv_indptr`` / ``kv_indices``). validate: the
+    coordinator's host-side value checks (syncs; tests only).
+    """
+
+    def __init__(self, config: SparseConfig, req_to_token_pool: Any, kv_pool: Any, *, max_running_requests: int,
+                 adaptor_impl: str = "auto", attend_with: str = "adaptor", validate: bool = False) -> None:
+        if not isinstance(max_running_requests, int) or max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be an int >= 1, got {max_running_requests!r}")
+        if config.algorithm == "dsa":
+            raise ValueError("--sparsehi-algorithm dsa needs the DeepSeek indexer's queries and keys, which SGLang's "
+                             "RadixAttention does not hand the plugin: use quest, oracle or package.module:ClassName")
+        if attend_with not in ATTEND_WITH:
+            raise ValueError(f"attend_with must be one of {ATTEND_WITH}, got {attend_with!r}")
+        if attend_with == "sglang_triton" and config.backend != "triton":
+            raise ValueError(f"attend_with='sglang_triton' reads Triton metadata: needs --sparsehi-backend triton, "
+                             f"got {config.backend!r}")
+        self.attend_with = attend_with
+        self.config = config
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        rows, max_ctx = req_to_token_rows(req_to_token_pool)
+        ps = config.page_size
+        if int(kv_pool.page_size) != ps:
+            raise ValueError(f"--sparsehi-page-size={ps} must equal SGLang's --page-size={kv_pool.page_size} "
+                             f"(the selection works on SGLang's pages)")
+        max_ctx = _round_up(max_ctx, ps)
+        per_req = (config.sink_units + config.recent_units + config.buffer_units + 1) * ps
+        self.device_pool = adopt_kv_pool(kv_pool, max_running_requests * per_req)
+        dev = self.device_pool.device
+        self.kv_kind = self.device_pool.spec.attention
+        self.algorithm = create_algorithm(config, dev)
+        self.host_pool = HostKVPool(self.device_pool, hicache_ratio=config.host_to_device_ratio)
+        if self.kv_kind == "mla":
+            from sparsehi.adapters import create_adaptor
+
+            adaptor = create_adaptor("dsa", kv_lora_rank=self.device_pool.spec.kv_lora_rank, impl=adaptor_impl)
+        else:
+            if config.backend == "dsa":
+                raise ValueError("--sparsehi-backend=dsa needs an MLA model; this model has an MHA cache: use "
+                                 "'flashattention' or 'triton'")
+            from sparsehi.adapters import create_adaptor
+
+            adaptor = create_adaptor(config.backend, impl=adaptor_impl)
+        self.coord = SparseCoordinator(
+            config, self.algorithm, self.device_pool, mode="hierarchical", host_pool=self.host_pool,
+            adaptor=adaptor, max_num_reqs=rows, max_context_len=max_ctx, validate=validate,
+            dense_pool_tokens=max_running_requests * (max_ctx + ps) + 2 * ps,
+        )
+        self.registered = np.zeros(rows, dtype=bool)
+        # static per-step buffers (the layer hooks read views of them; never reallocated)
+        self._rows = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self._seq = torch.ones(rows, dtype=torch.int32, device=dev)
+        self._ours = torch.zeros(rows, dtype=torch.bool, device=dev)
+        logger.info("sparsehi: coordinator over SGLang's %s pool (%d slots + %d reserved), algorithm %s, adaptor %s",
+                    self.kv_kind.upper(), self.device_pool.num_slots - max_running_requests * per_req,
+                    max_running_requests * per_req, type(self.algorithm).__name__, adaptor.name)
+
+    # ------------------------------------------------------------------ forwards
+    def begin_forward(self, fb: Any) -> Optional[DecodeState | PrefillState]:
+        """Host part before SGLang's forward; None when the forward is none of ours (every
+        layer hook then calls SGLang's own attention)."""
+        mode = fb.forward_mode
+        if mode.is_decode():
+            return self._begin_decode(fb)
+        if mode.is_mixed():
+            rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+            if self.registered[rows].any():
+                raise ValueError("sparsehi does not run mixed chunked-prefill/decode batches: leave "
+                                 "--enable-mixed-chunk off")
+            return None
+        if mode.is_extend():
+            return self._begin_prefill(fb)
+        return None
+
+    def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
+        rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+        ours = self.registered[rows]
+        if not ours.any():
+            return None
+        seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        has_dense = self.coord.prepare_decode(rows[ours], seq[ours])
+        b = len(rows)
+        self._rows[:b].copy_(torch.from_numpy(np.where(ours, rows, -1)), non_blocking=True)
+        self._seq[:b].copy_(torch.from_numpy(np.where(ours, seq, 1).astype(np.int32)), non_blocking=True)
+        self._ours[:b].copy_(torch.from_numpy(ours), non_blocking=True)
+        batch = SparseBatch.decode(self._rows[:b], self._seq[:b], prepared=True, has_dense_rows=has_dense)
+        self.coord.forward_begin(batch)
+        return DecodeState(batch, self._ours[:b], bool(ours.all()))
+
+    def _begin_prefill(self, fb: Any) -> Optional[PrefillState]:
+        rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+        seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        prefix = np.asarray(fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None
+                            else fb.extend_prefix_lens.cpu().tolist(), dtype=np.int64)
+        # a row extended again (chunked prefill's next chunk) is registered anew with its
+        # whole sequence: the coordinator takes one prefill per request
+        self.release_rows([int(r) for r in rows[self.registered[rows]]])
+        long = seq >= max(1, self.config.min_sparse_prompt_len)
+        if not long.any():
+            return None
+        sel = np.flatnonzero(long)
+        r, s, p = rows[sel], seq[sel], prefix[sel]
+        dev = self.device_pool.device
+        rt = torch.from_numpy(r).to(dev)
+        slots = self.req_to_token_pool.req_to_token[rt, : int(s.max())].long()
+        cols = torch.arange(slots.shape[1], device=dev)[None, :]
+        slots = torch.where(cols < torch.from_numpy(s).to(dev)[:, None], slots, -1)
+        for row in r:
+            self.coord.on_request_begin(int(row))
+        batch = SparseBatch.prefill(rt, torch.from_numpy(s.astype(np.int32)).to(dev), slots,
+                                    prefix_lens=torch.from_numpy(p.astype(np.int32)).to(dev),
+                                    seq_lens_cpu=[int(x) for x in s], prefix_lens_cpu=[int(x) for x in p])
+        return PrefillState(batch, [int(x) for x in r])
+
+    def end_forward(self, state: Optional[DecodeState | PrefillState]) -> None:
+        """After SGLang's forward: offload the new prompts (their KV is in SGLang's pool
+        now) / close the decode step."""
+        if state is None:
+            return
+        if isinstance(state, PrefillState):
+            # SGLang's slots stay SGLang's (its radix cache holds them): nothing is freed
+            self.coord.forward_end(state.batch, free_device_kv=False)
+            self.registered[state.rows] = True
+            return
+        self.coord.forward_end(state.batch)
+
+    def abort_forward(self, state: Optional[DecodeState | PrefillState]) -> None:
+        """SGLang's forward raised: a prefill's rows are dropped (not registered; SGLang
+        retries or frees them), a decode step is closed so the next one can start."""
+        if isinstance(state, PrefillState):
+            for row in state.rows:
+                self.coord.on_request_end(row)
+        elif isinstance(state, DecodeState):
+            self.coord.forward_end(state.batch)
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, state: DecodeState | PrefillState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
+                  v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor]
+                  ) -> torch.Tensor:
+        """One ``RadixAttention.forward`` of a forward the bridge takes part in.
+
+        Prefill: SGLang's attention, then the layer's representations. Decode: k/v (MLA:
+        the latent row ``k``) written to SGLang's slots and to the coordinator's buffer,
+        attention over the selection; rows that are not ours keep SGLang's output. Returns SGLang's shape
+        ``[B, Hq * Dv]``.
+        """
+        layer_id = int(layer.layer_id)
+        if isinstance(state, PrefillState):
+            out = original()
+            self.coord.attention_end(layer_id, state.batch)
+            return out
+        if k is None or (self.kv_kind == "mha" and v is None):
+            raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v (MLA: the latent k)")
+        b = state.batch.batch_size
+        hq, dv = int(layer.tp_q_head_num), int(layer.v_head_dim)
+        d = int(layer.qk_head_dim)
+        q3 = q.reshape(b, hq, d)
+        if self.kv_kind == "mla":  # k is the whole latent + rope row; v (its latent part) is not stored
+            k3, v3 = k.reshape(b, 1, d), None
+        else:
+            hkv = int(layer.tp_k_head_num)
+            k3, v3 = k.reshape(b, hkv, d), v.reshape(b, hkv, dv)
+        dense = None
+        if not state.all_ours:
+            dense = original()  # SGLang's attention for its rows; writes every row's KV to its slots
+        elif save_kv_cache:
+            self._write_sglang_slot(layer, layer_id, fb.out_cache_loc, k3, v3)
+        plan = self.coord.attention_begin(layer_id, state.batch, q=q3)
+        plan.write_kv(k3, v3)
+        if self.attend_with == "sglang_triton" and plan.is_sparse:
+            from sparsehi.sglang_plugin.sglang_kernels import sglang_triton_decode
+
+            o = sglang_triton_decode(q3, plan.layer_cache[0], plan.layer_cache[1], plan.metadata, float(layer.scaling))
+        else:
+            o = plan.attend(q3, float(layer.scaling))
+        self.coord.attention_end(layer_id, state.batch, k=k3, v=v3)
+        if dense is not None:
+            o = torch.where(state.ours[:, None, None], o, dense.reshape(b, hq, dv).to(o.dtype))
+        return o.reshape(b, hq * dv)
+
+    def _write_sglang_slot(self, layer: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                           v: Optional[torch.Tensor]) -> None:
+        """The new token into SGLang's own slot (what its backend would have written), so
+        its radix cache holds the request's full KV. MHA through SGLang's writer; MLA
+        straight into the shared buffer (SGLang's MLA writer needs its parallel context,
+        and the unquantised row it would write is exactly ``k``)."""
+        if self.kv_kind == "mha":
+            self.kv_pool.set_kv_buffer(layer, loc, k, v)
+        else:
+            buf = self.device_pool.get_key_buffer(layer_id)
+            buf.index_copy_(0, loc.long(), k.to(buf.dtype))
+
+    # ------------------------------------------------------------------ requests
+    def release_rows(self, rows: list[int]) -> None:
+        """SGLang frees these ``ReqToTokenPool`` rows: end their requests in the coordinator
+        and give their host pages back (rows that are not ours are ignored)."""
+        for row in rows:
+            row = int(row)
+            if not (0 <= row < len(self.registered)) or not self.registered[row]:
+                continue
+            kv = self.coord.on_request_end(row)
+            self.registered[row] = False
+            if kv.host_pages is not None and kv.host_pages.numel():
+                self.host_pool.allocator.free_pages(kv.host_pages)
+
+    def release_all(self) -> None:
+        self.release_rows([int(r) for r in np.flatnonzero(self.registered)])

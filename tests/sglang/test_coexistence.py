@@ -1,0 +1,89 @@
+"""sparsehi next to SGLang's own features: the radix cache (prefix reuse) stays on,
+SGLang's HiCache flags keep their meaning, and settings the plugin cannot follow are
+refused naming the flag."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed (run scripts/setup_sglang_env.sh)")
+
+import torch  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from sgl_kit import L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
+from sparsehi.sglang_plugin import ATTR  # noqa: E402
+
+HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy", "write_back",
+           "--hicache-io-backend", "kernel", "--hicache-mem-layout", "page_first"]
+
+
+def _parse(argv: list[str]):
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "dummy", *argv]))
+
+
+def test_radix_prefix_reuse_composes_with_sparse_hier():
+    """Request B reuses the first 48 slots of request A (a radix-cache hit, as SGLang's
+    scheduler hands it: shared slots in req_to_token, extend_prefix_lens=48). Both decode
+    as the runtime's sparse-hier decode of their whole sequences."""
+    cfg = sparse_config()
+    world, ref = World(cfg), ReferenceHier(cfg)
+    gen = torch.Generator().manual_seed(10)
+    a = qkv(64, gen)
+    world.run(world.extend([1], [64]), a)
+    ref.prefill(1, [k for _, k, _ in a], [v for _, _, v in a])
+    world.pages.share(2, 1, 48)
+    b_new = qkv(20, gen)
+    world.run(world.extend([2], [68], prefix=[48]), b_new)
+    assert torch.equal(world.req_pool.req_to_token[2, :48], world.req_pool.req_to_token[1, :48])
+    ref.prefill(2, [torch.cat([a[i][1][:48], b_new[i][1]]) for i in range(L)],
+                [torch.cat([a[i][2][:48], b_new[i][2]]) for i in range(L)])
+    lens = {1: 64, 2: 68}
+    for _ in range(4):
+        for r in lens:
+            lens[r] += 1
+        layers = qkv(2, gen)
+        got = world.run(world.decode([1, 2], [lens[1], lens[2]]), layers)
+        want = ref.decode([1, 2], layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    # the shared prefix slots were never written by the decode of either request
+    for i in range(L):
+        torch.testing.assert_close(world.kv_pool.k_buffer[i][world.req_pool.req_to_token[2, :48].long()],
+                                   a[i][1][:48].view(48, -1, world.kv_pool.head_dim))
+
+
+def test_radix_cache_stays_on():
+    sa = _parse(["--sparsehi-algorithm", "quest"])
+    assert getattr(sa, ATTR) is not None and not sa.disable_radix_cache
+
+
+def test_hicache_flags_keep_their_meaning():
+    plain = _parse(HICACHE)
+    ours = _parse([*HICACHE, "--sparsehi-algorithm", "quest"])
+    names = [n for n in dir(plain) if n.startswith("hicache_") or n == "enable_hierarchical_cache"]
+    assert "hicache_ratio" in names and "hicache_mem_layout" in names
+    for n in names:
+        if not callable(getattr(plain, n)):
+            assert getattr(ours, n) == getattr(plain, n), n
+    assert ours.enable_hierarchical_cache and ours.hicache_ratio == 3 and ours.hicache_mem_layout == "page_first"
+
+
+def test_cuda_graphs_are_turned_off_or_refused():
+    sa = _parse(["--sparsehi-algorithm", "quest"])
+    assert sa.cuda_graph_backend_decode == "disabled" and sa.cuda_graph_backend_prefill == "disabled"
+    plain = _parse([])  # untouched without sparsehi
+    assert plain.cuda_graph_backend_decode is None and plain.cuda_graph_backend_prefill is None
+    for phase in ("decode", "prefill"):
+        with pytest.raises(ValueError, match=f"--cuda-graph-backend-{phase}"):
+            _parse(["--sparsehi-algorithm", "quest", f"--cuda-graph-backend-{phase}", "breakable"])
+    with pytest.raises(ValueError, match="--cuda-graph-config"):
+        _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-config", '{"decode": {"backend": "full"}}'])
+
+
+def test_mixed_chunk_is_refused():
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):
+        _parse(["--sparsehi-algorithm", "quest", "--enable-mixed-chunk"])

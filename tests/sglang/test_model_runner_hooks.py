@@ -1,0 +1,200 @@
+"""The plugin's model-runner and attention hooks over SGLang 0.5.23's real pools, batch
+and attention layer (CPU): the hooked decode equals the runtime's ``sparse-hier`` decode
+for the same K/V, queries and budgets; without the flags the hooks change nothing.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed (run scripts/setup_sglang_env.sh)")
+
+import torch  # noqa: E402
+
+from sparsehi.sglang_plugin import hooks  # noqa: E402
+from sgl_kit import HKV, HQ, LORA, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
+
+
+def _prefill(world: World, row: int, n: int, gen: torch.Generator):
+    layers = qkv(n, gen, mla=world.mla)
+    world.run(world.extend([row], [n]), layers)
+    return [k for _, k, _ in layers], [v for _, _, v in layers]
+
+
+def test_hooked_decode_equals_runtime_sparse_hier():
+    cfg = sparse_config()
+    world, ref = World(cfg), ReferenceHier(cfg)
+    gen = torch.Generator().manual_seed(0)
+    lens = {1: 61, 2: 50}
+    for row, n in lens.items():
+        k_all, v_all = _prefill(world, row, n, gen)
+        ref.prefill(row, k_all, v_all)
+    assert world.bridge.registered[[1, 2]].all()
+    rows = [1, 2]
+    for _ in range(6):
+        for r in rows:
+            lens[r] += 1
+        layers = qkv(len(rows), gen)
+        fb = world.decode(rows, [lens[r] for r in rows])
+        got = world.run(fb, layers)
+        want = ref.decode(rows, layers)
+        for i in range(L):
+            assert got[i].shape == (len(rows), HQ * D)
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    st = world.bridge.coord.stats()
+    assert st["steps"] == 6 and st["misses"] > 0  # pages really came back from host
+    # SGLang's own slots hold every decoded token (its radix cache can keep the request)
+    for r in rows:
+        slots = world.req_pool.req_to_token[r, : lens[r]].long()
+        assert torch.equal(world.kv_pool.k_buffer[1][slots[-1]], layers[1][1].view(len(rows), HKV, D)[rows.index(r)])
+
+
+def test_hooked_mla_decode_equals_runtime_sparse_hier():
+    """SGLang's MLA pool: the latent row is written, offloaded and attended through the dsa
+    adaptor; equal to the sparse-hier decode over hicache's MLA pool, and SGLang's own
+    attention (its CPU backend) for a short request beside it is untouched."""
+    cfg = sparse_config(backend="dsa")
+    world, ref, plain = World(cfg, mla=True), ReferenceHier(cfg, mla=True), World(None, mla=True)
+    gen = torch.Generator().manual_seed(6)
+    k_all, v_all = _prefill(world, 1, 66, gen)
+    ref.prefill(1, k_all, v_all)
+    short = qkv(12, gen, mla=True)
+    world.run(world.extend([2], [12]), short)
+    plain.run(plain.extend([2], [12]), short, hooked=False)
+    n, m = 66, 12
+    for _ in range(3):
+        n, m = n + 1, m + 1
+        layers = qkv(2, gen, mla=True)
+        got = world.run(world.decode([1, 2], [n, m]), layers)
+        want = ref.decode([1], [(q[:1], k[:1], v[:1]) for q, k, v in layers])
+        solo = plain.run(plain.decode([2], [m]), [(q[1:], k[1:], v[1:]) for q, k, v in layers], hooked=False)
+        for i in range(L):
+            assert got[i].shape == (2, HQ * LORA)
+            torch.testing.assert_close(got[i][:1], want[i], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[i][1:], solo[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.coord.stats()["misses"] > 0
+
+
+def test_sglangs_triton_kernel_reads_the_rewritten_metadata():
+    """SGLang's own Triton decode kernel (run by the Triton interpreter on CPU) over the
+    kv_indptr / kv_indices our adaptor rewrote gives the runtime's sparse-hier output."""
+    cfg = sparse_config(backend="triton")
+    world, ref = World(cfg), ReferenceHier(cfg)
+    world.bridge.attend_with = "sglang_triton"
+    gen = torch.Generator().manual_seed(5)
+    k_all, v_all = _prefill(world, 1, 57, gen)
+    ref.prefill(1, k_all, v_all)
+    for n in (58, 59):
+        layers = qkv(1, gen)
+        got = world.run(world.decode([1], [n]), layers)
+        want = ref.decode([1], layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_selection_differs_from_dense_and_dense_budget_equals_sglang():
+    """With top-k below the context the hooked output is not SGLang's dense one (the path
+    is really sparse); with top-k covering the context it equals SGLang's own attention."""
+    gen = torch.Generator().manual_seed(1)
+    for top_k, same in ((8, False), (96, True)):
+        world = World(sparse_config(top_k=top_k, device_buffer_size=max(12, top_k)))
+        _prefill(world, 1, 70, gen)
+        layers = qkv(1, gen)
+        fb = world.decode([1], [71])
+        got = world.run(fb, layers)
+        # SGLang's own attention over the same pool (the token was just written there)
+        with_plain = world.run(fb, layers, hooked=False)
+        for i in range(1, L):  # layer 0 is a dense layer in both cases
+            close = torch.allclose(got[i], with_plain[i], rtol=1e-5, atol=1e-5)
+            assert close == same, (top_k, i)
+        torch.testing.assert_close(got[0], with_plain[0], rtol=1e-5, atol=1e-5)
+
+
+def test_without_flags_hooks_are_no_ops():
+    gen = torch.Generator().manual_seed(2)
+    hooked, plain = World(None), World(None)
+    assert hooked.bridge is None
+    for w in (hooked, plain):
+        w.pages = type(w.pages)()
+    pre = qkv(45, gen)
+    outs = [hooked.run(hooked.extend([1], [45]), pre), plain.run(plain.extend([1], [45]), pre, hooked=False)]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    step = qkv(1, gen)
+    a = hooked.run(hooked.decode([1], [46]), step)
+    b = plain.run(plain.decode([1], [46]), step, hooked=False)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for i in range(L):
+        assert torch.equal(hooked.kv_pool.k_buffer[i], plain.kv_pool.k_buffer[i])
+
+
+def test_short_request_takes_sglangs_path_next_to_a_sparse_one():
+    """A prompt shorter than min_sparse_prompt_len is never registered; in a batch with a
+    sparse request its rows get exactly SGLang's output."""
+    cfg = sparse_config()
+    world, plain = World(cfg), World(None)
+    gen = torch.Generator().manual_seed(3)
+    long_pre, short_pre = qkv(60, gen), qkv(20, gen)
+    for w, hooked in ((world, True), (plain, False)):
+        w.run(w.extend([1], [60]), long_pre, hooked=hooked)
+        w.run(w.extend([2], [20]), short_pre, hooked=hooked)
+    assert world.bridge.registered[1] and not world.bridge.registered[2]
+    lens = [60, 20]
+    for _ in range(3):
+        lens = [n + 1 for n in lens]
+        layers = qkv(2, gen)
+        got = world.run(world.decode([1, 2], lens), layers)
+        want = plain.run(plain.decode([1, 2], lens), layers, hooked=False)
+        for i in range(L):
+            torch.testing.assert_close(got[i][1], want[i][1], rtol=0, atol=0)
+    # a batch of short rows only never reaches the coordinator
+    steps = world.bridge.coord.stats()["steps"]
+    layers = qkv(1, gen)
+    lens[1] += 1
+    got = world.run(world.decode([2], [lens[1]]), layers)
+    want = plain.run(plain.decode([2], [lens[1]]), layers, hooked=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert world.bridge.coord.stats()["steps"] == steps
+
+
+def test_freeing_the_row_ends_the_request():
+    world = World(sparse_config())
+    gen = torch.Generator().manual_seed(4)
+    free_before = world.bridge.host_pool.allocator.available_size()
+    _prefill(world, 3, 48, gen)
+    assert world.bridge.host_pool.allocator.available_size() < free_before
+    world.req_pool.free_slots.remove(3)
+    world.req_pool.free_rows([3])
+    assert not world.bridge.registered[3]
+    assert world.bridge.host_pool.allocator.available_size() == free_before
+
+
+def test_load_plugins_hooks_attention_and_the_request_pool():
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sparsehi.sglang_plugin import hooks
+
+    assert hasattr(RadixAttention.forward, "__wrapped__")
+    assert hasattr(ReqToTokenPool.free_rows, "__wrapped__") and hasattr(ReqToTokenPool.clear, "__wrapped__")
+    seen = []
+    hooks.register_hooks(type("Registry", (), {"register": staticmethod(lambda t, h, k: seen.append(t))}),
+                         type("HookType", (), {"AFTER": 1, "AROUND": 2, "BEFORE": 3}))
+    assert f"{hooks.MODEL_RUNNER}.alloc_memory_pool" in seen and f"{hooks.MODEL_RUNNER}._forward_raw" in seen
+
+
+def test_a_failed_prefill_registers_nothing():
+    world = World(sparse_config())
+    gen = torch.Generator().manual_seed(7)
+    free_before = world.bridge.host_pool.allocator.available_size()
+
+    def broken(runner, fb):
+        raise RuntimeError("model failed")
+
+    with pytest.raises(RuntimeError, match="model failed"):
+        hooks.around_forward_raw(broken, world.runner, world.extend([1], [50]))
+    assert not world.bridge.registered[1]
+    assert world.bridge.host_pool.allocator.available_size() == free_before
+    _prefill(world, 1, 50, gen)  # the retry goes through
+    assert world.bridge.registered[1]
+    world.run(world.decode([1], [51]), qkv(1, gen))
