@@ -324,3 +324,18 @@ def test_ids_map_onto_candidates_and_budget(caplog):
     assert out.dtype == torch.int32 and n.dtype == torch.int32
     assert out.tolist() == [[2, 5, 7], [3, -1, -1], [-1, -1, -1]] and n.tolist() == [3, 1, 0]
     assert "selected more than top_k=3" in caplog.text
+
+
+def test_algorithm_option_takes_an_sglang_class():
+    import argparse
+
+    from sparsehi.sglang_plugin.options import add_arguments, config_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_namespace(parser.parse_args(["--sparsehi-algorithm", QUEST]), sglang_page_size=16)
+    assert cfg.algorithm == QUEST and cfg.page_size == 16
+    for bad, why in ((f"{QUEST}Nope", "has no attribute|must name"), ("sglang.srt.no_such_module:X", "cannot import"),
+                     ("questt", "unknown")):
+        with pytest.raises(ValueError, match=f"--sparsehi-algorithm=.*({why})"):
+            config_from_namespace(parser.parse_args(["--sparsehi-algorithm", bad]))
