@@ -429,9 +429,16 @@ class SGLangAlgorithm(BaseSparseAlgorithm):
         mask = sparse_mask.to(dev).bool() & (req >= 0)
         seq = kwargs["seq_lens"].to(dev).to(torch.int64)
         fb = self._forward_batch(kwargs, True, req, seq)
+        extra = {k: v for k, v in kwargs.items()
+                 if k not in ("seq_lens", "candidate_start", "candidate_end", "top_k", "forward_batch")}
+        extra.setdefault("attn_metadata", None)
         sel, val = self._probed("retrieve_topk", lambda: self.inner.retrieve_topk(
-            queries=queries, layer_id=layer_id, req_pool_indices=req, sparse_mask=mask, forward_batch=fb,
-            attn_metadata=kwargs.get("attn_metadata")))
+            queries=queries, layer_id=layer_id, req_pool_indices=req, sparse_mask=mask, forward_batch=fb, **extra))
+        if not isinstance(sel, torch.Tensor) or not isinstance(val, torch.Tensor):
+            raise ValueError(f"{self.name}.retrieve_topk returned ({type(sel).__name__}, {type(val).__name__}), not "
+                             "(selected_indices, valid_lengths) tensors of logical page ids: not supported here "
+                             "(SGLang's DeepSeekDSAAlgorithm returns its indexer's physical token indices; use "
+                             "--sparsehi-algorithm dsa)")
         return self._to_candidates(sel, val, mask, kwargs["candidate_start"], kwargs["candidate_end"], top_k)
 
     def _to_candidates(self, sel: torch.Tensor, val: torch.Tensor, mask: torch.Tensor, cs: torch.Tensor,
@@ -467,11 +474,14 @@ class SGLangAlgorithm(BaseSparseAlgorithm):
             self.states.clear(int(req_pool_index))
 
     def representation_bytes(self) -> int:
-        seen = 0
+        """The wrapped algorithm's tensors (attributes, or dicts of them) plus the staging
+        pages and slot map."""
+        own = [*self._staging.values()] + ([self._slot_map] if self._slot_map is not None else [])
+        total = sum(t.numel() * t.element_size() for t in own)
         for v in vars(self.inner).values():
             ts = v.values() if isinstance(v, dict) else [v]
-            seen += sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-        return seen
+            total += sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+        return total
 
 
 # ----------------------------------------------------------------------------- config / resolve

@@ -339,3 +339,16 @@ def test_algorithm_option_takes_an_sglang_class():
                      ("questt", "unknown")):
         with pytest.raises(ValueError, match=f"--sparsehi-algorithm=.*({why})"):
             config_from_namespace(parser.parse_args(["--sparsehi-algorithm", bad]))
+
+
+def test_an_algorithm_without_page_ids_is_refused_clearly():
+    """SGLang's DeepSeekDSAAlgorithm returns its model indexer's output and no lengths."""
+    from sglang.srt.mem_cache.sparsity.algorithms.deepseek_dsa import DeepSeekDSAAlgorithm
+
+    cfg = our_config()
+    algo = SGLangAlgorithm(cfg, torch.device("cpu"), algorithm_cls=DeepSeekDSAAlgorithm)
+    algo.initialize_representation_pool(0, L, ROWS + 1, MAX_CTX, kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    kw = dict(seq_lens=torch.tensor([40]), candidate_start=torch.tensor([0]), candidate_end=torch.tensor([8]), top_k=4,
+              indexer=lambda **_: torch.zeros(1, 4, dtype=torch.int32), x=0, q_lora=0, positions=0)
+    with pytest.raises(ValueError, match="DeepSeekDSAAlgorithm.retrieve_topk returned .*not supported"):
+        algo.retrieve_topk(torch.zeros(1, HQ, D), 1, torch.tensor([1]), torch.tensor([True]), **kw)
