@@ -123,11 +123,11 @@ class SlotKeyView(torch.Tensor):
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         if slots.dtype in (torch.bool, torch.uint8) or slots.is_floating_point():
             raise TypeError(f"{self._owner}: k_buffer may be indexed by integer slot tensors only, got {slots.dtype}")
+        if self._source.shape[0] == 0:  # a shape-only pool holds nothing
+            return torch.zeros((*slots.shape, *self._source.shape[1:]), dtype=self._source.dtype,
+                               device=self._source.device)
         rows = self._slot_map[slots.to(self._slot_map.device).long()]
         held = (rows >= 0).reshape(*rows.shape, *([1] * (self._source.dim() - 1)))
-        if self._source.shape[0] == 0:
-            return torch.zeros((*rows.shape, *self._source.shape[1:]), dtype=self._source.dtype,
-                               device=self._source.device)
         # slots not held read as zeros: SGLang's algorithms gather whole pages and mask the
         # positions past a request's context (in SGLang's pool those hold unrelated data too)
         return torch.where(held, self._source[rows.clamp(min=0)], 0)
@@ -302,7 +302,7 @@ class SGLangAlgorithm(BaseSparseAlgorithm):
         if self.states is None:
             raise ValueError(f"{self.name}: initialize_representation_pool was not called")
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ internals
     def _forward_batch(self, kwargs: dict, decode: bool, req: torch.Tensor, seq: torch.Tensor) -> Any:
         """SGLang's ``ForwardBatch`` for the rows handed to the wrapped algorithm."""
         given = kwargs.get("forward_batch")

@@ -143,11 +143,12 @@ def expected_attention(data: Data, layer: int, reqs: list[int], q: torch.Tensor,
     return torch.stack(out)
 
 
-def run_ours(mode: str, data: Data) -> tuple[SparseCoordinator, torch.Tensor, dict]:
+def run_ours(mode: str, data: Data, sglang_pools_given: bool = True) -> tuple[SparseCoordinator, torch.Tensor, dict]:
     """QuestAlgorithm through SGLangAlgorithm and our coordinator in ``mode``: outputs
-    ``[steps, L, B, Hq, D]`` and the selections per (step, layer)."""
+    ``[steps, L, B, Hq, D]`` and the selections per (step, layer). Without SGLang's pools
+    the adapter builds its own (our runtime's case)."""
     cfg = our_config()
-    rtp, kvp = sglang_pools()
+    rtp, kvp = sglang_pools() if sglang_pools_given else (None, None)
     spec = KVCacheSpec("mha", L, HKV, D, torch.float32, PS)
     dev_pool = DeviceKVPool(spec, num_slots=PS * 160, device="cpu")
     host_pool = HostKVPool(dev_pool, hicache_ratio=2.0, pin_memory=False) if mode == "hierarchical" else None
@@ -156,7 +157,8 @@ def run_ours(mode: str, data: Data) -> tuple[SparseCoordinator, torch.Tensor, di
     assert isinstance(algo, SGLangAlgorithm) and isinstance(algo.inner, QuestAlgorithm)
     coord = SparseCoordinator(cfg, algo, dev_pool, mode=mode, host_pool=host_pool, transfer=transfer,
                               max_num_reqs=ROWS + 1, max_context_len=MAX_CTX)
-    assert algo.inner.req_to_token_pool is rtp and algo.inner.token_to_kv_pool is kvp  # SGLang's own pools
+    if sglang_pools_given:
+        assert algo.inner.req_to_token_pool is rtp and algo.inner.token_to_kv_pool is kvp  # SGLang's own pools
     reqs, seqs = list(PROMPTS), list(PROMPTS.values())
     for r in reqs:
         coord.on_request_begin(r)
@@ -284,9 +286,12 @@ def test_names_resolve_to_the_right_api():
         SGLangAlgorithm(our_config(), torch.device("cpu"), algorithm_cls=dict)
 
 
-def test_builds_its_own_pools_without_sglang_ones(data):
+def test_builds_its_own_pools_without_sglang_ones(data, hier):
     """Without SGLang's pools (our own runtime) the adapter builds a real ReqToTokenPool
     of stable ids and a shape-only key pool, and selects as with SGLang's pools."""
+    _, out, sels = run_ours("hierarchical", data, sglang_pools_given=False)
+    assert sels == hier[2]
+    torch.testing.assert_close(out, hier[1], atol=1e-6, rtol=1e-6)
     cfg = our_config()
     algo = SGLangAlgorithm(cfg, torch.device("cpu"))
     algo.initialize_representation_pool(0, L, ROWS + 1, MAX_CTX, kv_heads=HKV, head_dim=D, dtype=torch.float32)
