@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hicache.host_pool import HostKVPool
-from sparsehi.algorithms.registry import create_algorithm
+from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 from sparsehi.config import SparseConfig
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch as SparseBatch
@@ -111,7 +111,9 @@ class SGLangSparseBridge:
         self.device_pool = adopt_kv_pool(kv_pool, max_running_requests * per_req)
         dev = self.device_pool.device
         self.kv_kind = self.device_pool.spec.attention
-        self.algorithm = create_algorithm(config, dev)
+        # ours by name, or an SGLang BaseSparseAlgorithm subclass wrapped with SGLang's own pools
+        self.algorithm = create_plugin_algorithm(config, dev, req_to_token_pool=req_to_token_pool,
+                                                 token_to_kv_pool=kv_pool)
         self.host_pool = HostKVPool(self.device_pool, hicache_ratio=config.host_to_device_ratio)
         if self.kv_kind == "mla":
             from sparsehi.adapters import create_adaptor

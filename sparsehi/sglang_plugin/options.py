@@ -23,7 +23,9 @@ ATTR = "sparsehi_config"
 _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--sparsehi-algorithm", "algorithm", str,
      "Turns sparsehi on: a registered algorithm name (quest, dsa, oracle) or an import "
-     "path 'package.module:ClassName'. Without it the other --sparsehi-* options are ignored."),
+     "path 'package.module:ClassName' of a sparsehi algorithm or of a subclass of SGLang's own "
+     "BaseSparseAlgorithm (e.g. sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm:QuestAlgorithm). "
+     "Without it the other --sparsehi-* options are ignored."),
     ("--sparsehi-backend", "backend", str,
      f"Attention backend adaptor that rewrites the page table: one of {SPARSE_BACKENDS}."),
     ("--sparsehi-top-k", "top_k", int, "Tokens selected per decode step and layer (multiple of the page size)."),
@@ -83,12 +85,19 @@ def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Op
     for f in ("sink_tokens", "recent_tokens"):
         kwargs.setdefault(f, max(page, getattr(SparseConfig, f)))
     try:
-        return SparseConfig(**kwargs)
+        cfg = SparseConfig(**kwargs)
     except ValueError as e:
         msg = str(e)
         for o in OPTIONS:
             msg = msg.replace(f"SparseConfig.{o.field}=", f"{o.flag}=")
         raise ValueError(msg) from None
+    from sparsehi.sglang_plugin.sglang_algorithm import check_algorithm_name
+
+    try:  # a name or import path of ours, or an SGLang algorithm class (imported now, not at first request)
+        check_algorithm_name(cfg.algorithm)
+    except ValueError as e:
+        raise ValueError(f"--sparsehi-{e}") from None
+    return cfg
 
 
 def check_sglang_features(ns: Any) -> None:

@@ -30,7 +30,7 @@ from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
 from sparsehi.adapters import create_adaptor
-from sparsehi.algorithms.registry import create_algorithm
+from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 from sparsehi.config import SparseConfig
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch as SparseBatch
@@ -195,7 +195,7 @@ class ReferenceHier:
             adaptor = create_adaptor(cfg.backend)
         self.pool = DeviceKVPool(spec, POOL_TOKENS * 2, "cpu")
         self.host = HostKVPool(self.pool, hicache_ratio=4.0, pin_memory=False)
-        self.coord = SparseCoordinator(cfg, create_algorithm(cfg, "cpu"), self.pool, mode="hierarchical",
+        self.coord = SparseCoordinator(cfg, create_plugin_algorithm(cfg, "cpu"), self.pool, mode="hierarchical",
                                        host_pool=self.host, adaptor=adaptor,
                                        max_num_reqs=MAX_REQS + 1, max_context_len=MAX_CTX, validate=True,
                                        dense_pool_tokens=POOL_TOKENS * 2)

@@ -198,3 +198,29 @@ def test_a_failed_prefill_registers_nothing():
     _prefill(world, 1, 50, gen)  # the retry goes through
     assert world.bridge.registered[1]
     world.run(world.decode([1], [51]), qkv(1, gen))
+
+
+def test_sglangs_own_quest_through_the_hooks_equals_the_runtime_path():
+    """--sparsehi-algorithm naming SGLang's QuestAlgorithm: the model-runner hook builds it
+    over SGLang's real pools (wrapped, unchanged), and the hooked decode equals the same
+    algorithm in the hierarchical coordinator over our own pools, with pages loaded from host."""
+    from sparsehi.sglang_plugin.sglang_algorithm import SGLangAlgorithm
+
+    cfg = sparse_config(algorithm="sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm:QuestAlgorithm")
+    world, ref = World(cfg), ReferenceHier(cfg)
+    assert isinstance(world.bridge.algorithm, SGLangAlgorithm)
+    gen = torch.Generator().manual_seed(3)
+    lens = {1: 61, 2: 57}
+    for row, n in lens.items():
+        k_all, v_all = _prefill(world, row, n, gen)
+        ref.prefill(row, k_all, v_all)
+    rows = [1, 2]
+    for _ in range(6):
+        for r in rows:
+            lens[r] += 1
+        layers = qkv(len(rows), gen)
+        got = world.run(world.decode(rows, [lens[r] for r in rows]), layers)
+        want = ref.decode(rows, layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.coord.stats()["misses"] > 0
