@@ -231,10 +231,43 @@ def parse_storage_extra_config(raw: Optional[str]) -> dict[str, Any]:
     except (OSError, ValueError) as e:  # json / toml decode errors are ValueErrors
         raise ValueError(f"{_EXTRA_FLAG}={raw!r} is invalid: a JSON object or '@file.json' / '@file.toml' / "
                          f"'@file.yaml' ({e})") from e
+    except RecursionError as e:  # the parsers recurse per nesting level
+        raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: nested too deeply (at most "
+                         f"{_MAX_EXTRA_DEPTH} levels)") from e
     if not isinstance(data, dict):
         raise ValueError(f"{_EXTRA_FLAG}={raw!r} is invalid: must hold an object (key/value mapping), got "
                          f"{type(data).__name__}")
+    _check_plain_data(data, raw)
     return data
+
+
+_MAX_EXTRA_DEPTH = 32
+
+
+def _check_plain_data(data: Any, raw: str) -> None:
+    """Reject what the backends could not use safely: non-string keys (YAML allows any),
+    nesting beyond ``_MAX_EXTRA_DEPTH`` and self-referencing YAML anchors (a cycle would
+    hang or overflow whoever walks the config later)."""
+    stack: list[tuple[Any, int, frozenset[int]]] = [(data, 0, frozenset())]
+    while stack:
+        x, depth, above = stack.pop()
+        if not isinstance(x, (dict, list)):
+            continue
+        if id(x) in above:
+            raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: it refers to itself (a YAML anchor "
+                             "used inside its own value)")
+        if depth >= _MAX_EXTRA_DEPTH:
+            raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: nested too deeply (at most "
+                             f"{_MAX_EXTRA_DEPTH} levels)")
+        if isinstance(x, dict):
+            bad = [k for k in x if not isinstance(k, str)]
+            if bad:
+                raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: keys must be strings, got {bad[0]!r}")
+            items = x.values()
+        else:
+            items = x
+        inner = above | {id(x)}
+        stack.extend((v, depth + 1, inner) for v in items)
 
 
 def _storage_backend_arg(name: str) -> str:

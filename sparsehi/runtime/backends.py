@@ -48,6 +48,9 @@ class Request:
     tree_node: Any = None
     prefix_load: Optional[int] = None
     """While the reused prefix is loading back: its producer id in the mode's LayerLoadCounter."""
+    cache_salt: Optional[str] = None
+    """Tenant isolation (vLLM's ``cache_salt``): the request shares cached KV (device, host,
+    L3) only with requests of the same salt; None shares with unsalted requests."""
 
     def all_tokens(self) -> list[int]:
         """Prompt + the tokens whose KV was computed by decode steps."""

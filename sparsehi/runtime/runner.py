@@ -20,6 +20,18 @@ from sparsehi.runtime.weights import Model
 logger = logging.getLogger(__name__)
 
 
+def _check_salts(cache_salts: Optional[list[Optional[str]]], n: int) -> list[Optional[str]]:
+    if cache_salts is None:
+        return [None] * n
+    if isinstance(cache_salts, str) or not isinstance(cache_salts, (list, tuple)) or len(cache_salts) != n:
+        raise ValueError(f"cache_salts must be a list of {n} entries (one per prompt, each a str or None), "
+                         f"got {cache_salts!r:.80}")
+    for i, s in enumerate(cache_salts):
+        if s is not None and not isinstance(s, str):
+            raise ValueError(f"cache_salts[{i}] must be a str or None, got {type(s).__name__}")
+    return [s or None for s in cache_salts]
+
+
 def make_backend(model: Model, rt: RuntimeConfig) -> ModeBackend:
     """The ModeBackend of ``rt.mode``."""
     from sparsehi.runtime import backends
@@ -135,30 +147,37 @@ class ModelRunner:
         self.last_host_split = {"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp), "after": 1e3 * (t3 - t2)}
         return toks
 
-    def new_requests(self, prompts: list[list[int]]) -> list[Request]:
+    def new_requests(self, prompts: list[list[int]],
+                     cache_salts: Optional[list[Optional[str]]] = None) -> list[Request]:
+        """Requests for ``prompts``; ``cache_salts`` (one per prompt, None entries allowed)
+        isolates their cached KV by tenant (see ``Request.cache_salt``)."""
+        salts = _check_salts(cache_salts, len(prompts))
         out = []
-        for p in prompts:
-            out.append(Request(rid=self._next_rid, prompt=list(p)))
+        for p, s in zip(prompts, salts):
+            out.append(Request(rid=self._next_rid, prompt=list(p), cache_salt=s))
             self._next_rid += 1
         return out
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], decode_steps: int,
                  progress: Optional[Callable[[str, int], None]] = None,
-                 force_tokens: Optional[list[list[int]]] = None) -> GenerationResult:
+                 force_tokens: Optional[list[list[int]]] = None,
+                 cache_salts: Optional[list[Optional[str]]] = None) -> GenerationResult:
         """Prefill every prompt (one at a time), then ``decode_steps`` batched greedy
         steps; requests end afterwards. ``progress(phase, n)`` is called per unit done.
 
         force_tokens: per request, the tokens to consume at decode steps ``0..n-1``
         (teacher forcing with another run's output, ``tokens[r][t]`` is then this run's
-        prediction given the *forced* context); None = free-running greedy decode."""
+        prediction given the *forced* context); None = free-running greedy decode.
+
+        cache_salts: per request, its cache salt (``Request.cache_salt``); None = unsalted."""
         if decode_steps < 0:
             raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
         if force_tokens is not None and (len(force_tokens) != len(prompts)
                                          or any(len(f) < decode_steps for f in force_tokens)):
             raise ValueError("force_tokens must hold >= decode_steps tokens for every prompt")
         be = self.backend
-        reqs = self.new_requests(prompts)
+        reqs = self.new_requests(prompts, cache_salts)
         _sync(be.device)
         t0 = time.perf_counter()
         for r in reqs:

@@ -139,9 +139,9 @@ class CoordinatorBackend(ModeBackend):
             return 0
         ps = self.rt.page_size
         n = len(req.prompt)
-        m = self.tree.match_prefix(req.prompt)
+        m = self.tree.match_prefix(req.prompt, cache_salt=req.cache_salt)
         if self.tree.storage_backend is not None and self._prefetch(req, m):
-            m = self.tree.match_prefix(req.prompt)
+            m = self.tree.match_prefix(req.prompt, cache_salt=req.cache_salt)
         h = min(m.backed_length, (n - 1) // ps * ps)  # at least one token left to prefill
         if h > 0:
             self.tree.inc_host_lock(m.last_backed_node)
@@ -224,7 +224,7 @@ class CoordinatorBackend(ModeBackend):
             if self.tree is not None and not self.is_dsa:
                 n_al = n // ps * ps
                 if n_al:
-                    res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al])
+                    res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al], cache_salt=req.cache_salt)
                     self.tree.inc_host_lock(res.last_node)
                     if req.tree_node is not None:
                         self.tree.dec_host_lock(req.tree_node)
@@ -300,7 +300,7 @@ class CoordinatorBackend(ModeBackend):
                 seq_al = kv.seq_len // ps * ps
                 toks = req.all_tokens()[:seq_al]
                 if seq_al:
-                    res = self.tree.insert(toks, host_indices=hs[:seq_al])
+                    res = self.tree.insert(toks, host_indices=hs[:seq_al], cache_salt=req.cache_salt)
                     self._free_host_slots(res.host_unused)
                     keep = seq_al // ps
                     if self.tree.storage_backend is not None:
