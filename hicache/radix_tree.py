@@ -29,6 +29,11 @@ host-only. If a request still holds a lock on a node whose load failed, the node
 stale — ``match_prefix`` stops before it — and its device copy is dropped when the last lock
 is released.
 
+Cache salts (tenant isolation, vLLM's ``cache_salt``): ``match_prefix`` and ``insert``
+take ``cache_salt``; each salt has its own root (``salt_roots``), and its L3 hash chain
+starts at ``salt_root(salt)``, so requests with different salts share no node and no L3
+key. Without a salt everything is as before (the plain ``root``, the unsalted chain).
+
 The L3 storage paths (prefetch from a storage backend into host nodes, write-through of
 host pages to it, runtime attach/detach) live in ``hicache.radix_storage``; the tree's tier
 moves (backups, evictions, load-back) in ``hicache.radix_transfers``.
