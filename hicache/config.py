@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -73,6 +74,11 @@ def write_through_threshold(write_policy: str) -> int:
     return 1 if write_policy == "write_through" else 2
 
 
+def _finite_number(x: Any) -> bool:
+    """An int or float that is not a bool, NaN or infinite."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass
 class HiCacheConfig:
     enable_hierarchical_cache: bool = False
@@ -105,10 +111,10 @@ class HiCacheConfig:
             bad("enable-hierarchical-cache", self.enable_hierarchical_cache, "a bool")
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             bad("page-size", self.page_size, "an integer >= 1")
-        if not isinstance(self.hicache_size, (int, float)) or self.hicache_size < 0:
-            bad("hicache-size", self.hicache_size, "a number of GB >= 0 (0: use --hicache-ratio)")
-        if not isinstance(self.hicache_ratio, (int, float)) or self.hicache_ratio <= 0:
-            bad("hicache-ratio", self.hicache_ratio, "a number > 0")
+        if not _finite_number(self.hicache_size) or self.hicache_size < 0:
+            bad("hicache-size", self.hicache_size, "a finite number of GB >= 0 (0: use --hicache-ratio; not a bool)")
+        if not _finite_number(self.hicache_ratio) or self.hicache_ratio <= 0:
+            bad("hicache-ratio", self.hicache_ratio, "a finite number > 0 (not a bool)")
         if self.hicache_size == 0 and not self.hicache_ratio > 1:
             bad("hicache-ratio", self.hicache_ratio,
                 "a number > 1 (the host pool must be larger than the device pool) unless --hicache-size is set")

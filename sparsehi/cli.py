@@ -294,7 +294,10 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
         if hc.hicache_storage_backend is not None:
             from hicache.storage_controller import StoragePolicy
 
+            from hicache.storage_setup import check_backend_options
+
             StoragePolicy.from_config(hc)  # bad prefetch keys fail here, before any work
+            check_backend_options(hc)
     except ValueError as e:
         parser.error(str(e))
     if hc.hicache_storage_backend is not None and hc.hicache_mem_layout == "layer_first":

@@ -73,7 +73,8 @@ class CoordinatorBackend(ModeBackend):
             from sparsehi.adapters import create_adaptor
 
             name = adaptor_name(cfg, sc) if rt.adaptor == "auto" else rt.adaptor
-            adaptor = create_adaptor(name, kv_lora_rank=cfg.kv_lora_rank) if name == "dsa" else create_adaptor(name)
+            kw = {"kv_lora_rank": cfg.kv_lora_rank} if name == "dsa" else {}
+            adaptor = create_adaptor(name, validate=rt.value_checks, **kw)
         self.host = self.transfer = self.tree = None
         max_ctx = round_up(rt.max_context_len, ps)
         if self.hier:
