@@ -54,15 +54,20 @@ class HostileQuest(QuestAlgorithm):
             return sel.tolist(), val
         return sel, val
 
+    def construct_representations(self, layer_id, req_pool_indices, seq_lens, key_buffer, token_slots, **kw):
+        if type(self).how == "raise_in_prefill":
+            raise RuntimeError("algorithm failed in its prefill hook")
+        return super().construct_representations(layer_id, req_pool_indices, seq_lens, key_buffer, token_slots, **kw)
 
-def _runner(validate: bool, how: str) -> ModelRunner:
+
+def _runner(validate: bool, how: str, prefix_cache: bool = False) -> ModelRunner:
     HostileQuest.how = how
     model = build_model("tiny-gqa", device="cpu", dtype=torch.float32, num_layers=2)
     sc = SparseConfig(algorithm=f"{__name__}:HostileQuest", top_k=K, device_buffer_size=2 * K, page_size=PS,
                       min_sparse_prompt_len=0, sink_tokens=PS, recent_tokens=PS, io_backend="direct",
                       dense_layers=(0,))
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, device="cpu", dtype=torch.float32, max_num_reqs=2,
-                       max_context_len=256, adaptor="none", host_layout="page_first_direct", prefix_cache=False,
+                       max_context_len=256, adaptor="none", host_layout="page_first_direct", prefix_cache=prefix_cache,
                        cuda_graph=False, validate=validate)
     return ModelRunner(model, rt)
 
@@ -130,3 +135,58 @@ def test_unchecked_bad_ids_never_reach_another_requests_kv(how, one_thread):
     t3 = _tokens(how, [a, _prompt(11)], before=[_prompt(20, 200)])
     t4 = _tokens(how, [a, _prompt(11)], before=[_prompt(21, 200)])
     assert t3[0] == t4[0] == t1[0]
+
+
+def _free_counts(runner: ModelRunner) -> tuple[int, int, int]:
+    be = runner.backend
+    return be.pool.allocator.available_size(), be.host.allocator.available_size(), be.req_pool.available_size()
+
+
+def test_a_failed_generate_releases_its_requests(one_thread):
+    runner = _runner(True, "none")
+    base = _free_counts(runner)
+    HostileQuest.how = "duplicate"
+    with pytest.raises(ValueError, match="duplicate ids"):
+        runner.generate([_prompt(1), _prompt(2)], 3)
+    assert _free_counts(runner) == base  # rows, device and host slots all back
+    HostileQuest.how = "none"
+    assert len(runner.generate([_prompt(1), _prompt(2)], 3).tokens) == 2
+    assert _free_counts(runner) == base
+
+
+@pytest.mark.parametrize("prompts,steps,message", [
+    ([[]], 1, r"prompts\[0\] must be a non-empty list of token ids"),
+    ([[1, -1]], 1, r"prompts\[0\] holds token id -1: ids are ints in \[0, vocab_size=512\)"),
+    ([[1, 512]], 1, r"holds token id 512"), ([[True] * 4], 1, "holds token id True"), ([[1.5]], 1, "holds token id 1.5"),
+    (["abc"], 1, r"prompts\[0\] must be a non-empty list"), ([[1] * 256], 1, "must have at most max_context_len=256 - 1"),
+    ([[1] * 250], 10, "must have at most max_context_len=256 - 10 = 246"), ([[1]] * 3, 1, "3 prompts exceed max_num_reqs=2"),
+    ([], 1, "prompts must be a non-empty list"), ([[1]], -1, "decode_steps must be an int >= 0"),
+    ([[1]], 1.5, "decode_steps must be an int >= 0"),
+])
+def test_generate_rejects_bad_prompts_before_taking_anything(prompts, steps, message, one_thread):
+    runner = _runner(True, "none")
+    base = _free_counts(runner)
+    with pytest.raises(ValueError, match=message):
+        runner.generate(prompts, steps)
+    assert _free_counts(runner) == base
+
+
+@pytest.mark.parametrize("how", ["duplicate", "raise_in_prefill"])
+def test_a_failed_request_leaves_only_complete_kv_in_the_prefix_tree(how, one_thread):
+    runner = _runner(True, "none", prefix_cache=True)
+    base = _free_counts(runner)
+    a, b = _prompt(1), _prompt(2)
+    reference = runner.generate([a], 3).tokens[0]  # a's prompt pages are now in the tree
+    tree = runner.backend.tree
+    held = tree.host_tokens()
+    HostileQuest.how = how
+    with pytest.raises((ValueError, RuntimeError)):
+        runner.generate([a, b], 3)
+    HostileQuest.how = "none"
+    tree.check_invariants()
+    # decode steps of the failed batch added nothing; its prompts are kept only if prefilled
+    assert tree.host_tokens() == held + (len(b) // PS * PS if how == "duplicate" else 0)
+    again = runner.generate([a], 3)
+    assert again.prefix_hits[0] > 0 and again.tokens[0] == reference
+    tree.evict_host(10 ** 9)
+    assert _free_counts(runner)[1] == base[1]  # every host page is back once the tree lets go

@@ -5,6 +5,7 @@ sequences the model calls and times them.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
@@ -147,6 +148,40 @@ class ModelRunner:
         self.last_host_split = {"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp), "after": 1e3 * (t3 - t2)}
         return toks
 
+    def check_prompts(self, prompts: Any, decode_steps: int = 0) -> None:
+        """ValueError unless ``prompts`` is a list of at most ``max_num_reqs`` non-empty
+        token lists, each id an int in ``[0, vocab_size)``, each prompt leaving room for
+        ``decode_steps`` more tokens within ``max_context_len``. Nothing is allocated."""
+        rt, vocab = self.rt, self.model.cfg.vocab_size
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of token id lists, got {type(prompts).__name__}")
+        if len(prompts) > rt.max_num_reqs:
+            raise ValueError(f"{len(prompts)} prompts exceed max_num_reqs={rt.max_num_reqs} (requests decoded together)")
+        room = rt.max_context_len - max(decode_steps, 1)
+        for i, p in enumerate(prompts):
+            if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)) or not p:
+                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
+            bad = next((t for t in p if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                        or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompts[{i}] holds token id {bad!r}: ids are ints in [0, vocab_size={vocab})")
+            if len(p) > room:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens: with decode_steps={decode_steps} it must have at "
+                                 f"most max_context_len={rt.max_context_len} - {max(decode_steps, 1)} = {room}")
+
+    def _abandon(self, reqs: list[Request]) -> None:
+        """After a failed ``generate``: end the requests that took a row, so the runner can
+        take new ones (their KV is dropped). A failure here is logged: the first error is
+        the one the caller sees."""
+        for r in reqs:
+            if r.req_pool_idx < 0:
+                continue
+            r.aborted = True
+            try:
+                self.backend.end_request(r)
+            except Exception:  # pragma: no cover - depends on where the first error struck
+                logger.exception("could not release request %d after a failed generate", r.rid)
+
     def new_requests(self, prompts: list[list[int]],
                      cache_salts: Optional[list[Optional[str]]] = None) -> list[Request]:
         """Requests for ``prompts``; ``cache_salts`` (one per prompt, None entries allowed)
@@ -171,27 +206,32 @@ class ModelRunner:
         prediction given the *forced* context); None = free-running greedy decode.
 
         cache_salts: per request, its cache salt (``Request.cache_salt``); None = unsalted."""
-        if decode_steps < 0:
-            raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
+        if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 0:
+            raise ValueError(f"decode_steps must be an int >= 0, got {decode_steps!r}")
+        self.check_prompts(prompts, decode_steps)
         if force_tokens is not None and (len(force_tokens) != len(prompts)
                                          or any(len(f) < decode_steps for f in force_tokens)):
             raise ValueError("force_tokens must hold >= decode_steps tokens for every prompt")
         be = self.backend
         reqs = self.new_requests(prompts, cache_salts)
-        _sync(be.device)
-        t0 = time.perf_counter()
-        for r in reqs:
-            self.prefill(r)
-            if progress:
-                progress("prefill", 1)
-        if decode_steps:
-            self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
-        _sync(be.device)
-        t1 = time.perf_counter()
-        for t in range(decode_steps):
-            self.decode_step(reqs, None if force_tokens is None else [f[t] for f in force_tokens])
-            if progress:
-                progress("decode", 1)
+        try:
+            _sync(be.device)
+            t0 = time.perf_counter()
+            for r in reqs:
+                self.prefill(r)
+                if progress:
+                    progress("prefill", 1)
+            if decode_steps:
+                self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
+            _sync(be.device)
+            t1 = time.perf_counter()
+            for t in range(decode_steps):
+                self.decode_step(reqs, None if force_tokens is None else [f[t] for f in force_tokens])
+                if progress:
+                    progress("decode", 1)
+        except BaseException:
+            self._abandon(reqs)
+            raise
         _sync(be.device)
         t2 = time.perf_counter()
         stats = be.stats()
