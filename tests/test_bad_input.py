@@ -281,3 +281,25 @@ def test_storage_policy_and_runtime_arguments():
             StoragePolicy(**kw)
     with pytest.raises(ValueError, match="mode"):
         RuntimeConfig(mode="turbo")
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(mode="turbo"), "RuntimeConfig.mode='turbo': allowed"),
+    (dict(max_num_reqs="2"), r"RuntimeConfig.max_num_reqs='2' is invalid: an int >= 1"),
+    (dict(max_num_reqs=True), r"RuntimeConfig.max_num_reqs=True is invalid"),
+    (dict(max_context_len=1), r"RuntimeConfig.max_context_len=1 is invalid: an int >= 2"),
+    (dict(device_kv_tokens=-16), r"device_kv_tokens=-16 is invalid: None \(sized for the mode\) or an int >= 1"),
+    (dict(host_kv_tokens=1.5), r"host_kv_tokens=1.5 is invalid"),
+    (dict(sparse={"top_k": 64}), "RuntimeConfig.sparse must be a sparsehi.config.SparseConfig"),
+    (dict(dtype=torch.int8), "RuntimeConfig.dtype=torch.int8 is invalid: a floating torch.dtype"),
+    (dict(dtype="float32"), "a floating torch.dtype"),
+    (dict(device="tpu"), "RuntimeConfig.device='tpu' is invalid: 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(host_layout="diagonal"), r"RuntimeConfig.host_layout='diagonal' is invalid: one of \('layer_first'"),
+    (dict(adaptor="cudnn"), "RuntimeConfig.adaptor='cudnn': allowed"),
+])
+def test_runtime_config_names_the_field(kw, message):
+    from sparsehi.runtime.modes import RuntimeConfig
+
+    kw = {"mode": "dense", **kw}
+    with pytest.raises(ValueError, match=message):
+        RuntimeConfig(**kw)
