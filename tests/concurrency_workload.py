@@ -49,6 +49,25 @@ def sequences(seed: int, n: int, base: int) -> list[list[int]]:
     return out
 
 
+def salt_of(tokens) -> "str | None":
+    """Two tenants and unsalted requests, by the sequence's last token."""
+    return (None, "tenant-1", "tenant-2")[tokens[-1] % 3]
+
+
+def expected_hit(tokens, salt, written) -> int:
+    """What L3 holds for ``tokens`` under ``salt``: the longest whole-page prefix shared
+    with a sequence written under the same salt (other tenants' copies do not count)."""
+    best = 0
+    for w in written:
+        if salt_of(w) != salt:
+            continue
+        n = 0
+        while n + PS <= min(len(w), len(tokens)) and w[n:n + PS] == tokens[n:n + PS]:
+            n += PS
+        best = max(best, n)
+    return best
+
+
 def insert(tree, dev, tokens) -> None:
     slots = dev.allocator.alloc(len(tokens))
     if slots is None:
@@ -62,7 +81,7 @@ def insert(tree, dev, tokens) -> None:
     kv = expected(tokens)
     for layer in range(kv.shape[0]):
         dev.set_kv(layer, slots, kv[layer, 0], kv[layer, 1])
-    res = tree.insert(tokens, device_indices=slots)
+    res = tree.insert(tokens, device_indices=slots, cache_salt=salt_of(tokens))
     dev.allocator.free(res.device_unused)
 
 
@@ -95,14 +114,16 @@ def run(mode: str, directory: str, seed: int) -> dict:
     # writers insert disjoint sequences
     written = sequences(seed, 40, base=10_000)
     pick = random.Random(seed + 2)  # the same readers in both modes
-    readers = [written[pick.randrange(len(written))] + [7, 7, 7, 7] * pick.randint(0, 2) for _ in range(60)]
+    readers = [written[pick.randrange(len(written))] for _ in range(60)]
+    # the writer's tenant, or (every fourth) another one, which must hit nothing
+    salts = [salt_of(t) if i % 4 else ("tenant-9" if salt_of(t) else "tenant-1") for i, t in enumerate(readers)]
     extra = sequences(seed + 5, 30, base=500_000)
     hits: dict[int, int] = {}
     bad_kv: list[int] = []
 
     def finish(rid: int) -> None:
         toks = readers[rid]
-        m = tree.match_prefix(toks)
+        m = tree.match_prefix(toks, cache_salt=salts[rid])
         hits[rid] = m.backed_length
         if m.backed_length and not torch.equal(read_host(host, m.backed_host_indices), expected(toks[:m.backed_length])):
             bad_kv.append(rid)
@@ -115,7 +136,7 @@ def run(mode: str, directory: str, seed: int) -> dict:
         while next_reader < len(readers) and len(pending) < (8 if threaded else 1):
             rid = next_reader
             next_reader += 1
-            m = tree.match_prefix(readers[rid])
+            m = tree.match_prefix(readers[rid], cache_salt=salts[rid])
             tree.prefetch_from_storage(rid, m.last_backed_node, readers[rid][m.backed_length:])
             pending.append(rid)
         max_in_flight = max(max_in_flight, tree.storage_ctl.in_flight())
@@ -144,6 +165,7 @@ def run(mode: str, directory: str, seed: int) -> dict:
     held_host = tree.all_host_indices().numel()
     result = {
         "hits": [hits[i] for i in range(len(readers))],
+        "own_expected": [expected_hit(readers[i], salts[i], written) for i in range(len(readers))],
         "bad_kv": bad_kv,
         "storage": {},
         "storage_leaks": tree.storage_leaks(),

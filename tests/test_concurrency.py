@@ -2,7 +2,8 @@
 scheduler's inserts, evictions and polling: a stress run of many small transfers under
 ``python -X dev`` with warnings as errors (tests/concurrency_workload.py) must end exactly
 like the same workload run one operation at a time — same objects in storage, byte for
-byte, the same host hit for every request, the KV it reads correct — with no leaked slot,
+byte, the same host hit for every request (its own tenant's pages only: requests carry
+cache salts), the KV it reads correct — with no leaked slot,
 reservation or lock, no fault and no exception on any thread."""
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_threaded_l3_traffic_matches_the_serial_run(tmp_path):
     assert t["max_in_flight"] > 1, "the threaded run never had two L3 operations in flight"
     assert s["storage"] and t["storage"] == s["storage"]
     assert t["hits"] == s["hits"] and sum(s["hits"]) > 0
+    # every request hit exactly what its own tenant wrote, nothing of another tenant's
+    assert s["hits"] == s["own_expected"]
+    assert 0 in s["hits"] and len(set(s["hits"])) > 2
     for r in (t, s):
         assert r["bad_kv"] == [] and r["thread_errors"] == []
         for k in ("storage_leaks", "prefetch_reserved_pages", "host_unaccounted", "device_unaccounted", "faults",
