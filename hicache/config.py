@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -73,6 +74,11 @@ def write_through_threshold(write_policy: str) -> int:
     return 1 if write_policy == "write_through" else 2
 
 
+def _finite_number(x: Any) -> bool:
+    """An int or float that is not a bool, NaN or infinite."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass
 class HiCacheConfig:
     enable_hierarchical_cache: bool = False
@@ -105,10 +111,10 @@ class HiCacheConfig:
             bad("enable-hierarchical-cache", self.enable_hierarchical_cache, "a bool")
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             bad("page-size", self.page_size, "an integer >= 1")
-        if not isinstance(self.hicache_size, (int, float)) or self.hicache_size < 0:
-            bad("hicache-size", self.hicache_size, "a number of GB >= 0 (0: use --hicache-ratio)")
-        if not isinstance(self.hicache_ratio, (int, float)) or self.hicache_ratio <= 0:
-            bad("hicache-ratio", self.hicache_ratio, "a number > 0")
+        if not _finite_number(self.hicache_size) or self.hicache_size < 0:
+            bad("hicache-size", self.hicache_size, "a finite number of GB >= 0 (0: use --hicache-ratio; not a bool)")
+        if not _finite_number(self.hicache_ratio) or self.hicache_ratio <= 0:
+            bad("hicache-ratio", self.hicache_ratio, "a finite number > 0 (not a bool)")
         if self.hicache_size == 0 and not self.hicache_ratio > 1:
             bad("hicache-ratio", self.hicache_ratio,
                 "a number > 1 (the host pool must be larger than the device pool) unless --hicache-size is set")
@@ -231,10 +237,43 @@ def parse_storage_extra_config(raw: Optional[str]) -> dict[str, Any]:
     except (OSError, ValueError) as e:  # json / toml decode errors are ValueErrors
         raise ValueError(f"{_EXTRA_FLAG}={raw!r} is invalid: a JSON object or '@file.json' / '@file.toml' / "
                          f"'@file.yaml' ({e})") from e
+    except RecursionError as e:  # the parsers recurse per nesting level
+        raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: nested too deeply (at most "
+                         f"{_MAX_EXTRA_DEPTH} levels)") from e
     if not isinstance(data, dict):
         raise ValueError(f"{_EXTRA_FLAG}={raw!r} is invalid: must hold an object (key/value mapping), got "
                          f"{type(data).__name__}")
+    _check_plain_data(data, raw)
     return data
+
+
+_MAX_EXTRA_DEPTH = 32
+
+
+def _check_plain_data(data: Any, raw: str) -> None:
+    """Reject what the backends could not use safely: non-string keys (YAML allows any),
+    nesting beyond ``_MAX_EXTRA_DEPTH`` and self-referencing YAML anchors (a cycle would
+    hang or overflow whoever walks the config later)."""
+    stack: list[tuple[Any, int, frozenset[int]]] = [(data, 0, frozenset())]
+    while stack:
+        x, depth, above = stack.pop()
+        if not isinstance(x, (dict, list)):
+            continue
+        if id(x) in above:
+            raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: it refers to itself (a YAML anchor "
+                             "used inside its own value)")
+        if depth >= _MAX_EXTRA_DEPTH:
+            raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: nested too deeply (at most "
+                             f"{_MAX_EXTRA_DEPTH} levels)")
+        if isinstance(x, dict):
+            bad = [k for k in x if not isinstance(k, str)]
+            if bad:
+                raise ValueError(f"{_EXTRA_FLAG}={raw!r:.200} is invalid: keys must be strings, got {bad[0]!r}")
+            items = x.values()
+        else:
+            items = x
+        inner = above | {id(x)}
+        stack.extend((v, depth + 1, inner) for v in items)
 
 
 def _storage_backend_arg(name: str) -> str:

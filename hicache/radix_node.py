@@ -16,11 +16,12 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "device_indices", "host_indices", "hash_keys",
         "lock_ref", "host_lock_ref", "hit_count", "last_access", "loading", "write_ack",
-        "in_storage", "storage_op",
+        "in_storage", "storage_op", "salt",
     )
     _ids = itertools.count()
 
-    def __init__(self, key: tuple[int, ...] = (), parent: Optional["TreeNode"] = None) -> None:
+    def __init__(self, key: tuple[int, ...] = (), parent: Optional["TreeNode"] = None,
+                 salt: Optional[str] = None) -> None:
         self.id: int = next(TreeNode._ids)
         self.key: tuple[int, ...] = key
         self.parent: Optional[TreeNode] = parent
@@ -36,6 +37,12 @@ class TreeNode:
         self.write_ack: Optional[int] = None  # ack id of the in-flight backup covering this node
         self.in_storage = False  # its pages are known to be in L3 (written, or read from there)
         self.storage_op: Optional[int] = None  # id of the in-flight L3 write covering this node
+        self.salt: Optional[str] = salt  # roots only: the cache salt of the subtree below
+
+    @property
+    def is_root(self) -> bool:
+        """The unsalted root or a cache salt's root (no parent, no key, no KV)."""
+        return self.parent is None
 
     @property
     def on_device(self) -> bool:
@@ -117,3 +124,12 @@ def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
         return tuple(int(t) for t in token_ids)
     except (TypeError, ValueError) as e:
         raise ValueError(f"token_ids must be a sequence of ints ({e})") from e
+
+
+def check_salt(cache_salt: object) -> Optional[str]:
+    """``cache_salt`` normalised: None for no salt (None or ""), else the str itself."""
+    if cache_salt is None or cache_salt == "":
+        return None
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    return cache_salt

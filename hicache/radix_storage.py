@@ -141,7 +141,8 @@ class StorageTier:
                               new_input_tokens: Sequence[int] | torch.Tensor) -> int:
         """Start fetching, in the background, the pages with which ``new_input_tokens``
         (the tokens following ``last_host_node``'s path, e.g. ``tokens[m.backed_length:]``
-        with ``m.last_backed_node``) continue in L3, when they reach beyond what the tree
+        with ``m.last_backed_node``) continue in L3 (the keys chain onto that path, whose
+        root carries the request's cache salt), when they reach beyond what the tree
         holds by at least ``prefetch_threshold`` tokens. ``last_host_node`` must be backed up
         (or the root) and stays host-locked until the prefetch is settled. Returns the
         tokens being fetched (0: none). Settle with ``check_prefetch_progress(req_id)``."""
@@ -150,7 +151,7 @@ class StorageTier:
             return 0
         if req_id in self.ongoing_prefetch:
             raise ValueError(f"prefetch_from_storage: request {req_id!r} already has a prefetch in flight")
-        if last_host_node is not self.root and not last_host_node.backed_up:
+        if not last_host_node.is_root and not last_host_node.backed_up:
             raise ValueError(f"prefetch_from_storage: last_host_node {last_host_node.id} has no host copy; pass "
                              "the match's last_backed_node and the tokens after backed_length")
         ps = self.page_size
@@ -162,8 +163,8 @@ class StorageTier:
         if len(key) < threshold:
             self.storage_stats["prefetch_below_threshold"] += 1
             return 0
-        prior = self.page_hashes(last_host_node)
-        hashes = page_hash_chain(key, ps, prior[-1] if prior else "")
+        last_host_node = self._live_root(last_host_node, register=False)
+        hashes = page_hash_chain(key, ps, self._hash_prior(last_host_node))
         keys = ctl.storage_keys(hashes)
         group = self.controller.tp_group
         n = tp_sync.agree_min(ctl.leading_hits(keys), group) * ps
@@ -261,6 +262,7 @@ class StorageTier:
         copies (the duplicate slots are returned to free); a node with only a device copy
         adopts the host slots. Returns (last node, unused host slots)."""
         ps = self.page_size
+        start = self._live_root(start)  # a salt root may have been dropped (and re-made) meanwhile
         node, pos, unused = start, 0, []
         for child, pos, m in self._walk_splitting(start, key):
             seg = host[pos:pos + m]
@@ -288,7 +290,7 @@ class StorageTier:
         host-locked until the write is acknowledged. For callers that fill host pages
         themselves (host-only ``insert``); backups the tree makes go to L3 on their own.
         Returns pages submitted."""
-        if self.storage_ctl is None or node is self.root:
+        if self.storage_ctl is None or node.is_root:
             return 0
         chain = []
         for x in reversed(self._path(node)):

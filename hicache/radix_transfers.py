@@ -48,7 +48,7 @@ class TierMoves:
         write is acknowledged by ``writing_check``."""
         if node.backed_up or not node.on_device:
             return 0
-        if node.parent is not self.root and not node.parent.backed_up:
+        if not node.parent.is_root and not node.parent.backed_up:
             return 0
         c = self.controller
         n = len(node.device_indices)
@@ -143,7 +143,7 @@ class TierMoves:
         """Evict one device leaf now (demote if backed up, else delete). Locked, loading,
         not-on-device or non-leaf nodes -> ValueError, tree unchanged. write_back policy: a
         node without a host copy is backed up first (blocking)."""
-        if node is self.root or not node.on_device:
+        if node.is_root or not node.on_device:
             raise ValueError(f"evict_node: node {node.id} holds no device KV")
         if node.lock_ref > 0 or node.loading:
             raise ValueError(f"evict_node: node {node.id} is locked (lock_ref={node.lock_ref}) or loading")
@@ -174,7 +174,7 @@ class TierMoves:
         holds; the ancestors stay on the device."""
         chain = []
         n = node
-        while n is not self.root and not n.backed_up:
+        while not n.is_root and not n.backed_up:
             chain.append(n)
             n = n.parent
         total = 0
@@ -290,7 +290,7 @@ class TierMoves:
         the TP-agreed part of its chain)."""
         chain: list[TreeNode] = []
         last = node
-        while node is not self.root and node.evicted:
+        while not node.is_root and node.evicted:
             if not node.backed_up:  # pragma: no cover - invariant
                 raise AssertionError(f"node {node.id} is neither on device nor on host")
             chain.append(node)
@@ -337,7 +337,7 @@ class TierMoves:
         dev, loaded = self._load_back(last_node, mem_quota)
         if dev is not None:
             return dev, loaded
-        while last_node is not self.root and last_node.evicted:
+        while not last_node.is_root and last_node.evicted:
             last_node = last_node.parent
         return self._empty_device, last_node
 

@@ -29,6 +29,11 @@ host-only. If a request still holds a lock on a node whose load failed, the node
 stale — ``match_prefix`` stops before it — and its device copy is dropped when the last lock
 is released.
 
+Cache salts (tenant isolation, vLLM's ``cache_salt``): ``match_prefix`` and ``insert``
+take ``cache_salt``; each salt has its own root (``salt_roots``), and its L3 hash chain
+starts at ``salt_root(salt)``, so requests with different salts share no node and no L3
+key. Without a salt everything is as before (the plain ``root``, the unsalted chain).
+
 The L3 storage paths (prefetch from a storage backend into host nodes, write-through of
 host pages to it, runtime attach/detach) live in ``hicache.radix_storage``; the tree's tier
 moves (backups, evictions, load-back) in ``hicache.radix_transfers``.
@@ -50,16 +55,17 @@ Beyond SGLang, the sparse runtime inserts a request whose KV it already offloade
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from hicache.config import write_through_threshold
 from hicache.hicache_stats import HiCacheStats
-from hicache.radix_node import _EMPTY, InsertResult, MatchResult, TreeNode, _as_tokens
+from hicache.radix_node import _EMPTY, InsertResult, MatchResult, TreeNode, _as_tokens, check_salt
+from hicache.radix_introspect import TreeIntrospection
 from hicache.radix_storage import StorageTier
 from hicache.radix_transfers import TierMoves
-from hicache.storage.keys import page_hash_chain
+from hicache.storage.keys import page_hash_chain, salt_root
 from hicache import tp_sync
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["HiRadixTree", "TreeNode", "MatchResult", "InsertResult"]
 
 
-class HiRadixTree(TierMoves, StorageTier):
+class HiRadixTree(TierMoves, StorageTier, TreeIntrospection):
     """GPU (L1) + host (L2) radix cache. Pools, transfers and write policy come from
     ``controller`` (a :class:`hicache.controller.HiCacheController`)."""
 
@@ -121,6 +127,10 @@ class HiRadixTree(TierMoves, StorageTier):
         """Forget every node (does not free pool slots; pair with fresh pools)."""
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
+        # One root per cache salt (vLLM's ``cache_salt``): requests with different salts
+        # walk disjoint subtrees, so they never share a page on any tier. A salt's root is
+        # dropped when its subtree empties (see ``_remove_leaf``).
+        self.salt_roots: dict[str, TreeNode] = {}
         self._clock = 0
         self._evictable = 0  # device tokens in unlocked nodes
         self._protected = 0  # device tokens in locked nodes
@@ -180,11 +190,11 @@ class HiRadixTree(TierMoves, StorageTier):
         self._refresh(node)
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        return (node is not self.root and node.on_device
+        return (not node.is_root and node.on_device
                 and not any(c.on_device for c in node.children.values()))
 
     def _is_host_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root and not node.on_device and node.backed_up and not node.children
+        return not node.is_root and not node.on_device and node.backed_up and not node.children
 
     def _refresh_one(self, node: TreeNode) -> None:
         (self.device_leaves.add if self._is_device_leaf(node) else self.device_leaves.discard)(node)
@@ -276,22 +286,55 @@ class HiRadixTree(TierMoves, StorageTier):
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)
         self._refresh_one(parent)
+        if parent.salt is not None and not parent.children and self.salt_roots.get(parent.salt) is parent:
+            # An empty salt root holds nothing; a caller still holding it (a match result,
+            # a prefetch's start) gets the salt's current root back from ``_live_root``.
+            del self.salt_roots[parent.salt]
+
+    # ------------------------------------------------------------------ cache salts
+    def _root_for(self, cache_salt: Optional[str]) -> TreeNode:
+        """The root of ``cache_salt``'s subtree (the plain root without a salt). A salt seen
+        for the first time gets a root that is registered once something is inserted."""
+        salt = check_salt(cache_salt)
+        if salt is None:
+            return self.root
+        root = self.salt_roots.get(salt)
+        if root is None:
+            root = TreeNode(salt=salt)
+            root.lock_ref = 1
+        return root
+
+    def _live_root(self, node: TreeNode, register: bool = True) -> TreeNode:
+        """``node``, or for a salt root the registered root of its salt (registering
+        ``node`` when there is none and ``register``), so inserts below a root a caller
+        kept always land in the live tree."""
+        if not node.is_root or node.salt is None:
+            return node
+        if register:
+            return self.salt_roots.setdefault(node.salt, node)
+        return self.salt_roots.get(node.salt, node)
+
+    def _hash_prior(self, node: TreeNode) -> str:
+        """The hash chain value a page following ``node`` chains onto: the last page hash
+        of ``node``, or at a root its salt's starting value (``salt_root``)."""
+        if node.is_root:
+            return salt_root(node.salt)
+        return self.page_hashes(node)[-1]
 
     # ------------------------------------------------------------------ hashes (L3 keys)
     def page_hashes(self, node: TreeNode) -> list[str]:
         """Hash chain keys of ``node``'s pages (``hicache.storage.keys``): each covers the
         page and its whole prefix."""
-        if node is self.root:
+        if node.is_root:
             return []
         if node.hash_keys is None:
-            prev = self.page_hashes(node.parent)
-            node.hash_keys = page_hash_chain(node.key, self.page_size, prev[-1] if prev else "")
+            node.hash_keys = page_hash_chain(node.key, self.page_size, self._hash_prior(node.parent))
         return node.hash_keys
 
     # ------------------------------------------------------------------ locks
     def _path(self, node: TreeNode) -> list[TreeNode]:
         out = []
-        while node is not self.root:
+        while not node.is_root:
             out.append(node)
             node = node.parent
         return out
@@ -353,21 +396,24 @@ class HiRadixTree(TierMoves, StorageTier):
         return all(n.backed_up and n.write_ack is None for n in self._path(node))
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> MatchResult:
-        """Longest cached page-aligned prefix of ``token_ids`` across tiers. A match ending
+    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor,
+                     cache_salt: Optional[str] = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``token_ids`` across tiers, among what was
+        inserted under the same ``cache_salt`` (None: the unsalted tree). A match ending
         inside a node splits it at that page boundary. Counts a hit on every matched node
         (write-through policies may start backups)."""
+        root = self._root_for(cache_salt)
         key = _as_tokens(token_ids)
         key = key[: len(key) - len(key) % self.page_size]
         query_len = len(key)
-        key = key[:self._agreed_hit_length(key)]
+        key = key[:self._agreed_hit_length(key, root)]
         dev: list[torch.Tensor] = []
         host: list[torch.Tensor] = []
         backed: list[torch.Tensor] = []
-        node = self.root
-        last_dev = last_backed = self.root
+        node = root
+        last_dev = last_backed = root
         pos = 0
-        self._tick(self.root)
+        self._tick(root)
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None or child in self._stale:
@@ -405,9 +451,10 @@ class HiRadixTree(TierMoves, StorageTier):
         st.miss_tokens += query_len - res.total_hit_length
         return res
 
-    def _peek_hit(self, key: tuple[int, ...]) -> tuple[int, int]:
-        """(device hit, device + host hit) of page-aligned ``key``, tree untouched."""
-        node, pos, dev = self.root, 0, 0
+    def _peek_hit(self, key: tuple[int, ...], root: TreeNode) -> tuple[int, int]:
+        """(device hit, device + host hit) of page-aligned ``key`` below ``root``, tree
+        untouched."""
+        node, pos, dev = root, 0, 0
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None or child in self._stale:
@@ -423,7 +470,7 @@ class HiRadixTree(TierMoves, StorageTier):
             node = child
         return dev, pos
 
-    def _agreed_hit_length(self, key: tuple[int, ...]) -> int:
+    def _agreed_hit_length(self, key: tuple[int, ...], root: TreeNode) -> int:
         """Tokens of ``key`` every TP rank may use: the smallest total hit over the ranks.
         If the ranks disagree even on the device hit, only the smallest device hit is used
         (no rank could load back a part another rank holds on the device). Without a TP
@@ -431,7 +478,7 @@ class HiRadixTree(TierMoves, StorageTier):
         group = self.controller.tp_group
         if tp_sync.world_size(group) <= 1:
             return len(key)
-        dev, total = self._peek_hit(key)
+        dev, total = self._peek_hit(key, root)
         dmin, tmin, neg_dmax = tp_sync.agree_min_many([dev, total, -dev], group)
         return tmin if dmin == -neg_dmax else dmin
 
@@ -457,12 +504,13 @@ class HiRadixTree(TierMoves, StorageTier):
         return idx
 
     def insert(self, token_ids: Sequence[int] | torch.Tensor, device_indices: Optional[torch.Tensor] = None,
-               host_indices: Optional[torch.Tensor] = None) -> InsertResult:
+               host_indices: Optional[torch.Tensor] = None, cache_salt: Optional[str] = None) -> InsertResult:
         """Add a sequence whose KV is in ``device_indices`` and/or ``host_indices`` (int64
-        [len(token_ids)], a whole number of pages). Nodes already in the tree keep their
-        slots; a tier a node lacks is adopted from the caller's slots (a host-only node gets
-        the new device slots, an unbacked node the new host slots). See :class:`InsertResult`
-        for what the caller must free."""
+        [len(token_ids)], a whole number of pages) under ``cache_salt`` (None: unsalted).
+        Nodes already in the tree keep their slots; a tier a node lacks is adopted from the
+        caller's slots (a host-only node gets the new device slots, an unbacked node the new
+        host slots). See :class:`InsertResult` for what the caller must free."""
+        root = self._root_for(cache_salt)
         key = _as_tokens(token_ids)
         n = len(key)
         if device_indices is None and host_indices is None:
@@ -475,11 +523,12 @@ class HiRadixTree(TierMoves, StorageTier):
                                   torch.device("cpu"))
         dev_unused: list[torch.Tensor] = []
         host_unused: list[torch.Tensor] = []
-        node = self.root
+        root = self._live_root(root) if n else root
+        node = root
         pos = 0
         prefix_len = 0
         device_prefix = True
-        for child, pos, m in self._walk_splitting(self.root, key):
+        for child, pos, m in self._walk_splitting(root, key):
             if dev is not None:
                 seg = dev[pos:pos + m]
                 if child.on_device:
@@ -516,78 +565,3 @@ class HiRadixTree(TierMoves, StorageTier):
         return InsertResult(prefix_len=prefix_len, last_node=node,
                             device_unused=torch.cat(dev_unused) if dev_unused else self._empty_device,
                             host_unused=torch.cat(host_unused) if host_unused else _EMPTY)
-
-
-    # ------------------------------------------------------------------ introspection
-    def nodes(self) -> Iterable[TreeNode]:
-        stack = list(self.root.children.values())
-        while stack:
-            x = stack.pop()
-            yield x
-            stack.extend(x.children.values())
-
-    def all_device_indices(self) -> torch.Tensor:
-        xs = [x.device_indices for x in self.nodes() if x.on_device]
-        return torch.cat(xs) if xs else _EMPTY
-
-    def all_host_indices(self) -> torch.Tensor:
-        xs = [x.host_indices for x in self.nodes() if x.backed_up]
-        return torch.cat(xs) if xs else _EMPTY
-
-    def stats(self) -> dict[str, int]:
-        """Hit tokens per tier, bytes moved per direction, evictions, queue depths, sizes."""
-        out = self.stats_.as_dict()
-        out.update(self.controller.stats())
-        out.update(
-            device_tokens=self.device_tokens(), evictable_device_tokens=self._evictable,
-            protected_device_tokens=self._protected, host_tokens=self._host_tokens,
-            ongoing_writes=len(self.ongoing_write), ongoing_loads=len(self.ongoing_load),
-            stale_nodes=len(self._stale),
-        )
-        out.update(self.fault_stats)
-        out.update(self.storage_stats_dict())
-        return out
-
-    def check_invariants(self) -> None:
-        """Assert the structural invariants listed in the module docstring."""
-        ps = self.page_size
-        ev = pr = ht = 0
-        dleaves, hleaves = set(), set()
-        for x in self.nodes():
-            p = x.parent
-            assert p is not None and p.children.get(self._child_key(x.key)) is x, f"{x}: broken parent link"
-            assert len(x.key) > 0 and len(x.key) % ps == 0, f"{x}: key not whole pages"
-            assert x.on_device or x.backed_up, f"{x}: holds no KV"
-            if x.on_device:
-                assert len(x.device_indices) == len(x.key), f"{x}: device length"
-                assert p is self.root or p.on_device, f"{x}: on device under an evicted parent"
-                if x.lock_ref > 0:
-                    pr += len(x.key)
-                else:
-                    ev += len(x.key)
-            if x.backed_up:
-                assert len(x.host_indices) == len(x.key), f"{x}: host length"
-                assert p is self.root or p.backed_up, f"{x}: backup continuity broken"
-                ht += len(x.key)
-            assert x.lock_ref >= sum(c.lock_ref for c in x.children.values()), f"{x}: lock_ref below children's"
-            assert x.host_lock_ref >= sum(c.host_lock_ref for c in x.children.values()), f"{x}: host lock"
-            assert x.lock_ref >= 0 and x.host_lock_ref >= 0
-            if x.host_lock_ref > 0:
-                assert x.backed_up, f"{x}: host-locked without host copy"
-            if x.loading or x.write_ack is not None:
-                assert x.lock_ref > 0, f"{x}: in-flight transfer without a lock"
-            if x.storage_op is not None:
-                assert x.host_lock_ref > 0 and x.storage_op in self.ongoing_backup, f"{x}: L3 write without a host lock"
-            if self._is_device_leaf(x):
-                dleaves.add(x)
-            if self._is_host_leaf(x):
-                hleaves.add(x)
-        assert (ev, pr, ht) == (self._evictable, self._protected, self._host_tokens), "size counters drifted"
-        live = set(self.nodes())
-        for x in self._stale:
-            assert x in live and x.on_device and x.lock_ref > 0, f"{x}: stale node not held on the device"
-        for op in self.ongoing_prefetch.values():
-            st = op.start_node
-            assert st is self.root or (st in live and st.host_lock_ref > 0), f"{st}: prefetch start not host-locked"
-        assert dleaves == self.device_leaves, "device leaf set drifted"
-        assert hleaves == self.host_leaves, "host leaf set drifted"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -72,8 +73,10 @@ class StoragePolicy:
                 raise ValueError(f"{name} must be an int >= {0 if name == 'prefetch_threshold' else 1}, got {v!r}")
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                # NaN would compare False against every elapsed time: the timeout policy
+                # would wait forever
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
 
     @classmethod
     def from_config(cls, config: "HiCacheConfig") -> "StoragePolicy":

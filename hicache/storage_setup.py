@@ -12,6 +12,26 @@ if TYPE_CHECKING:  # pragma: no cover
     from hicache.storage.base import HiCacheStorage
 
 
+def check_backend_options(config: "HiCacheConfig") -> None:
+    """Check the extra config keys of a built-in backend without building it (no directory
+    created, no connection made), so a command line fails before any work: ValueError
+    naming the key and what it accepts. Third-party backends check theirs when built."""
+    name = config.hicache_storage_backend
+    extra = config.storage_extra_config()
+    if name == "file":
+        from hicache.storage.file_store import FileStorageOptions
+
+        FileStorageOptions.from_extra(extra)
+    elif name == "mooncake":
+        from hicache.storage.mooncake_config import MooncakeSettings
+
+        MooncakeSettings.from_extra(extra)
+    elif name == "dynamic":
+        from hicache.storage.dynamic import load_storage_class
+
+        load_storage_class(extra)
+
+
 def backend_from_config(config: "HiCacheConfig", tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
                         model_name: Optional[str] = None) -> Optional["HiCacheStorage"]:
     """The backend ``config.hicache_storage_backend`` names (None when unset), built through

@@ -65,6 +65,12 @@ def _int_list(name: str):
     return conv
 
 
+def _salt(text: str) -> str:
+    if not text or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"--cache-salt must be a non-empty string without NUL, got {text!r}")
+    return text
+
+
 def _modes(text: str) -> list[str]:
     from sparsehi.runtime.modes import parse_modes
 
@@ -288,7 +294,10 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
         if hc.hicache_storage_backend is not None:
             from hicache.storage_controller import StoragePolicy
 
+            from hicache.storage_setup import check_backend_options
+
             StoragePolicy.from_config(hc)  # bad prefetch keys fail here, before any work
+            check_backend_options(hc)
     except ValueError as e:
         parser.error(str(e))
     if hc.hicache_storage_backend is not None and hc.hicache_mem_layout == "layer_first":
@@ -318,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-forced", action="store_true",
                      help="skip the teacher-forced re-runs that measure next-token agreement with dense")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--cache-salt", type=_salt, default=None,
+                     help="cache salt of every request (tenant isolation, as vLLM's cache_salt): cached KV, "
+                          "also in an L3 backend, is shared only with requests of the same salt")
     _add_common(run)
     run.set_defaults(subparser=run)
     bench = sub.add_parser("bench", help="sweep contexts x batches x modes; JSON of tokens/s, hit rate, memory",
@@ -360,6 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run_demo(DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
                                 context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
                                 shared_prefix=args.shared_prefix, forced=not args.no_forced,
+                                cache_salt=args.cache_salt,
                                 progress=not args.no_progress))
             return 0
         from sparsehi.runtime.bench import BENCH_FILES, BenchConfig, run_bench

@@ -6,6 +6,8 @@ over token sequences from a 3-letter alphabet (so they share prefixes), with inj
 transfer faults (the next backup or load raises before copying anything). The KV written
 for a token is a function of its whole prefix, so after every step the test can check that
 every slot the tree holds and offers contains exactly the KV of the tokens it stands for.
+Requests carry one of three cache salts (none, "a", "b"), and the KV is a function of the
+salt too: a page shared across salts would hold the wrong KV for one of them.
 """
 from __future__ import annotations
 
@@ -29,9 +31,14 @@ PS = 2
 DEV_SLOTS = 12 * PS  # 11 usable pages (page 0 is reserved)
 
 
-def expected(tokens) -> torch.Tensor:
-    """[L, B, n, H, D] float32 with exact integer values derived from each token's prefix."""
-    codes, h = [], 11
+SALTS = {None: 0, "a": 1, "b": 2}
+salt_st = st.sampled_from(sorted(SALTS, key=str))
+
+
+def expected(tokens, salt=None) -> torch.Tensor:
+    """[L, B, n, H, D] float32 with exact integer values derived from each token's prefix
+    and the cache salt."""
+    codes, h = [], 11 + 97 * SALTS[salt]
     for t in tokens:
         h = (h * 1_000_003 + int(t) + 1) % 1_048_573
         codes.append(h)
@@ -88,14 +95,19 @@ class TreeMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- helpers
     def _prefix_tokens(self, node):
         parts = []
-        while node is not self.tree.root:
+        while not node.is_root:
             parts.append(node.key)
             node = node.parent
         return [t for k in reversed(parts) for t in k]
 
+    def _salt(self, node):
+        while not node.is_root:
+            node = node.parent
+        return node.salt
+
     def _path(self, node):
         out = []
-        while node is not self.tree.root:
+        while not node.is_root:
             out.append(node)
             node = node.parent
         return out[::-1]
@@ -111,7 +123,7 @@ class TreeMachine(RuleBasedStateMachine):
         """Slots of ``tier`` along root..node (None where a node lacks the tier); splits
         inside the path do not change it."""
         parts = []
-        while node is not self.tree.root:
+        while not node.is_root:
             parts.append(getattr(node, tier))
             node = node.parent
         if any(p is None for p in parts):
@@ -119,10 +131,10 @@ class TreeMachine(RuleBasedStateMachine):
         return torch.cat(list(reversed(parts))).clone()
 
     # ---------------------------------------------------------------- rules
-    @rule(tokens=tokens_st, where=st.sampled_from(["device", "host", "both"]))
-    def insert(self, tokens, where):
+    @rule(tokens=tokens_st, where=st.sampled_from(["device", "host", "both"]), salt=salt_st)
+    def insert(self, tokens, where, salt):
         n = len(tokens)
-        kv = expected(tokens)
+        kv = expected(tokens, salt)
         dslots = hslots = None
         if where in ("device", "both"):
             dslots = self.dev.allocator.alloc(n)
@@ -144,19 +156,20 @@ class TreeMachine(RuleBasedStateMachine):
                 return
             for layer in range(LAYERS):
                 self.host.write_tokens(layer, hslots, kv[layer, 0], kv[layer, 1])
-        res = self.tree.insert(tokens, device_indices=dslots, host_indices=hslots)
+        res = self.tree.insert(tokens, device_indices=dslots, host_indices=hslots, cache_salt=salt)
         if res.device_unused.numel() or res.host_unused.numel():
             event("insert: duplicate slots returned")
         self.dev.allocator.free(res.device_unused)
         self.host.free(res.host_unused)
-        assert self._prefix_tokens(res.last_node) == list(tokens)
+        assert self._prefix_tokens(res.last_node) == list(tokens) and self._salt(res.last_node) == salt
 
-    @rule(tokens=tokens_st)
-    def match(self, tokens):
-        m = self.tree.match_prefix(tokens)
+    @rule(tokens=tokens_st, salt=salt_st)
+    def match(self, tokens, salt):
+        m = self.tree.match_prefix(tokens, cache_salt=salt)
         d, h = m.device_hit_length, m.host_hit_length
         assert d + h <= len(tokens)
-        kv = expected(tokens)
+        assert self._salt(m.last_host_node) == salt
+        kv = expected(tokens, salt)
         got = torch.stack([torch.stack([b[m.device_indices] for b in self.dev.layer_buffers(l)]) for l in range(LAYERS)])
         # KV still loading is not ready yet (the forward pass waits per layer): check up to it
         ready = 0
@@ -172,11 +185,11 @@ class TreeMachine(RuleBasedStateMachine):
             got = torch.stack([torch.stack(self.host.read_tokens(l, m.backed_host_indices)) for l in range(LAYERS)])
             assert torch.equal(got, kv[:, :, :b])
 
-    @rule(tokens=tokens_st)
-    def lock(self, tokens):
-        m = self.tree.match_prefix(tokens)
+    @rule(tokens=tokens_st, salt=salt_st)
+    def lock(self, tokens, salt):
+        m = self.tree.match_prefix(tokens, cache_salt=salt)
         node = m.last_device_node
-        if node is not self.tree.root:
+        if not node.is_root:
             self.tree.inc_lock_ref(node)
             self.locks.append((node, self._path_slots(node, "device_indices")))
 
@@ -186,11 +199,11 @@ class TreeMachine(RuleBasedStateMachine):
         node, _ = self.locks.pop(i % len(self.locks))
         self.tree.dec_lock_ref(node)
 
-    @rule(tokens=tokens_st)
-    def host_lock(self, tokens):
-        m = self.tree.match_prefix(tokens)
+    @rule(tokens=tokens_st, salt=salt_st)
+    def host_lock(self, tokens, salt):
+        m = self.tree.match_prefix(tokens, cache_salt=salt)
         node = m.last_backed_node
-        if node is not self.tree.root:
+        if not node.is_root:
             self.tree.inc_host_lock(node)
             self.host_locks.append((node, self._path_slots(node, "host_indices")))
 
@@ -234,9 +247,9 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.dec_lock_ref(node)
         assert self._snapshot() == before
 
-    @rule(tokens=tokens_st)
-    def load_back(self, tokens):
-        m = self.tree.match_prefix(tokens)
+    @rule(tokens=tokens_st, salt=salt_st)
+    def load_back(self, tokens, salt):
+        m = self.tree.match_prefix(tokens, cache_salt=salt)
         if m.host_hit_length == 0:
             return
         slots, last = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
@@ -289,7 +302,7 @@ class TreeMachine(RuleBasedStateMachine):
             assert now is not None and torch.equal(now, slots), "a host-locked node lost its host slots"
         # every slot holds the KV of the tokens it stands for
         for x in tree.nodes():
-            kv = expected(self._prefix_tokens(x))[:, :, -len(x.key):]
+            kv = expected(self._prefix_tokens(x), self._salt(x))[:, :, -len(x.key):]
             if x.on_device and not x.loading and x not in tree._stale:
                 got = torch.stack([torch.stack([b[x.device_indices] for b in self.dev.layer_buffers(l)])
                                    for l in range(LAYERS)])

@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,7 @@ import torch
 from hicache.storage.base import HiCacheStorage, StorageConfig, logger
 from hicache.storage.integrity import HEADER_BYTES, CorruptPage, PageDigest
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 ENV_DIR = "SPARSEHI_HICACHE_FILE_DIR"
 DEFAULT_DIR = "/tmp/hicache"
 OBJECT_SUFFIX = ".kv"
@@ -77,8 +79,8 @@ class FileStorageOptions:
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "FileStorageOptions":
         path = extra.get("file_path") or os.environ.get(ENV_DIR) or DEFAULT_DIR
-        if not isinstance(path, str):
-            raise ValueError(f"extra config file_path must be a directory path (str), got {path!r}")
+        if not isinstance(path, str) or "\x00" in path:
+            raise ValueError(f"extra config file_path must be a directory path (str without NUL), got {path!r:.200}")
         cap = extra.get("file_max_bytes", 0)
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
             raise ValueError(f"extra config file_max_bytes must be an int >= 0 (0 = unbounded), got {cap!r}")
@@ -234,7 +236,8 @@ class FileStorage(HiCacheStorage):
     def _read(self, path: str, target: Optional[torch.Tensor]) -> torch.Tensor:
         """The verified page of ``path``, in ``target`` or a new uint8 tensor. Raises
         CorruptPage (wrong length, checksum) or OSError; ``target`` is undefined then."""
-        with open(path, "rb", buffering=0) as f:
+        # Never through a symlink: an object file is a regular file of this directory.
+        with open(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             head = bytearray(HEADER_BYTES)
             if _readinto_full(f, memoryview(head)) != HEADER_BYTES:
@@ -322,13 +325,17 @@ class FileStorage(HiCacheStorage):
     # -- index (size cap, recency) ----------------------------------------------------------
     def _present(self, key: str, path: str) -> bool:
         try:
-            size = os.stat(path).st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             self._forget(key)
             return False
         except OSError as e:
             self._record_fault("stat", f"{path}: {e!r}")
             return False
+        if not stat.S_ISREG(st.st_mode):  # a symlink or other entry someone put there: not ours
+            self._forget(key)
+            return False
+        size = st.st_size
         with self._lock:
             if key not in self._index:  # written by another instance sharing the directory
                 self._index[key] = size
@@ -407,7 +414,9 @@ class FileStorage(HiCacheStorage):
             if not e.name.endswith(OBJECT_SUFFIX) or _KEY_RE.fullmatch(key) is None:
                 continue
             try:
-                st = e.stat()
+                if not e.is_file(follow_symlinks=False):
+                    continue
+                st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
             found.append((max(st.st_atime, st.st_mtime), key, st.st_size))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.adapters.flash_attention import _bad
+from sparsehi.adapters.flash_attention import _bad, check_sparse_selection
 from sparsehi.adapters.triton_backend import expand_to_token_slots
 from sparsehi.kernels.sparse_mla_decode import (
     sparse_mla_decode,
@@ -41,15 +41,18 @@ class DSAAdaptor(BackendAdaptor):
 
     name = "dsa"
 
-    def __init__(self, kv_lora_rank: int = 512, impl: str = "auto") -> None:
+    def __init__(self, kv_lora_rank: int = 512, impl: str = "auto", validate: bool = False) -> None:
         if not isinstance(kv_lora_rank, int) or kv_lora_rank <= 0:
             _bad("kv_lora_rank", "an int > 0", kv_lora_rank)
         if impl not in IMPLS:
             _bad("impl", f"one of {IMPLS}", impl)
         self.kv_lora_rank = kv_lora_rank
         self.impl = impl
+        self.validate = bool(validate)
 
     def build_metadata(self, selection: SparseSelection) -> DSAMetadata:
+        check_sparse_selection(selection)
+        self.check_values(selection)
         if selection.page_size == 1 and selection.attended is not None:
             # token-wise and built by the selection table: valid slots first, -1 after
             return DSAMetadata(indices=selection.physical_ids)
@@ -68,6 +71,10 @@ class DSAAdaptor(BackendAdaptor):
         if not isinstance(layer_cache, (tuple, list)) or len(layer_cache) != 1:
             n = len(layer_cache) if isinstance(layer_cache, (tuple, list)) else type(layer_cache)
             _bad("layer_cache", "(kv_buffer,) of an MLA layer (MHA caches go to 'flashattention' or 'triton')", n)
+        if self._value_checks():
+            from sparsehi.adapters.checks import check_pool_range
+
+            check_pool_range("metadata.indices", metadata.indices, layer_cache[0].shape[0], "slot")
         fn = {"auto": sparse_mla_decode, "triton": sparse_mla_decode_triton,
               "reference": sparse_mla_decode_reference}[self.impl]
         return fn(q, layer_cache[0], metadata.indices, kv_lora_rank=self.kv_lora_rank, sm_scale=sm_scale)

@@ -167,15 +167,18 @@ class FlashAttentionAdaptor(BackendAdaptor):
 
     name = "flashattention"
 
-    def __init__(self, impl: str = "auto") -> None:
+    def __init__(self, impl: str = "auto", validate: bool = False) -> None:
         if impl not in IMPLS:
             _bad("impl", f"one of {IMPLS}", impl)
         self.impl = impl
+        self.validate = bool(validate)
         self._library = _load_library() if impl in ("auto", "flash_attn") else None
         if impl == "flash_attn" and self._library is None:
             raise ValueError("impl='flash_attn' needs sgl_kernel or flash_attn installed; use impl='auto' or 'triton'")
 
     def build_metadata(self, selection: SparseSelection) -> FlashAttentionMetadata:
+        check_sparse_selection(selection)
+        self.check_values(selection)
         page_table, seqlens = build_page_table(selection)
         return FlashAttentionMetadata(page_table=page_table, cache_seqlens=seqlens,
                                       page_size=selection.page_size,
@@ -203,6 +206,10 @@ class FlashAttentionAdaptor(BackendAdaptor):
         if metadata.page_table.device != q.device:
             _bad("metadata", f"on q's device {q.device}", metadata.page_table.device)
         num_pages = k_buffer.shape[0] // ps
+        if self._value_checks():
+            from sparsehi.adapters.checks import check_pool_range
+
+            check_pool_range("metadata.page_table", metadata.page_table, num_pages, "page")
         k_cache = k_buffer.view(num_pages, ps, Hkv, D)
         v_cache = v_buffer.view(num_pages, ps, Hkv, Dv)
         q4 = q.unsqueeze(1)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.adapters.flash_attention import _bad, build_page_table, cumulative_lengths, split_mha_cache
+from sparsehi.adapters.flash_attention import (_bad, build_page_table, check_sparse_selection, cumulative_lengths,
+                                               split_mha_cache)
 from sparsehi.kernels.paged_decode import check_decode_inputs
 from sparsehi.kernels.ragged_decode import ragged_decode, ragged_decode_reference, ragged_decode_triton
 from sparsehi.selection import SparseSelection
@@ -60,12 +61,15 @@ class TritonAdaptor(BackendAdaptor):
 
     name = "triton"
 
-    def __init__(self, impl: str = "auto") -> None:
+    def __init__(self, impl: str = "auto", validate: bool = False) -> None:
         if impl not in IMPLS:
             _bad("impl", f"one of {IMPLS}", impl)
         self.impl = impl
+        self.validate = bool(validate)
 
     def build_metadata(self, selection: SparseSelection) -> TritonMetadata:
+        check_sparse_selection(selection)
+        self.check_values(selection)
         slots, valid, seqlens = expand_to_token_slots(selection)
         B, T = slots.shape
         indptr = cumulative_lengths(seqlens)
@@ -86,6 +90,10 @@ class TritonAdaptor(BackendAdaptor):
         B, *_ = check_decode_inputs(q, k_buffer, v_buffer, 1)
         if metadata.kv_indptr.shape[0] != B + 1:
             _bad("q", f"with batch {metadata.kv_indptr.shape[0] - 1} (the metadata's)", B)
+        if self._value_checks():
+            from sparsehi.adapters.checks import check_pool_range
+
+            check_pool_range("metadata.kv_indices", metadata.kv_indices[None], k_buffer.shape[0], "slot")
         fn = {"auto": ragged_decode, "triton": ragged_decode_triton, "reference": ragged_decode_reference}[self.impl]
         return fn(q, k_buffer, v_buffer, metadata.kv_indptr, metadata.kv_indices,
                   max_kv_len=metadata.max_kv_len, sm_scale=sm_scale)

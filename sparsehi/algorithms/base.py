@@ -200,8 +200,12 @@ def check_selection(
         raise ValueError(f"selected_indices must be [B, <= top_k={top_k}], got {tuple(selected.shape)}")
     if valid.shape != (selected.shape[0],):
         raise ValueError(f"valid_lengths must be [B={selected.shape[0]}], got {tuple(valid.shape)}")
+    v = valid.long()
+    if bool(((v < 0) | (v > selected.shape[1])).any()):
+        raise ValueError(f"valid_lengths must lie in [0, {selected.shape[1]}] (the columns of selected_indices, "
+                         f"at most top_k={top_k}), got {valid.tolist()}")
     cols = torch.arange(selected.shape[1], device=selected.device)[None, :]
-    in_range = cols < valid[:, None].long()
+    in_range = cols < v[:, None]
     if bool(((selected >= 0) != in_range).any()):
         raise ValueError("selected_indices must hold valid_lengths ids then -1 padding in every row")
     if candidate_start is not None and candidate_end is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from types import ModuleType
 from typing import Any, Callable, TypeVar
@@ -18,6 +19,8 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 _REGISTRY: dict[str, type[BaseSparseAlgorithm]] = {}
 _BUILTIN_MODULES = ("sparsehi.algorithms.oracle", "sparsehi.algorithms.quest", "sparsehi.algorithms.dsa")
@@ -94,10 +97,15 @@ def resolve_algorithm(name: str) -> type[BaseSparseAlgorithm]:
         raise ValueError(f"algorithm={name!r} is invalid: a registered name or 'package.module:ClassName'")
     if ":" in name:
         mod_name, _, cls_name = name.partition(":")
+        if _DOTTED.fullmatch(mod_name) is None or not cls_name.isidentifier():
+            raise ValueError(f"algorithm={name!r} is invalid: an import path is 'package.module:ClassName' (dotted "
+                             "Python identifiers, one ':')")
         try:
             mod = _import_user_module(mod_name)
         except ImportError as e:
             raise ValueError(f"algorithm={name!r}: cannot import module {mod_name!r} ({e})") from e
+        except Exception as e:  # the module's own code failed (SyntaxError, a raise at import time)
+            raise ValueError(f"algorithm={name!r}: importing module {mod_name!r} raised {e!r}") from e
         cls = getattr(mod, cls_name, None)
         if cls is None:
             raise ValueError(f"algorithm={name!r}: module {mod_name!r} has no attribute {cls_name!r}")

@@ -48,6 +48,11 @@ class Request:
     tree_node: Any = None
     prefix_load: Optional[int] = None
     """While the reused prefix is loading back: its producer id in the mode's LayerLoadCounter."""
+    aborted: bool = False
+    """Ended after a failure: only KV known complete (the prefilled prompt) may be kept."""
+    cache_salt: Optional[str] = None
+    """Tenant isolation (vLLM's ``cache_salt``): the request shares cached KV (device, host,
+    L3) only with requests of the same salt; None shares with unsalted requests."""
 
     def all_tokens(self) -> list[int]:
         """Prompt + the tokens whose KV was computed by decode steps."""
@@ -107,13 +112,13 @@ class ModeBackend:
     # -- request lifecycle ------------------------------------------------------------
     def begin_request(self, req: Request) -> int:
         """Take a request row; returns the prompt prefix length whose KV is reused."""
+        n = len(req.prompt)
+        if n + 1 > self.rt.max_context_len:  # checked before the row is taken: a rejected request holds nothing
+            raise ValueError(f"prompt of {n} tokens does not fit max_context_len={self.rt.max_context_len}")
         idx = self.req_pool.alloc()
         if idx is None:
             raise ValueError(f"max_num_reqs={self.rt.max_num_reqs} requests are already running")
         req.req_pool_idx = idx
-        n = len(req.prompt)
-        if n + 1 > self.rt.max_context_len:
-            raise ValueError(f"prompt of {n} tokens does not fit max_context_len={self.rt.max_context_len}")
         return 0
 
     def _alloc_device(self, n: int) -> torch.Tensor:

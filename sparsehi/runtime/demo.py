@@ -45,6 +45,9 @@ class DemoConfig(RunSetup):
     prompt / document): sparse-hier reuses it from the host tier via the HiRadixTree."""
     forced: bool = True
     progress: bool = True
+    cache_salt: Optional[str] = None
+    """Every request's cache salt (one tenant): its KV is shared only with requests of the
+    same salt, in this run and in an L3 backend shared with other runs."""
 
 
 def _l3_backend(cfg: DemoConfig, mcfg) -> tuple[Any, Any]:
@@ -143,11 +146,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         progress = (lambda phase, n: bar.update(n)) if bar is not None else None
         runner = ModelRunner(model, rt)
         token_bytes = runner.backend.spec.token_bytes
-        res = runner.generate(prompts, cfg.decode_tokens, progress=progress)
+        salts = [cfg.cache_salt] * len(prompts)
+        res = runner.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts)
         results[mode] = res
         if do_forced:
             fr = ModelRunner(model, replace(rt, sparse=replace(cfg.sparse)))
-            forced[mode] = fr.generate(prompts, cfg.decode_tokens, progress=progress,
+            forced[mode] = fr.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts,
                                        force_tokens=[t[:-1] for t in results["dense"].tokens])
             fr.backend.close()
         l3_stats = runner.backend.l3_stats() if l3 else {}

@@ -94,8 +94,32 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig.mode={self.mode!r}: allowed {RUNTIME_MODES}")
         if self.adaptor not in ADAPTORS:
             raise ValueError(f"RuntimeConfig.adaptor={self.adaptor!r}: allowed {ADAPTORS}")
-        if self.max_num_reqs < 1 or self.max_context_len < 2:
-            raise ValueError("RuntimeConfig.max_num_reqs must be >= 1 and max_context_len >= 2")
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for name, low in (("max_num_reqs", 1), ("max_context_len", 2)):
+            v = getattr(self, name)
+            if not is_int(v) or v < low:
+                raise ValueError(f"RuntimeConfig.{name}={v!r} is invalid: an int >= {low}")
+        for name in ("device_kv_tokens", "host_kv_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise ValueError(f"RuntimeConfig.{name}={v!r} is invalid: None (sized for the mode) or an int >= 1")
+        if not isinstance(self.sparse, SparseConfig):
+            raise ValueError(f"RuntimeConfig.sparse must be a sparsehi.config.SparseConfig, got {type(self.sparse).__name__}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"RuntimeConfig.dtype={self.dtype!r} is invalid: a floating torch.dtype "
+                             "(torch.float32, torch.bfloat16, torch.float16)")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"RuntimeConfig.device={self.device!r} is invalid: 'cpu', 'cuda' or 'cuda:N' ({e})") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"RuntimeConfig.device={self.device!r} is invalid: 'cpu', 'cuda' or 'cuda:N'")
+        from hicache.config import HOST_LAYOUTS
+
+        if self.host_layout not in HOST_LAYOUTS:
+            raise ValueError(f"RuntimeConfig.host_layout={self.host_layout!r} is invalid: one of {HOST_LAYOUTS}")
 
     @property
     def page_size(self) -> int:

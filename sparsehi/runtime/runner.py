@@ -5,6 +5,7 @@ sequences the model calls and times them.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
@@ -18,6 +19,18 @@ from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.weights import Model
 
 logger = logging.getLogger(__name__)
+
+
+def _check_salts(cache_salts: Optional[list[Optional[str]]], n: int) -> list[Optional[str]]:
+    if cache_salts is None:
+        return [None] * n
+    if isinstance(cache_salts, str) or not isinstance(cache_salts, (list, tuple)) or len(cache_salts) != n:
+        raise ValueError(f"cache_salts must be a list of {n} entries (one per prompt, each a str or None), "
+                         f"got {cache_salts!r:.80}")
+    for i, s in enumerate(cache_salts):
+        if s is not None and not isinstance(s, str):
+            raise ValueError(f"cache_salts[{i}] must be a str or None, got {type(s).__name__}")
+    return [s or None for s in cache_salts]
 
 
 def make_backend(model: Model, rt: RuntimeConfig) -> ModeBackend:
@@ -135,44 +148,90 @@ class ModelRunner:
         self.last_host_split = {"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp), "after": 1e3 * (t3 - t2)}
         return toks
 
-    def new_requests(self, prompts: list[list[int]]) -> list[Request]:
+    def check_prompts(self, prompts: Any, decode_steps: int = 0) -> None:
+        """ValueError unless ``prompts`` is a list of at most ``max_num_reqs`` non-empty
+        token lists, each id an int in ``[0, vocab_size)``, each prompt leaving room for
+        ``decode_steps`` more tokens within ``max_context_len``. Nothing is allocated."""
+        rt, vocab = self.rt, self.model.cfg.vocab_size
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of token id lists, got {type(prompts).__name__}")
+        if len(prompts) > rt.max_num_reqs:
+            raise ValueError(f"{len(prompts)} prompts exceed max_num_reqs={rt.max_num_reqs} (requests decoded together)")
+        room = rt.max_context_len - max(decode_steps, 1)
+        for i, p in enumerate(prompts):
+            if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)) or not p:
+                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
+            bad = next((t for t in p if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                        or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompts[{i}] holds token id {bad!r}: ids are ints in [0, vocab_size={vocab})")
+            if len(p) > room:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens: with decode_steps={decode_steps} it must have at "
+                                 f"most max_context_len={rt.max_context_len} - {max(decode_steps, 1)} = {room}")
+
+    def _abandon(self, reqs: list[Request]) -> None:
+        """After a failed ``generate``: end the requests that took a row, so the runner can
+        take new ones (their KV is dropped). A failure here is logged: the first error is
+        the one the caller sees."""
+        for r in reqs:
+            if r.req_pool_idx < 0:
+                continue
+            r.aborted = True
+            try:
+                self.backend.end_request(r)
+            except Exception:  # pragma: no cover - depends on where the first error struck
+                logger.exception("could not release request %d after a failed generate", r.rid)
+
+    def new_requests(self, prompts: list[list[int]],
+                     cache_salts: Optional[list[Optional[str]]] = None) -> list[Request]:
+        """Requests for ``prompts``; ``cache_salts`` (one per prompt, None entries allowed)
+        isolates their cached KV by tenant (see ``Request.cache_salt``)."""
+        salts = _check_salts(cache_salts, len(prompts))
         out = []
-        for p in prompts:
-            out.append(Request(rid=self._next_rid, prompt=list(p)))
+        for p, s in zip(prompts, salts):
+            out.append(Request(rid=self._next_rid, prompt=list(p), cache_salt=s))
             self._next_rid += 1
         return out
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], decode_steps: int,
                  progress: Optional[Callable[[str, int], None]] = None,
-                 force_tokens: Optional[list[list[int]]] = None) -> GenerationResult:
+                 force_tokens: Optional[list[list[int]]] = None,
+                 cache_salts: Optional[list[Optional[str]]] = None) -> GenerationResult:
         """Prefill every prompt (one at a time), then ``decode_steps`` batched greedy
         steps; requests end afterwards. ``progress(phase, n)`` is called per unit done.
 
         force_tokens: per request, the tokens to consume at decode steps ``0..n-1``
         (teacher forcing with another run's output, ``tokens[r][t]`` is then this run's
-        prediction given the *forced* context); None = free-running greedy decode."""
-        if decode_steps < 0:
-            raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
+        prediction given the *forced* context); None = free-running greedy decode.
+
+        cache_salts: per request, its cache salt (``Request.cache_salt``); None = unsalted."""
+        if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 0:
+            raise ValueError(f"decode_steps must be an int >= 0, got {decode_steps!r}")
+        self.check_prompts(prompts, decode_steps)
         if force_tokens is not None and (len(force_tokens) != len(prompts)
                                          or any(len(f) < decode_steps for f in force_tokens)):
             raise ValueError("force_tokens must hold >= decode_steps tokens for every prompt")
         be = self.backend
-        reqs = self.new_requests(prompts)
-        _sync(be.device)
-        t0 = time.perf_counter()
-        for r in reqs:
-            self.prefill(r)
-            if progress:
-                progress("prefill", 1)
-        if decode_steps:
-            self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
-        _sync(be.device)
-        t1 = time.perf_counter()
-        for t in range(decode_steps):
-            self.decode_step(reqs, None if force_tokens is None else [f[t] for f in force_tokens])
-            if progress:
-                progress("decode", 1)
+        reqs = self.new_requests(prompts, cache_salts)
+        try:
+            _sync(be.device)
+            t0 = time.perf_counter()
+            for r in reqs:
+                self.prefill(r)
+                if progress:
+                    progress("prefill", 1)
+            if decode_steps:
+                self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
+            _sync(be.device)
+            t1 = time.perf_counter()
+            for t in range(decode_steps):
+                self.decode_step(reqs, None if force_tokens is None else [f[t] for f in force_tokens])
+                if progress:
+                    progress("decode", 1)
+        except BaseException:
+            self._abandon(reqs)
+            raise
         _sync(be.device)
         t2 = time.perf_counter()
         stats = be.stats()

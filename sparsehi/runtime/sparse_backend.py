@@ -73,7 +73,8 @@ class CoordinatorBackend(ModeBackend):
             from sparsehi.adapters import create_adaptor
 
             name = adaptor_name(cfg, sc) if rt.adaptor == "auto" else rt.adaptor
-            adaptor = create_adaptor(name, kv_lora_rank=cfg.kv_lora_rank) if name == "dsa" else create_adaptor(name)
+            kw = {"kv_lora_rank": cfg.kv_lora_rank} if name == "dsa" else {}
+            adaptor = create_adaptor(name, validate=rt.value_checks, **kw)
         self.host = self.transfer = self.tree = None
         max_ctx = round_up(rt.max_context_len, ps)
         if self.hier:
@@ -139,9 +140,9 @@ class CoordinatorBackend(ModeBackend):
             return 0
         ps = self.rt.page_size
         n = len(req.prompt)
-        m = self.tree.match_prefix(req.prompt)
+        m = self.tree.match_prefix(req.prompt, cache_salt=req.cache_salt)
         if self.tree.storage_backend is not None and self._prefetch(req, m):
-            m = self.tree.match_prefix(req.prompt)
+            m = self.tree.match_prefix(req.prompt, cache_salt=req.cache_salt)
         h = min(m.backed_length, (n - 1) // ps * ps)  # at least one token left to prefill
         if h > 0:
             self.tree.inc_host_lock(m.last_backed_node)
@@ -224,7 +225,7 @@ class CoordinatorBackend(ModeBackend):
             if self.tree is not None and not self.is_dsa:
                 n_al = n // ps * ps
                 if n_al:
-                    res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al])
+                    res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al], cache_salt=req.cache_salt)
                     self.tree.inc_host_lock(res.last_node)
                     if req.tree_node is not None:
                         self.tree.dec_host_lock(req.tree_node)
@@ -290,6 +291,15 @@ class CoordinatorBackend(ModeBackend):
         super().end_decode(reqs, outputs)
 
     def end_request(self, req: Request) -> None:
+        if req.prefix_load is not None:  # failed inside its prefill: the load is no one's now
+            for layer in range(self.layer_loads.num_layers):  # later users of its slots wait for it
+                self.layer_loads.wait_until(layer)
+            self.layer_loads.release(req.prefix_load)
+            self.layer_loads.set_consumer(-1)
+            req.prefix_load = None
+        if req.device_slots is not None:  # failed before the coordinator took the prefill's slots
+            self.pool.allocator.free(req.device_slots)
+            req.device_slots = None
         kv = self.coord.on_request_end(req.req_pool_idx)
         ps = self.rt.page_size
         if self.hier:
@@ -298,12 +308,16 @@ class CoordinatorBackend(ModeBackend):
             keep = 0
             if self.tree is not None and not self.is_dsa:
                 seq_al = kv.seq_len // ps * ps
+                if req.aborted:
+                    # a failed step may have left its token's KV incomplete in some layers:
+                    # keep only the prompt, whose prefill finished (seq_len is 0 otherwise)
+                    seq_al = min(seq_al, len(req.prompt) if req.seq_len else 0) // ps * ps
                 toks = req.all_tokens()[:seq_al]
                 if seq_al:
-                    res = self.tree.insert(toks, host_indices=hs[:seq_al])
+                    res = self.tree.insert(toks, host_indices=hs[:seq_al], cache_salt=req.cache_salt)
                     self._free_host_slots(res.host_unused)
                     keep = seq_al // ps
-                    if self.tree.storage_backend is not None:
+                    if self.tree.storage_backend is not None and not req.aborted:
                         if str(self.device).startswith("cuda"):
                             torch.cuda.synchronize(self.device)  # host pages complete before L3 reads them
                         self.tree.write_backup_storage(res.last_node)
