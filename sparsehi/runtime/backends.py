@@ -60,6 +60,14 @@ def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
                        head_dim=cfg.cache_head_dim, dtype=rt.dtype, page_size=rt.page_size, **kw)
 
 
+def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Host pool bytes of one token of ``cfg`` (all layers): what ``--hicache-size`` GB are
+    divided by to size the host pool of a host mode."""
+    kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
+    return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
+                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=1, **kw).token_bytes
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,6 +90,10 @@ class ModeBackend:
         self.query_hook: Optional[QueryHook] = None
         self.timer = SectionTimer(self.device)
         """Benchmarks enable it to split a decode step into attention / io / ... sections."""
+
+    def host_token_bytes(self) -> int:
+        """Host pool bytes of one token (all layers), what ``--hicache-size`` is divided by."""
+        return host_token_bytes(self.cfg, self.rt.dtype)
 
     # -- accounting ---------------------------------------------------------------------
     def device_tokens_in_use(self) -> int:

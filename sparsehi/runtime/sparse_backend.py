@@ -77,7 +77,7 @@ class CoordinatorBackend(ModeBackend):
         self.host = self.transfer = self.tree = None
         max_ctx = round_up(rt.max_context_len, ps)
         if self.hier:
-            n_host = round_up(rt.host_kv_tokens or rt.auto_host_tokens(), ps)
+            n_host = rt.host_tokens(self.host_token_bytes(), cfg.name)
             self.host = self._host_pool(n_host)
             self.transfer = KVTransferEngine(self.pool, self.host, sc.io_backend, validate=rt.validate)
             if rt.prefix_cache:
