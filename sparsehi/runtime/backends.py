@@ -48,6 +48,10 @@ class Request:
     tree_node: Any = None
     prefix_load: Optional[int] = None
     """While the reused prefix is loading back: its producer id in the mode's LayerLoadCounter."""
+    prefix_state: Optional[torch.Tensor] = None
+    """During the prefill of a reused prefix: the algorithm's per-token state of the prefix
+    (``uint8 [prefix, layers, bytes]`` on the device, from the host pool), restored layer by
+    layer (``BaseSparseAlgorithm.import_token_state``)."""
 
     def all_tokens(self) -> list[int]:
         """Prompt + the tokens whose KV was computed by decode steps."""
@@ -227,9 +231,11 @@ class ModeBackend:
     def close(self) -> None:
         pass
 
-    def _host_pool(self, n_tokens: int):
+    def _host_pool(self, n_tokens: int, extra: Optional[dict] = None):
         """The mode's HostKVPool: ``rt.host_pool`` reused (allocator cleared) or a new one
-        of at least ``n_tokens`` slots (and more than the device pool, as HiCache requires)."""
+        of at least ``n_tokens`` slots (and more than the device pool, as HiCache requires)
+        with the extra per-token buffers ``extra`` (``HostKVPool(extra_token_buffers=...)``;
+        a reused pool may lack them: the caller checks ``pool.extra``)."""
         from hicache.host_pool import HostKVPool
 
         hp = self.rt.host_pool
@@ -241,7 +247,7 @@ class ModeBackend:
             hp.allocator.clear()
             return hp
         ratio = max(n_tokens / self.pool.num_slots, 1.0) + 1e-6
-        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout)
+        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout, extra_token_buffers=extra)
 
     def _hook(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
         return q if self.query_hook is None else self.query_hook(layer, q, extra)

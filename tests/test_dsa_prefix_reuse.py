@@ -1,0 +1,141 @@
+"""DSA (MLA) requests reuse cached prefixes: the lightning indexer's keys are kept per token
+in the host pool next to the KV (an extra per-token buffer of the page records, so L3 pages
+carry them too) and restored at prefill. A request whose prefix is cached in host memory, or
+only in L3 (a fresh runner over the same file backend), generates exactly the tokens of a
+cold run, and the stats show the hit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.storage.base import StorageConfig
+from hicache.storage.file_store import FileStorage
+from hicache.storage_controller import StoragePolicy
+from sparsehi.config import SparseConfig
+from sparsehi.runtime.model_config import get_model_config
+from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runner import ModelRunner
+from sparsehi.runtime.sparse_backend import STATE_BUFFER
+from sparsehi.runtime.weights import build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 24
+_MODEL: dict = {}
+
+
+def model():
+    if not _MODEL:
+        _MODEL["m"] = build_model(config=get_model_config("tiny-dsa", num_layers=2))
+    return _MODEL["m"]
+
+
+def prompts(seed_a=3, seed_b=4, n=200, shared=150):
+    g = torch.Generator().manual_seed(seed_a)
+    first = torch.randint(0, 512, (n,), generator=g).tolist()
+    g = torch.Generator().manual_seed(seed_b)
+    return first, first[:shared] + torch.randint(0, 512, (n - shared,), generator=g).tolist()
+
+
+def rt(**kw) -> RuntimeConfig:
+    m = model()
+    sc = SparseConfig(algorithm="dsa", page_size=1, top_k=48, device_buffer_size=96, sink_tokens=8, recent_tokens=8,
+                      min_sparse_prompt_len=0, io_backend="direct",
+                      sparse_extra_config={"index_head_dim": m.cfg.index_head_dim})
+    return RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=1, max_context_len=200 + STEPS + 1,
+                         host_layout="page_first_direct", **kw)
+
+
+def generate(runner: ModelRunner, prompt: list[int], steps: int = STEPS):
+    """(tokens, prefix hit, the index keys the algorithm holds for the prompt right after
+    its prefill: one ``uint8 [n, bytes]`` per sparse layer)."""
+    be = runner.backend
+    (req,) = runner.new_requests([prompt])
+    runner.prefill(req)
+    algo = be.algorithm
+    state = [algo.export_token_state(layer, req.req_pool_idx, 0, len(prompt)).cpu()
+             for layer in range(be.cfg.num_layers) if algo.is_sparse_layer(layer)]
+    for _ in range(steps):
+        runner.decode_step([req])
+    be.end_request(req)
+    return req.output, req.prefix_hit, state
+
+
+def test_index_keys_round_trip_through_the_host_pool():
+    """After a request, the host pool's state buffer holds the exact stored index keys of
+    every cached token (prompt from prefill, decoded tokens from decode)."""
+    first, _ = prompts()
+    r = ModelRunner(model(), rt())
+    algo = r.backend.algorithm
+    res = r.generate([first], 4)
+    tree = r.backend.tree
+    m = tree.match_prefix(first + res.tokens[0][:3])
+    assert m.backed_length == 200 + 3  # prompt and decoded tokens are in the tree
+    host = r.backend.host
+    st = host.read_extra(STATE_BUFFER, m.backed_host_indices)
+    assert st.shape == (203, 2, algo.token_state_bytes())
+    assert st.any()  # not the zero fill
+    # a second request over the same tokens restores exactly these bytes
+    r2 = r.generate([first + res.tokens[0][:3]], 1)
+    assert r2.prefix_hits == [202]
+
+
+def test_host_hit_generates_what_a_cold_run_does():
+    first, second = prompts()
+    warm = ModelRunner(model(), rt())
+    warm.generate([first], 4)
+    tree = warm.backend.tree
+    before = tree.stats_.host_hit_tokens
+    tokens, hit, state = generate(warm, second)
+    assert hit == 150
+    assert tree.stats_.host_hit_tokens - before == 150
+    cold_tokens, cold_hit, cold_state = generate(ModelRunner(model(), rt(prefix_cache=False)), second)
+    assert cold_hit == 0
+    assert all(torch.equal(a, b) for a, b in zip(state, cold_state))  # the restored keys are the cold run's
+    assert tokens == cold_tokens
+    tree.check_invariants()
+
+
+def test_l3_hit_after_a_fresh_runner_generates_what_a_cold_run_does(tmp_path):
+    first, second = prompts()
+    policy = StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=16)
+
+    def store():
+        return FileStorage(StorageConfig(is_mla=True, model_name="tiny-dsa-test", extra={"file_path": str(tmp_path)}))
+
+    s1 = store()
+    a = ModelRunner(model(), rt(storage=s1, storage_policy=policy))
+    a.generate([first], 4)
+    assert a.backend.l3_stats()["l3_pages_written"] >= 200
+    a.backend.close()
+    s1.close()
+
+    s2 = store()
+    b = ModelRunner(model(), rt(storage=s2, storage_policy=policy))  # empty host pool: only L3 has the prefix
+    tokens, hit, state = generate(b, second)
+    st = b.backend.l3_stats()
+    assert st["l3_hit_tokens"] == 150 and st["l3_bytes_fetched"] > 0 and st["prefetch_reserved_pages"] == 0
+    assert hit == 150
+    b.backend.close()
+    s2.close()
+    cold_tokens, _, cold_state = generate(ModelRunner(model(), rt(prefix_cache=False)), second)
+    assert all(torch.equal(a, b) for a, b in zip(state, cold_state))
+    assert tokens == cold_tokens
+
+
+def test_a_host_pool_without_the_state_buffer_falls_back_to_recomputing():
+    """A reused host pool (benchmarks) that lacks the buffer: no prefix reuse for DSA, and
+    still the cold run's tokens."""
+    from hicache.host_pool import HostKVPool
+
+    first, second = prompts()
+    base = ModelRunner(model(), rt(prefix_cache=False)).backend
+    pool = HostKVPool(base.pool, hicache_ratio=2.0 * base.host.num_slots / base.pool.num_slots,
+                      layout="page_first_direct", pin_memory=False)
+    r = ModelRunner(model(), rt(host_pool=pool))
+    assert not r.backend.reuse_prefix
+    r.generate([first], 2)
+    res = r.generate([second], STEPS)
+    assert res.prefix_hits == [0]
+    cold = ModelRunner(model(), rt(prefix_cache=False)).generate([second], STEPS)
+    assert res.tokens == cold.tokens
