@@ -139,3 +139,28 @@ def test_a_host_pool_without_the_state_buffer_falls_back_to_recomputing():
     assert res.prefix_hits == [0]
     cold = ModelRunner(model(), rt(prefix_cache=False)).generate([second], STEPS)
     assert res.tokens == cold.tokens
+
+
+def test_sparsehi_run_twice_on_a_dsa_model_hits_l3(tmp_path, capsys):
+    """The main job on the MLA/DSA model with the file backend: the second run finds the
+    first run's prompt in L3, prefetches it with its index keys, and generates the same tokens."""
+    import json
+
+    from sparsehi.cli import main
+
+    argv = ["run", "--model", "tiny-dsa", "--num-layers", "2", "--context", "96", "--batch", "1",
+            "--decode-tokens", "6", "--modes", "sparse-hier", "--page-size", "1", "--top-k", "32",
+            "--sink-tokens", "8", "--recent-tokens", "8", "--device", "cpu", "--no-forced", "--no-progress",
+            "--host-layout", "page_first_direct", "--io-backend", "direct", "--hicache-storage-backend", "file",
+            "--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend-extra-config",
+            json.dumps({"file_path": str(tmp_path / "l3"), "prefetch_threshold": 16})]
+    rows = []
+    for name in ("a", "b"):
+        assert main([*argv, "--output-dir", str(tmp_path / name)]) == 0
+        data = json.loads((tmp_path / name / "run.json").read_text())
+        rows.append((data, next(r for r in data["rows"] if r["mode"] == "sparse-hier")))
+    (first, r1), (second, r2) = rows
+    assert r1["l3_hit_tokens"] == 0 and r1["l3_pages_written"] > 0
+    assert r2["l3_hit_tokens"] == 96 and r2["l3_bytes_fetched"] > 0
+    assert r2["prefix_reused_tokens"] == 95  # the last prompt token is prefilled
+    assert second["tokens"] == first["tokens"]
