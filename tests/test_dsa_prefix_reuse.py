@@ -164,3 +164,37 @@ def test_sparsehi_run_twice_on_a_dsa_model_hits_l3(tmp_path, capsys):
     assert r2["l3_hit_tokens"] == 96 and r2["l3_bytes_fetched"] > 0
     assert r2["prefix_reused_tokens"] == 95  # the last prompt token is prefilled
     assert second["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("index_dtype", ["bf16", "fp8"])
+def test_export_import_restores_the_exact_selection(index_dtype):
+    """The algorithm-level contract: a slot's exported index state imported into another
+    slot (as a prefix, below newly constructed keys) selects exactly the same tokens."""
+    from sparsehi.algorithms.dsa import fp8_dtype
+    from sparsehi.algorithms.registry import create_algorithm
+
+    if index_dtype == "fp8" and fp8_dtype() is None:
+        pytest.skip("torch without float8_e4m3fn")
+    Di, n, pre = 16, 40, 25
+    sc = SparseConfig(algorithm="dsa", page_size=1, top_k=8, device_buffer_size=16, sink_tokens=0, recent_tokens=1,
+                      min_sparse_prompt_len=0, sparse_extra_config={"index_head_dim": Di, "index_dtype": index_dtype})
+    algo = create_algorithm(sc, "cpu")
+    algo.initialize_representation_pool(0, 1, 2, 64, kv_heads=1, head_dim=8, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, n, Di, generator=g)
+    seq = torch.tensor([n], dtype=torch.int32)
+    algo.construct_representations(0, torch.tensor([0]), seq, None, None, index_keys=keys)
+    state = algo.export_token_state(0, 0, 0, pre)
+    assert state.dtype == torch.uint8 and state.shape == (pre, algo.token_state_bytes())
+    tail = torch.cat([torch.zeros(1, pre, Di), keys[:, pre:]], dim=1)  # what a prefix-reusing prefill stores
+    algo.construct_representations(0, torch.tensor([1]), seq, None, None, index_keys=tail)
+    algo.import_token_state(0, 1, 0, state)
+    assert torch.equal(algo.export_token_state(0, 1, 0, n), algo.export_token_state(0, 0, 0, n))
+    q, w = torch.randn(2, 4, Di, generator=g), torch.rand(2, 4, generator=g)
+    q[1], w[1] = q[0], w[0]
+    sel, valid = algo.retrieve_topk(q, 0, torch.tensor([0, 1]), torch.tensor([True, True]), seq_lens=seq.repeat(2),
+                                    candidate_start=torch.zeros(2, dtype=torch.int32),
+                                    candidate_end=seq.repeat(2), top_k=8, weights=w)
+    assert torch.equal(sel[0], sel[1]) and valid.tolist() == [8, 8]
+    with pytest.raises(ValueError, match="state must be uint8"):
+        algo.import_token_state(0, 1, 0, state.float())
