@@ -310,9 +310,9 @@ def _check_hicache_modes(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, sc: SparseConfig,
-                     dtype: torch.dtype, batch: int, max_context_len: int) -> None:
-    """``--hicache-size`` must hold the live requests' KV (the runtime's own rule, checked
-    before any work)."""
+                     device: str, dtype: torch.dtype, batch: int, max_context_len: int) -> None:
+    """``--hicache-size`` must hold the live requests' KV and the algorithm's per-token state
+    (the runtime's own rule, checked before any work)."""
     hc = args.hicache_config
     if hc.hicache_size <= 0:
         return
@@ -326,10 +326,16 @@ def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     mcfg = get_model_config(args.model) if args.model_path is None else check_hf_checkpoint(args.model_path)
     if args.num_layers is not None:
         mcfg = _replace(mcfg, num_layers=args.num_layers)
+    from sparsehi.algorithms.registry import create_algorithm
+
+    extra = dict(sc.sparse_extra_config)
+    if mcfg.family == "mla":
+        extra.setdefault("index_head_dim", mcfg.index_head_dim)
+    state = create_algorithm(_replace(sc, sparse_extra_config=extra), device).token_state_bytes()
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=batch, max_context_len=max_context_len,
                        host_kv_gb=hc.hicache_size)
     try:
-        rt.host_tokens(host_token_bytes(mcfg, dtype), mcfg.name)
+        rt.host_tokens(host_token_bytes(mcfg, dtype) + mcfg.num_layers * state, mcfg.name)
     except ValueError as e:
         parser.error(str(e))
 
@@ -425,7 +431,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             device, dtype, sc = _resolve(args, args.subparser, "--context", args.context,
                                          args.context + args.decode_tokens, RUN_FILES)
-            _check_host_size(args, args.subparser, sc, dtype, args.batch, args.context + args.decode_tokens + 1)
+            _check_host_size(args, args.subparser, sc, device, dtype, args.batch, args.context + args.decode_tokens + 1)
             run_demo(DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
                                 context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
                                 shared_prefix=args.shared_prefix, forced=not args.no_forced,
@@ -435,7 +441,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         device, dtype, sc = _resolve(args, args.subparser, "--contexts", min(args.contexts),
                                      max(args.contexts) + args.decode_tokens, BENCH_FILES)
-        _check_host_size(args, args.subparser, sc, dtype, max(args.batches),
+        _check_host_size(args, args.subparser, sc, device, dtype, max(args.batches),
                          max(args.contexts) + args.decode_tokens + 1)
         run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
                               contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))

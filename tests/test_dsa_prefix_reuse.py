@@ -198,3 +198,17 @@ def test_export_import_restores_the_exact_selection(index_dtype):
     assert torch.equal(sel[0], sel[1]) and valid.tolist() == [8, 8]
     with pytest.raises(ValueError, match="state must be uint8"):
         algo.import_token_state(0, 1, 0, state.float())
+
+
+def test_hicache_size_counts_the_index_state():
+    """--hicache-size (RuntimeConfig.host_kv_gb) is divided by the host bytes of a token,
+    index state included: a size that holds only the KV of the running requests is refused."""
+    from sparsehi.runtime.backends import host_token_bytes
+
+    m = model()
+    need = 1 * (200 + STEPS + 1)
+    kv_only = need * host_token_bytes(m.cfg, torch.float32) / 1e9
+    with pytest.raises(ValueError, match="--hicache-size"):
+        ModelRunner(m, rt(host_kv_gb=kv_only * 1.0001))
+    r = ModelRunner(m, rt(host_kv_gb=kv_only * 1.5))
+    assert r.backend.host_token_bytes() > host_token_bytes(m.cfg, torch.float32)

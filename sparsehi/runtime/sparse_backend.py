@@ -231,17 +231,21 @@ class CoordinatorBackend(ModeBackend):
         if req.prefix_state is not None and self.algorithm.is_sparse_layer(layer):
             self.algorithm.import_token_state(layer, req.req_pool_idx, 0, req.prefix_state[:, layer])
 
-    def _save_state(self, row: int, start: int, end: int, host_slots: torch.Tensor) -> None:
-        """Positions ``[start, end)`` of request slot ``row``: the algorithm's per-token state
-        into the host pool's state buffer at ``host_slots`` (``[end - start]``). Prefill end
-        and request end only (a host sync)."""
-        if end <= start or not self.keeps_state:
-            return
+    def _export_state(self, row: int, start: int, end: int) -> torch.Tensor:
+        """``uint8 [end - start, layers, bytes]`` (CPU): the algorithm's per-token state of
+        positions ``[start, end)`` of request slot ``row`` (dense layers: zeros). Prefill
+        end and request end only (a host sync)."""
         st = torch.zeros((end - start, self.cfg.num_layers, self.state_bytes), dtype=torch.uint8)
         for layer in range(self.cfg.num_layers):
             if self.algorithm.is_sparse_layer(layer):
                 st[:, layer] = self.algorithm.export_token_state(layer, row, start, end).cpu()
-        self.host.write_extra(STATE_BUFFER, host_slots[: end - start].cpu(), st)
+        return st
+
+    def _save_state(self, row: int, start: int, end: int, host_slots: torch.Tensor) -> None:
+        """Positions ``[start, end)`` of slot ``row``: their state into the host pool's state
+        buffer at ``host_slots[: end - start]``."""
+        if end > start and self.keeps_state:
+            self.host.write_extra(STATE_BUFFER, host_slots[: end - start].cpu(), self._export_state(row, start, end))
 
     def end_prefill(self, req: Request, prefix_len: int) -> None:
         batch = self._batch.pop(req.rid)
@@ -338,20 +342,15 @@ class CoordinatorBackend(ModeBackend):
         decoded_state = None
         if self.reuse_prefix and self.keeps_state and req.seq_len > n_prompt:
             # the decoded tokens' state, read before the algorithm forgets the slot
-            decoded_state = [(layer, self.algorithm.export_token_state(layer, req.req_pool_idx, n_prompt,
-                                                                        req.seq_len).cpu())
-                             for layer in range(self.cfg.num_layers) if self.algorithm.is_sparse_layer(layer)]
+            decoded_state = self._export_state(req.req_pool_idx, n_prompt, req.seq_len)
         kv = self.coord.on_request_end(req.req_pool_idx)
         ps = self.rt.page_size
         if self.hier:
             hs = kv.host_slots
             pages = kv.host_pages
             keep = 0
-            if decoded_state:
-                st = torch.zeros((req.seq_len - n_prompt, self.cfg.num_layers, self.state_bytes), dtype=torch.uint8)
-                for layer, part in decoded_state:
-                    st[:, layer] = part
-                self.host.write_extra(STATE_BUFFER, hs[n_prompt:req.seq_len], st)
+            if decoded_state is not None:
+                self.host.write_extra(STATE_BUFFER, hs[n_prompt:req.seq_len], decoded_state)
             if self.reuse_prefix:
                 seq_al = kv.seq_len // ps * ps
                 toks = req.all_tokens()[:seq_al]
