@@ -74,6 +74,28 @@ def _available_host_bytes() -> int | None:
         return None
 
 
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _check_extra(extra_token_buffers) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if extra_token_buffers is None:
+        return out
+    if not isinstance(extra_token_buffers, dict):
+        raise ValueError(f"extra_token_buffers must be a dict name -> (per-token shape, dtype), "
+                         f"got {type(extra_token_buffers).__name__}")
+    for name, spec in extra_token_buffers.items():
+        ok = (isinstance(name, str) and name and isinstance(spec, tuple) and len(spec) == 2
+              and isinstance(spec[1], torch.dtype) and isinstance(spec[0], tuple)
+              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in spec[0]))
+        if not ok:
+            raise ValueError(f"extra_token_buffers[{name!r}] must be (per-token shape: tuple of ints >= 1, "
+                             f"torch dtype), got {spec!r}")
+        out[name] = (tuple(spec[0]), spec[1])
+    return out
+
+
 class HostKVPool:
     """Full KV in host memory, ``num_slots`` token slots of all layers.
 
@@ -90,24 +112,46 @@ class HostKVPool:
     Size: ``hicache_size`` GB (1e9, per rank) when > 0, else ``hicache_ratio`` × the device
     pool; either must exceed the device pool. Pinned iff CUDA is available unless
     ``pin_memory`` says otherwise.
+
+    Extra per-token buffers (``extra_token_buffers``: name -> (per-token shape, dtype)) hold
+    data a caller keeps with each token's KV that the device pool does not have (e.g. a
+    sparse-attention index key per layer); they are allocated, freed and evicted with the
+    token's slot and never moved by the KV transfers (``read_extra`` / ``write_extra``). In
+    the page layouts each page is one contiguous record: the KV page followed by the page's
+    extra buffers (each ``[page_size, *shape]``), so ``page_tensor`` — the object L3 stores
+    — carries them too. ``kv_data`` is then a strided view of the records.
     """
 
     def __init__(self, device_pool: DeviceKVPool, hicache_ratio: float = 2.0, hicache_size: float = 0.0,
-                 layout: str = "layer_first", pin_memory: bool | None = None):
+                 layout: str = "layer_first", pin_memory: bool | None = None,
+                 extra_token_buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
         if not isinstance(device_pool, DeviceKVPool):
             raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
         if layout not in HOST_LAYOUTS:
             raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {layout!r}")
         spec = device_pool.spec
         ps = spec.page_size
+        extras = _check_extra(extra_token_buffers)
+        # page record: the KV page, then each extra buffer's page, each part 64-byte aligned;
+        # the record is a whole number of KV rows so the strided KV view keeps row strides
+        kv_page = spec.token_bytes * ps
+        offsets: dict[str, int] = {}
+        record = kv_page
+        for name, (shape, dt) in extras.items():
+            record = _align(record, 64)
+            offsets[name] = record
+            record += ps * int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+        if extras:
+            record = _align(record, int(np.lcm(64, spec.row_bytes)))
+        token_bytes = record / ps
         if hicache_size is None or hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 (GB per rank; 0 = use hicache_ratio), got {hicache_size!r}")
         if hicache_size > 0:
-            num_slots = int(hicache_size * 1e9 // spec.token_bytes) // ps * ps
+            num_slots = int(hicache_size * 1e9 // token_bytes) // ps * ps
             if num_slots <= device_pool.num_slots:
                 raise ValueError(
                     f"hicache_size={hicache_size} GB holds {num_slots} slots, which must exceed the device "
-                    f"pool's {device_pool.num_slots} slots ({device_pool.num_slots * spec.token_bytes / 1e9:.3g} GB)")
+                    f"pool's {device_pool.num_slots} slots ({device_pool.num_slots * token_bytes / 1e9:.3g} GB)")
         else:
             if not hicache_ratio > 1:
                 raise ValueError(f"hicache_ratio must be > 1 (host pool larger than the device pool), got {hicache_ratio!r}")
@@ -126,14 +170,32 @@ class HostKVPool:
         self.pin_memory = bool(pin_memory)
         self.allocator = PagedSlotAllocator(num_slots, ps, "cpu")
 
-        nbytes = num_slots * spec.token_bytes
+        self.extra_specs = extras
+        self.page_nbytes = record
+        """Bytes of one page record (KV and extra buffers): what ``page_tensor`` spans."""
+        nbytes = self.num_pages * record if extras and layout != "layer_first" else num_slots * spec.token_bytes
         avail = _available_host_bytes()
         if avail is not None and nbytes > avail:
             raise ValueError(f"host pool needs {nbytes / 1e9:.3g} GB but only {avail / 1e9:.3g} GB of host memory "
                              f"is available; lower hicache_ratio/hicache_size")
         shape = _host_shape(layout, self.num_pages, ps, spec.num_layers, spec.num_buffers, spec.kv_heads, spec.head_dim)
         raw = _alloc_pinned(nbytes) if self.pin_memory else torch.zeros(nbytes, dtype=torch.uint8)
-        self.kv_data = raw.view(spec.dtype).view(shape)
+        self.raw = raw
+        """All of the pool's host memory (``uint8``): what a storage backend registers."""
+        self.extra: dict[str, torch.Tensor] = {}
+        """name -> ``[pages, page_size, *shape]`` view of each extra buffer."""
+        if extras and layout != "layer_first":
+            rec = raw.view(self.num_pages, record)
+            self.kv_data = rec[:, :kv_page].view(spec.dtype).view(shape)
+            for name, (eshape, dt) in extras.items():
+                nb = ps * int(np.prod(eshape)) * torch.empty((), dtype=dt).element_size()
+                part = rec[:, offsets[name]:offsets[name] + nb]
+                self.extra[name] = part.view(dt).view(self.num_pages, ps, *eshape)
+        else:
+            self.kv_data = raw.view(spec.dtype).view(shape)
+            for name, (eshape, dt) in extras.items():  # layer_first: no page records, no L3
+                self.extra[name] = torch.zeros((self.num_pages, ps, *eshape), dtype=dt,
+                                               pin_memory=self.pin_memory)
 
     # --- allocation --------------------------------------------------------------------
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -159,13 +221,38 @@ class HostKVPool:
         return d.permute(0, 4, 2, 3, 1, 5)
 
     def page_tensor(self, page: int) -> torch.Tensor:
-        """One page of every layer, contiguous (page layouts only): the object L3 stores."""
+        """One page of every layer, contiguous (page layouts only): the object L3 stores.
+        With extra per-token buffers, the whole page record as ``uint8 [page_nbytes]``."""
         if self.layout == "layer_first":
             raise ValueError("page_tensor needs layout in ('page_first', 'page_first_direct', 'page_head'), "
                              "got 'layer_first'")
         if not isinstance(page, int) or not 0 <= page < self.num_pages:
             raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
+        if self.extra:
+            return self.raw.view(self.num_pages, self.page_nbytes)[page]
         return self.kv_data[page]
+
+    def _extra(self, name: str) -> torch.Tensor:
+        if name not in self.extra:
+            raise ValueError(f"extra buffer {name!r} is not in this pool (it has {sorted(self.extra)})")
+        return self.extra[name]
+
+    def read_extra(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Copy of extra buffer ``name`` at ``slots``: ``[N, *shape]`` of its dtype (CPU)."""
+        buf = self._extra(name)
+        check_slots(slots, "slots", self.num_slots, (torch.device("cpu"),))
+        s = slots.to(torch.int64)
+        return buf[s // self.page_size, s % self.page_size].clone()
+
+    def write_extra(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values [N, *shape]`` into extra buffer ``name`` at ``slots`` (unique)."""
+        buf = self._extra(name)
+        check_slots(slots, "slots", self.num_slots, (torch.device("cpu"),), unique=True)
+        want = (slots.numel(), *buf.shape[2:])
+        if tuple(values.shape) != want:
+            raise ValueError(f"values must have shape {want} for extra buffer {name!r}, got {tuple(values.shape)}")
+        s = slots.to(torch.int64)
+        buf[s // self.page_size, s % self.page_size] = values.to(device="cpu", dtype=buf.dtype)
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
@@ -194,7 +281,8 @@ class HostKVPool:
         self.paged_view()[s // self.page_size, s % self.page_size, layer] = data
 
     def nbytes(self) -> int:
-        return self.kv_data.numel() * self.kv_data.element_size()
+        return self.raw.numel() + sum(t.numel() * t.element_size() for t in self.extra.values()
+                                      if t.untyped_storage().data_ptr() != self.raw.untyped_storage().data_ptr())
 
     def __repr__(self) -> str:
         return (f"HostKVPool(layout={self.layout}, num_slots={self.num_slots}, "

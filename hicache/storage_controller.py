@@ -153,7 +153,7 @@ class StorageController:
         self.host_pool = host_pool
         self.policy = policy
         self.page_size = host_pool.page_size
-        self.page_bytes = host_pool.spec.token_bytes * host_pool.page_size
+        self.page_bytes = getattr(host_pool, "page_nbytes", host_pool.spec.token_bytes * host_pool.page_size)
         cfg = storage.config
         self.tp_rank, self.is_mla, self.writes_pages = cfg.tp_rank, cfg.is_mla, cfg.writes_pages
         self._cv = threading.Condition()

@@ -14,7 +14,8 @@ from sparsehi.kernels.lru_diff import MAX_SLOTS
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLAG_OF = {"device_buffer_size": "--buffer-size", "top_k": "--top-k", "page_size": "--page-size",
-            "sink_tokens": "--sink-tokens", "recent_tokens": "--recent-tokens", "io_backend": "--io-backend"}
+            "sink_tokens": "--sink-tokens", "recent_tokens": "--recent-tokens", "io_backend": "--io-backend",
+            "host_to_device_ratio": "--hicache-ratio"}
 
 
 def _positive(name: str):
@@ -131,6 +132,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     # The layout and io flags above are the same settings under SGLang's names: unset here,
     # so _hicache_config can tell a given flag from a default and reject two that disagree.
     p.set_defaults(hicache_mem_layout=None, hicache_io_backend=None)
+    # unset too, so a flag the user gave can be checked against the modes it applies to
+    p.set_defaults(hicache_ratio=None, hicache_size=None)
     for a in p._actions:
         if a.dest == "hicache_storage_backend":
             a.help = ("L3 storage below the host pool (sparse-hier): prefixes written by one run are prefetched by "
@@ -140,9 +143,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         elif a.dest in ("hicache_mem_layout", "hicache_io_backend"):
             a.help = f"SGLang's name for --{'host-layout' if a.dest == 'hicache_mem_layout' else 'io-backend'}"
         elif a.dest == "hicache_write_policy":
-            a.help = "SGLang's host write policy (the runtime offloads every prompt to host; accepted for launch lines)"
-        elif a.dest in ("enable_hierarchical_cache", "hicache_ratio", "hicache_size"):
-            a.help = (a.help or "") + " (accepted for SGLang launch lines; sparse-hier sizes its host pool itself)"
+            a.help = ("when device KV is copied to host: only write_through here (the host modes write every "
+                      "prefilled page to the host pool at once; write_through_selective and write_back need a "
+                      "device-resident prefix cache, which no mode has)")
+        elif a.dest == "enable_hierarchical_cache":
+            a.help = ("SGLang's switch for the host tier; here the host modes (sparse-hier, offload-full) always have "
+                      "it: accepted when --modes runs one of them")
+        elif a.dest == "hicache_ratio":
+            a.help = ("host pool size / the KV the running requests can hold (SGLang: / the device pool), > 1 "
+                      "(default 2); host modes")
+        elif a.dest == "hicache_size":
+            a.help = "host pool size in GB (1e9 bytes); overrides --hicache-ratio (default 0: use the ratio); host modes"
     g = p.add_argument_group("execution")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
@@ -231,9 +242,11 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
     top_k, buf = _sizes(args, parser, page, context_flag, shortest, longest)
     args.hicache_config = _hicache_config(args, parser, page)
     try:
+        hc = args.hicache_config
+        ratio = {} if hc.hicache_size > 0 else {"host_to_device_ratio": float(hc.hicache_ratio)}
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                          io_backend=args.io_backend)
+                          io_backend=args.io_backend, **ratio)
     except ValueError as e:
         msg = str(e)
         for field_name, flag in _FLAG_OF.items():
@@ -274,9 +287,69 @@ def _same_setting(args: argparse.Namespace, parser: argparse.ArgumentParser, our
     return a or b or default
 
 
+def _check_hicache_modes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Each ``--hicache-*`` flag the user gave must apply to a mode this command runs (with
+    SGLang's meaning), else it is rejected naming the flag and the modes it applies to."""
+    from sparsehi.runtime.modes import HOST_MODES, RUNTIME_MODES
+
+    modes = args.modes or list(RUNTIME_MODES)
+    given = [flag for flag, on in (("--enable-hierarchical-cache", args.enable_hierarchical_cache),
+                                   ("--hicache-ratio", args.hicache_ratio is not None),
+                                   ("--hicache-size", args.hicache_size is not None)) if on]
+    if given and not any(m in HOST_MODES for m in modes):
+        parser.error(f"{given[0]} sizes the host KV tier, which only the modes {', '.join(HOST_MODES)} have; "
+                     f"--modes {','.join(modes)} runs none of them")
+    if args.hicache_write_policy != "write_through":
+        parser.error(f"--hicache-write-policy {args.hicache_write_policy} cannot apply: the host modes "
+                     f"({', '.join(HOST_MODES)}) copy every prefilled page to the host pool at once, as their decode "
+                     f"reads KV there (write_through); write_through_selective and write_back keep KV on the device "
+                     f"until a hit or an eviction, which needs a device-resident prefix cache that no mode of "
+                     f"sparsehi {args.command} has. Use write_through (the default)")
+    if args.hicache_storage_backend is not None:
+        if args.command != "run":
+            parser.error(f"--hicache-storage-backend applies to sparsehi run (its sparse-hier mode reuses prompt "
+                         f"prefixes through the prefix tree and L3); sparsehi {args.command} runs without the "
+                         f"prefix tree")
+        if "sparse-hier" not in modes:
+            parser.error(f"--hicache-storage-backend applies to the sparse-hier mode (its prefix tree reads and "
+                         f"writes L3); --modes {','.join(modes)} does not run it")
+
+
+def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, sc: SparseConfig,
+                     device: str, dtype: torch.dtype, batch: int, max_context_len: int) -> None:
+    """``--hicache-size`` must hold the live requests' KV and the algorithm's per-token state
+    (the runtime's own rule, checked before any work)."""
+    hc = args.hicache_config
+    if hc.hicache_size <= 0:
+        return
+    from dataclasses import replace as _replace
+
+    from sparsehi.runtime.backends import host_token_bytes
+    from sparsehi.runtime.model_config import get_model_config
+    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.weights import check_hf_checkpoint
+
+    mcfg = get_model_config(args.model) if args.model_path is None else check_hf_checkpoint(args.model_path)
+    if args.num_layers is not None:
+        mcfg = _replace(mcfg, num_layers=args.num_layers)
+    from sparsehi.algorithms.registry import create_algorithm
+
+    extra = dict(sc.sparse_extra_config)
+    if mcfg.family == "mla":
+        extra.setdefault("index_head_dim", mcfg.index_head_dim)
+    state = create_algorithm(_replace(sc, sparse_extra_config=extra), device).token_state_bytes()
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=batch, max_context_len=max_context_len,
+                       host_kv_gb=hc.hicache_size)
+    try:
+        rt.host_tokens(host_token_bytes(mcfg, dtype) + mcfg.num_layers * state, mcfg.name)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, page: int) -> HiCacheConfig:
     """The ``--hicache-*`` flags as a validated HiCacheConfig (page size: the run's). Also
     settles ``args.host_layout`` / ``args.io_backend`` from either name of each."""
+    _check_hicache_modes(args, parser)
     args.host_layout = _same_setting(args, parser, "host_layout", "hicache_mem_layout", "layer_first")
     args.io_backend = _same_setting(args, parser, "io_backend", "hicache_io_backend", "kernel")
     try:
@@ -285,8 +358,9 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
         parser.error(str(e))
     try:
         hc = HiCacheConfig(
-            enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
-            hicache_size=args.hicache_size, page_size=page, hicache_write_policy=args.hicache_write_policy,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_ratio=2.0 if args.hicache_ratio is None else args.hicache_ratio,
+            hicache_size=0 if args.hicache_size is None else args.hicache_size, page_size=page, hicache_write_policy=args.hicache_write_policy,
             hicache_io_backend=args.io_backend, hicache_mem_layout=args.host_layout,
             hicache_storage_backend=args.hicache_storage_backend,
             hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
@@ -369,6 +443,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             device, dtype, sc = _resolve(args, args.subparser, "--context", args.context,
                                          args.context + args.decode_tokens, RUN_FILES)
+            _check_host_size(args, args.subparser, sc, device, dtype, args.batch, args.context + args.decode_tokens + 1)
             run_demo(DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
                                 context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
                                 shared_prefix=args.shared_prefix, forced=not args.no_forced,
@@ -379,6 +454,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         device, dtype, sc = _resolve(args, args.subparser, "--contexts", min(args.contexts),
                                      max(args.contexts) + args.decode_tokens, BENCH_FILES)
+        _check_host_size(args, args.subparser, sc, device, dtype, max(args.batches),
+                         max(args.contexts) + args.decode_tokens + 1)
         run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
                               contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))
         return 0

@@ -116,7 +116,9 @@ class MooncakeStorage(HiCacheStorage):
     def register_host_pool(self, host_pool: Any) -> None:
         """Register the pool's memory with the store (RDMA needs it; TCP works without)."""
         super().register_host_pool(host_pool)
-        data = host_pool.kv_data
+        data = getattr(host_pool, "raw", None)
+        if data is None:
+            data = host_pool.kv_data
         region = (data.data_ptr(), data.numel() * data.element_size())
         old, self._pool_region = self._pool_region, region
         ok = self._call_on_current("register", lambda st: self._swap_registration(st, old, region))

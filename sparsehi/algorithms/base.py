@@ -162,6 +162,26 @@ class BaseSparseAlgorithm(ABC):
         ``valid_lengths [B] int32)``.
         """
 
+    # ------------------------------------------------------------------ per-token state
+    def token_state_bytes(self) -> int:
+        """Bytes per token and sparse layer of representation state that cannot be rebuilt
+        from the KV cache (0: none — ``construct_representations`` rebuilds everything from
+        the keys, as Quest does). A runtime that reuses a cached prefix keeps this state with
+        the prefix's KV (host pool, L3) and restores it with ``import_token_state``."""
+        return 0
+
+    def export_token_state(self, layer_id: int, req_pool_index: int, start: int, end: int) -> torch.Tensor:
+        """``uint8 [end - start, token_state_bytes()]`` (on the algorithm's device): the state
+        of positions ``[start, end)`` of request slot ``req_pool_index`` in sparse layer
+        ``layer_id``. Called outside decode steps (prefill end, request end)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-token state (token_state_bytes() == 0)")
+
+    def import_token_state(self, layer_id: int, req_pool_index: int, start: int, state: torch.Tensor) -> None:
+        """Restore ``state`` (``uint8 [n, token_state_bytes()]``, from ``export_token_state``)
+        at positions ``[start, start + n)`` of the slot, which then count as represented.
+        Called at prefill, after ``construct_representations`` of that layer."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-token state (token_state_bytes() == 0)")
+
     # ------------------------------------------------------------------ lifecycle
     def on_request_end(self, req_pool_index: int) -> None:
         """Forget a request's representations (optional)."""

@@ -279,6 +279,48 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         scores = self.score(queries, w, layer_id, req_pool_indices, seq_lens)
         return topk_select(scores, top_k, cs, ce, as_row_mask(sparse_mask, scores.device))
 
+    # -- per-token state: the stored index key (and its FP8 scale) ----------------------
+    def token_state_bytes(self) -> int:
+        """The index key as stored (``index_head_dim`` elements of the storage dtype), plus
+        its float32 scale when FP8: restoring these bytes restores the exact selection."""
+        es = torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.index_head_dim * es + (4 if self.index_dtype == "fp8" else 0)
+
+    def _state_range(self, layer_id: int, req_pool_index: int, start: int, n: int) -> torch.Tensor:
+        keys = self._layer(layer_id)
+        if keys is None:
+            raise ValueError(f"layer_id={layer_id} is dense: it keeps no index keys")
+        if not (isinstance(req_pool_index, int) and 0 <= req_pool_index < self.max_num_reqs):
+            raise ValueError(f"req_pool_index={req_pool_index!r} is invalid: an int in [0, {self.max_num_reqs})")
+        if not (isinstance(start, int) and start >= 0 and n >= 0 and start + n <= self.max_context_len):
+            raise ValueError(f"positions [{start}, {start + n}) are outside [0, max_context_len={self.max_context_len})")
+        return keys
+
+    def export_token_state(self, layer_id: int, req_pool_index: int, start: int, end: int) -> torch.Tensor:
+        keys = self._state_range(layer_id, req_pool_index, start, end - start)
+        parts = [keys[req_pool_index, start:end].contiguous().view(torch.uint8)]
+        if self.index_dtype == "fp8":
+            sc = self._scales[layer_id][req_pool_index, start:end]  # type: ignore[index]
+            parts.append(sc.contiguous().view(torch.uint8).view(end - start, 4))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def import_token_state(self, layer_id: int, req_pool_index: int, start: int, state: torch.Tensor) -> None:
+        width = self.token_state_bytes()
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 2 \
+                or state.shape[1] != width:
+            got = (tuple(state.shape), state.dtype) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"state must be uint8 [n, {width}] (export_token_state's format), got {got}")
+        n = state.shape[0]
+        keys = self._state_range(layer_id, req_pool_index, start, n)
+        state = state.to(keys.device)
+        kb = self.index_head_dim * keys.element_size()
+        keys[req_pool_index, start:start + n] = state[:, :kb].contiguous().view(keys.dtype)
+        if self.index_dtype == "fp8":
+            self._scales[layer_id][req_pool_index, start:start + n] = (  # type: ignore[index]
+                state[:, kb:].contiguous().view(torch.float32).view(n))
+        idx = self._indexed[layer_id]
+        idx[req_pool_index] = torch.clamp(idx[req_pool_index], min=start + n)
+
     def on_request_end(self, req_pool_index: int) -> None:
         """Forget how many tokens of the slot were indexed (the slot's keys are rewritten)."""
         if self._indexed and not (isinstance(req_pool_index, int) and 0 <= req_pool_index < self.max_num_reqs):

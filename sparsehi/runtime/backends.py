@@ -53,6 +53,10 @@ class Request:
     cache_salt: Optional[str] = None
     """Tenant isolation (vLLM's ``cache_salt``): the request shares cached KV (device, host,
     L3) only with requests of the same salt; None shares with unsalted requests."""
+    prefix_state: Optional[torch.Tensor] = None
+    """During the prefill of a reused prefix: the algorithm's per-token state of the prefix
+    (``uint8 [prefix, layers, bytes]`` on the device, from the host pool), restored layer by
+    layer (``BaseSparseAlgorithm.import_token_state``)."""
 
     def all_tokens(self) -> list[int]:
         """Prompt + the tokens whose KV was computed by decode steps."""
@@ -63,6 +67,14 @@ def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
     kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
     return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
                        head_dim=cfg.cache_head_dim, dtype=rt.dtype, page_size=rt.page_size, **kw)
+
+
+def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Host pool bytes of one token of ``cfg`` (all layers): what ``--hicache-size`` GB are
+    divided by to size the host pool of a host mode."""
+    kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
+    return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
+                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=1, **kw).token_bytes
 
 
 def _sync(device: torch.device) -> None:
@@ -87,6 +99,10 @@ class ModeBackend:
         self.query_hook: Optional[QueryHook] = None
         self.timer = SectionTimer(self.device)
         """Benchmarks enable it to split a decode step into attention / io / ... sections."""
+
+    def host_token_bytes(self) -> int:
+        """Host pool bytes of one token (all layers), what ``--hicache-size`` is divided by."""
+        return host_token_bytes(self.cfg, self.rt.dtype)
 
     # -- accounting ---------------------------------------------------------------------
     def device_tokens_in_use(self) -> int:
@@ -220,9 +236,11 @@ class ModeBackend:
     def close(self) -> None:
         pass
 
-    def _host_pool(self, n_tokens: int):
+    def _host_pool(self, n_tokens: int, extra: Optional[dict] = None):
         """The mode's HostKVPool: ``rt.host_pool`` reused (allocator cleared) or a new one
-        of at least ``n_tokens`` slots (and more than the device pool, as HiCache requires)."""
+        of at least ``n_tokens`` slots (and more than the device pool, as HiCache requires)
+        with the extra per-token buffers ``extra`` (``HostKVPool(extra_token_buffers=...)``;
+        a reused pool may lack them: the caller checks ``pool.extra``)."""
         from hicache.host_pool import HostKVPool
 
         hp = self.rt.host_pool
@@ -234,7 +252,7 @@ class ModeBackend:
             hp.allocator.clear()
             return hp
         ratio = max(n_tokens / self.pool.num_slots, 1.0) + 1e-6
-        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout)
+        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout, extra_token_buffers=extra)
 
     def _hook(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
         return q if self.query_hook is None else self.query_hook(layer, q, extra)

@@ -139,7 +139,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         rt = RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
                            max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
                            host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph,
-                           storage=storage if l3 else None, storage_policy=policy if l3 else None)
+                           storage=storage if l3 else None, storage_policy=policy if l3 else None,
+                           host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)
         do_forced = cfg.forced and mode != "dense" and "dense" in results
         total = (cfg.batch + cfg.decode_tokens) * (2 if do_forced else 1)
         bar = tqdm(total=total, desc=f"{mode:>12}", unit="step", leave=True, disable=not cfg.progress) if tqdm else None

@@ -66,6 +66,10 @@ class RuntimeConfig:
     host_kv_tokens: Optional[int] = None
     """Host pool slots (host modes); None: room for twice the live requests' KV so the
     radix tree can keep finished requests for prefix reuse."""
+    host_kv_gb: float = 0.0
+    """Host modes: host pool size in GB (1e9 bytes), SGLang's ``--hicache-size``; when > 0
+    it overrides ``host_kv_tokens`` and ``sparse.host_to_device_ratio`` (``--hicache-ratio``)
+    and must hold at least the live requests' KV (``min_host_tokens``)."""
     host_layout: str = "layer_first"
     adaptor: str = "none"
     """Backend adaptor for sparse decode: ``none`` = the coordinator's torch fallback,
@@ -94,6 +98,7 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig.mode={self.mode!r}: allowed {RUNTIME_MODES}")
         if self.adaptor not in ADAPTORS:
             raise ValueError(f"RuntimeConfig.adaptor={self.adaptor!r}: allowed {ADAPTORS}")
+
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
@@ -120,6 +125,9 @@ class RuntimeConfig:
 
         if self.host_layout not in HOST_LAYOUTS:
             raise ValueError(f"RuntimeConfig.host_layout={self.host_layout!r} is invalid: one of {HOST_LAYOUTS}")
+        if not isinstance(self.host_kv_gb, (int, float)) or isinstance(self.host_kv_gb, bool) or self.host_kv_gb < 0:
+            raise ValueError(f"RuntimeConfig.host_kv_gb (--hicache-size) must be a number of GB >= 0, "
+                             f"got {self.host_kv_gb!r}")
 
     @property
     def page_size(self) -> int:
@@ -160,6 +168,27 @@ class RuntimeConfig:
         else:  # offload-full: one prompt's prefill staging
             need = ctx + ps
         return round_up(need, ps) + 2 * ps  # page 0 is reserved as padding
+
+    def min_host_tokens(self) -> int:
+        """Host slots the live requests' KV can take at most (every row at full context)."""
+        return self.max_num_reqs * round_up(self.max_context_len, self.page_size)
+
+    def host_tokens(self, token_bytes: int, model: str = "the model") -> int:
+        """Host pool slots of a host mode: ``host_kv_gb`` GB of ``token_bytes``-byte tokens
+        (whole pages) when set, else ``host_kv_tokens``, else ``auto_host_tokens``. A size
+        below ``min_host_tokens`` -> ValueError naming ``--hicache-size``."""
+        ps = self.page_size
+        if self.host_kv_gb > 0:
+            n = int(self.host_kv_gb * 1e9 // token_bytes) // ps * ps
+            need = self.min_host_tokens()
+            if n < need:
+                raise ValueError(
+                    f"--hicache-size {self.host_kv_gb:g} GB holds {n} tokens of {model}'s host KV ({token_bytes} "
+                    f"bytes a token); {self.mode} needs at least {need} ({self.max_num_reqs} requests x "
+                    f"{round_up(self.max_context_len, ps)} tokens, {need * token_bytes / 1e9:.3g} GB): raise it, or "
+                    f"leave it 0 to size the host pool with --hicache-ratio")
+            return n + 2 * ps  # page 0 is reserved as padding
+        return round_up(self.host_kv_tokens or self.auto_host_tokens(), ps)
 
     def auto_host_tokens(self) -> int:
         """Host pool slots: ``sparse.host_to_device_ratio`` times the KV the live requests

@@ -23,7 +23,7 @@ class OffloadFullBackend(ModeBackend):
     def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
         super().__init__(cfg, rt)
         ps = rt.page_size
-        n_host = round_up(rt.host_kv_tokens or rt.auto_host_tokens(), ps)
+        n_host = rt.host_tokens(self.host_token_bytes(), cfg.name)
         self.host = self._host_pool(n_host)
         self.transfer = KVTransferEngine(self.pool, self.host, rt.sparse.io_backend, validate=rt.validate)
         self.ctx_pages = round_up(rt.max_context_len, ps) // ps

@@ -5,8 +5,11 @@ coordinator mode differs (``gpu_only`` vs ``hierarchical``).
 sparse-hier also keeps a HiRadixTree over the host pool: a prompt's longest host-resident
 prefix is matched, loaded back into device slots for the prefill, and handed to the
 coordinator as tree-owned host slots, so prefix reuse and hierarchical sparsity work
-together. DSA requests skip the match: the indexer keys of a reused prefix are not kept
-(they live on the GPU only and are freed with the request), so the prefix is recomputed.
+together. Algorithm state that cannot be rebuilt from the KV (DSA's index keys:
+``BaseSparseAlgorithm.token_state_bytes``) is part of the tiered KV: the host pool keeps
+it per token in an extra buffer (``STATE_BUFFER``, in the same page records L3 stores),
+written at prefill end (prompt) and request end (decoded tokens), and a reused prefix's
+state is restored into the algorithm at its prefill, layer by layer.
 
 With an L3 backend (``RuntimeConfig.storage``) the tree attaches it: a prompt whose prefix
 continues in L3 beyond the host hit is prefetched into host pages before its prefill, and
@@ -34,6 +37,9 @@ from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
 
 logger = logging.getLogger(__name__)
+
+STATE_BUFFER = "sparse_token_state"
+"""The host pool's extra per-token buffer of the algorithm's state: ``uint8 [layers, bytes]``."""
 
 
 def adaptor_name(cfg: ModelConfig, sc) -> str:
@@ -77,9 +83,14 @@ class CoordinatorBackend(ModeBackend):
             adaptor = create_adaptor(name, validate=rt.value_checks, **kw)
         self.host = self.transfer = self.tree = None
         max_ctx = round_up(rt.max_context_len, ps)
+        self.state_bytes = self.algorithm.token_state_bytes() if self.hier and rt.prefix_cache else 0
         if self.hier:
-            n_host = round_up(rt.host_kv_tokens or rt.auto_host_tokens(), ps)
-            self.host = self._host_pool(n_host)
+            n_host = rt.host_tokens(self.host_token_bytes(), cfg.name)
+            extra = {STATE_BUFFER: ((cfg.num_layers, self.state_bytes), torch.uint8)} if self.state_bytes else None
+            self.host = self._host_pool(n_host, extra)
+            if self.state_bytes and STATE_BUFFER not in self.host.extra:
+                logger.info("RuntimeConfig.host_pool has no %s buffer: %s prefixes are recomputed, not reused",
+                            STATE_BUFFER, sc.algorithm)
             self.transfer = KVTransferEngine(self.pool, self.host, sc.io_backend, validate=rt.validate)
             if rt.prefix_cache:
                 from hicache.controller import HiCacheController
@@ -90,6 +101,10 @@ class CoordinatorBackend(ModeBackend):
                 self.tree = HiRadixTree(self.controller)
                 if rt.storage is not None:
                     self.tree.attach_storage_backend(rt.storage, rt.storage_policy)
+        self.keeps_state = self.host is not None and STATE_BUFFER in self.host.extra
+        self.reuse_prefix = self.tree is not None and (not self.state_bytes or self.keeps_state)
+        """Prompts are matched in the tree (an algorithm with per-token state needs the
+        host pool's state buffer for that)."""
         self.coord = SparseCoordinator(
             sc, self.algorithm, self.pool, mode="hierarchical" if self.hier else "gpu_only",
             host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
@@ -119,6 +134,10 @@ class CoordinatorBackend(ModeBackend):
             a = self.host.allocator
             self.peak_host_tokens = max(self.peak_host_tokens, (a.num_pages - 1 - a.num_free_pages()) * a.page_size)
 
+    def host_token_bytes(self) -> int:
+        """KV plus the algorithm's per-token state of every layer."""
+        return super().host_token_bytes() + self.cfg.num_layers * self.state_bytes
+
     def extra_gpu_bytes(self) -> int:
         dp = self.coord.manager.dense_pool
         return 0 if dp is None else self.peak_dense_tokens * dp.spec.token_bytes
@@ -136,7 +155,7 @@ class CoordinatorBackend(ModeBackend):
     def begin_request(self, req: Request) -> int:
         super().begin_request(req)
         self.coord.on_request_begin(req.req_pool_idx)
-        if self.tree is None or self.is_dsa:
+        if not self.reuse_prefix:
             return 0
         ps = self.rt.page_size
         n = len(req.prompt)
@@ -188,6 +207,9 @@ class CoordinatorBackend(ModeBackend):
             handle = self.transfer.load(req.host_slots[:prefix_len], slots[:prefix_len])
             req.prefix_load = self.layer_loads.register(handle)
             self.layer_loads.set_consumer(req.prefix_load)
+            if self.keeps_state:
+                req.prefix_state = self.host.read_extra(STATE_BUFFER, req.host_slots[:prefix_len].cpu()).to(
+                    self.device, non_blocking=True)
         n = len(req.prompt)
         self._batch[req.rid] = ForwardBatch.prefill(
             torch.tensor([req.req_pool_idx], device=self.device), torch.tensor([n], dtype=torch.int32, device=self.device),
@@ -200,8 +222,31 @@ class CoordinatorBackend(ModeBackend):
             self.layer_loads.wait_until(layer)
 
     def after_prefill_layer(self, req, layer, k, v, extra, prefix_len) -> None:
-        kw = {"index_keys": extra["index_k"][None]} if self.is_dsa else {}
+        kw = {}
+        if self.is_dsa:
+            ik = extra["index_k"]  # [new tokens, Di]; a reused prefix's keys are restored below
+            if prefix_len:
+                ik = torch.cat([ik.new_zeros((prefix_len, ik.shape[-1])), ik])
+            kw = {"index_keys": ik[None]}
         self.coord.attention_end(layer, self._batch[req.rid], k=k, v=v, **kw)
+        if req.prefix_state is not None and self.algorithm.is_sparse_layer(layer):
+            self.algorithm.import_token_state(layer, req.req_pool_idx, 0, req.prefix_state[:, layer])
+
+    def _export_state(self, row: int, start: int, end: int) -> torch.Tensor:
+        """``uint8 [end - start, layers, bytes]`` (CPU): the algorithm's per-token state of
+        positions ``[start, end)`` of request slot ``row`` (dense layers: zeros). Prefill
+        end and request end only (a host sync)."""
+        st = torch.zeros((end - start, self.cfg.num_layers, self.state_bytes), dtype=torch.uint8)
+        for layer in range(self.cfg.num_layers):
+            if self.algorithm.is_sparse_layer(layer):
+                st[:, layer] = self.algorithm.export_token_state(layer, row, start, end).cpu()
+        return st
+
+    def _save_state(self, row: int, start: int, end: int, host_slots: torch.Tensor) -> None:
+        """Positions ``[start, end)`` of slot ``row``: their state into the host pool's state
+        buffer at ``host_slots[: end - start]``."""
+        if end > start and self.keeps_state:
+            self.host.write_extra(STATE_BUFFER, host_slots[: end - start].cpu(), self._export_state(row, start, end))
 
     def end_prefill(self, req: Request, prefix_len: int) -> None:
         batch = self._batch.pop(req.rid)
@@ -218,11 +263,14 @@ class CoordinatorBackend(ModeBackend):
             prefix = req.host_slots[:prefix_len] if prefix_len else new[:0]
             hs = torch.cat([prefix.cpu(), new])
             self.coord.forward_end(batch, host_slots=[hs])
+            req.prefix_state = None
+            if self.reuse_prefix:
+                self._save_state(req.req_pool_idx, prefix_len, n, new)
             if prefix_len:  # the prefix's device copy was ours, only needed by the prefill
                 self.pool.allocator.free(req.device_slots[:prefix_len])
             req.device_slots = None
             req.host_slots = hs
-            if self.tree is not None and not self.is_dsa:
+            if self.reuse_prefix:
                 n_al = n // ps * ps
                 if n_al:
                     res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al], cache_salt=req.cache_salt)
@@ -300,13 +348,20 @@ class CoordinatorBackend(ModeBackend):
         if req.device_slots is not None:  # failed before the coordinator took the prefill's slots
             self.pool.allocator.free(req.device_slots)
             req.device_slots = None
+        n_prompt = len(req.prompt)
+        decoded_state = None
+        if self.reuse_prefix and self.keeps_state and req.seq_len > n_prompt:
+            # the decoded tokens' state, read before the algorithm forgets the slot
+            decoded_state = self._export_state(req.req_pool_idx, n_prompt, req.seq_len)
         kv = self.coord.on_request_end(req.req_pool_idx)
         ps = self.rt.page_size
         if self.hier:
             hs = kv.host_slots
             pages = kv.host_pages
             keep = 0
-            if self.tree is not None and not self.is_dsa:
+            if decoded_state is not None:
+                self.host.write_extra(STATE_BUFFER, hs[n_prompt:req.seq_len], decoded_state)
+            if self.reuse_prefix:
                 seq_al = kv.seq_len // ps * ps
                 if req.aborted:
                     # a failed step may have left its token's KV incomplete in some layers:
