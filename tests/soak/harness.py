@@ -54,13 +54,13 @@ class SoakConfig:
     page_size: int = 4
     max_batch: int = 8
     """Requests decoding together at most (``max_num_reqs``)."""
-    num_prefixes: int = 8
+    num_prefixes: int = 6
     prefix_pages: tuple[int, int] = (1, 4)
     """Shared-prefix length range, in pages."""
-    suffixes_per_prefix: int = 24
+    suffixes_per_prefix: int = 16
     suffix_tokens: tuple[int, int] = (1, 9)
     decode_steps: tuple[int, int] = (0, 4)
-    arrival_rate: float = 1.5
+    arrival_rate: float = 3.0
     """Mean arrivals per scheduler step (Poisson); a step is one decode step of the batch."""
     host_pages: int = 96
     """Host pool pages: small, so the tree evicts and prompts come back from L3."""
@@ -72,6 +72,8 @@ class SoakConfig:
     prefetch_timeout_s: float = 0.05
     check_every: int = 200
     """Requests between full invariant checks (tree walk) besides the quiescent ones."""
+    max_seconds: Optional[float] = None
+    """Stop admitting requests after this long (the result records how many ran)."""
     events: dict[int, Callable[[], None]] = field(default_factory=dict)
     """Callbacks run before request ``i`` is admitted (e.g. kill / restart a storage master)."""
 
@@ -193,8 +195,13 @@ class ReferenceCache:
     def get(self, pid: tuple[int, int]) -> list[int]:
         if pid not in self.tokens:
             t0 = time.perf_counter()
-            out = self.runner.generate([self.workload.prompt(pid)], self.steps[pid])
-            self.tokens[pid] = out.tokens[0]
+            r = self.runner
+            req = r.new_requests([self.workload.prompt(pid)])[0]
+            r.prefill(req)
+            for _ in range(self.steps[pid]):
+                r.decode_step([req])
+            r.backend.end_request(req)
+            self.tokens[pid] = req.output
             self.seconds += time.perf_counter() - t0
         return self.tokens[pid]
 
@@ -302,7 +309,12 @@ class Soak:
         active: list[tuple[Request, tuple[int, int], int]] = []
         tick = 0.0
         warm_rss = None
+        deadline = None if cfg.max_seconds is None else t0 + cfg.max_seconds
         while pending or active:
+            if deadline is not None and pending and time.perf_counter() > deadline:
+                logger.warning("soak: time budget of %.0f s spent after %d requests; draining", cfg.max_seconds,
+                               self.res.requests)
+                pending.clear()
             if not active and pending and pending[0][1][0] > tick:
                 tick = pending[0][1][0]  # idle: jump to the next arrival
             while pending and pending[0][1][0] <= tick and len(active) < cfg.max_batch:
