@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
+    ap.add_argument("--note", default=None, help="a remark stored with the run (e.g. why it stopped short)")
     ap.add_argument("--no-record", action="store_true", help="print the run, do not write the results file")
     a = ap.parse_args(argv)
     requests = a.requests if a.requests is not None else MODES[a.mode]
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
            "reference_s": d["reference_s"], "prefix_hit_tokens": d["prefix_hit_tokens"],
            "l3_hit_tokens": d["l3_hit_tokens"], "l3_pages_written": d["l3_pages_written"],
            "quiescent_checks": d["quiescent_checks"], "rss_growth_mib": d["rss_growth_mib"]}
+    if a.note:
+        run["note"] = a.note
     print(json.dumps(run, indent=2))
     if not a.no_record:
         record(a.output, run)

@@ -14,6 +14,11 @@ a finished request's pages are written to L3 (only those L3 lacks). This runtime
 other requests to schedule while one waits, so it gives a fetch its policy's time budget
 (``wait_complete``: until done; ``best_effort`` / ``timeout``: up to the timeout formula)
 before taking what arrived.
+
+The tree caches finished requests in the same host pool the running ones write: when an
+allocation would not fit, the least recently used unlocked host prefixes are evicted first.
+Every prefill and decode step retires the tree's finished transfers (``step_events``), so an
+acknowledged L3 write releases its host lock at once rather than when the run ends.
 """
 from __future__ import annotations
 

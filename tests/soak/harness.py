@@ -272,6 +272,20 @@ class Soak:
                 expected[x] += 1
         return sum(abs(x.host_lock_ref - expected[x]) + x.lock_ref for x in tree.nodes())
 
+    def _backend_leaks(self) -> dict[str, int]:
+        """The backend's own in-flight state after the drain: no half-written temp file (file
+        backend), no call still running in the client (Mooncake's bounded calls)."""
+        out: dict[str, int] = {}
+        inner = getattr(self.storage, "inner", self.storage)
+        directory = getattr(inner, "directory", None)
+        if directory is not None and os.path.isdir(directory):
+            out["storage_temp_files"] = sum(1 for n in os.listdir(directory) if n.endswith(".tmp"))
+        caller = getattr(inner, "_caller", None)
+        if caller is not None:
+            caller.wait_idle(10.0)
+            out["storage_calls_in_flight"] = caller.inflight
+        return out
+
     def _sample_memory(self) -> None:
         self.res.peak_host_mib = max(self.res.peak_host_mib, rss_mib())
 
@@ -374,6 +388,7 @@ class Soak:
                 res.faults_reaching_read = served
         self._sample_memory()
         leaks = self.quiescent_leaks()
+        leaks.update(self._backend_leaks())
         # a full host eviction must give every page back
         tree.evict_host(10 ** 9)
         now = self._free_counts()

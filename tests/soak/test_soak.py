@@ -78,3 +78,29 @@ def test_soak_with_mooncake_master_killed_and_restarted():
     assert faults > 0  # the outage was felt, as misses ...
     assert seen["kill"]["l3_hit_tokens"] > 0  # ... L3 served before it ...
     assert res.l3_hit_tokens > seen["restart"]["l3_hit_tokens"]  # ... and again after the restart
+
+
+def test_the_soak_catches_wrong_kv():
+    """The token check is not vacuous: a backend that hands out garbage pages as hits (no
+    integrity check) makes the soak report mismatched tokens."""
+    import torch
+
+    from hicache.storage.registry import register_storage_backend, unregister_storage_backend
+    from memory_storage import MemoryStorage
+
+    class LyingStorage(MemoryStorage):
+        def get_pages(self, keys, host_pages):
+            ok = super().get_pages(keys, host_pages)
+            for p, good in zip(host_pages, ok):
+                if good:
+                    page = self.host_pool.page_tensor(int(p))
+                    page.copy_(torch.randn(page.shape, generator=torch.Generator().manual_seed(int(p))) * 4)
+            return ok
+
+    register_storage_backend("lying-test", lambda cfg: LyingStorage(cfg), replace=True)
+    try:
+        res = run_soak(SoakConfig(requests=150, seed=3, max_batch=4, host_pages=48, storage="lying-test"))
+    finally:
+        unregister_storage_backend("lying-test")
+    assert res.l3_hit_tokens > 0
+    assert res.mismatched_tokens > 0 and res.first_mismatch is not None
