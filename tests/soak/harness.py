@@ -29,7 +29,7 @@ import torch
 
 from hicache.storage.base import HiCacheStorage, StorageConfig
 from hicache.storage.fault_injection import FaultInjectingStorage, FaultPlan, register_fault_injection
-from hicache.storage.registry import create_storage_backend
+from hicache.storage.registry import create_storage_backend, storage_backend_names, unregister_storage_backend
 from hicache.storage_controller import StoragePolicy
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.backends import Request
@@ -172,10 +172,16 @@ def build_storage(cfg: SoakConfig, model_name: str) -> Optional[HiCacheStorage]:
         return None
     extra = dict(cfg.storage_extra)
     name = cfg.storage
-    if cfg.faults is not None:
-        extra["fault_injection"] = {"backend": name, **cfg.faults.as_dict()}
-        name = register_fault_injection()
-    return create_storage_backend(name, StorageConfig(model_name=model_name, extra=extra))
+    if cfg.faults is None:
+        return create_storage_backend(name, StorageConfig(model_name=model_name, extra=extra))
+    extra["fault_injection"] = {"backend": name, **cfg.faults.as_dict()}
+    added = "fault-injection" not in storage_backend_names()
+    name = register_fault_injection()
+    try:
+        return create_storage_backend(name, StorageConfig(model_name=model_name, extra=extra))
+    finally:
+        if added:  # leave the registry as it was: other code lists its names
+            unregister_storage_backend(name)
 
 
 class ReferenceCache:
