@@ -17,6 +17,11 @@ a finished request's pages are written to L3 (only those L3 lacks). This runtime
 other requests to schedule while one waits, so it gives a fetch its policy's time budget
 (``wait_complete``: until done; ``best_effort`` / ``timeout``: up to the timeout formula)
 before taking what arrived.
+
+The tree caches finished requests in the same host pool the running ones write: when an
+allocation would not fit, the least recently used unlocked host prefixes are evicted first.
+Every prefill and decode step retires the tree's finished transfers (``step_events``), so an
+acknowledged L3 write releases its host lock at once rather than when the run ends.
 """
 from __future__ import annotations
 
@@ -157,6 +162,7 @@ class CoordinatorBackend(ModeBackend):
         self.coord.on_request_begin(req.req_pool_idx)
         if not self.reuse_prefix:
             return 0
+        self.step_events()
         ps = self.rt.page_size
         n = len(req.prompt)
         m = self.tree.match_prefix(req.prompt, cache_salt=req.cache_salt)
@@ -257,6 +263,7 @@ class CoordinatorBackend(ModeBackend):
         n = len(req.prompt)
         ps = self.rt.page_size
         if self.hier:
+            self._make_host_room(n - prefix_len)
             new = self.host.alloc(n - prefix_len)
             if new is None:
                 raise ValueError(f"host KV pool is full ({self.host.num_slots} slots): raise host_kv_tokens")
@@ -289,6 +296,10 @@ class CoordinatorBackend(ModeBackend):
         """Coordinator host part; the variant: whether a row decodes densely, and the layers
         whose selections are recorded (both change what a graph holds)."""
         self._check_decode_lengths(reqs)
+        if self.hier:
+            self.step_events()
+            ps = self.rt.page_size
+            self._make_host_room(ps * sum(1 for r in reqs if r.seq_len % ps == 0))  # pages this step opens
         has_dense = self.coord.prepare_decode([r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs])
         return has_dense, frozenset(self.record_layers)
 
@@ -386,6 +397,28 @@ class CoordinatorBackend(ModeBackend):
             self.pool.allocator.free_pages(kv.device_pages)
         req.host_slots = None
         super().end_request(req)
+
+    def _make_host_room(self, tokens: int) -> None:
+        """Evict the prefix tree's least recently used host nodes (those no request or L3
+        write holds) until ``tokens`` host slots are free: the tree caches finished requests
+        in the same pool the running ones write, so without this a long run fills the pool
+        with cached prefixes and new requests fail."""
+        short = tokens - self.host.available_size()
+        if short <= 0 or self.tree is None:
+            return
+        self.tree.evict_host(short)
+        short = tokens - self.host.available_size()
+        if short > 0 and self.tree.storage_ctl is not None and self.tree.storage_ctl.in_flight():
+            # the rest is pinned by L3 writes in flight: wait for them, release their locks
+            self.tree.flush_storage()
+            self.tree.evict_host(short)
+
+    def step_events(self) -> None:
+        """Per scheduler step (each prefill and decode step): retire the tree's finished
+        transfers, above all acknowledged L3 writes, whose host locks would otherwise pin
+        their pages until the run ends, and orphaned prefetch reservations."""
+        if self.tree is not None:
+            self.tree.check_hicache_events()
 
     def _free_host_slots(self, slots) -> None:
         if slots is None or slots.numel() == 0:
