@@ -218,8 +218,11 @@ class SparseCoordinator:
         step; ``[B, M]`` with ``M`` the static page bound of a request."""
         sel = step.memo.get(key)
         if sel is None:
-            logical, phys = self.manager.own_pages(layer_id, step)  # one launch
-            sel = SparseSelection(logical, phys, step.num_pages, step.seq_lens, self.config.page_size, self.sel_mode)
+            # one launch; the dense layers' selection also carries the attention backend's
+            # page table (the sparse layers' dense rows are merged into their own table)
+            d = self.manager.own_pages(layer_id, step, with_table=key == "dense_layers")
+            sel = SparseSelection(d.logical, d.physical, step.num_pages, step.seq_lens, self.config.page_size,
+                                  self.sel_mode, page_table=d.page_table, attended=d.attended)
             step.memo[key] = sel
         return sel
 

@@ -37,7 +37,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
 from sparsehi.decode_step import DecodeStep, StepTables
-from sparsehi.kernels.step_setup import dense_pages, step_setup
+from sparsehi.kernels.step_setup import DensePages, dense_pages, step_setup
 from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.lru_buffer import LruState
 from sparsehi.prefill_offload import finish_prefill_hierarchical
@@ -490,10 +490,14 @@ class SparseKVCacheManager(SwapInMixin):
         phys = table[step.safe_rows[:, None], lid]
         return torch.where(logical >= 0, phys, -1).to(torch.int32)
 
-    def own_pages(self, layer: int, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def own_pages(self, layer: int, step: DecodeStep, with_table: bool = False) -> DensePages:
         """Every page of every row, in one launch: ``logical [B, M] int32`` (``c`` for
-        ``c < num_pages``, else -1) and what ``own_physical(layer, step, logical)`` returns."""
+        ``c < num_pages``, else -1) and ``physical``, what ``own_physical(layer, step,
+        logical)`` returns; ``with_table``: also an attention backend's ``page_table`` and
+        ``attended`` tokens (sparsehi/kernels/step_setup.py)."""
         table = self.dense_pool_table if (self.hier and layer in self.dense_index) else self.page_table
+        if with_table:
+            return dense_pages(step.num_pages, step.safe_rows, table, step.seq_lens, self.ps)
         return dense_pages(step.num_pages, step.safe_rows, table)
 
     def fixed_physical(self, layer: int, step: DecodeStep, logical: torch.Tensor) -> torch.Tensor:

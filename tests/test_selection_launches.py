@@ -221,11 +221,11 @@ def test_decode_step_tables_and_counters_are_one_launch_each(dev):
         step = m.begin_step(rows, seq, True)
     assert c.launches == ["triton:_step_setup_kernel"]
     assert step.num_pages.tolist() == [3, 8, 0, 0] and step.memo["sparse_tables"].ncand.tolist() == [0, 5, 0, 0]
-    m.own_pages(0, step)  # warm-up
-    with counting_launches() as c:
-        logical, _ = m.own_pages(0, step)
+    m.own_pages(0, step, with_table=True)  # warm-up
+    with counting_launches() as c:  # the dense layers' pages, with the attention backend's page table
+        d = m.own_pages(0, step, with_table=True)
     assert c.launches == ["triton:_dense_pages_kernel"]
-    assert logical[0, :4].tolist() == [0, 1, 2, -1]
+    assert d.logical[0, :4].tolist() == [0, 1, 2, -1] and d.attended.tolist() == [9, 30, 0, 0]
     with counting_launches() as c:
         m.end_step()
     assert c.launches == ["triton:_close_step_kernel"]
@@ -240,6 +240,6 @@ def test_the_counter_sees_the_torch_step_setup(dev, monkeypatch):
     seq = torch.tensor(STEP_SEQ, dtype=torch.int32, device=dev)
     with counting_launches() as c:
         step = m.begin_step(rows, seq, True)
-        m.own_pages(0, step)
+        m.own_pages(0, step, with_table=True)
         m.end_step()
     assert not any(x.startswith("triton:") for x in c.launches) and len(c.launches) > 60, c.launches

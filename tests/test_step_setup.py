@@ -130,19 +130,47 @@ def test_step_setup_rejects_bad_input():
                              zero_cols=torch.zeros(2, 3, dtype=torch.int32))
 
 
+def _dense_case(dtype, M=37):
+    g = torch.Generator().manual_seed(1)
+    table = torch.randint(0, 500, (5, M), generator=g).to(dtype)
+    num_pages = torch.tensor([0, 1, M, 20, 0, M - 1], dtype=torch.int32)
+    safe = torch.tensor([0, 4, 2, 1, 0, 3], dtype=torch.int64)
+    seq = torch.tensor([1, 3, 4 * M, 4 * 19 + 2, 1, 4 * (M - 2) + 1], dtype=torch.int32)
+    return num_pages, safe, table, seq
+
+
+def _same_pages(a, b):
+    for name in ("logical", "physical", "page_table", "attended"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype == torch.int32 and torch.equal(x.cpu(), y.cpu()), (name, x, y)
+
+
 @needs_interp
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_dense_pages_kernel_matches_reference(dtype):
-    g = torch.Generator().manual_seed(1)
-    table = torch.randint(0, 500, (5, 37), generator=g).to(dtype)
-    num_pages = torch.tensor([0, 1, 37, 20, 0, 36], dtype=torch.int32)
-    safe = torch.tensor([0, 4, 2, 1, 0, 3], dtype=torch.int64)
-    ref = dense_pages_reference(num_pages, safe, table)
-    got = dense_pages_triton(num_pages, safe, table)
-    for x, y in zip(ref, got):
-        assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y)
-    assert ref[0][3].tolist() == list(range(20)) + [-1] * 17
-    assert ref[1][3, :20].tolist() == table[1, :20].tolist() and ref[1][0].eq(-1).all()
+@pytest.mark.parametrize("with_table", [False, True])
+def test_dense_pages_kernel_matches_reference(dtype, with_table):
+    num_pages, safe, table, seq = _dense_case(dtype)
+    extra = (seq, 4) if with_table else ()
+    ref = dense_pages_reference(num_pages, safe, table, *extra)
+    _same_pages(ref, dense_pages_triton(num_pages, safe, table, *extra))
+    assert ref.logical[3].tolist() == list(range(20)) + [-1] * 17
+    assert ref.physical[3, :20].tolist() == table[1, :20].tolist() and ref.physical[0].eq(-1).all()
+
+
+def test_dense_pages_table_is_the_attention_backends():
+    """The page table and lengths built with the pages are what the FlashAttention adapter
+    would build from the selection itself."""
+    from sparsehi.adapters.flash_attention import build_page_table
+    from sparsehi.algorithms.base import SparseMode
+    from sparsehi.selection import SparseSelection
+
+    num_pages, safe, table, seq = _dense_case(torch.int32)
+    d = dense_pages_reference(num_pages, safe, table, seq, 4)
+    pt, lens = build_page_table(SparseSelection(d.logical, d.physical, num_pages, seq, 4, SparseMode.PAGE_WISE))
+    assert torch.equal(pt, d.page_table) and torch.equal(lens, d.attended)
+    assert d.attended.tolist()[:4] == [0, 3, 4 * 37, 4 * 19 + 2]
 
 
 @pytest.mark.gpu
@@ -155,5 +183,6 @@ def test_step_setup_cuda_matches_reference(case):
     num_pages = torch.randint(0, 13, (9,), dtype=torch.int32, device=dev)
     safe = torch.randint(0, 6, (9,), device=dev)
     table = torch.randint(0, 1000, (6, 12), dtype=torch.int32, device=dev)
-    for x, y in zip(dense_pages_reference(num_pages, safe, table), dense_pages(num_pages, safe, table)):
-        assert torch.equal(x, y)
+    seq = torch.randint(1, 60, (9,), dtype=torch.int32, device=dev)
+    _same_pages(dense_pages_reference(num_pages, safe, table), dense_pages(num_pages, safe, table))
+    _same_pages(dense_pages_reference(num_pages, safe, table, seq, 4), dense_pages(num_pages, safe, table, seq, 4))
