@@ -15,8 +15,8 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_selection
 from sparsehi.config import SparseConfig
-from sparsehi.forward_batch import ForwardBatch
 from sparsehi.decode_step import StepTables
+from sparsehi.forward_batch import ForwardBatch
 from sparsehi.kernels.decoder_ops import store_kv
 from sparsehi.kernels.selection_table import selection_table
 from sparsehi.kv_manager import COORDINATOR_MODES, DecodeStep, RequestKV, SparseKVCacheManager

@@ -240,11 +240,11 @@ def step_setup_triton(rows: torch.Tensor, seq_lens: torch.Tensor, page_table: to
         rt = ring_table if hier else pt
         ht = host_page_table if hier else i64
         dt = dense_pool_table if dpool else pt
-        zc = zero_cols if zero_cols is not None else i32
+        zc, nz = (zero_cols, zero_cols.shape[0]) if zero_cols is not None else (i32, 0)
         _step_setup_kernel[(B,)](
             rows, seq_lens, pt, pt.stride(0), dense_rows_t if drows else flags, st, st.stride(0), rt, rt.stride(0),
             ht, ht.stride(0), dt, dt.stride(0), i64, i32, flags, i32[4 * B:], zc,
-            B, pt.shape[1], K, page_size, sink, max(sink, 1), recent, zero_cols.shape[0] if zero_cols is not None else 0,
+            B, pt.shape[1], K, page_size, sink, max(sink, 1), recent, nz,
             HIER=hier, DENSE_POOL=dpool, DENSE_ROWS=drows, BLOCK_K=min(1024, triton.next_power_of_2(K)),
             BLOCK_Z=16, num_warps=4,
         )
