@@ -15,6 +15,7 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_selection
 from sparsehi.config import SparseConfig
+from sparsehi.decode_step import StepTables
 from sparsehi.forward_batch import ForwardBatch
 from sparsehi.kernels.decoder_ops import store_kv
 from sparsehi.kernels.selection_table import selection_table
@@ -25,30 +26,6 @@ __all__ = ["SparseCoordinator", "LayerPlan", "RequestKV", "COORDINATOR_MODES", "
 
 _STEP_KEY = "_sparse_decode_step"
 _INT32_MAX = 2**31 - 1
-_ARANGE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.arange(n)`` cached per (n, device, dtype): read-only, shared between layers
-    and steps (one allocation and launch saved per use on the decode path)."""
-    key = (n, device, dtype)
-    t = _ARANGE.get(key)
-    if t is None:
-        t = _ARANGE[key] = torch.arange(n, device=device, dtype=dtype)
-    return t
-
-
-@dataclass
-class _StepTables:
-    """Per-step, layer-independent tensors of the sparse selection (see ``_step_tables``)."""
-
-    cs: torch.Tensor  # [B] int32 candidate start (= sink pages in context)
-    ce: torch.Tensor  # [B] int32 candidate end (= recent window start)
-    ncand: torch.Tensor  # [B] int32 candidates of rows that are not sparse (0 for dense rows)
-    all_ids: torch.Tensor  # [B, K] int32 every candidate, for rows that are not sparse
-    sparse_mask: torch.Tensor  # [B] bool
-    use: torch.Tensor  # [B] bool rows that take the algorithm's selection (sparse and live)
-    colk: torch.Tensor  # [1, K] int32 column index
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -241,41 +218,19 @@ class SparseCoordinator:
         step; ``[B, M]`` with ``M`` the static page bound of a request."""
         sel = step.memo.get(key)
         if sel is None:
-            m = self.manager
-            cols = _arange(m.M, step.rows.device, torch.int32)[None, :]
-            logical = torch.where(cols < step.num_pages[:, None], cols, -1)
-            phys = m.own_physical(layer_id, step, logical)
-            sel = SparseSelection(logical, phys, step.num_pages, step.seq_lens, self.config.page_size, self.sel_mode)
+            # one launch; the dense layers' selection also carries the attention backend's
+            # page table (the sparse layers' dense rows are merged into their own table)
+            d = self.manager.own_pages(layer_id, step, with_table=key == "dense_layers")
+            sel = SparseSelection(d.logical, d.physical, step.num_pages, step.seq_lens, self.config.page_size,
+                                  self.sel_mode, page_table=d.page_table, attended=d.attended)
             step.memo[key] = sel
         return sel
 
-    def _step_tables(self, layer_id: int, step: DecodeStep) -> "_StepTables":
-        """Layer-independent parts of a sparse layer's selection, built once per step: the
-        candidate range and the plain candidate list of rows that are not sparse."""
-        t = step.memo.get("sparse_tables")
-        if t is not None:
-            return t
-        m = self.manager
-        K, sink, R = m.K, m.sink, m.R
-        dev = step.rows.device
-        P = step.num_pages
-        n_sink = P.clamp(max=sink)
-        recent_start = torch.maximum(n_sink, P - R)
-        cs, ce = n_sink.to(torch.int32), recent_start.to(torch.int32)
-        ncand = ce - cs
-        # a row is sparse once its candidates outgrow top-k; dense rows never are, and
-        # send nothing to the LRU diff (they attend their own pages)
-        sparse_mask = ncand > K
-        plain = ncand
-        if step.dense_rows is not None:
-            sparse_mask = sparse_mask & ~step.dense_rows
-            plain = torch.where(step.dense_rows, 0, ncand)
-        cols = _arange(K, dev, torch.int32)[None, :]
-        all_ids = torch.where(cols < plain[:, None], cs[:, None] + cols, -1).to(torch.int32)
-        t = _StepTables(cs=cs, ce=ce, ncand=plain.to(torch.int32), all_ids=all_ids, sparse_mask=sparse_mask,
-                        use=sparse_mask & step.live, colk=cols)
-        step.memo["sparse_tables"] = t
-        return t
+    def _step_tables(self, layer_id: int, step: DecodeStep) -> StepTables:
+        """Layer-independent parts of a sparse layer's selection (the candidate range and the
+        plain candidate list of rows that are not sparse): ``begin_step`` built them in its
+        one launch."""
+        return step.memo["sparse_tables"]
 
     def _sparse_selection(self, layer_id: int, batch: ForwardBatch, step: DecodeStep, q: torch.Tensor,
                           algo_kw: dict) -> SparseSelection:

@@ -56,3 +56,28 @@ class DecodeStep:
     @property
     def batch_size(self) -> int:
         return int(self.rows.shape[0])
+
+
+@dataclass
+class StepTables:
+    """Per-step, layer-independent tensors of the sparse selection (``B`` rows, ``K`` top-k),
+    built by ``begin_step`` in the same launch as the step's write locations and kept in
+    ``DecodeStep.memo["sparse_tables"]``.
+
+    cs / ce:     ``[B] int32`` candidate range: ``cs`` = sink pages in context, ``ce`` = the
+                 recent window's first page.
+    ncand:       ``[B] int32`` candidates of rows that are not sparse (0 for dense rows).
+    all_ids:     ``[B, K] int32`` every candidate (``cs + k`` for ``k < ncand``, else -1), the
+                 selection of rows that are not sparse.
+    sparse_mask: ``[B] bool`` rows whose candidates outgrow top-k (never dense rows).
+    use:         ``[B] bool`` rows that take the algorithm's selection (sparse and live).
+    colk:        ``[1, K] int32`` column index (shared, read-only).
+    """
+
+    cs: torch.Tensor
+    ce: torch.Tensor
+    ncand: torch.Tensor
+    all_ids: torch.Tensor
+    sparse_mask: torch.Tensor
+    use: torch.Tensor
+    colk: torch.Tensor

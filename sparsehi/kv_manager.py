@@ -36,7 +36,8 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
-from sparsehi.decode_step import DecodeStep
+from sparsehi.decode_step import DecodeStep, StepTables
+from sparsehi.kernels.step_setup import DensePages, dense_pages, step_setup
 from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.lru_buffer import LruState
 from sparsehi.prefill_offload import finish_prefill_hierarchical
@@ -184,6 +185,7 @@ class SparseKVCacheManager(SwapInMixin):
                 self.dense_pool = DeviceKVPool(spec, n, dev)
                 self.dense_pool_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int32, device=dev)
         self._offsets = torch.arange(self.ps, dtype=torch.int64, device=dev)
+        self._colk = torch.arange(self.K, dtype=torch.int32, device=dev)[None, :]  # StepTables.colk
         self._page_bytes = device_pool.spec.page_bytes_per_layer
         self.reset_stats()
 
@@ -438,31 +440,21 @@ class SparseKVCacheManager(SwapInMixin):
         dev = self.device
         rows = rows.to(dev, torch.int64)
         seq = seq_lens.to(dev, torch.int32)
-        ps = self.ps
-        live = rows >= 0
-        safe = rows.clamp(min=0)
-        t = (seq.long() - 1).clamp(min=0)
-        p = t.div(ps, rounding_mode="floor").clamp(max=self.M - 1)
-        off = t - p * ps
-        own = self.page_table[safe, p]
-        dense_rows = (self.dense_rows_t[safe] & live) if has_dense_rows else None
-        step = DecodeStep(rows=rows, safe_rows=safe, live=live, seq_lens=seq,
-                          num_pages=torch.where(live, p + 1, 0).to(torch.int32), out_loc=rows,
-                          dense_rows=dense_rows, step=self.step,
-                          checked=(self.validate if checked is None else checked) and not _capturing())
-        if self.hier:
-            sink_p = self.sink_table[safe, p.clamp(max=max(self.sink, 1) - 1)]
-            ring_p = self.ring_table[safe, p % self.R]
-            page = torch.where(p < self.sink, sink_p, ring_p)
-            if dense_rows is not None:
-                page = torch.where(dense_rows, own, page)
-            step.host_loc = torch.where(live, self.host_page_table[safe, p] * ps + off, -1)
-            if self.dense_pool_table is not None:
-                step.dense_loc = torch.where(live, self.dense_pool_table[safe, p].long() * ps + off, 0)
-        else:
-            page = own
-        step.out_loc = torch.where(live, page.long() * ps + off, 0)
-        step.memo["counts"] = StepCounts.empty(len(self.sparse_layers), step.batch_size, dev)
+        n_sparse, B = len(self.sparse_layers), int(rows.shape[0])
+        counts = StepCounts.uninitialized(n_sparse, B, dev)
+        hier = dict(sink_table=self.sink_table, ring_table=self.ring_table, host_page_table=self.host_page_table,
+                    dense_pool_table=self.dense_pool_table) if self.hier else {}
+        # one launch: write locations, page counts, the sparse selection's candidate tables,
+        # and the zeroed counters
+        s = step_setup(rows, seq, self.page_table, page_size=self.ps, top_k=self.K, sink=self.sink, recent=self.R,
+                       dense_rows_t=self.dense_rows_t if has_dense_rows else None,
+                       zero_cols=counts.table.view(2 * n_sparse, B) if n_sparse else None, **hier)
+        step = DecodeStep(rows=rows, safe_rows=s.safe_rows, live=s.live, seq_lens=seq, num_pages=s.num_pages,
+                          out_loc=s.out_loc, dense_loc=s.dense_loc, host_loc=s.host_loc, dense_rows=s.dense_rows,
+                          step=self.step, checked=(self.validate if checked is None else checked) and not _capturing())
+        step.memo["sparse_tables"] = StepTables(cs=s.cs, ce=s.ce, ncand=s.ncand, all_ids=s.all_ids,
+                                                sparse_mask=s.sparse_mask, use=s.use, colk=self._colk)
+        step.memo["counts"] = counts
         self._open_step = step
         return step
 
@@ -497,6 +489,16 @@ class SparseKVCacheManager(SwapInMixin):
         lid = logical.long().clamp(min=0)
         phys = table[step.safe_rows[:, None], lid]
         return torch.where(logical >= 0, phys, -1).to(torch.int32)
+
+    def own_pages(self, layer: int, step: DecodeStep, with_table: bool = False) -> DensePages:
+        """Every page of every row, in one launch: ``logical [B, M] int32`` (``c`` for
+        ``c < num_pages``, else -1) and ``physical``, what ``own_physical(layer, step,
+        logical)`` returns; ``with_table``: also an attention backend's ``page_table`` and
+        ``attended`` tokens (sparsehi/kernels/step_setup.py)."""
+        table = self.dense_pool_table if (self.hier and layer in self.dense_index) else self.page_table
+        if with_table:
+            return dense_pages(step.num_pages, step.safe_rows, table, step.seq_lens, self.ps)
+        return dense_pages(step.num_pages, step.safe_rows, table)
 
     def fixed_physical(self, layer: int, step: DecodeStep, logical: torch.Tensor) -> torch.Tensor:
         """Physical pages ``[B, N] int32`` of ids that are always on the GPU: sink and

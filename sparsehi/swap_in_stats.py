@@ -11,8 +11,11 @@ had no live row (the padded warm-up runs of graph capture) are marked and left o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from sparsehi.kernels.step_counters import close_step_counts
 
 
 @dataclass
@@ -22,15 +25,30 @@ class StepCounts:
     valid: ``[n_sparse, B] int32`` ids each sparse layer attended per row (0 for layers
            that did not run the diff this step).
     loads: ``[n_sparse, B] int32`` of them loaded from host.
+    table: ``[2, n_sparse, B] int32`` the one allocation ``valid`` and ``loads`` view, or None.
     """
 
     valid: torch.Tensor
     loads: torch.Tensor
+    table: Optional[torch.Tensor] = None
 
     @classmethod
     def empty(cls, n_sparse: int, batch: int, device: torch.device) -> "StepCounts":
-        return cls(torch.zeros(n_sparse, batch, dtype=torch.int32, device=device),
-                   torch.zeros(n_sparse, batch, dtype=torch.int32, device=device))
+        """Zeroed tables (one allocation and one fill)."""
+        return cls.of(torch.zeros(2, n_sparse, batch, dtype=torch.int32, device=device))
+
+    @classmethod
+    def uninitialized(cls, n_sparse: int, batch: int, device: torch.device) -> "StepCounts":
+        """Tables to be zeroed by the caller (``begin_step`` zeroes them in its own launch)."""
+        return cls.of(torch.empty(2, n_sparse, batch, dtype=torch.int32, device=device))
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> "StepCounts":
+        """Views of a ``[2, n_sparse, B] int32`` table (valid, loads)."""
+        if table.dim() != 3 or table.shape[0] != 2 or table.dtype != torch.int32 or not table.is_contiguous():
+            raise ValueError(f"table must be a contiguous [2, n_sparse, B] int32 tensor, got {tuple(table.shape)} "
+                             f"{table.dtype}")
+        return cls(table[0], table[1], table)
 
 
 class SwapInCounters:
@@ -43,7 +61,10 @@ class SwapInCounters:
         self.num_layers = num_layers
         self.history = history
         self.device = device
-        self._sparse_idx = torch.tensor(sparse_layers, dtype=torch.int64, device=device)
+        slot = [-1] * num_layers  # sparse index of each layer, -1 for the others
+        for i, layer in enumerate(sparse_layers):
+            slot[layer] = i
+        self._layer_slot = torch.tensor(slot, dtype=torch.int32, device=device)
         L, H, dev = num_layers, history, device
         self.totals = torch.zeros(2, L, dtype=torch.int64, device=dev)  # [hits, misses]
         self.ring = torch.zeros(H, 2, L, dtype=torch.int64, device=dev)
@@ -59,27 +80,15 @@ class SwapInCounters:
         self.steps_closed.zero_()
 
     def close_step(self, counts: StepCounts, step_t: torch.Tensor, live: torch.Tensor) -> None:
-        """Fold one step (graph-safe: fixed shapes, no host sync).
+        """Fold one step in one launch (graph-safe: fixed shapes, no host sync; see
+        sparsehi/kernels/step_counters.py).
 
         counts: the step's tables; step_t: ``[1] int32`` device step number;
         live: ``[B] bool`` rows that are real requests (padding rows count nothing anyway).
         """
-        if counts.valid.shape[0] == 0:
-            hm = torch.zeros(2, self.num_layers, dtype=torch.int64, device=self.device)
-        else:
-            v = counts.valid.sum(1, dtype=torch.int64)
-            nl = counts.loads.sum(1, dtype=torch.int64)
-            hm = torch.zeros(2, self.num_layers, dtype=torch.int64, device=self.device)
-            hm[0].index_add_(0, self._sparse_idx, v - nl)
-            hm[1].index_add_(0, self._sparse_idx, nl)
-        any_live = live.any().to(torch.int64)
-        self.totals += hm
-        self.steps_closed += any_live
-        slot = (step_t.to(torch.int64) % self.history)
-        self.ring.index_copy_(0, slot, hm[None])
-        # a step with no live row (capture warm-up) is recorded as -1: read() skips it
-        step_id = torch.where(any_live > 0, step_t.to(torch.int64), torch.full_like(any_live, -1))
-        self.ring_step.index_copy_(0, slot, step_id)
+        table = counts.table if counts.table is not None else torch.stack([counts.valid, counts.loads])
+        close_step_counts(table, step_t, live, self._layer_slot, self.totals, self.ring, self.ring_step,
+                          self.steps_closed)
 
     def read(self) -> tuple[int, list[int], list[int], list[tuple[int, list[int], list[int]]]]:
         """Host copy (syncs): ``(steps closed, total hits per layer, total misses per layer,

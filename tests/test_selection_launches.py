@@ -1,4 +1,6 @@
-"""Kernel launches per sparse layer of the built-in selection hooks, on their capture path.
+"""Kernel launches per sparse layer of the built-in selection hooks, and once per decode
+step of the KV manager (its tables, the dense selection's pages, the counters), on their
+capture path.
 
 Counted: every aten op that runs a kernel (views, metadata and allocations excluded) plus
 one per Triton launch, while ``simulated_capture`` makes the hooks take the path they
@@ -12,12 +14,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hicache.device_pool import DeviceKVPool
+from hicache.host_pool import HostKVPool
+from hicache.kv_spec import KVCacheSpec
 from sparsehi.algorithms.dsa import DSAAlgorithm
 from sparsehi.algorithms.graph_safety import simulated_capture
 from sparsehi.algorithms.quest import QuestAlgorithm
 from sparsehi.config import SparseConfig
 from sparsehi.kernels.quest_score import quest_score
 from sparsehi.kernels.topk import masked_topk
+from sparsehi.kv_manager import SparseKVCacheManager
 
 aten = torch.ops.aten
 # no kernel behind these: views, metadata, allocation
@@ -187,3 +193,53 @@ def test_the_counter_sees_torch_launches(dev):
         old_path()
     assert c.launches[0] == "triton:_quest_score_kernel"
     assert "aten.sort" in c.launches and len(c.launches) > 6, c.launches
+
+
+def _manager(dev):
+    """Hierarchical, layer 0 dense (its own pool), layers 1 and 2 sparse."""
+    cfg = SparseConfig(algorithm="quest", page_size=4, top_k=16, device_buffer_size=32, sink_tokens=4,
+                       recent_tokens=8, min_sparse_prompt_len=0)
+    pool = DeviceKVPool(KVCacheSpec("mha", 3, 2, 8, torch.float32, 4), 4 * 64, dev)
+    host = HostKVPool(pool, hicache_ratio=2.0, pin_memory=dev.type == "cuda")
+    return SparseKVCacheManager(cfg, pool, mode="hierarchical", host_pool=host, sparse_layers=(1, 2), max_num_reqs=4,
+                                max_context_len=64, validate=False)
+
+
+STEP_ROWS, STEP_SEQ = [2, 0, -1, -1], [9, 30, 1, 1]  # two requests, two padding rows
+
+
+def test_decode_step_tables_and_counters_are_one_launch_each(dev):
+    """Once per step: ``begin_step`` (write locations, page counts, the sparse selection's
+    candidate tables, zeroed counters) is one launch, a dense selection's pages one, and
+    ``end_step`` one (it was some 100 torch launches)."""
+    m = _manager(dev)
+    rows = torch.tensor(STEP_ROWS, device=dev)
+    seq = torch.tensor(STEP_SEQ, dtype=torch.int32, device=dev)
+    m.begin_step(rows, seq, True)  # warm-up
+    m.end_step()
+    with counting_launches() as c:
+        step = m.begin_step(rows, seq, True)
+    assert c.launches == ["triton:_step_setup_kernel"]
+    assert step.num_pages.tolist() == [3, 8, 0, 0] and step.memo["sparse_tables"].ncand.tolist() == [0, 5, 0, 0]
+    m.own_pages(0, step, with_table=True)  # warm-up
+    with counting_launches() as c:  # the dense layers' pages, with the attention backend's page table
+        d = m.own_pages(0, step, with_table=True)
+    assert c.launches == ["triton:_dense_pages_kernel"]
+    assert d.logical[0, :4].tolist() == [0, 1, 2, -1] and d.attended.tolist() == [9, 30, 0, 0]
+    with counting_launches() as c:
+        m.end_step()
+    assert c.launches == ["triton:_close_step_kernel"]
+    assert m.counters.read()[0] == 2
+
+
+def test_the_counter_sees_the_torch_step_setup(dev, monkeypatch):
+    """The torch references of the same per-step work: what the kernels replace."""
+    monkeypatch.setenv("SPARSEHI_FORCE_REFERENCE", "1")
+    m = _manager(dev)
+    rows = torch.tensor(STEP_ROWS, device=dev)
+    seq = torch.tensor(STEP_SEQ, dtype=torch.int32, device=dev)
+    with counting_launches() as c:
+        step = m.begin_step(rows, seq, True)
+        m.own_pages(0, step, with_table=True)
+        m.end_step()
+    assert not any(x.startswith("triton:") for x in c.launches) and len(c.launches) > 60, c.launches
