@@ -158,7 +158,10 @@ def runtime_config(cfg: SoakConfig, *, cached: bool, storage: Optional[HiCacheSt
     return RuntimeConfig(
         mode="sparse-hier", sparse=sparse_config(cfg), device=cfg.device, max_num_reqs=cfg.max_batch if cached else 1,
         max_context_len=max_ctx, host_kv_tokens=cfg.host_pages * ps if cached else None,
-        host_layout="page_first_direct", prefix_cache=cached, validate=True, cuda_graph=cfg.cuda_graph,
+        # page layouts (the L3 page forms read and write host pages in place); CUDA's kernel io
+        # backend takes page_first, the direct one page_first_direct
+        host_layout="page_first" if torch.device(cfg.device).type == "cuda" else "page_first_direct",
+        prefix_cache=cached, validate=True, cuda_graph=cfg.cuda_graph,
         storage=storage if cached else None,
         storage_policy=StoragePolicy(prefetch_policy=cfg.prefetch_policy, prefetch_threshold=ps,
                                      prefetch_timeout_base=cfg.prefetch_timeout_s, prefetch_timeout_per_ki_token=0.0,
