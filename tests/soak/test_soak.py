@@ -68,7 +68,8 @@ def test_soak_with_mooncake_master_killed_and_restarted():
         from soak.harness import Soak
         # a small host pool, so prompts come back from L3 early and often
         cfg = SoakConfig(requests=n, seed=2, max_batch=4, host_pages=48, storage="mooncake",
-                         storage_extra=master.extra_config(op_timeout_s=1.0, retry_interval_s=0.3),
+                         storage_extra=master.extra_config(op_timeout_s=1.0, retry_interval_s=0.3,
+                                                         global_segment_size="256mb"),  # never full here
                          events={n // 4: kill, n // 2: restart})
         soak = Soak(cfg)
         try:
