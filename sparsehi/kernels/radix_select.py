@@ -20,7 +20,10 @@ def _order_keys(x, in_range):
     ok = in_range & (x > float("-inf"))  # NaN compares False
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0
     bits = x.to(tl.uint32, bitcast=True)
-    key = tl.where(bits >= 0x80000000, ~bits, bits | 0x80000000)
+    # xor with all ones, not ``~``: Triton 3.8's interpreter evaluates ``~`` of a uint32 as -x-1
+    # and overflows (same bits on every version and on the GPU)
+    ones = tl.full([], 0xFFFFFFFF, tl.uint32)
+    key = tl.where(bits >= 0x80000000, bits ^ ones, bits | 0x80000000)
     return tl.where(ok, key, tl.zeros_like(key))
 
 
