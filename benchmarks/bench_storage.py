@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import write_result
+from benchmarks.common import cpu_model, write_result
 from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
@@ -71,15 +70,7 @@ class _TimedReads:
 
 def cpu_info() -> dict[str, Any]:
     """CPU model and core count of this machine (``/proc/cpuinfo`` where there is one)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-    return {"cpu_model": model, "cpu_cores": os.cpu_count(), "cpu_cores_usable": len(os.sched_getaffinity(0))
+    return {"cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "cpu_cores_usable": len(os.sched_getaffinity(0))
             if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 

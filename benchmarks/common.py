@@ -15,6 +15,18 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` where there is one, else the platform's)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return model
+
+
 def device_info() -> dict[str, Any]:
     """What ran the benchmark: GPU name and memory, torch/triton versions, host CPU."""
     info: dict[str, Any] = {

@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from benchmarks.common import cpu_model  # noqa: E402
 
 from hicache.storage.fault_injection import FaultPlan  # noqa: E402
 from soak.harness import SoakConfig, run_soak  # noqa: E402
@@ -37,15 +38,7 @@ MODES = {"ci": 2_000, "long": 50_000}
 def device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(torch.device(device))}"
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu: {model} ({os.cpu_count()} cores visible, {torch.get_num_threads()} torch thread(s))"
+    return f"cpu: {cpu_model()} ({os.cpu_count()} cores visible, {torch.get_num_threads()} torch thread(s))"
 
 
 def record(path: Path, run: dict) -> None:

@@ -521,16 +521,23 @@ def create_plugin_algorithm(config: Any, device: torch.device | str, **kwargs: A
     ``token_to_kv_pool``), else ours through the registry."""
     from sparsehi.algorithms.registry import create_algorithm
 
-    name = config.algorithm
-    if ":" in name:
-        mod_name, _, cls_name = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(mod_name), cls_name, None)
-        except ImportError:
-            cls = None
-        if is_sglang_algorithm(cls):
-            return SGLangAlgorithm(config, torch.device(device), algorithm_cls=cls, **kwargs)
+    cls = _sglang_class(config.algorithm)
+    if cls is not None:
+        return SGLangAlgorithm(config, torch.device(device), algorithm_cls=cls, **kwargs)
     return create_algorithm(config, device)
+
+
+def _sglang_class(name: str) -> Optional[type]:
+    """The SGLang ``BaseSparseAlgorithm`` subclass ``name`` (``module:Class``) imports, or
+    None (not an import path, not importable, or not an SGLang algorithm)."""
+    if ":" not in name:
+        return None
+    mod_name, _, cls_name = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(mod_name), cls_name, None)
+    except ImportError:
+        return None
+    return cls if is_sglang_algorithm(cls) else None
 
 
 def check_algorithm_name(name: str) -> str:
@@ -538,14 +545,8 @@ def check_algorithm_name(name: str) -> str:
     path) is written for. ValueError when it is neither."""
     from sparsehi.algorithms.registry import resolve_algorithm
 
-    if ":" in name:
-        mod_name, _, cls_name = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(mod_name), cls_name, None)
-        except ImportError:
-            cls = None
-        if is_sglang_algorithm(cls):
-            return "sglang"
+    if _sglang_class(name) is not None:
+        return "sglang"
     try:
         resolve_algorithm(name)
     except ValueError as e:
