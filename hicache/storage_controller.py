@@ -54,7 +54,8 @@ class StoragePolicy:
     ``best_effort``: the scheduler takes whatever pages have arrived when it checks;
     ``wait_complete``: it waits for the whole fetch; ``timeout``: it waits until the fetch
     completes or ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024``
-    seconds have passed since it was issued.
+    seconds have passed since it was issued (``tokens``: what the prefetch thread's
+    existence check found to fetch; until that check returns, the base alone).
     """
 
     prefetch_policy: str = "best_effort"
