@@ -3,8 +3,8 @@
 Pages of 64 tokens of a Llama-8B-shaped layer stack (32 layers, 8 KV heads, head dim 128,
 bf16, K and V: 8 MiB per page) are written once from a ``page_first`` host pool, then read
 back ``--repeats`` times through the path a prefetch takes: a ``PrefetchOp`` submitted to
-the ``StorageController``, whose prefetch thread calls the backend's ``get_pages`` on
-batches of ``io_batch_pages`` keys into reserved host-pool pages (each page verified: length
+the ``StorageController``, whose prefetch thread asks ``batch_exists`` once, then calls
+the backend's ``get_pages`` on batches of ``io_batch_pages`` keys into reserved host-pool pages (each page verified: length
 and CRC-32). Reported per backend:
 
 - ``gbps``: page bytes / wall time from submitting the op until its thread is done (GB/s, 1e9);
@@ -136,7 +136,8 @@ def measure(storage: HiCacheStorage, host: HostKVPool, pages: int, repeats: int,
                            "(for mooncake, raise global_segment_size)")
 
     timed = _TimedReads(storage)
-    ctl = StorageController(storage, host, StoragePolicy(io_batch_pages=io_batch_pages))
+    # threshold 0: every stored page is read, whatever the page count
+    ctl = StorageController(storage, host, StoragePolicy(io_batch_pages=io_batch_pages, prefetch_threshold=0))
     ctl.storage = timed  # the prefetch thread reads through the timing wrapper
     host_idx = torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in dst])
     walls: list[float] = []

@@ -58,6 +58,12 @@ def check_layout_io(layout: str, io_backend: str, layout_name: str = "layout", i
 
 
 # Extra-config keys the prefetch path reads, with SGLang's defaults.
+PREFETCH_CAPACITY_FRACTION = 0.5
+"""Share of the host pool that prefetches in flight may reserve together (SGLang's
+``prefetch_capacity_limit = int(0.5 * mem_pool_host.size)``; its older
+``0.8 * (host - device)`` is 0 when the host pool is barely larger than the device pool,
+which leaves L3 written but never read)."""
+
 PREFETCH_DEFAULTS: dict[str, Any] = {
     "prefetch_threshold": 256,
     "prefetch_timeout_base": 1.0,
@@ -163,9 +169,14 @@ class HiCacheConfig:
                              extra=self.storage_extra_config())
 
     def prefetch_options(self) -> dict[str, Any]:
-        """prefetch_threshold (tokens), prefetch_timeout_base (s), prefetch_timeout_per_ki_token (s)."""
+        """prefetch_threshold (tokens), prefetch_timeout_base (s), prefetch_timeout_per_ki_token (s),
+        and, when given, prefetch_capacity_limit (host tokens) / prefetch_capacity_fraction."""
         extra = self.storage_extra_config()
-        return {k: extra.get(k, v) for k, v in PREFETCH_DEFAULTS.items()}
+        out = {k: extra.get(k, v) for k, v in PREFETCH_DEFAULTS.items()}
+        for k in ("prefetch_capacity_limit", "prefetch_capacity_fraction"):
+            if k in extra:
+                out[k] = extra[k]
+        return out
 
     # -- argparse ---------------------------------------------------------------------------
     @staticmethod

@@ -12,8 +12,12 @@ Prefetch::
     if tree.check_prefetch_progress(rid):  # per policy; pages that arrived are now host nodes
         m = tree.match_prefix(tokens)      # longer host hit
 
-Reservations: a prefetch reserves host slots for every page L3 holds (leading pages, the
-first hole ends them). The reservation is settled exactly once, in ``_settle_prefetch``:
+Reservations: a prefetch reserves host slots for every whole page of the tokens it is
+given (as SGLang does: the existence check runs later, on the prefetch thread, so the
+scheduler never waits on the backend; the thread fetches only the leading pages L3 holds).
+Prefetches in flight reserve at most ``prefetch_capacity_limit`` host tokens together
+(``prefetch_tokens_occupied``); one that would exceed it is not started and counted in
+``prefetch_rate_limited``: the request computes its prefix. The reservation is settled exactly once, in ``_settle_prefetch``:
 the pages that arrived (the TP ranks' minimum) are inserted into the tree as host nodes
 (adopted; duplicates of pages the tree already holds are released), the rest is released
 at once or, when the I/O thread may still be writing into it, as soon as that call
@@ -27,7 +31,7 @@ background; the node's path stays host-locked until the write is acknowledged, s
 pages being read cannot be evicted and reused.
 
 Tensor parallelism: every rank calls these methods in the same order; the ranks agree
-(``all_reduce(MIN)``) on the L3 hit before reserving, on whether a prefetch may be settled
+(``all_reduce(MIN)``) on whether a reservation succeeded, on whether a prefetch may be settled
 and on how many pages it contributes, on how many write acks to retire and on their
 outcome, and on how many orphans to release, so every rank's tree stays identical.
 """
@@ -47,7 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _STORAGE_COUNTERS = (
     "prefetch_ops", "prefetch_issued_pages", "prefetch_adopted_pages", "prefetch_released_pages",
-    "prefetch_below_threshold", "prefetch_alloc_failures", "prefetch_truncated", "l3_hit_tokens",
+    "prefetch_below_threshold", "prefetch_alloc_failures", "prefetch_truncated", "prefetch_rate_limited",
+    "l3_hit_tokens",
     "storage_backup_ops", "storage_backup_failed_ops", "storage_orphans_released",
 )
 
@@ -63,6 +68,11 @@ class StorageTier:
         # free or None, node to host-unlock or None), released in FIFO order once done.
         self._orphans: list[tuple[Any, Optional[torch.Tensor], Optional[TreeNode]]] = []
         self.storage_stats = dict.fromkeys(_STORAGE_COUNTERS, 0)
+        # Host tokens reserved by prefetches not yet settled (SGLang's prefetch_tokens_occupied).
+        self.prefetch_tokens_occupied = 0
+        ctl = self.storage_ctl
+        self.prefetch_capacity_limit = 0 if ctl is None else ctl.policy.capacity_tokens(
+            self.controller.host_pool.num_slots)
 
     # ------------------------------------------------------------------ attach / detach
     @property
@@ -78,7 +88,10 @@ class StorageTier:
             raise ValueError(f"backend must be a HiCacheStorage, got {type(backend).__name__}")
         if self.storage_ctl is not None:
             raise ValueError("a storage backend is already attached: detach_storage_backend() first")
-        self.storage_ctl = StorageController(backend, self.controller.host_pool, policy or StoragePolicy())
+        policy = policy or StoragePolicy()
+        c = self.controller
+        self.storage_ctl = StorageController(backend, c.host_pool, policy)
+        self.prefetch_capacity_limit = policy.capacity_tokens(c.host_pool.num_slots)
 
     def detach_storage_backend(self, force: bool = False, timeout: Optional[float] = 60.0,
                                force_grace_s: float = 0.5) -> Optional["HiCacheStorage"]:
@@ -144,8 +157,13 @@ class StorageTier:
         with ``m.last_backed_node``) continue in L3 (the keys chain onto that path, whose
         root carries the request's cache salt), when they reach beyond what the tree
         holds by at least ``prefetch_threshold`` tokens. ``last_host_node`` must be backed up
-        (or the root) and stays host-locked until the prefetch is settled. Returns the
-        tokens being fetched (0: none). Settle with ``check_prefetch_progress(req_id)``."""
+        (or the root) and stays host-locked until the prefetch is settled.
+
+        Makes no backend call: host slots are reserved for all whole pages of
+        ``new_input_tokens`` and the prefetch thread checks which of them L3 holds before it
+        fetches. Returns the tokens reserved, an upper bound of what arrives (0: no
+        prefetch: below the threshold, over ``prefetch_capacity_limit``, or no host
+        memory). Settle with ``check_prefetch_progress(req_id)``."""
         ctl = self.storage_ctl
         if ctl is None:
             return 0
@@ -157,21 +175,19 @@ class StorageTier:
         ps = self.page_size
         key = _as_tokens(new_input_tokens)
         key = key[: len(key) - len(key) % ps]
-        threshold = ctl.policy.prefetch_threshold
         if not key:
             return 0
-        if len(key) < threshold:
-            self.storage_stats["prefetch_below_threshold"] += 1
-            return 0
         last_host_node = self._live_root(last_host_node, register=False)
-        hashes = page_hash_chain(key, ps, self._hash_prior(last_host_node))
-        keys = ctl.storage_keys(hashes)
-        group = self.controller.tp_group
-        n = tp_sync.agree_min(ctl.leading_hits(keys), group) * ps
         held = self._held_below(last_host_node, key)
-        if n - held < threshold or n == 0:
+        if len(key) - held < ctl.policy.prefetch_threshold:  # L3 cannot add enough: no reservation
             self.storage_stats["prefetch_below_threshold"] += 1
             return 0
+        n = len(key)
+        if self.prefetch_tokens_occupied + n > self.prefetch_capacity_limit:
+            # every rank has the same counter (same calls, agreed settles): no collective
+            self.storage_stats["prefetch_rate_limited"] += 1
+            return 0
+        hashes = page_hash_chain(key, ps, self._hash_prior(last_host_node))
         self.inc_host_lock(last_host_node)  # its host copy must outlive the fetch (and evict_host below)
         c = self.controller
         host = self._alloc_agreed(c.alloc_host, c.free_host, self.evict_host, n)
@@ -179,9 +195,10 @@ class StorageTier:
             self.dec_host_lock(last_host_node)
             self.storage_stats["prefetch_alloc_failures"] += 1
             return 0
-        op = PrefetchOp(req_id=req_id, keys=keys[: n // ps], host_indices=host, start_node=last_host_node,
-                        tokens=key[:n], hash_keys=hashes[: n // ps], timeout_s=ctl.policy.timeout_for(n))
+        op = PrefetchOp(req_id=req_id, keys=ctl.storage_keys(hashes), host_indices=host, start_node=last_host_node,
+                        tokens=key, hash_keys=hashes, timeout_s=ctl.policy.prefetch_timeout_base, held_tokens=held)
         self.ongoing_prefetch[req_id] = op
+        self.prefetch_tokens_occupied += n
         self.storage_stats["prefetch_ops"] += 1
         self.storage_stats["prefetch_issued_pages"] += n // ps
         ctl.submit_prefetch(op)
@@ -230,9 +247,11 @@ class StorageTier:
         # their releases can be agreed in order.
         pages, io_done = tp_sync.agree_min_many([local, int(io_done)], self.controller.tp_group)
         n = pages * ps
-        if pages < op.num_pages:
-            self.storage_stats["prefetch_truncated"] += 1
         st = self.storage_stats
+        if op.below_threshold:  # this rank's view (a statistic, not a decision)
+            st["prefetch_below_threshold"] += 1
+        elif pages < (op.planned_pages if op.planned_pages is not None else op.num_pages):
+            st["prefetch_truncated"] += 1
         if n:
             last, unused = self._insert_host_from(op.start_node, op.tokens[:n], op.host_indices[:n], op.hash_keys)
             if unused.numel():
@@ -242,6 +261,7 @@ class StorageTier:
             st["l3_hit_tokens"] += n
         tail = op.host_indices[n:]
         op.released = True
+        self.prefetch_tokens_occupied -= op.num_pages * ps
         del self.ongoing_prefetch[op.req_id]
         self.dec_host_lock(op.start_node)
         if tail.numel():
@@ -388,6 +408,8 @@ class StorageTier:
         st["prefetch_reserved_pages"] = (st["prefetch_issued_pages"] - st["prefetch_adopted_pages"]
                                          - st["prefetch_released_pages"])
         st["ongoing_prefetches"] = len(self.ongoing_prefetch)
+        st["prefetch_tokens_occupied"] = self.prefetch_tokens_occupied
+        st["prefetch_capacity_limit"] = self.prefetch_capacity_limit
         st["ongoing_storage_backups"] = len(self.ongoing_backup)
         st["storage_orphans"] = len(self._orphans)
         if self.storage_ctl is not None:

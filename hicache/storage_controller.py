@@ -1,10 +1,13 @@
 """StorageController: moves KV pages between the host pool (L2) and an L3 backend on its own
 threads, for the HiRadixTree's storage paths (``hicache.radix_storage``).
 
-* A **prefetch thread** reads pages that a request's prefix continues with in L3 into host
+* A **prefetch thread** first asks the backend which of the operation's pages it holds
+  (``batch_exists``; the first hole ends the prefix, and a continuation shorter than the
+  threshold beyond what the tree held is not fetched), then reads those pages into host
   pages the tree reserved (``HiCacheStorage.get_pages``), in batches of ``io_batch_pages``;
   after each batch it publishes how many *leading* pages have arrived (a miss or a fault
-  stops the operation there: a prefix cannot have holes).
+  stops the operation there: a prefix cannot have holes). The scheduler only enqueues and
+  later polls: no backend call runs on its thread.
 * A **backup thread** writes host pages of backed-up nodes to L3: it asks ``batch_exists``
   first and writes only the pages the backend lacks (``set_pages``); ranks that do not
   write (MLA pages on ``tp_rank != 0``) complete their operation without I/O, so every
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 import torch
 
-from hicache.config import PREFETCH_DEFAULTS, PREFETCH_POLICIES
+from hicache.config import PREFETCH_CAPACITY_FRACTION, PREFETCH_DEFAULTS, PREFETCH_POLICIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.config import HiCacheConfig
@@ -51,7 +54,8 @@ class StoragePolicy:
     ``best_effort``: the scheduler takes whatever pages have arrived when it checks;
     ``wait_complete``: it waits for the whole fetch; ``timeout``: it waits until the fetch
     completes or ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024``
-    seconds have passed since it was issued.
+    seconds have passed since it was issued (``tokens``: what the prefetch thread's
+    existence check found to fetch; until that check returns, the base alone).
     """
 
     prefetch_policy: str = "best_effort"
@@ -63,6 +67,11 @@ class StoragePolicy:
     """Pages per backend call of a prefetch: the granularity at which progress shows."""
     write_through: bool = True
     """Write host-backed pages to L3 after their host backup completes."""
+    prefetch_capacity_limit: Optional[int] = None
+    """Host tokens that prefetches in flight may reserve together; a prefetch that would
+    exceed it is not started (``prefetch_rate_limited``). None: SGLang's default,
+    ``prefetch_capacity_fraction * host pool slots``."""
+    prefetch_capacity_fraction: float = PREFETCH_CAPACITY_FRACTION
 
     def __post_init__(self) -> None:
         if self.prefetch_policy not in PREFETCH_POLICIES:
@@ -71,6 +80,13 @@ class StoragePolicy:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "prefetch_threshold" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'prefetch_threshold' else 1}, got {v!r}")
+        cap = self.prefetch_capacity_limit
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+            raise ValueError(f"prefetch_capacity_limit must be an int >= 0 (host tokens) or None (the default, "
+                             f"prefetch_capacity_fraction of the host pool), got {cap!r}")
+        frac = self.prefetch_capacity_fraction
+        if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 < frac <= 1:
+            raise ValueError(f"prefetch_capacity_fraction must be a number in (0, 1], got {frac!r}")
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
@@ -92,14 +108,23 @@ class StoragePolicy:
         """Seconds the ``timeout`` policy waits for a fetch of ``tokens`` tokens."""
         return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
 
+    def capacity_tokens(self, host_slots: int) -> int:
+        """Host tokens prefetches in flight may reserve together, for a host pool of
+        ``host_slots`` token slots."""
+        if self.prefetch_capacity_limit is not None:
+            return self.prefetch_capacity_limit
+        return int(self.prefetch_capacity_fraction * host_slots)
+
 
 @dataclass(eq=False)
 class PrefetchOp:
-    """One request's fetch of ``len(keys)`` pages into reserved host slots.
+    """One request's fetch of up to ``len(keys)`` pages into reserved host slots.
 
     ``host_indices`` int64 [len(keys) * page_size]: the reservation (the tree releases it or
-    adopts part of it exactly once). ``tokens``: the tokens those pages hold, continuing
-    ``start_node``'s path; ``hash_keys``: their page hash chain (the tree's keys).
+    adopts part of it exactly once). ``tokens``: the tokens those pages would hold,
+    continuing ``start_node``'s path; ``hash_keys``: their page hash chain (the tree's
+    keys). The thread's existence check sets ``planned_pages`` (the leading pages L3 holds,
+    0 when too few continue beyond the ``held_tokens`` the tree had) and ``timeout_s``.
     """
 
     req_id: Hashable
@@ -109,7 +134,13 @@ class PrefetchOp:
     tokens: tuple[int, ...]
     hash_keys: list[str]
     timeout_s: float
+    """The ``timeout`` policy's wait: the base until the existence check sizes the fetch."""
+    held_tokens: int = 0
+    """Tokens of ``tokens`` the tree already held when the prefetch was issued."""
     issued_at: float = field(default_factory=time.monotonic)
+    planned_pages: Optional[int] = None
+    """Leading pages L3 holds and the thread fetches (None: existence not checked yet)."""
+    below_threshold: bool = False
     completed_pages: int = 0
     """Leading pages read and verified (grows only; pages below it are never written again)."""
     done: bool = False
@@ -187,7 +218,7 @@ class StorageController:
 
     def leading_hits(self, keys: list[str]) -> int:
         """Leading keys the backend holds (one ``batch_exists``; the first hole ends the
-        prefix). A raising backend counts as holding none."""
+        prefix). A raising backend counts as holding none. Runs on the prefetch thread."""
         if not keys:
             return 0
         try:
@@ -277,16 +308,32 @@ class StorageController:
         (logger.warning if first else logger.debug)("hicache L3: %s (served as a cache miss; counted in %s)",
                                                     message, counter)
 
+    def _plan_prefetch(self, op: PrefetchOp) -> int:
+        """The existence check of ``op`` (on this thread, never the scheduler's): how many
+        leading pages to fetch. Publishes ``planned_pages`` and the sized timeout."""
+        with self._cv:
+            if op.cancel:
+                return 0
+        hits = self.leading_hits(op.keys)
+        below = hits * self.page_size - op.held_tokens < self.policy.prefetch_threshold or hits == 0
+        planned = 0 if below else hits
+        with self._cv:
+            op.planned_pages = planned
+            op.below_threshold = below
+            op.timeout_s = self.policy.timeout_for(planned * self.page_size)
+        return planned
+
     def _run_prefetch(self, op: PrefetchOp) -> None:
         ps = self.page_size
+        planned = self._plan_prefetch(op)
         pages = [int(p) for p in (op.host_indices[::ps] // ps).tolist()]
         step = self.policy.io_batch_pages
         i = 0
-        while i < op.num_pages:
+        while i < planned:
             with self._cv:
                 if op.cancel:
                     return
-            j = min(op.num_pages, i + step)
+            j = min(planned, i + step)
             try:
                 ok = list(self.storage.get_pages(op.keys[i:j], pages[i:j]))
                 if len(ok) != j - i:
@@ -303,7 +350,7 @@ class StorageController:
                 self.counters["l3_pages_fetched"] += good
                 self.counters["l3_bytes_fetched"] += good * self.page_bytes
             if good < j - i:
-                op.error = f"page {i + good} of {op.num_pages} missing or corrupt"
+                op.error = f"page {i + good} of {planned} missing or corrupt"
                 self._fault("l3_fetch_miss_pages", f"prefetch of request {op.req_id!r}: {op.error}")
                 return
             i = j

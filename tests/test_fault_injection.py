@@ -150,8 +150,12 @@ def test_tree_serves_every_read_fault_as_one_counted_miss(kind):
     w.plan = plan
     w._rng.seed(plan.seed)
     n, _ = prefetch(tree, "r", tokens)
-    if kind == "raise":  # the existence check raises first: no fetch, nothing reserved
-        assert n == 0 and tree.stats()["l3_exists_faults"] == 1 == w.counts.raise_exists
+    if kind == "raise":  # the prefetch thread's existence check raises first: nothing fetched
+        assert n == 6 * PS  # reserved before L3 is asked
+        settle(tree, "r")
+        assert tree.stats()["l3_exists_faults"] == 1 == w.counts.raise_exists
+        assert tree.match_prefix(tokens).total_hit_length == 0 and tree.storage_leaks() == 0
+        assert tree.stats()["prefetch_reserved_pages"] == 0
         w.counts.raise_exists = 0
         w.batch_exists = w.inner.batch_exists  # existence checks bypass the faults now
         n, _ = prefetch(tree, "r", tokens)  # the check passes; the reads will raise

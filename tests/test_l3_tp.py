@@ -74,12 +74,14 @@ def _worker(rank: int, port: int) -> None:
             del s.objects[storage_key(page_hash_chain(toks, PS)[10], 1)]
         empty_tiers(tree)
         m = tree.match_prefix(toks)
-        assert tree.prefetch_from_storage("a", m.last_backed_node, toks) == 40
-        op = tree.ongoing_prefetch["a"]
-        assert op.num_pages == 10
-        # best effort with different progress: rank 0 has all 10 pages, rank 1 only 4
+        # best effort with different progress: rank 0 has all its pages, rank 1 only 4
         if rank == 1:
             s.get_gate, s.block_after = threading.Event(), s.pages_read + 4
+        assert tree.prefetch_from_storage("a", m.last_backed_node, toks) == 64  # reserved; L3 is asked later
+        op = tree.ongoing_prefetch["a"]
+        wait_until(lambda: op.planned_pages is not None)
+        assert op.planned_pages == (16 if rank == 0 else 10)  # each rank's own existence check
+        if rank == 1:
             wait_until(lambda: op.completed_pages == 4)
         else:
             wait_until(lambda: op.done)
@@ -105,7 +107,7 @@ def _worker(rank: int, port: int) -> None:
         if rank == 1:
             s.get_gate, s.block_after = threading.Event(), s.pages_read + 2
         m = tree.match_prefix(toks)
-        assert tree.prefetch_from_storage("b", m.last_backed_node, toks) == 40
+        assert tree.prefetch_from_storage("b", m.last_backed_node, toks) == 64
         op = tree.ongoing_prefetch["b"]
         if rank == 0:
             wait_until(lambda: op.done)

@@ -184,10 +184,12 @@ class CoordinatorBackend(ModeBackend):
         if not want:
             return 0
         policy = tree.storage_ctl.policy
+        before = tree.storage_stats["l3_hit_tokens"]
+        # want is the reservation (an upper bound: L3 is asked on the prefetch thread)
         tree.wait_prefetch(req.rid, None if policy.prefetch_policy == "wait_complete" else policy.timeout_for(want))
         while not tree.check_prefetch_progress(req.rid):
             time.sleep(0.001)
-        return want
+        return tree.storage_stats["l3_hit_tokens"] - before
 
     def l3_stats(self) -> dict[str, int]:
         """L3 counters of the prefix tree after its writes in flight finished ({} without a
