@@ -10,8 +10,7 @@ from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.radix_tree import HiRadixTree
-
-LAYERS, HEADS, DIM = 2, 2, 4
+from l3_kit import DIM, HEADS, LAYERS, expected  # one KV-by-prefix rule for the tree and the L3 tests
 
 
 def build(policy="write_through", page_size=4, dev_pages=16, ratio=2.0, io="direct", layout="layer_first"):
@@ -20,19 +19,6 @@ def build(policy="write_through", page_size=4, dev_pages=16, ratio=2.0, io="dire
     host = HostKVPool(dev, hicache_ratio=ratio, layout=layout)
     ctl = HiCacheController(dev, host, write_policy=policy, io_backend=io)
     return HiRadixTree(ctl), ctl, dev, host
-
-
-def expected(tokens) -> torch.Tensor:
-    """KV of each token as a function of its whole prefix: [L, B, n, H, D] float32 (exact ints)."""
-    codes, h = [], 7
-    for t in tokens:
-        h = (h * 1_000_003 + int(t) + 1) % 1_048_573
-        codes.append(h)
-    c = torch.tensor(codes, dtype=torch.int64)
-    l = torch.arange(LAYERS).view(LAYERS, 1, 1, 1, 1)
-    b = torch.arange(2).view(1, 2, 1, 1, 1)
-    hd = torch.arange(HEADS * DIM).view(1, 1, 1, HEADS, DIM)
-    return ((c.view(1, 1, -1, 1, 1) * 7 + l * 131 + b * 17 + hd) % (1 << 23)).float()
 
 
 def prefill(dev: DeviceKVPool, tokens, slots) -> None:
