@@ -317,10 +317,8 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
     _sync(device)
     host_ms, host_splits = [], []
     t0 = time.perf_counter()
-    for _ in range(timed):
-        runner.decode_step(reqs)
-        host_ms.append(runner.last_host_ms)
-        host_splits.append(runner.last_host_split)
+    runner.decode_steps(reqs, timed, on_step=lambda t, step: (host_ms.append(step.host_ms),
+                                                             host_splits.append(step.split)))
     _sync(device)
     worst = max(range(len(host_ms)), key=host_ms.__getitem__)
     dt = time.perf_counter() - t0

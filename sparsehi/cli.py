@@ -161,6 +161,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs (for debugging; the same "
                         "kernels run, only launched one by one; graphs need a CUDA device)")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="wait for every decode step before preparing the next (SGLang's flag); by default the "
+                        "host part of step t+1 runs while step t runs on the device, with the same tokens")
     g.add_argument("--threads", type=_positive("--threads"), default=1,
                    help="torch CPU threads (default 1: the tiny models' small matmuls run fastest, and "
                         "unaffected by other load, on one thread)")
@@ -426,6 +429,7 @@ def _setup_kwargs(args: argparse.Namespace, modes: list[str], sparse, device: st
     return dict(model=args.model, model_path=args.model_path, num_layers=args.num_layers, modes=modes,
                 sparse=sparse, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
                 seed=args.seed, output_dir=args.output_dir, cuda_graph=not args.no_cuda_graph,
+                overlap_schedule=not args.disable_overlap_schedule,
                 hicache=args.hicache_config)
 
 

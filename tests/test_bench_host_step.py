@@ -11,9 +11,10 @@ def test_quick_run_writes_rows(tmp_path):
     out = bh.main(["--quick", "--out", str(tmp_path), "--modes", "sparse-hier,dense", "--batches", "1,2",
                    "--boundaries", "1"])
     rows = out["rows"]
-    assert [(r["mode"], r["batch"]) for r in rows] == [("sparse-hier", 1), ("sparse-hier", 2), ("dense", 1),
-                                                        ("dense", 2)]
+    assert [(r["schedule"], r["mode"], r["batch"]) for r in rows] == [
+        (s, m, b) for s in ("overlap", "wait") for m in ("sparse-hier", "dense") for b in (1, 2)]
     for r in rows:
+        assert r["device_gap_ms"] is None  # CPU: no CUDA events
         assert r["host_ms_opening_steps"]["n"] == 1  # one page boundary crossed
         assert r["host_ms"]["n"] == r["steps"] == 17
         assert r["worst_step"]["ms"] == r["host_ms"]["max"]
@@ -29,3 +30,6 @@ def test_bad_modes_are_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bh.main(["--quick", "--out", str(tmp_path), "--modes", "sparse"])
     assert "--modes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bh.main(["--quick", "--out", str(tmp_path), "--schedules", "eager"])
+    assert "--schedules" in capsys.readouterr().err

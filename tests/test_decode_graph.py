@@ -170,8 +170,32 @@ def test_generate_captures_before_timing(monkeypatch):
     captures = []
     real = runner.graphs._capture
     monkeypatch.setattr(runner.graphs, "_capture", lambda nb, v: captures.append(runner.backend.decode_variant([])) or real(nb, v))
-    real_step = runner.decode_step
+    real_step = runner.launch_decode
     in_loop = []
-    monkeypatch.setattr(runner, "decode_step", lambda reqs, feed=None: in_loop.append(len(captures)) or real_step(reqs, feed))
+    monkeypatch.setattr(runner, "launch_decode",
+                        lambda reqs, feed=None, after=None: in_loop.append(len(captures)) or real_step(reqs, feed, after))
     runner.generate(prompts, 5)
     assert len(captures) == 1 and in_loop == [1] * 5
+
+
+@pytest.mark.gpu
+def test_capture_survives_a_dropped_runner_collected_meanwhile():
+    """A dropped runner's graphs are freed by the cycle collector, whenever it runs. Freeing
+    a graph while another one records is an error in CUDA, so capture collects first and
+    keeps the collector off while it records (here the collector would run at every
+    allocation)."""
+    import gc
+
+    sc = SparseConfig(min_sparse_prompt_len=0, **GQA)
+    prompts = _prompts((300, 333))
+    first = _runner("tiny-gqa", "sparse-hier", sc, prompts, True)
+    want = first.generate(prompts, 6).tokens
+    del first  # unreachable now, but held by reference cycles until a collection
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        second = _runner("tiny-gqa", "sparse-hier", sc, prompts, True)
+        got = second.generate(prompts, 6).tokens
+    finally:
+        gc.set_threshold(*threshold)
+    assert second.graphs.captured and got == want

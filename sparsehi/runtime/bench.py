@@ -54,7 +54,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 rt = RuntimeConfig(mode=mode, sparse=replace(sc), device=cfg.device, dtype=cfg.dtype, max_num_reqs=b,
                                    max_context_len=ctx + cfg.decode_tokens + 1, adaptor=cfg.adaptor,
                                    host_layout=cfg.host_layout, prefix_cache=False, validate=False,
-                                   cuda_graph=cfg.cuda_graph,
+                                   cuda_graph=cfg.cuda_graph, overlap_schedule=cfg.overlap_schedule,
                                    host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)
                 t0 = time.perf_counter()
                 res = ModelRunner(model, rt).generate(prompts, cfg.decode_tokens)

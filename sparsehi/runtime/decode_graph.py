@@ -12,6 +12,13 @@ is one graph replay. Outside the graph stays only what must: the mode's host boo
 The eager path (``cuda_graph=False``, and every CPU run) executes the very same body with
 the same padding, so a captured step reproduces its eager step bit for bit.
 
+Overlap (``ModelRunner.launch_decode``, as SGLang's overlap scheduler): the host part of
+step ``t + 1`` runs while step ``t`` replays. Its token ids then come from step ``t``'s
+``next_tokens`` on the device (``fill(ids_on_device=True)``), its tokens are read back
+through a pinned ring slot and an event (``read_tokens``), and the pinned staging buffer
+alternates between two copies, so the host never writes a buffer whose copy to the device
+may still be pending.
+
 Capture runs the body a few times eagerly on a padding-only batch first (Triton compiles,
 lazily built caches), which is safe by the padding contract: padding rows write their KV to
 the reserved padding page 0, load and back up nothing, and change no buffer state.
@@ -19,6 +26,7 @@ the reserved padding page 0, load and back up nothing, and change no buffer stat
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
@@ -60,20 +68,22 @@ class DecodeInputs:
     """
 
     packed: torch.Tensor
-    staging: torch.Tensor
+    staging: tuple[torch.Tensor, torch.Tensor]
+    """Two pinned copies of ``packed``'s layout, used by turns (see the module docstring)."""
     next_tokens: torch.Tensor
 
     @classmethod
     def allocate(cls, n: int, device: torch.device) -> "DecodeInputs":
         pin = device.type == "cuda"
         packed = torch.zeros(4 + ENTRY_ROWS, n, dtype=torch.int64, device=device)
-        staging = torch.zeros(4 + ENTRY_ROWS, n, dtype=torch.int64, pin_memory=pin)
-        for t in (packed, staging):  # entry slots start unused
+        staging = tuple(torch.zeros(4 + ENTRY_ROWS, n, dtype=torch.int64, pin_memory=pin) for _ in range(2))
+        for t in (packed, *staging):  # entry slots start unused
             t[4:].view(-1, 4)[:, 0] = -1
         return cls(packed, staging, torch.zeros(n, dtype=torch.int64, device=device))
 
     def __post_init__(self) -> None:
-        self._host = self.staging.numpy()  # writes through NumPy: no tensor per step
+        self._hosts = tuple(t.numpy() for t in self.staging)  # writes through NumPy: no tensor per step
+        self._turn = 0
         self._entries_live = True  # the device copy of the entry slots may hold entries
 
     @property
@@ -96,15 +106,20 @@ class DecodeInputs:
     def page_entries(self) -> torch.Tensor:
         return self.packed[4:].view(-1, 4)
 
-    def fill(self, ids: list[int], positions: list[int], rows: list[int], seq_lens: list[int], nb: int,
-             page_entries: Optional[np.ndarray] = None) -> None:
+    def fill(self, ids: Optional[list[int]], positions: list[int], rows: list[int], seq_lens: list[int], nb: int,
+             page_entries: Optional[np.ndarray] = None, ids_on_device: bool = False) -> None:
         """Rows ``[0, B)`` from the lists, ``[B, nb)`` padding, the page entries (``[E, 4]``,
-        ``E <= 3N``; none: every slot unused); one host->device copy."""
+        ``E <= 3N``; none: every slot unused); one host->device copy. ``ids_on_device``:
+        the token ids of rows ``[0, B)`` are the previous step's ``next_tokens`` (same rows
+        in the same order), copied on the device after it (``ids`` is ignored)."""
         b = len(rows)
-        h = self._host
+        stage = self.staging[self._turn]
+        h = self._hosts[self._turn]
+        self._turn ^= 1
         h[0, b:nb], h[1, b:nb], h[2, b:nb], h[3, b:nb] = 0, 0, -1, 1
         if b:
-            h[0, :b], h[1, :b], h[2, :b], h[3, :b] = ids, positions, rows, seq_lens
+            h[1, :b], h[2, :b], h[3, :b] = positions, rows, seq_lens
+            h[0, :b] = 0 if ids_on_device else ids
         ents = h[4:].reshape(-1, 4)
         e = 0 if page_entries is None else len(page_entries)
         if e > ents.shape[0]:
@@ -112,11 +127,14 @@ class DecodeInputs:
         if e:
             ents[:e] = page_entries
         ents[e:, 0] = -1
-        # the previous step's copy has finished: its tokens were read back
+        # this staging copy's last transfer belongs to the step before the previous one,
+        # whose tokens were read back: it has finished
         if e or self._entries_live:
-            self.packed.copy_(self.staging, non_blocking=True)
+            self.packed.copy_(stage, non_blocking=True)
         else:
-            self.packed[:4, :nb].copy_(self.staging[:4, :nb], non_blocking=True)
+            self.packed[:4, :nb].copy_(stage[:4, :nb], non_blocking=True)
+        if ids_on_device and b:
+            self.packed[0, :b].copy_(self.next_tokens[:b])
         self._entries_live = e > 0
 
     def fill_padding(self, nb: int) -> None:
@@ -140,29 +158,79 @@ class DecodeGraphRunner:
         self._graphs: dict[tuple[int, Hashable], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
         self.warmup_runs = 2
+        pin = self.device.type == "cuda"
+        self._ring = tuple(torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=pin) for _ in range(2))
+        self._ring_turn = 0
+        self.time_device = False
+        """Record CUDA events around every step (``device_gaps_ms``): benchmarks only."""
+        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def bucket(self, batch: int) -> int:
         if batch < 1 or batch > self.buckets[-1]:
             raise ValueError(f"decode batch of {batch} rows is outside [1, {self.buckets[-1]}] (max_num_reqs)")
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(self, ids: list[int], positions: list[int], rows: list[int], seq_lens: list[int],
-            variant: Hashable = None, page_entries: Optional[np.ndarray] = None) -> tuple[torch.Tensor, dict]:
+    def run(self, ids: Optional[list[int]], positions: list[int], rows: list[int], seq_lens: list[int],
+            variant: Hashable = None, page_entries: Optional[np.ndarray] = None,
+            ids_on_device: bool = False) -> tuple[torch.Tensor, dict]:
         """One step: returns ``(next_tokens [nb] int64, outputs)`` (device, static when
         graphed: read them before the next step). ``page_entries``: the step's new
-        device-table entries (``DecodeInputs.page_entries``), applied by the body."""
+        device-table entries (``DecodeInputs.page_entries``), applied by the body.
+        ``ids_on_device``: see ``DecodeInputs.fill``."""
         nb = self.bucket(len(rows))
+        start = self._mark()
         if not self.enabled:
-            self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries)
+            self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries, ids_on_device)
             out = self.body(self.inputs, nb, variant)
-            return self.inputs.next_tokens[:nb], out
-        key = (nb, variant)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(nb, variant)
-        graph, out = self._graphs[key]
-        self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries)
-        graph.replay()
+        else:
+            key = (nb, variant)
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(nb, variant)
+            graph, out = self._graphs[key]
+            self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries, ids_on_device)
+            graph.replay()
+        if start is not None:
+            self._marks.append((start, self._mark()))
         return self.inputs.next_tokens[:nb], out
+
+    def read_tokens(self, n: int) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+        """Start reading the last step's first ``n`` tokens back: ``(host [n] int64, event)``;
+        the values are there once the event completed (None: already, on CPU). Two ring
+        slots: a slot is written again two reads later, so read it before that."""
+        host = self._ring[self._ring_turn][:n]
+        self._ring_turn ^= 1
+        host.copy_(self.inputs.next_tokens[:n], non_blocking=True)
+        if self.device.type != "cuda":
+            return host, None
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def _mark(self) -> Optional[torch.cuda.Event]:
+        if not self.time_device or self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def device_gaps_ms(self) -> list[float]:
+        """Milliseconds the device sat between the end of one recorded step and the start of
+        the next one's work (its input copy: the host had not issued it yet), for every pair
+        of consecutive steps since the last call; syncs. Needs ``time_device``."""
+        if not self._marks:
+            return []
+        self._marks[-1][1].synchronize()
+        gaps = [prev[1].elapsed_time(cur[0]) for prev, cur in zip(self._marks, self._marks[1:])]
+        self._marks.clear()
+        return gaps
+
+    def device_step_ms(self) -> list[float]:
+        """Milliseconds from each recorded step's input copy to the end of its replay (no
+        reset; ``device_gaps_ms`` clears them)."""
+        if not self._marks:
+            return []
+        self._marks[-1][1].synchronize()
+        return [a.elapsed_time(b) for a, b in self._marks]
 
     def warm(self, batch: int, variant: Hashable = None) -> None:
         """Capture the graph ``run`` will replay for a batch of ``batch`` rows and this
@@ -184,9 +252,18 @@ class DecodeGraphRunner:
                 self.body(self.inputs, nb, variant)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.body(self.inputs, nb, variant)
+        # An unreachable graph (a dropped runner's, freed only by the cycle collector) must
+        # not be destroyed while this one records: CUDA refuses that and the capture fails.
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.body(self.inputs, nb, variant)
+        finally:
+            if gc_was_on:
+                gc.enable()
         self._pool = graph.pool()
         torch.cuda.synchronize(self.device)
         logger.info("decode step captured in a CUDA graph: batch bucket %d, variant %r", nb, variant)

@@ -139,6 +139,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         rt = RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
                            max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
                            host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph,
+                           overlap_schedule=cfg.overlap_schedule,
                            storage=storage if l3 else None, storage_policy=policy if l3 else None,
                            host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)
         do_forced = cfg.forced and mode != "dense" and "dense" in results

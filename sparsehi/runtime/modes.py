@@ -82,6 +82,12 @@ class RuntimeConfig:
     cuda_graph: bool = True
     """Decode steps replay CUDA graphs, one per batch bucket (CUDA devices only; False runs
     the very same step eagerly, for debugging, as SGLang's ``--disable-cuda-graph``)."""
+    overlap_schedule: bool = True
+    """``generate`` issues decode step ``t + 1`` before reading step ``t``'s tokens (SGLang's
+    overlap scheduler): the host part of a step runs while the device works on the previous
+    one, and the tokens feed the next step on the device. False (SGLang's
+    ``--disable-overlap-schedule``) waits for every step before preparing the next; the
+    tokens are the same either way."""
     storage: Optional[Any] = None
     """sparse-hier: an L3 backend (``hicache.storage.base.HiCacheStorage``) the prefix tree
     attaches: prompts are prefetched from it and finished requests written to it. The

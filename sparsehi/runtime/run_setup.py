@@ -26,6 +26,8 @@ class RunSetup:
     output_dir: str = "outputs"
     cuda_graph: bool = True
     """Decode steps replay CUDA graphs on a CUDA device (False: the same step eagerly)."""
+    overlap_schedule: bool = True
+    """``RuntimeConfig.overlap_schedule`` (False: ``--disable-overlap-schedule``)."""
     hicache: Optional[HiCacheConfig] = None
     """SGLang's ``--hicache-*`` options; with ``hicache_storage_backend`` the sparse-hier
     tree gets that L3 backend (built once per command, shared by its runs)."""

@@ -49,6 +49,26 @@ def make_backend(model: Model, rt: RuntimeConfig) -> ModeBackend:
 
 
 @dataclass
+class PendingStep:
+    """A decode step issued by ``ModelRunner.launch_decode`` whose tokens are not read yet."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor
+    """``[B] int64`` on the host, written by an asynchronous copy (complete with ``event``)."""
+    event: Optional[Any]
+    host_ms: float
+    """Host time of the step outside the device's work: issuing it, then (once finished)
+    reading its tokens; the wait for the device is not counted."""
+    split: dict[str, float]
+    """``host_ms`` by part: ``prepare`` (the backend's host part), ``launch`` (inputs,
+    replay, read-back start, ``end_decode``), ``after`` (recording the tokens)."""
+    feeds_next: bool = False
+    """The next step consumed these tokens on the device (their ``Request.fed`` entries are
+    added when they are read)."""
+    finished: bool = False
+
+
+@dataclass
 class GenerationResult:
     """What one ``generate`` call produced and measured."""
 
@@ -124,28 +144,93 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode_step(self, reqs: list[Request], feed: Optional[list[int]] = None) -> list[int]:
-        """One greedy decode step for every request of the batch. ``feed`` (teacher
-        forcing) overrides the token each request consumes; its own argmax is still
-        recorded."""
+        """One greedy decode step for every request of the batch, waited for. ``feed``
+        (teacher forcing) overrides the token each request consumes; its own argmax is
+        still recorded."""
+        return self.finish_decode(self.launch_decode(reqs, feed))
+
+    @torch.no_grad()
+    def launch_decode(self, reqs: list[Request], feed: Optional[list[int]] = None,
+                      after: Optional[PendingStep] = None) -> PendingStep:
+        """Issue one decode step without waiting for it (SGLang's overlap scheduler): the
+        host part (``prepare_decode``, the inputs, the replay, ``end_decode``) runs while
+        the device still works on ``after``, the previous step, whose tokens are not read
+        yet. With ``after`` and no ``feed`` this step consumes ``after``'s tokens straight
+        from the device; that needs the same requests in the same order (otherwise
+        ``after`` is finished first). Call ``finish_decode(after)`` next, then this step's."""
         t0 = time.perf_counter()
         be = self.backend
-        last = feed if feed is not None else [r.output[-1] for r in reqs]
-        for r, t in zip(reqs, last):
-            r.fed.append(int(t))
+        on_device = (after is not None and feed is None and not after.finished
+                     and [r.rid for r in after.reqs] == [r.rid for r in reqs])
+        if after is not None and not after.finished and not on_device and feed is None:
+            self.finish_decode(after)  # its tokens are this step's inputs
+        last = None
+        if not on_device:
+            last = [int(t) for t in (feed if feed is not None else [r.output[-1] for r in reqs])]
+            for r, t in zip(reqs, last):
+                r.fed.append(t)
         variant = be.prepare_decode(reqs)
         tp = time.perf_counter()
-        toks_t, outputs = self.graphs.run([int(t) for t in last], [r.seq_len for r in reqs],
-                                          [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant,
-                                          be.take_page_entries())
-        t1 = time.perf_counter()
-        toks = toks_t[: len(reqs)].tolist()  # waits for the step
-        t2 = time.perf_counter()
+        _, outputs = self.graphs.run(last, [r.seq_len for r in reqs], [r.req_pool_idx for r in reqs],
+                                     [r.seq_len + 1 for r in reqs], variant, be.take_page_entries(),
+                                     ids_on_device=on_device)
+        host, event = self.graphs.read_tokens(len(reqs))
+        if on_device:
+            after.feeds_next = True
+        # lengths and outputs now, in stream order: the next step's replay overwrites them
         be.end_decode(reqs, outputs)
-        for r, t in zip(reqs, toks):
-            r.output.append(int(t))
-        t3 = time.perf_counter()
-        self.last_host_ms = 1e3 * ((t1 - t0) + (t3 - t2))
-        self.last_host_split = {"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp), "after": 1e3 * (t3 - t2)}
+        t1 = time.perf_counter()
+        return PendingStep(list(reqs), host, event, host_ms=1e3 * (t1 - t0),
+                           split={"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp)})
+
+    @torch.no_grad()
+    def decode_steps(self, reqs: list[Request], steps: int, force_tokens: Optional[list[list[int]]] = None,
+                     on_step: Optional[Callable[[int, PendingStep], None]] = None) -> None:
+        """``steps`` greedy decode steps of the batch ``reqs``, overlapped when
+        ``rt.overlap_schedule`` (step ``t + 1`` issued before step ``t`` is read), else each
+        waited for. ``force_tokens[r][t]``: the token request ``r`` consumes at step ``t``
+        (teacher forcing). ``on_step(t, step)`` runs once step ``t``'s tokens are recorded
+        (``step.host_ms``: its host time, ``step.split`` by part)."""
+        pending: Optional[PendingStep] = None
+        done = 0
+        for t in range(steps):
+            feed = None if force_tokens is None else [f[t] for f in force_tokens]
+            if self.rt.overlap_schedule:
+                step = self.launch_decode(reqs, feed, after=pending)
+            else:
+                step = self.launch_decode(reqs, feed)
+                self.finish_decode(step)
+            if pending is not None:
+                if not pending.finished:
+                    self.finish_decode(pending)
+                if on_step:
+                    on_step(done, pending)
+                done += 1
+            pending = step
+        if pending is not None:
+            if not pending.finished:
+                self.finish_decode(pending)
+            if on_step:
+                on_step(done, pending)
+
+    def finish_decode(self, pending: PendingStep) -> list[int]:
+        """Wait for a launched step's tokens and record them (``Request.output``; the
+        inputs of the step launched after it too when it consumed them on the device)."""
+        if pending.finished:
+            raise ValueError("finish_decode: this step was already finished")
+        if pending.event is not None:
+            pending.event.synchronize()
+        t2 = time.perf_counter()
+        toks = pending.tokens.tolist()
+        pending.finished = True
+        for r, t in zip(pending.reqs, toks):
+            r.output.append(t)
+            if pending.feeds_next:
+                r.fed.append(t)
+        pending.split["after"] = 1e3 * (time.perf_counter() - t2)
+        pending.host_ms += pending.split["after"]
+        self.last_host_ms = pending.host_ms
+        self.last_host_split = dict(pending.split)
         return toks
 
     def check_prompts(self, prompts: Any, decode_steps: int = 0) -> None:
@@ -225,11 +310,10 @@ class ModelRunner:
                 self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
             _sync(be.device)
             t1 = time.perf_counter()
-            for t in range(decode_steps):
-                self.decode_step(reqs, None if force_tokens is None else [f[t] for f in force_tokens])
-                if progress:
-                    progress("decode", 1)
+            self.decode_steps(reqs, decode_steps, force_tokens,
+                              on_step=(lambda t, _pending: progress("decode", 1)) if progress else None)
         except BaseException:
+            _sync(be.device)  # a launched step may still run: it must not outlive its requests
             self._abandon(reqs)
             raise
         _sync(be.device)
