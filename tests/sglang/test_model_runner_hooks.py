@@ -8,7 +8,10 @@ import pytest
 
 pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed (run scripts/setup_sglang_env.sh)")
 
+from contextlib import contextmanager  # noqa: E402
+
 import torch  # noqa: E402
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 
 from sparsehi.sglang_plugin import hooks  # noqa: E402
 from sgl_kit import HKV, HQ, LORA, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
@@ -224,3 +227,87 @@ def test_sglangs_own_quest_through_the_hooks_equals_the_runtime_path():
         for i in range(L):
             torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
     assert world.bridge.coord.stats()["misses"] > 0
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """The coordinator's kernels on their Triton path (interpreted on CPU), as on a GPU."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without CUDA)")
+    monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
+
+
+launched: list[str] = []
+
+
+@contextmanager
+def triton_launches_unwatched(mode):
+    """Pause ``mode`` (a TorchFunctionMode) inside Triton launches: the interpreter's own
+    copies to NumPy are not what a GPU launch does."""
+    import triton.runtime.interpreter as interp
+
+    original = interp.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        if not kwargs.get("warmup"):
+            launched.append(getattr(self, "fn", self).__name__)
+        with torch._C.DisableTorchFunction():
+            return original(self, *args, **kwargs)
+
+    interp.InterpretedFunction.run = run
+    try:
+        yield
+    finally:
+        interp.InterpretedFunction.run = original
+
+
+def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels):
+    """The plugin's per-layer decode path (selection, LRU diff, swap-in from host, adaptor
+    metadata, attention, backup, representation update) with the Triton kernels, run on
+    the path it takes under CUDA-graph capture: no torch call reads a tensor back to the
+    host or has a data-dependent shape (what ``torch.cuda.set_sync_debug_mode`` would
+    stop on a GPU). Only the model runner's hook, outside the layers, does host work."""
+    from sparsehi.algorithms.graph_safety import HostSyncDetector, simulated_capture
+
+    cfg = sparse_config(backend="triton")
+    world = World(cfg)
+    gen = torch.Generator().manual_seed(11)
+    lens = {1: 61, 2: 50}
+    for row, n in lens.items():
+        _prefill(world, row, n, gen)
+    watched = []
+
+    def model(runner, fb, layers):
+        with forward_context(ForwardContext(attn_backend=world.backend)):
+            world.backend.init_forward_metadata(fb)
+            out = []
+            detector = HostSyncDetector("RadixAttention.forward (sparsehi decode)")
+            for i, (q, k, v) in enumerate(layers):
+                with simulated_capture(), detector, triton_launches_unwatched(detector):
+                    out.append(world.layers[i].forward(q, k, v, fb))
+                watched.append(i)
+            return out
+
+    for _ in range(5):  # crosses a page boundary (page 4)
+        for r in lens:
+            lens[r] += 1
+        layers = qkv(2, gen)
+        fb = world.decode([1, 2], [lens[1], lens[2]])
+        hooks.around_forward_raw(lambda runner, fb: model(runner, fb, layers), world.runner, fb)
+    assert watched == list(range(L)) * 5
+    assert world.bridge.coord.stats()["misses"] > 0  # the swap-in really loaded pages
+    assert {"_lru_diff_kernel", "_swap_in_and_table_kernel"} <= set(launched), launched
+    # the detector does watch this path: a planted read-back in the selection is caught
+    from sparsehi.algorithms.graph_safety import CaptureUnsafe
+
+    algo = world.bridge.coord.algorithm
+    real = algo.retrieve_topk
+    algo.retrieve_topk = lambda q, *a, **kw: (int(q.abs().sum()), real(q, *a, **kw))[1]
+    lens[1] += 1
+    lens[2] += 1
+    layers = qkv(2, gen)
+    with pytest.raises(CaptureUnsafe, match="retrieve_topk|lambda"):
+        hooks.around_forward_raw(lambda runner, fb: model(runner, fb, layers), world.runner,
+                                 world.decode([1, 2], [lens[1], lens[2]]))
