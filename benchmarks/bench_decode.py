@@ -316,10 +316,13 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
         be.recorded.clear()
     _sync(device)
     host_ms, host_splits = [], []
+    runner.graphs.time_device = True  # CUDA events around each step: the device's idle gaps
     t0 = time.perf_counter()
     runner.decode_steps(reqs, timed, on_step=lambda t, step: (host_ms.append(step.host_ms),
                                                              host_splits.append(step.split)))
     _sync(device)
+    gaps = runner.graphs.device_gaps_ms()
+    runner.graphs.time_device = False
     worst = max(range(len(host_ms)), key=host_ms.__getitem__)
     dt = time.perf_counter() - t0
     row: dict[str, Any] = {"mode": mode, "context": ctx, "batch": batch, "tokens_per_s": batch * timed / dt,
@@ -327,7 +330,9 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
                            "graphs": runner.graphs.enabled, "host_ms_per_step": sum(host_ms) / len(host_ms),
                            "host_ms_per_step_max": max(host_ms),
                            "host_ms_split_of_max": {k: round(v, 3) for k, v in host_splits[worst].items()},
-                           "host_ms_max_at_seq_len": reqs[0].seq_len - (timed - 1 - worst)}
+                           "host_ms_max_at_seq_len": reqs[0].seq_len - (timed - 1 - worst),
+                           "overlap_schedule": runner.rt.overlap_schedule,
+                           "device_gap_ms_max": max(gaps) if gaps else None}
     if hasattr(be, "coord"):
         be.record_layers = frozenset()
         if mode == "sparse-hier":
@@ -594,6 +599,8 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     out["sparse_hier_best_frac_roofline"] = get(best("sparse-hier"), "frac_roofline")
     hosts = [r["host_ms_per_step_max"] for r in sel if r.get("host_ms_per_step_max") is not None]
     out["host_ms_per_step_max"] = max(hosts) if hosts else None
+    gaps = [r["device_gap_ms_max"] for r in sel if r.get("device_gap_ms_max") is not None]
+    out["device_gap_ms_max"] = max(gaps) if gaps else None
     out["hit_rate"] = get(best("sparse-hier"), "hit_rate")
     cap = caps.get((model, ctx, "a"), {})
     out["batch_held"] = {m: cap.get(m) for m in MODES}
@@ -696,7 +703,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "context) / h2d_gbps, both limits measured in this run; frac_roofline = roofline_ms / step_ms",
             "host_time": "host_ms_per_step: host time of a decode step outside the device's work (host part, input "
                          "copy, graph launch or eager launches, bookkeeping after the tokens came back), mean and max "
-                         "over the timed steps",
+                         "over the timed steps; with the overlap schedule it runs while the previous step replays, "
+                         "and device_gap_ms_max is what the device waited between two steps (CUDA events)",
             "settings": {"graphs": CUDA_GRAPH and cuda, "top_k_tokens": K, "buffer_tokens": 2 * K, "page_size_gqa": ps, "sink_tokens": 64,
                          "recent_tokens": 64, "warmup_steps": warmup, "timed_steps": timed,
                          "profiled_steps": profiled, "quick": args.quick,
