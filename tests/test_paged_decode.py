@@ -204,6 +204,19 @@ def test_split_heuristic_fills_the_gpu_from_shapes():
     assert choose_num_splits(4, 0, 64, 132) == 1
 
 
+def test_split_heuristic_splits_small_reads_finer():
+    """A latency-bound call (little KV to read) takes one 64-token tile per split, up to 4
+    waves of programs; a large read keeps the bandwidth-bound choice."""
+    from sparsehi.kernels.paged_decode import SMALL_READ_BYTES
+
+    llama_b1 = 1 * 2192 * 8 * 256 * 2  # tokens x heads x (K + V dims) x bf16
+    assert choose_num_splits(8, 2192, 64, 132) == 9
+    assert choose_num_splits(8, 2192, 64, 132, kv_bytes=llama_b1) == 35  # ceil(2192 / 64), under 4 waves
+    assert choose_num_splits(32, 2192, 64, 132, kv_bytes=4 * llama_b1) == 17  # 4 waves of 32 rows x heads
+    big = SMALL_READ_BYTES + 1
+    assert choose_num_splits(80, 2192, 64, 132, kv_bytes=big) == choose_num_splits(80, 2192, 64, 132) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ps", [1, 16, 64])
