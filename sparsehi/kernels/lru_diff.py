@@ -90,6 +90,8 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
               on the host and rejects a second diff in one step.
     rows      ``[B] int64`` state row of each batch row (distinct), optional; ``-1`` marks a
               padding row: it selects nothing (outputs ``-1``, no load) and changes no state
+    choice    ``RowChoice`` (sparsehi/kernels/row_choice.py), optional: rows whose ``use`` is
+              False read ``choice.ids`` / ``choice.count`` instead of ``topk`` / ``valid``
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
 Limits: ``S <= 16384`` (the buffer row is held in registers and gathered through shared
@@ -106,6 +108,7 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
+from sparsehi.kernels.row_choice import RowChoice, resolve
 
 MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
 INT_MAX = tl.constexpr(2147483647)
@@ -210,9 +213,12 @@ def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.
 # --------------------------------------------------------------------------- reference
 def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                        slot_of: torch.Tensor, step: Union[int, torch.Tensor], *,
-                       rows: Optional[torch.Tensor] = None) -> LruDiffResult:
-    """Plain-torch LRU diff (same contract and results as the kernel)."""
+                       rows: Optional[torch.Tensor] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
+    """Plain-torch LRU diff (same contract and results as the kernel). ``choice``: rows
+    that do not use ``topk`` / ``valid`` take ``choice.ids`` / ``choice.count``
+    (sparsehi/kernels/row_choice.py)."""
     _check_args(topk, valid, resident, last_used, slot_of, rows)
+    topk, valid = resolve(topk, valid, choice)
     dev = topk.device
     b, k = topk.shape
     s = resident.shape[1]
@@ -348,11 +354,27 @@ def _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id
     tl.store(ds_p + col, ss, mask=victim)
 
 
+@triton.jit
+def _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, cols, mask, u, HAS_ALT: tl.constexpr):
+    """Row ``b`` of the selection at ``cols`` (``other`` 0): ``topk``'s where ``u``, else the
+    row choice's alternative (sparsehi/kernels/row_choice.py; one of the two loads is masked
+    off entirely)."""
+    b64 = b.to(tl.int64)
+    if HAS_ALT:
+        ut = (tl.zeros_like(cols) + u.to(tl.int32)) != 0  # the scalar as a tile (masks must be tiles)
+        x = tl.load(topk_ptr + b64 * stride_topk + cols, mask=mask & ut, other=0)
+        y = tl.load(alt_ptr + b64 * stride_alt + cols, mask=mask & ~ut, other=0)
+        x = tl.where(ut, x, y)
+    else:
+        x = tl.load(topk_ptr + b64 * stride_topk + cols, mask=mask, other=0)
+    return x
+
+
 @triton.jit(noinline=True)
-def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
-                num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_state, stride_slot_of, stride_out,
-                K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
-                MISS_SIDE: tl.constexpr):
+def _exact_path(topk_ptr, alt_ptr, u, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
+                num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_alt, stride_state, stride_slot_of,
+                stride_out, K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                SCAN_R: tl.constexpr, MISS_SIDE: tl.constexpr, HAS_ALT: tl.constexpr):
     """The victims and installs of row ``b`` when the fast path cannot serve it exactly: a
     repeated id in the row (a caller that skipped validation), or duplicate hits. Claims
     again from a clean slate (no stale marker can win), stamps every hit and reads the row
@@ -370,7 +392,7 @@ def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_pt
     ls_p = load_slots_ptr + b.to(tl.int64) * stride_out
     marker = kk + INT_MIN
     # every missed id's entry now holds a claim marker (< -1), every hit's its slot (>= 0)
-    raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+    raw = _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, kk, kk < K, u, HAS_ALT)
     ids = tl.minimum(tl.maximum(raw, 0), M - 1)
     sel = kk < nvalid
     entry = tl.load(so_p + ids, mask=sel, other=0, cache_modifier=".cg")
@@ -428,10 +450,11 @@ def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_pt
 def _lru_diff_kernel(
     topk_ptr, valid_ptr, rows_ptr, resident_ptr, last_used_ptr, slot_of_ptr, step_ptr,
     dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr, num_valid_ptr,
-    M, stride_topk, stride_state, stride_slot_of, stride_out,
+    use_ptr, alt_ptr, alt_valid_ptr,
+    M, stride_topk, stride_state, stride_slot_of, stride_out, stride_alt,
     K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
     WINDOW: tl.constexpr, MAX_ROUNDS: tl.constexpr, HELPERS: tl.constexpr, MISS_SIDE: tl.constexpr,
-    HAS_NVALID: tl.constexpr,
+    HAS_NVALID: tl.constexpr, HAS_ALT: tl.constexpr,
 ):
     # Grid (1 + HELPERS, B): program 0 of a row selects and installs victims, programs
     # 1..HELPERS stamp the row's hits (a column chunk each). Nothing waits for a helper.
@@ -442,7 +465,14 @@ def _lru_diff_kernel(
     # a padding row (row < 0, e.g. the unused rows of a CUDA-graph batch) selects nothing:
     # every state store below is masked by a hit, miss or victim, so its (row 0) state is
     # only read; its outputs are all -1 and no load
-    nvalid = tl.where(row < 0, 0, tl.minimum(tl.maximum(tl.load(valid_ptr + b), 0), K))
+    if HAS_ALT:
+        # the row choice (row_choice.py): rows that do not use topk read the alternative
+        u = tl.load(use_ptr + b) != 0
+        vin = tl.where(u, tl.load(valid_ptr + b), tl.load(alt_valid_ptr + b))
+    else:
+        u = b >= 0
+        vin = tl.load(valid_ptr + b)
+    nvalid = tl.where(row < 0, 0, tl.minimum(tl.maximum(vin, 0), K))
     if HAS_NVALID:
         if p == 0:
             tl.store(num_valid_ptr + b, nvalid)
@@ -454,7 +484,7 @@ def _lru_diff_kernel(
     if (HELPERS > 0) & (p > 0):
         CH: tl.constexpr = BLOCK_K // max(HELPERS, 1)
         kc = (p - 1) * CH + tl.arange(0, CH)
-        rawc = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kc, mask=kc < K, other=0)
+        rawc = _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, kc, kc < K, u, HAS_ALT)
         selc = kc < nvalid
         idc = tl.minimum(tl.maximum(rawc, 0), M - 1)
         hintc = tl.load(so_p + idc, mask=selc, other=-1)
@@ -467,7 +497,7 @@ def _lru_diff_kernel(
     else:
         kk = tl.arange(0, BLOCK_K)
         ss = tl.arange(0, BLOCK_S)
-        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+        raw = _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, kk, kk < K, u, HAS_ALT)
         li_p = load_ids_ptr + b.to(tl.int64) * stride_out
         ls_p = load_slots_ptr + b.to(tl.int64) * stride_out
         lu_row = tl.load(lu_p + ss, mask=ss < S, other=INT_MAX)
@@ -622,9 +652,9 @@ def _lru_diff_kernel(
             bad = (missed & (claim != marker)) | (tail != -1)
         redo = tl.max(bad.to(tl.int32), 0)
         if redo > 0:
-            _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
-                        num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_state, stride_slot_of,
-                        stride_out, K, S, BLOCK_K, BLOCK_S, SCAN_R, MISS_SIDE)
+            _exact_path(topk_ptr, alt_ptr, u, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr,
+                        load_slots_ptr, num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_alt, stride_state,
+                        stride_slot_of, stride_out, K, S, BLOCK_K, BLOCK_S, SCAN_R, MISS_SIDE, HAS_ALT)
         else:
             if MISS_SIDE:
                 _install_from_misses(ds_p, so_p, res_p, lu_p, kk, mids, missed, vslot, step, S)
@@ -683,12 +713,15 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
                     slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
                     out: Optional[LruDiffResult] = None, num_warps: Optional[int] = None,
                     scan_r: Optional[int] = None, helpers: Optional[int] = None,
-                    miss_side: Optional[bool] = None) -> LruDiffResult:
+                    miss_side: Optional[bool] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
     """Triton LRU diff: one launch, ``1 + helpers`` programs per batch row. ``out`` reuses
     result buffers (fixed addresses for CUDA graphs). ``K`` and ``S`` are compile-time
     constants: one compile per (top-k width, buffer size), which a deployment fixes (the
-    coordinator pads top-k to ``K``)."""
+    coordinator pads top-k to ``K``). ``choice``: rows that do not use ``topk`` read
+    ``choice.ids`` / ``choice.count`` (the same result as on ``choice.apply``'s output)."""
     _check_args(topk, valid, resident, last_used, slot_of, rows)
+    if choice is not None:
+        choice.check(topk, valid)
     if scan_r is not None and (not isinstance(scan_r, int) or scan_r < 1 or scan_r & (scan_r - 1)):
         raise ValueError(f"scan_r must be a power of two >= 1 (1, 2, 4, 8, ...), got {scan_r!r}")
     if miss_side is not None and not isinstance(miss_side, bool):
@@ -731,23 +764,26 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
     _lru_diff_kernel[(1 + h, b)](
         topk_c, valid, rows_t, resident, last_used, slot_of, st,
         out.device_slots, out.load_ids, out.load_slots, out.num_loads,
-        out.num_valid if out.num_valid is not None else out.num_loads, slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
+        out.num_valid if out.num_valid is not None else out.num_loads,
+        *((choice.use, choice.ids, choice.count) if choice is not None else (valid, topk_c, valid)),
+        slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
+        choice.ids.stride(0) if choice is not None else 0,
         K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, WINDOW=WINDOW, MAX_ROUNDS=MAX_ROUNDS, HELPERS=h,
         MISS_SIDE=int(default_miss_side(block_k, block_s) if miss_side is None else miss_side),
-        HAS_NVALID=out.num_valid is not None, num_warps=nw,
+        HAS_NVALID=out.num_valid is not None, HAS_ALT=choice is not None, num_warps=nw,
     )
     return out
 
 
 def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
              slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
-             out: Optional[LruDiffResult] = None) -> LruDiffResult:
+             out: Optional[LruDiffResult] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
     """Dispatch: Triton on CUDA (or CPU under the interpreter when forced), torch otherwise."""
     if use_triton(topk):
         announce_path("lru_diff", "triton")
-        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out)
+        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out, choice=choice)
     announce_path("lru_diff", "reference")
-    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows)
+    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows, choice=choice)
     if out is not None:
         out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
         out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
