@@ -1,6 +1,7 @@
-"""Kernel launches per sparse layer of the built-in selection hooks, and once per decode
-step of the KV manager (its tables, the dense selection's pages, the counters), on their
-capture path.
+"""Kernel launches per sparse layer of the built-in selection hooks, once per decode step
+of the KV manager (its tables, the dense selection's pages, the counters), and per decode
+layer of the hierarchical coordinator (what a sparse and a dense layer launch besides the
+algorithm), on their capture path.
 
 Counted: every aten op that runs a kernel (views, metadata and allocations excluded) plus
 one per Triton launch, while ``simulated_capture`` makes the hooks take the path they
