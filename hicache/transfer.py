@@ -32,6 +32,7 @@ from hicache.config import IO_BACKENDS, check_layout_io  # IO_BACKENDS re-export
 from hicache.device_pool import DeviceKVPool, _same_device, check_slots
 from hicache.host_pool import HostKVPool
 from hicache.kernels.kv_copy import KVCopyConfig, kv_copy_reference, kv_copy_triton, row_ids, row_matrix, row_segments
+from hicache.kernels.token_store import token_store_reference, token_store_triton
 from hicache.triton_support import announce_path, interpreter_enabled
 
 
@@ -208,6 +209,37 @@ class KVTransferEngine:
         and waits for its staging copy)."""
         self._check_pair(host_slots, device_slots, writes_device=False, allow_padding=True, full=False)
         self._copy_now(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layer), to_device=False)
+
+    def backup_tokens_from(self, layer: int, host_slots: torch.Tensor, *sources: torch.Tensor) -> None:
+        """Device -> host for one layer from the caller's per-token tensors instead of pool
+        slots: ``host[host_slots[i], layer] = (k[i], v[i])`` (MHA; MLA: the one ``kv``), each
+        source ``[N, heads, dim]`` on the device pool's device (cast to the pool dtype when it
+        differs), ``-1`` entries skipped, on the current stream. For rows that sit in no pool
+        this engine addresses (e.g. a decoded token kept in another pool). The ``kernel``
+        backend writes every buffer in one launch, sync-free; ``direct`` (and a CPU pool
+        without the interpreter) goes through the host with torch (reads the indices there)."""
+        layer = self._layers(layer)[0]
+        nb = self.spec.num_buffers
+        if len(sources) != nb:
+            raise ValueError(f"sources must be {nb} tensor(s) for attention={self.spec.attention!r} "
+                             f"({'k, v' if nb == 2 else 'kv'}), got {len(sources)}")
+        check_slots(host_slots[:0] if isinstance(host_slots, torch.Tensor) and host_slots.dim() == 1 else host_slots,
+                    "host_slots", self.host_pool.num_slots, self._allowed())
+        want = (host_slots.numel(), *self._host_view.shape[4:])
+        for i, src in enumerate(sources):
+            if not isinstance(src, torch.Tensor) or tuple(src.shape) != want:
+                raise ValueError(f"sources[{i}] must be [N, heads, dim]={want} (N = len(host_slots)), got "
+                                 f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__}")
+            if not _same_device(src.device, self.device):
+                raise ValueError(f"sources[{i}] is on {src.device}, the device pool on {self.device}")
+        srcs = [s.to(self.spec.dtype) for s in sources]
+        srcs = [s if s.stride(-1) == 1 else s.contiguous() for s in srcs]
+        if host_slots.numel() == 0:
+            return
+        if self._triton:
+            token_store_triton(self._host_view, layer, self._on_device(host_slots), srcs)
+        else:
+            token_store_reference(self._host_view, layer, host_slots, srcs)
 
     # --- execution ---------------------------------------------------------------------
     def _run(self, src, dst, src_slots, dst_slots, layers: tuple[int, ...], *, to_device: bool) -> TransferHandle:

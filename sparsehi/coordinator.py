@@ -18,6 +18,7 @@ from sparsehi.config import SparseConfig
 from sparsehi.decode_step import StepTables
 from sparsehi.forward_batch import ForwardBatch
 from sparsehi.kernels.decoder_ops import store_kv
+from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import selection_table
 from sparsehi.kv_manager import COORDINATOR_MODES, DecodeStep, RequestKV, SparseKVCacheManager
 from sparsehi.selection import SparseSelection
@@ -253,9 +254,20 @@ class SparseCoordinator:
             check_selection(sel, val, K, t.cs, t.ce)
         if sel.shape[1] < K:
             sel = torch.cat([sel, torch.full((B, K - sel.shape[1]), -1, dtype=torch.int32, device=dev)], 1)
-        # padding rows select nothing, whatever the algorithm said
-        topk = torch.where(t.use[:, None], sel.to(device=dev, dtype=torch.int32), t.all_ids)
-        valid = torch.where(t.use, val.to(device=dev, dtype=torch.int32), t.ncand)
+        sel = sel.to(device=dev, dtype=torch.int32).contiguous()
+        val = val.to(device=dev, dtype=torch.int32)
+        if sel.shape != (B, K) or val.shape != (B,):
+            raise ValueError(f"retrieve_topk of {type(self.algorithm).__name__} must return selected_indices "
+                             f"[B={B}, top_k<={K}] and valid_lengths [B={B}], got {tuple(sel.shape)} and "
+                             f"{tuple(val.shape)}")
+        # Rows that are not sparse (padding rows among them: they select nothing, whatever the
+        # algorithm said) take their plain candidate list. The kernels that read the selection
+        # next make that choice per row themselves: no substitution launch.
+        choice: Optional[RowChoice] = RowChoice(t.use, t.all_ids, t.ncand)
+        topk, valid = sel, val
+        if step.checked or not self.algorithm.selects_ascending:
+            # the substituted selection itself, for the value checks or the sort
+            topk, valid = choice.apply(sel, val)
         if step.checked and bool((valid.long() > K).any()):
             raise ValueError(f"more than top_k={K} ids selected in a row")
         if not self.algorithm.selects_ascending:
@@ -263,14 +275,16 @@ class SparseCoordinator:
             # valid ids of a row are distinct, so the order is unique)
             key = torch.where(t.colk < valid[:, None], topk, _INT32_MAX)
             key = torch.sort(key, dim=1).values
-            topk = key.masked_fill_(key == _INT32_MAX, -1)
-        topk = topk.contiguous()
+            topk = key.masked_fill_(key == _INT32_MAX, -1).contiguous()
+            choice = None
         m.check_topk(step, topk, valid, t.ce)
+        if choice is not None:  # the kernels read the algorithm's selection and choose per row
+            topk, valid = sel, val
         if m.hier:  # LRU diff, then the copy of the misses and the table (buffer pages) in one launch
-            tab = m.swap_in_table(layer_id, step, topk, valid)
+            tab = m.swap_in_table(layer_id, step, topk, valid, choice)
         else:
             tab = selection_table(topk, valid, step.num_pages, step.seq_lens, step.safe_rows, sink=m.sink, recent=m.R,
-                                  page_size=self.config.page_size, own_table=m.page_table)
+                                  page_size=self.config.page_size, own_table=m.page_table, choice=choice)
         if step.dense_rows is None:
             return SparseSelection(tab.logical, tab.physical, tab.num_valid, step.seq_lens, self.config.page_size,
                                    self.sel_mode, page_table=tab.page_table, attended=tab.attended)

@@ -519,11 +519,10 @@ class SparseKVCacheManager(SwapInMixin):
         if not self.hier:
             return
         if layer in self.dense_index:
-            # The model wrote it into the dense pool; stage it in the request's ring/sink slot
-            # of the main pool (unused by dense layers) so the transfer engine can back it up.
-            bufs = self.device_pool.layer_buffers(layer)
-            for buf, x in zip(bufs, (k, v)):
-                buf.index_copy_(0, step.out_loc, x.to(buf.dtype))
+            # The model wrote it into the dense-layer pool, which the transfer engine does not
+            # address: the engine backs it up from k / v themselves (one launch for both).
+            self.transfer.backup_tokens_from(layer, step.host_loc, *(k, v)[: self.device_pool.spec.num_buffers])
+            return
         self.transfer.backup_layer_now(layer, step.out_loc, step.host_loc)
 
     # ------------------------------------------------------------------ counters

@@ -14,6 +14,7 @@ import torch
 
 from sparsehi.decode_step import DecodeStep
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
+from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import SelectionTable, selection_table
 from sparsehi.kernels.swap_in_copy import swap_in_copy
 from sparsehi.kernels.swap_in_fused import swap_in_copy_and_table
@@ -50,13 +51,15 @@ class SwapInMixin:
         pages = self.buf_pages.long()[step.safe_rows[:, None], slots.clamp(min=0)]
         return torch.where(slots >= 0, pages, -1).to(torch.int32)
 
-    def swap_in(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def swap_in(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
+                choice: Optional[RowChoice] = None) -> torch.Tensor:
         """Hierarchical sparse layer: make ``topk [B, K] int32`` (-1 padded, ``valid [B]``)
         resident in the layer's LRU buffer — the LRU diff (one launch) and the host->device
         copy of the misses straight from its output (one launch) — and return each id's
         buffer slot ``[B, K] int32`` (-1 padded; its page is ``buf_pages[row, slot]``).
+        ``choice``: rows that do not use ``topk`` take ``choice.ids`` (row_choice.py).
         Value checks are the caller's (``sparse_physical``)."""
-        r = self._lru_diff(layer, step, topk, valid)
+        r = self._lru_diff(layer, step, topk, valid, choice)
         if self._fused_copy:
             swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, step.rows,
                          self.host_page_table, self.buf_pages, self.ps)
@@ -64,23 +67,28 @@ class SwapInMixin:
             self._load_through_engine(layer, step, r)
         return r.device_slots
 
-    def swap_in_table(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor) -> SelectionTable:
+    def swap_in_table(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
+                      choice: Optional[RowChoice] = None) -> SelectionTable:
         """``swap_in`` and the layer's selection table (sink pages, ``topk``'s buffer pages,
         recent pages: what attention reads) with the copy and the table in one launch after
-        the diff (``swap_in_copy_and_table``). ``topk`` ascending ids."""
+        the diff (``swap_in_copy_and_table``). ``topk`` ascending ids; ``choice``: rows that
+        do not use ``topk`` / ``valid`` take ``choice.ids`` / ``choice.count``, read by the
+        diff and the table themselves (no substitution launch)."""
         if not self._fused_copy:
-            slots = self.swap_in(layer, step, topk, valid)
+            slots = self.swap_in(layer, step, topk, valid, choice)
             return selection_table(topk, valid, step.num_pages, step.seq_lens, step.safe_rows, sink=self.sink,
                                    recent=self.R, page_size=self.ps, sink_table=self.sink_table,
-                                   ring_table=self.ring_table, topk_phys=slots, slot_table=self.buf_pages)
-        r = self._lru_diff(layer, step, topk, valid)
+                                   ring_table=self.ring_table, topk_phys=slots, slot_table=self.buf_pages,
+                                   choice=choice)
+        r = self._lru_diff(layer, step, topk, valid, choice)
         return swap_in_copy_and_table(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads,
                                       step.rows, self.host_page_table, self.buf_pages, self.ps, topk, valid,
                                       step.num_pages, step.seq_lens, step.safe_rows, sink=self.sink, recent=self.R,
                                       sink_table=self.sink_table, ring_table=self.ring_table,
-                                      device_slots=r.device_slots)
+                                      device_slots=r.device_slots, choice=choice)
 
-    def _lru_diff(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor) -> LruDiffResult:
+    def _lru_diff(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
+                  choice: Optional[RowChoice] = None) -> LruDiffResult:
         """The layer's LRU diff for this step (outputs in the step's shared buffers)."""
         li = self.layer_index.get(layer)
         if li is None:
@@ -101,7 +109,7 @@ class SwapInMixin:
             out = step.memo["lru_out"] = torch.empty(3, B, K, dtype=torch.int32, device=topk.device)
         counts: StepCounts = step.memo["counts"]
         return lru_diff(topk, valid, res, lu, so, self.step_t, rows=step.rows,
-                        out=LruDiffResult(out[0], out[1], out[2], counts.loads[li], counts.valid[li]))
+                        out=LruDiffResult(out[0], out[1], out[2], counts.loads[li], counts.valid[li]), choice=choice)
 
     def _load_through_engine(self, layer: int, step: DecodeStep, r: LruDiffResult) -> None:
         rows = step.safe_rows[:, None]

@@ -48,19 +48,21 @@ def expected_attention(kv: ToyKV, layer: int, reqs: list[int], q: torch.Tensor, 
 
 
 def run_mode(mode: str, cfg: SparseConfig, kv: ToyKV, prompts: list[int], steps: int, io_backend: str = "direct",
-             device: str = "cpu"):
+             device: str = "cpu", validate: bool = True, ascending: bool | None = None):
     spec = KVCacheSpec("mha", L, HKV, D, torch.float32, cfg.page_size)
     dev_pool = DeviceKVPool(spec, num_slots=cfg.page_size * 256, device=device)
     host_pool = (HostKVPool(dev_pool, hicache_ratio=2.0, pin_memory=device != "cpu")
                  if mode == "hierarchical" else None)
     algo = create_algorithm(cfg, device)
+    if ascending is not None:  # False: the coordinator materialises (and sorts) the selection itself
+        algo.selects_ascending = ascending
     transfer = None
     if host_pool is not None:
         from hicache.transfer import KVTransferEngine
 
         transfer = KVTransferEngine(dev_pool, host_pool, io_backend=io_backend)
     coord = SparseCoordinator(cfg, algo, dev_pool, mode=mode, host_pool=host_pool, transfer=transfer,
-                              max_num_reqs=4, max_context_len=256)
+                              max_num_reqs=4, max_context_len=256, validate=validate)
     reqs = list(range(len(prompts)))
     for r in reqs:
         coord.on_request_begin(r)
@@ -173,6 +175,40 @@ def run_mla(mode: str, cfg: SparseConfig, steps: int, seed: int = 8):
             coord.attention_end(layer, batch, k=k)
         coord.forward_end(batch)
     return coord, torch.stack(outs)
+
+
+@pytest.mark.parametrize("mode,io_backend,device", [
+    ("hierarchical", "kernel", "cpu"), ("gpu_only", "direct", "cpu"),
+    pytest.param("hierarchical", "kernel", "cuda", marks=pytest.mark.gpu),
+    pytest.param("hierarchical", "direct", "cuda", marks=pytest.mark.gpu),  # diff, engine load, table: 3 launches
+    pytest.param("gpu_only", "direct", "cuda", marks=pytest.mark.gpu)])
+def test_kernels_choosing_rows_match_the_substituted_selection(mode, io_backend, device, monkeypatch):
+    """Unchecked steps (as in a CUDA graph) hand the algorithm's Top-k and the rows' plain
+    candidate lists to the LRU diff and the selection table, which choose per row; the
+    earlier path materialised the choice first (what the coordinator still does for an
+    algorithm whose ids need sorting). Same selections, same outputs, same hits and misses,
+    with the Triton kernels on both paths (interpreted on CPU); a dense row (short prompt)
+    and a row whose candidates fit in top-k for its first steps included."""
+    if device == "cpu":
+        if torch.cuda.is_available():
+            pytest.skip("CPU tensors through the Triton interpreter")
+        from sparsehi.kernels import lru_diff, selection_table, swap_in_fused
+
+        for mod in (lru_diff, selection_table, swap_in_fused):  # these kernels interpreted, the rest in torch
+            monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    cfg = _cfg(algorithm="quest", dense_layers=(0,), min_sparse_prompt_len=20)
+    kv = ToyKV(3, 256, seed=4)
+    prompts = [61, 17, 26]  # sparse; a dense row; 7 pages (4 candidates: all fit in top-k), 8 from step 3
+    runs = [run_mode(mode, cfg, kv, prompts, steps=5, io_backend=io_backend, device=device, validate=False,
+                     ascending=a) for a in (True, False)]
+    (c_new, out_new, sel_new), (c_old, out_old, sel_old) = runs
+    assert all(torch.equal(a, b) for a, b in zip(sel_new, sel_old))
+    assert torch.equal(out_new, out_old)
+    n_sel = [int((s[2] >= 0).sum()) for s in sel_new[1::L]]  # layer 1 (sparse), row 2, per step
+    assert n_sel[0] == 7 and n_sel[-1] < 8, n_sel  # every page first, a sparse selection later
+    if mode == "hierarchical":
+        new, old = c_new.stats(), c_old.stats()
+        assert (new["hits"], new["misses"]) == (old["hits"], old["misses"]) and new["misses"] > 0
 
 
 def test_mla_latent_cache_hierarchical_matches_gpu_only():

@@ -1,6 +1,7 @@
-"""Kernel launches per sparse layer of the built-in selection hooks, and once per decode
-step of the KV manager (its tables, the dense selection's pages, the counters), on their
-capture path.
+"""Kernel launches per sparse layer of the built-in selection hooks, once per decode step
+of the KV manager (its tables, the dense selection's pages, the counters), and per decode
+layer of the hierarchical coordinator (what a sparse and a dense layer launch besides the
+algorithm), on their capture path.
 
 Counted: every aten op that runs a kernel (views, metadata and allocations excluded) plus
 one per Triton launch, while ``simulated_capture`` makes the hooks take the path they
@@ -61,7 +62,8 @@ def counting_launches():
         def run(self, *args, _original=original, **kwargs):
             if kwargs.get("warmup"):
                 return _original(self, *args, **kwargs)
-            counter.launches.append(f"triton:{getattr(self, 'fn', self).__name__}")
+            if not counter.paused:
+                counter.launches.append(f"triton:{getattr(self, 'fn', self).__name__}")
             paused, counter.paused = counter.paused, True
             try:
                 return _original(self, *args, **kwargs)
@@ -243,3 +245,108 @@ def test_the_counter_sees_the_torch_step_setup(dev, monkeypatch):
         m.own_pages(0, step, with_table=True)
         m.end_step()
     assert not any(x.startswith("triton:") for x in c.launches) and len(c.launches) > 60, c.launches
+
+
+# What a decode layer of the hierarchical coordinator launches besides its algorithm (whose
+# Top-k and representation update are counted above), on the capture path.
+SPARSE_LAYER = ["triton:_lru_diff_kernel", "triton:_swap_in_and_table_kernel",  # swap-in + selection table
+                "triton:_store_kv_kernel",  # the new token into the layer's buffer
+                "triton:_kv_copy_kernel"]  # and to host
+# Until 2026-11-25 a sparse layer also substituted the plain candidate lists of rows that
+# are not sparse with two torch.where launches (aten.where x2: 6 launches per sparse layer,
+# 4 now), and a dense layer staged its new token in the main pool (aten.index_copy_ x2)
+# before backing it up with kv_copy (3 launches per dense layer, 1 now besides its write).
+DENSE_LAYER = ["triton:_store_kv_kernel", "triton:_token_store_kernel"]
+
+
+def _coordinator(dev):
+    """Hierarchical Quest, layer 0 dense, layers 1 and 2 sparse; requests 2 and 0 prefilled
+    (8 and 29 tokens: the decode step of ``STEP_SEQ``)."""
+    from sparsehi.coordinator import SparseCoordinator
+    from sparsehi.forward_batch import ForwardBatch
+
+    cfg = SparseConfig(algorithm="quest", page_size=4, top_k=16, device_buffer_size=32, sink_tokens=4,
+                       recent_tokens=8, dense_layers=(0,), min_sparse_prompt_len=0)
+    spec = KVCacheSpec("mha", 3, 2, 8, torch.float32, 4)
+    pool = DeviceKVPool(spec, 4 * 64, dev)
+    host = HostKVPool(pool, hicache_ratio=2.0, pin_memory=dev.type == "cuda")
+    coord = SparseCoordinator(cfg, QuestAlgorithm(cfg, dev), pool, mode="hierarchical", host_pool=host,
+                              max_num_reqs=4, max_context_len=64, validate=False)
+    reqs, lens = [2, 0], [s - 1 for s in STEP_SEQ[:2]]
+    g = torch.Generator().manual_seed(0)
+    slots = torch.full((2, max(lens)), -1, dtype=torch.int64)
+    for b, (r, n) in enumerate(zip(reqs, lens)):
+        coord.on_request_begin(r)
+        slots[b, :n] = pool.allocator.alloc(n)[:n]
+    slots = slots.to(dev)
+    batch = ForwardBatch.prefill(torch.tensor(reqs, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 slots)
+    for layer in range(3):
+        for b, n in enumerate(lens):
+            kv = torch.randn(2, n, 2, 8, generator=g).to(dev)
+            pool.set_kv(layer, slots[b, :n], kv[0], kv[1])
+        coord.attention_end(layer, batch)
+    coord.forward_end(batch)
+    return coord
+
+
+def _decode_layer(coord, batch, layer, counter, q, k, v):
+    """One decode layer: begin (select, swap in), write the new token, attend, end (back up,
+    update representations)."""
+    plan = coord.attention_begin(layer, batch, q=q)
+    plan.write_kv(k, v)
+    counter.paused = True  # the torch fallback attention is not the coordinator's
+    plan.attend(q, 0.35)
+    counter.paused = False
+    coord.attention_end(layer, batch, k=k, v=v)
+
+
+def test_decode_layers_launch_only_their_kernels(dev, monkeypatch):
+    """Per sparse layer: the diff, the copy + table, the write and the host backup (no torch
+    glue: the kernels choose each row's selection themselves); per dense layer: the write and
+    the host backup straight from k / v; plus the step's dense pages once."""
+    from sparsehi.forward_batch import ForwardBatch
+
+    coord = _coordinator(dev)
+    alg = coord.algorithm
+    counter = [None]
+
+    def quiet(name, fn):
+        def run(*a, **kw):  # the algorithm's launches, pinned by the tests above: one entry
+            c = counter[0]
+            if c is None:
+                return fn(*a, **kw)
+            c.launches.append(f"algorithm:{name}")
+            paused, c.paused = c.paused, True
+            try:
+                return fn(*a, **kw)
+            finally:
+                c.paused = paused
+        return run
+
+    monkeypatch.setattr(alg, "retrieve_topk", quiet("retrieve_topk", alg.retrieve_topk))
+    monkeypatch.setattr(alg, "update_representations", quiet("update_representations", alg.update_representations))
+    g = torch.Generator().manual_seed(1)
+    seq = list(STEP_SEQ)
+    for it in range(2):  # a warm-up step (a GPU compiles the kernels), then the counted one
+        live = [r for r in STEP_ROWS if r >= 0]
+        has_dense = coord.prepare_decode(live, seq[: len(live)])
+        batch = ForwardBatch.decode(torch.tensor(STEP_ROWS, device=dev), torch.tensor(seq, dtype=torch.int32, device=dev),
+                                    prepared=True, has_dense_rows=has_dense)
+        coord.forward_begin(batch)
+        per_layer = []
+        for layer in range(3):
+            q = torch.randn(4, 4, 8, generator=g).to(dev)
+            k, v = (torch.randn(4, 2, 8, generator=g).to(dev) for _ in range(2))
+            with counting_launches() as c:
+                counter[0] = c
+                _decode_layer(coord, batch, layer, c, q, k, v)
+                counter[0] = None
+            per_layer.append(c.launches)
+        coord.forward_end(batch)
+        seq = [s + 1 if r >= 0 else s for r, s in zip(STEP_ROWS, seq)]
+    dense, sparse1, sparse2 = per_layer
+    assert dense == ["triton:_dense_pages_kernel"] + DENSE_LAYER, dense
+    for launches in (sparse1, sparse2):
+        assert launches == ["algorithm:retrieve_topk", *SPARSE_LAYER, "algorithm:update_representations"], launches
+    assert coord.stats()["steps"] == 2

@@ -90,6 +90,8 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
               on the host and rejects a second diff in one step.
     rows      ``[B] int64`` state row of each batch row (distinct), optional; ``-1`` marks a
               padding row: it selects nothing (outputs ``-1``, no load) and changes no state
+    choice    ``RowChoice`` (sparsehi/kernels/row_choice.py), optional: rows whose ``use`` is
+              False read ``choice.ids`` / ``choice.count`` instead of ``topk`` / ``valid``
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
 Limits: ``S <= 16384`` (the buffer row is held in registers and gathered through shared
@@ -98,7 +100,6 @@ memory; slot counts travel in 16-bit fields), ``0 <= step <= 2**31 - 3``, ``B <=
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -106,170 +107,15 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
+from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _step_tensor,
+                                                 check_lru_diff_values, lru_diff_reference)
+from sparsehi.kernels.row_choice import RowChoice
 
-MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
+__all__ = ["LruDiffResult", "MAX_SLOTS", "MAX_STEP", "check_lru_diff_values", "lru_diff", "lru_diff_reference",
+           "lru_diff_triton"]
+
 INT_MAX = tl.constexpr(2147483647)
 INT_MIN = tl.constexpr(-2147483648)
-
-
-@dataclass
-class LruDiffResult:
-    """device_slots/load_ids/load_slots ``[B, K] int32`` (-1 padded), num_loads ``[B] int32``;
-    num_valid ``[B] int32`` (optional output: the ids each row selected, ``valid`` clamped to
-    ``[0, K]``, 0 for padding rows; written when given, so callers that count hits need no
-    copy of ``valid`` of their own)."""
-
-    device_slots: torch.Tensor
-    load_ids: torch.Tensor
-    load_slots: torch.Tensor
-    num_loads: torch.Tensor
-    num_valid: Optional[torch.Tensor] = None
-
-
-# --------------------------------------------------------------------------- validation
-def _check_args(topk, valid, resident, last_used, slot_of, rows) -> None:
-    """Shape/dtype checks only: no host sync, safe inside CUDA graphs."""
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(msg)
-
-    need(topk.dim() == 2 and topk.dtype == torch.int32, f"topk must be [B, K] int32, got {tuple(topk.shape)} {topk.dtype}")
-    b, k = topk.shape
-    need(valid.shape == (b,) and valid.dtype == torch.int32, f"valid must be [B={b}] int32, got {tuple(valid.shape)} {valid.dtype}")
-    need(resident.dim() == 2 and resident.dtype == torch.int32, f"resident must be [R, S] int32, got {tuple(resident.shape)} {resident.dtype}")
-    r, s = resident.shape
-    need(k <= s, f"topk width K={k} exceeds buffer slots S={s}: K must be <= S (raise device_buffer_size or lower top_k)")
-    need(last_used.shape == (r, s) and last_used.dtype == torch.int32, f"last_used must be [R={r}, S={s}] int32, got {tuple(last_used.shape)} {last_used.dtype}")
-    need(slot_of.dim() == 2 and slot_of.shape[0] == r and slot_of.dtype == torch.int32,
-         f"slot_of must be [R={r}, M] int32, got {tuple(slot_of.shape)} {slot_of.dtype}")
-    need(s <= MAX_SLOTS, f"buffer slots S={s} exceed {MAX_SLOTS} (the kernel holds a buffer row on one SM): "
-                         f"lower device_buffer_size or raise page_size")
-    need(slot_of.shape[1] >= 1, "slot_of must have M >= 1 columns (logical ids per request)")
-    need(last_used.stride(0) == resident.stride(0),
-         f"last_used must have resident's row stride {resident.stride(0)}, got {last_used.stride(0)}")
-    need(b <= 65535, f"batch B={b} exceeds 65535 rows per launch")
-    if rows is None:
-        need(r == b, f"without rows, state must have B={b} rows, got {r}")
-    else:
-        need(rows.shape == (b,), f"rows must be [B={b}] int64, got {tuple(rows.shape)}")
-    for name, t in (("resident", resident), ("last_used", last_used), ("slot_of", slot_of)):
-        need(t.stride(1) == 1, f"{name} must be contiguous in its last dim")
-    for name, t in (("valid", valid), ("resident", resident), ("last_used", last_used), ("slot_of", slot_of)):
-        need(t.device == topk.device, f"{name} is on {t.device}, topk on {topk.device}: all on one device")
-
-
-def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int | torch.Tensor,
-                          rows: Optional[torch.Tensor] = None, num_rows: Optional[int] = None) -> None:
-    """Value checks (sync with the host): ``valid`` in ``[0, K]``, ids in ``[0, num_ids)``
-    (an int, or ``[B]`` per-row limits), ``-1`` padding after ``valid``, no duplicate id in a
-    row, distinct ``rows``. Raises ValueError; call before the kernel so state is untouched.
-    (Without these checks the kernel serves a repeated id by its first column: module
-    docstring.)"""
-    b, k = topk.shape
-    v = valid.long()
-    if bool(((v < 0) | (v > k)).any()):
-        raise ValueError(f"valid must lie in [0, K={k}] per row, got {valid.tolist()}")
-    cols = torch.arange(k, device=topk.device)[None, :]
-    in_range = cols < v[:, None]
-    t = topk.long()
-    if bool(((t >= 0) != in_range).any()):
-        raise ValueError("topk must hold valid[b] ids >= 0 then -1 padding in every row")
-    lim = torch.as_tensor(num_ids, device=topk.device).long()
-    lim = lim[:, None] if lim.dim() == 1 else lim
-    if bool((in_range & (t >= lim)).any()):
-        raise ValueError(f"topk holds ids beyond the request's length (allowed: [0, {num_ids if isinstance(num_ids, int) else 'per-row limit'}))")
-    srt, _ = torch.sort(torch.where(in_range, t, -1 - cols), dim=1)
-    same = srt[:, 1:] == srt[:, :-1]
-    if bool(same.any()):
-        row = int(same.any(1).int().argmax())
-        rep = int(srt[row, 1:][same[row]][0])
-        raise ValueError(f"topk holds duplicate ids in a row (row {row} names id {rep} twice): each id "
-                         f"at most once per row")
-    if rows is not None:
-        rl = rows.long()
-        rl = rl[rl >= 0]  # -1: padding rows
-        if rl.unique().numel() != rl.numel():
-            raise ValueError("rows must be distinct (two batch rows cannot share one buffer state)")
-        if num_rows is not None and bool((rl >= num_rows).any()):
-            raise ValueError(f"rows must lie in [0, {num_rows}) (or be -1: padding)")
-
-
-MAX_STEP = 2**31 - 3  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
-
-
-def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1:
-            raise ValueError(f"step must be an int or a one-element tensor, got shape {tuple(step.shape)}")
-        return step.reshape(1).to(device=device, dtype=torch.int32)
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-        raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
-    return torch.tensor([step], dtype=torch.int32, device=device)
-
-
-# --------------------------------------------------------------------------- reference
-def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
-                       slot_of: torch.Tensor, step: Union[int, torch.Tensor], *,
-                       rows: Optional[torch.Tensor] = None) -> LruDiffResult:
-    """Plain-torch LRU diff (same contract and results as the kernel)."""
-    _check_args(topk, valid, resident, last_used, slot_of, rows)
-    dev = topk.device
-    b, k = topk.shape
-    s = resident.shape[1]
-    st = _step_tensor(step, dev).long()
-    ridx = torch.arange(b, device=dev) if rows is None else rows.to(dev).long()
-    pad = ridx < 0  # padding rows: select nothing, change no state (as the kernel)
-    ridx = ridx.clamp(min=0)
-    res, lu, so = resident[ridx].long(), last_used[ridx].long(), slot_of[ridx].long()
-    m = so.shape[1]
-    cols = torch.arange(k, device=dev)[None, :]
-    sel = cols < torch.where(pad, 0, valid.long().clamp(0, k))[:, None]
-    # as the kernel: unvalidated bad ids are clamped so they stay inside their own row
-    ids = torch.where(sel, topk.long(), 0).clamp(0, m - 1)
-    # a repeated id is served by its first column: only first columns can miss
-    key = torch.where(sel, ids, m)
-    first_col = torch.full((b, m + 1), k, dtype=torch.long, device=dev)
-    first_col.scatter_reduce_(1, key, cols.expand(b, k), "amin")
-    src = first_col.gather(1, key)
-    hint = torch.where(sel, so.gather(1, ids), -1)
-    hit = (hint >= 0) & (res.gather(1, hint.clamp(min=0)) == ids)
-    slot = torch.where(hit, hint, -1)
-    miss = sel & ~hit & (src == cols)
-    repeat = sel & ~hit & (src != cols)
-    nmiss = miss.sum(1)
-    mrank = torch.cumsum(miss.long(), 1) - miss.long()
-    hit_mask = torch.zeros(b, s + 1, dtype=torch.bool, device=dev)
-    hit_mask.scatter_(1, torch.where(hit, slot, s), True)
-    ar = torch.arange(s, device=dev)[None, :]
-    key = torch.where(hit_mask[:, :s], 1 << 40, lu + 1) * s + ar  # non-hits by (last_used, slot)
-    lru_rank = torch.argsort(torch.argsort(key, dim=1), dim=1)
-    victim = lru_rank < nmiss[:, None]
-    vlist = torch.sort(torch.where(victim, ar, s + ar), dim=1).values[:, :k]  # victims in slot order first
-    device_slots = torch.where(hit, slot, torch.where(miss, vlist.gather(1, torch.where(miss, mrank, 0)), -1))
-    device_slots = torch.where(repeat, device_slots.gather(1, src.clamp(max=k - 1)), device_slots)
-    load_valid = cols < nmiss[:, None]
-    load_slots = torch.where(load_valid, vlist, -1)
-    spill = torch.full((b, k + 1), -1, dtype=torch.long, device=dev)
-    spill.scatter_(1, torch.where(miss, mrank, k), ids)  # non-misses land in the spill column k
-    load_ids = spill[:, :k]
-    so_ext = torch.cat([so, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)  # spill column m
-    so_ext.scatter_(1, torch.where(miss, ids, m), torch.where(miss, device_slots, -1))
-    res_ext = torch.cat([res, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
-    res_ext.scatter_(1, torch.where(miss, device_slots, s), ids)
-    lu_ext = torch.cat([lu, torch.full((b, 1), -1, dtype=torch.long, device=dev)], 1)
-    lu_ext.scatter_(1, torch.where(sel, device_slots, s), st.expand(b, k).clone())
-    live = ~pad
-    if bool(live.all()):
-        resident[ridx] = res_ext[:, :s].to(torch.int32)
-        last_used[ridx] = lu_ext[:, :s].to(torch.int32)
-        slot_of[ridx] = so_ext[:, :m].to(torch.int32)
-    else:  # padding rows alias row 0: write back the live rows only
-        resident[ridx[live]] = res_ext[live, :s].to(torch.int32)
-        last_used[ridx[live]] = lu_ext[live, :s].to(torch.int32)
-        slot_of[ridx[live]] = so_ext[live, :m].to(torch.int32)
-    num_valid = torch.where(pad, 0, valid.long().clamp(0, k)).to(torch.int32)
-    return LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
-                         nmiss.to(torch.int32), num_valid)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -348,11 +194,27 @@ def _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id
     tl.store(ds_p + col, ss, mask=victim)
 
 
+@triton.jit
+def _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, cols, mask, u, HAS_ALT: tl.constexpr):
+    """Row ``b`` of the selection at ``cols`` (``other`` 0): ``topk``'s where ``u``, else the
+    row choice's alternative (sparsehi/kernels/row_choice.py; one of the two loads is masked
+    off entirely)."""
+    b64 = b.to(tl.int64)
+    if HAS_ALT:
+        ut = (tl.zeros_like(cols) + u.to(tl.int32)) != 0  # the scalar as a tile (masks must be tiles)
+        x = tl.load(topk_ptr + b64 * stride_topk + cols, mask=mask & ut, other=0)
+        y = tl.load(alt_ptr + b64 * stride_alt + cols, mask=mask & ~ut, other=0)
+        x = tl.where(ut, x, y)
+    else:
+        x = tl.load(topk_ptr + b64 * stride_topk + cols, mask=mask, other=0)
+    return x
+
+
 @triton.jit(noinline=True)
-def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
-                num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_state, stride_slot_of, stride_out,
-                K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
-                MISS_SIDE: tl.constexpr):
+def _exact_path(topk_ptr, alt_ptr, u, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
+                num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_alt, stride_state, stride_slot_of,
+                stride_out, K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                SCAN_R: tl.constexpr, MISS_SIDE: tl.constexpr, HAS_ALT: tl.constexpr):
     """The victims and installs of row ``b`` when the fast path cannot serve it exactly: a
     repeated id in the row (a caller that skipped validation), or duplicate hits. Claims
     again from a clean slate (no stale marker can win), stamps every hit and reads the row
@@ -370,7 +232,7 @@ def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_pt
     ls_p = load_slots_ptr + b.to(tl.int64) * stride_out
     marker = kk + INT_MIN
     # every missed id's entry now holds a claim marker (< -1), every hit's its slot (>= 0)
-    raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+    raw = _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, kk, kk < K, u, HAS_ALT)
     ids = tl.minimum(tl.maximum(raw, 0), M - 1)
     sel = kk < nvalid
     entry = tl.load(so_p + ids, mask=sel, other=0, cache_modifier=".cg")
@@ -428,10 +290,11 @@ def _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_pt
 def _lru_diff_kernel(
     topk_ptr, valid_ptr, rows_ptr, resident_ptr, last_used_ptr, slot_of_ptr, step_ptr,
     dev_slots_ptr, load_ids_ptr, load_slots_ptr, num_loads_ptr, num_valid_ptr,
-    M, stride_topk, stride_state, stride_slot_of, stride_out,
+    use_ptr, alt_ptr, alt_valid_ptr,
+    M, stride_topk, stride_state, stride_slot_of, stride_out, stride_alt,
     K: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SCAN_R: tl.constexpr,
     WINDOW: tl.constexpr, MAX_ROUNDS: tl.constexpr, HELPERS: tl.constexpr, MISS_SIDE: tl.constexpr,
-    HAS_NVALID: tl.constexpr,
+    HAS_NVALID: tl.constexpr, HAS_ALT: tl.constexpr,
 ):
     # Grid (1 + HELPERS, B): program 0 of a row selects and installs victims, programs
     # 1..HELPERS stamp the row's hits (a column chunk each). Nothing waits for a helper.
@@ -442,7 +305,14 @@ def _lru_diff_kernel(
     # a padding row (row < 0, e.g. the unused rows of a CUDA-graph batch) selects nothing:
     # every state store below is masked by a hit, miss or victim, so its (row 0) state is
     # only read; its outputs are all -1 and no load
-    nvalid = tl.where(row < 0, 0, tl.minimum(tl.maximum(tl.load(valid_ptr + b), 0), K))
+    if HAS_ALT:
+        # the row choice (row_choice.py): rows that do not use topk read the alternative
+        u = tl.load(use_ptr + b) != 0
+        vin = tl.where(u, tl.load(valid_ptr + b), tl.load(alt_valid_ptr + b))
+    else:
+        u = b >= 0
+        vin = tl.load(valid_ptr + b)
+    nvalid = tl.where(row < 0, 0, tl.minimum(tl.maximum(vin, 0), K))
     if HAS_NVALID:
         if p == 0:
             tl.store(num_valid_ptr + b, nvalid)
@@ -454,7 +324,7 @@ def _lru_diff_kernel(
     if (HELPERS > 0) & (p > 0):
         CH: tl.constexpr = BLOCK_K // max(HELPERS, 1)
         kc = (p - 1) * CH + tl.arange(0, CH)
-        rawc = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kc, mask=kc < K, other=0)
+        rawc = _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, kc, kc < K, u, HAS_ALT)
         selc = kc < nvalid
         idc = tl.minimum(tl.maximum(rawc, 0), M - 1)
         hintc = tl.load(so_p + idc, mask=selc, other=-1)
@@ -467,7 +337,7 @@ def _lru_diff_kernel(
     else:
         kk = tl.arange(0, BLOCK_K)
         ss = tl.arange(0, BLOCK_S)
-        raw = tl.load(topk_ptr + b.to(tl.int64) * stride_topk + kk, mask=kk < K, other=0)
+        raw = _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, kk, kk < K, u, HAS_ALT)
         li_p = load_ids_ptr + b.to(tl.int64) * stride_out
         ls_p = load_slots_ptr + b.to(tl.int64) * stride_out
         lu_row = tl.load(lu_p + ss, mask=ss < S, other=INT_MAX)
@@ -622,9 +492,9 @@ def _lru_diff_kernel(
             bad = (missed & (claim != marker)) | (tail != -1)
         redo = tl.max(bad.to(tl.int32), 0)
         if redo > 0:
-            _exact_path(topk_ptr, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr, load_slots_ptr,
-                        num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_state, stride_slot_of,
-                        stride_out, K, S, BLOCK_K, BLOCK_S, SCAN_R, MISS_SIDE)
+            _exact_path(topk_ptr, alt_ptr, u, resident_ptr, last_used_ptr, slot_of_ptr, dev_slots_ptr, load_ids_ptr,
+                        load_slots_ptr, num_loads_ptr, row, b, nvalid, step, M, stride_topk, stride_alt, stride_state,
+                        stride_slot_of, stride_out, K, S, BLOCK_K, BLOCK_S, SCAN_R, MISS_SIDE, HAS_ALT)
         else:
             if MISS_SIDE:
                 _install_from_misses(ds_p, so_p, res_p, lu_p, kk, mids, missed, vslot, step, S)
@@ -683,12 +553,15 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
                     slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
                     out: Optional[LruDiffResult] = None, num_warps: Optional[int] = None,
                     scan_r: Optional[int] = None, helpers: Optional[int] = None,
-                    miss_side: Optional[bool] = None) -> LruDiffResult:
+                    miss_side: Optional[bool] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
     """Triton LRU diff: one launch, ``1 + helpers`` programs per batch row. ``out`` reuses
     result buffers (fixed addresses for CUDA graphs). ``K`` and ``S`` are compile-time
     constants: one compile per (top-k width, buffer size), which a deployment fixes (the
-    coordinator pads top-k to ``K``)."""
+    coordinator pads top-k to ``K``). ``choice``: rows that do not use ``topk`` read
+    ``choice.ids`` / ``choice.count`` (the same result as on ``choice.apply``'s output)."""
     _check_args(topk, valid, resident, last_used, slot_of, rows)
+    if choice is not None:
+        choice.check(topk, valid)
     if scan_r is not None and (not isinstance(scan_r, int) or scan_r < 1 or scan_r & (scan_r - 1)):
         raise ValueError(f"scan_r must be a power of two >= 1 (1, 2, 4, 8, ...), got {scan_r!r}")
     if miss_side is not None and not isinstance(miss_side, bool):
@@ -731,23 +604,26 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
     _lru_diff_kernel[(1 + h, b)](
         topk_c, valid, rows_t, resident, last_used, slot_of, st,
         out.device_slots, out.load_ids, out.load_slots, out.num_loads,
-        out.num_valid if out.num_valid is not None else out.num_loads, slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
+        out.num_valid if out.num_valid is not None else out.num_loads,
+        *((choice.use, choice.ids, choice.count) if choice is not None else (valid, topk_c, valid)),
+        slot_of.shape[1], topk_c.stride(0), resident.stride(0), slot_of.stride(0), out.device_slots.stride(0),
+        choice.ids.stride(0) if choice is not None else 0,
         K=k, S=s, BLOCK_K=block_k, BLOCK_S=block_s, SCAN_R=r, WINDOW=WINDOW, MAX_ROUNDS=MAX_ROUNDS, HELPERS=h,
         MISS_SIDE=int(default_miss_side(block_k, block_s) if miss_side is None else miss_side),
-        HAS_NVALID=out.num_valid is not None, num_warps=nw,
+        HAS_NVALID=out.num_valid is not None, HAS_ALT=choice is not None, num_warps=nw,
     )
     return out
 
 
 def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
              slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
-             out: Optional[LruDiffResult] = None) -> LruDiffResult:
+             out: Optional[LruDiffResult] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
     """Dispatch: Triton on CUDA (or CPU under the interpreter when forced), torch otherwise."""
     if use_triton(topk):
         announce_path("lru_diff", "triton")
-        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out)
+        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out, choice=choice)
     announce_path("lru_diff", "reference")
-    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows)
+    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows, choice=choice)
     if out is not None:
         out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
         out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)

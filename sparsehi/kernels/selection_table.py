@@ -16,6 +16,10 @@ first / last pages, selected ids ascending in ``[n_sink, recent_start)``):
 This replaces a concatenation, a sort by id, two gathers and the adaptor's page-table
 build (a dozen small launches per layer) when the selected ids already come ascending.
 
+``choice`` (a ``RowChoice``, sparsehi/kernels/row_choice.py): rows that do not use
+``topk`` / ``valid`` read ``choice.ids`` / ``choice.count`` instead (the plain candidate
+list of rows that are not sparse), so the caller need not materialise the substitution.
+
 Entry points: ``selection_table`` (dispatch), ``selection_table_triton``,
 ``selection_table_reference``.
 """
@@ -29,6 +33,7 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
+from sparsehi.kernels.row_choice import RowChoice, resolve
 
 
 @dataclass
@@ -70,13 +75,15 @@ def selection_table_reference(topk: torch.Tensor, valid: torch.Tensor, num_pages
                               page_size: int, own_table: Optional[torch.Tensor] = None,
                               sink_table: Optional[torch.Tensor] = None, ring_table: Optional[torch.Tensor] = None,
                               topk_phys: Optional[torch.Tensor] = None,
-                              slot_table: Optional[torch.Tensor] = None) -> SelectionTable:
+                              slot_table: Optional[torch.Tensor] = None,
+                              choice: Optional[RowChoice] = None) -> SelectionTable:
     """Torch reference (see the module docstring). ``topk [B, K] int32`` ascending valid
     ids then -1; ``rows [B] int64`` table rows (>= 0; padding rows have num_pages 0);
     tables ``[R, *] int32``; with ``slot_table [R, S]`` the entries of ``topk_phys`` are
     buffer slots and their pages are ``slot_table[row, slot]``."""
     _check(topk, valid, num_pages, seq_lens, rows, own_table, sink_table, ring_table, topk_phys, sink, recent,
            slot_table)
+    topk, valid = resolve(topk, valid, choice)
     dev = topk.device
     b, k = topk.shape
     w = sink + k + recent
@@ -124,16 +131,25 @@ def _selection_table_block(
     own_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
     lid_out, phys_out, pt_out, nv_out, att_out,
     stride_topk, stride_own, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out, own_cols, slot_cols,
+    use_ptr, alt_ptr, alt_valid_ptr, stride_alt,
     K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, HIER: tl.constexpr, HAS_TPHYS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    HAS_ALT: tl.constexpr,
 ):
     """Column block ``cb`` of batch row ``b`` (int64); the row's scalars are recomputed by
-    each block."""
+    each block. ``HAS_ALT``: the row reads ``alt`` / ``alt_valid`` where ``use`` is False
+    (a ``RowChoice``)."""
     P = tl.load(npages_ptr + b).to(tl.int32)
     n_sink = tl.minimum(P, SINK)
     rs = tl.maximum(n_sink, P - RECENT)
     n_rec = P - rs
-    v = tl.minimum(tl.maximum(tl.load(valid_ptr + b), 0), K)
+    if HAS_ALT:
+        u = tl.load(use_ptr + b) != 0
+        vin = tl.where(u, tl.load(valid_ptr + b), tl.load(alt_valid_ptr + b))
+    else:
+        u = b >= 0
+        vin = tl.load(valid_ptr + b)
+    v = tl.minimum(tl.maximum(vin, 0), K)
     row = tl.load(rows_ptr + b).to(tl.int64)
     nv = n_sink + v + n_rec
     j = cb * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -143,7 +159,12 @@ def _selection_table_block(
     rec_j = j - (n_sink + v)
     in_rec = (rec_j >= 0) & (rec_j < n_rec)
     tcol = tl.minimum(tl.maximum(j - n_sink, 0), K - 1)
-    top_ids = tl.load(topk_ptr + b * stride_topk + tcol, mask=in_top & jm, other=0)
+    if HAS_ALT:
+        ut = (tl.zeros_like(j) + u.to(tl.int32)) != 0  # the scalar as a tile (masks must be tiles)
+        top_ids = tl.where(ut, tl.load(topk_ptr + b * stride_topk + tcol, mask=in_top & jm & ut, other=0),
+                           tl.load(alt_ptr + b * stride_alt + tcol, mask=in_top & jm & ~ut, other=0))
+    else:
+        top_ids = tl.load(topk_ptr + b * stride_topk + tcol, mask=in_top & jm, other=0)
     lid = tl.where(in_sink, j, tl.where(in_top, top_ids, tl.where(in_rec, rs + rec_j, -1)))
     ok = (lid >= 0) & jm
     safe = tl.maximum(lid, 0).to(tl.int64)
@@ -169,10 +190,20 @@ def _selection_table_block(
         # else the last sink page
         last = tl.maximum(nv - 1, 0)
         last_top = tl.load(topk_ptr + b * stride_topk + tl.maximum(v - 1, 0))
+        if HAS_ALT:
+            last_top = tl.where(u, last_top, tl.load(alt_ptr + b * stride_alt + tl.maximum(v - 1, 0)))
         last_lid = tl.where(n_rec > 0, P - 1, tl.where(v > 0, last_top, n_sink - 1))
         tail = tl.minimum(tl.maximum(tl.load(seq_ptr + b) - last_lid * PAGE, 0), PAGE)
         tl.store(nv_out + b, nv)
         tl.store(att_out + b, tl.where(nv > 0, last * PAGE + tail, 0))
+
+
+def choice_args(choice: Optional[RowChoice], topk: torch.Tensor, valid: torch.Tensor) -> tuple:
+    """``(use, alt, alt_valid, stride_alt)`` kernel arguments of a row choice (placeholders,
+    never read, without one)."""
+    if choice is None:
+        return valid, topk, valid, 0
+    return choice.use, choice.ids, choice.count, choice.ids.stride(0)
 
 
 @triton.jit
@@ -181,22 +212,27 @@ def _selection_table_kernel(
     own_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
     lid_out, phys_out, pt_out, nv_out, att_out,
     stride_topk, stride_own, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out, own_cols, slot_cols,
+    use_ptr, alt_ptr, alt_valid_ptr, stride_alt,
     K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, HIER: tl.constexpr, HAS_TPHYS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    HAS_ALT: tl.constexpr,
 ):
     # grid (row, column block)
     _selection_table_block(tl.program_id(0).to(tl.int64), tl.program_id(1), topk_ptr, valid_ptr, npages_ptr, seq_ptr, rows_ptr, own_ptr, sink_ptr, ring_ptr, tphys_ptr,
                            slot_ptr, lid_out, phys_out, pt_out, nv_out, att_out, stride_topk, stride_own, stride_sink,
                            stride_ring, stride_tphys, stride_slot, stride_out, own_cols, slot_cols,
-                           K, SINK, RECENT, PAGE, W, BLOCK_W, HIER, HAS_TPHYS, HAS_SLOTS)
+                           use_ptr, alt_ptr, alt_valid_ptr, stride_alt,
+                           K, SINK, RECENT, PAGE, W, BLOCK_W, HIER, HAS_TPHYS, HAS_SLOTS, HAS_ALT)
 
 
 def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,
                            sink_table=None, ring_table=None, topk_phys=None, slot_table=None,
-                           out: Optional[SelectionTable] = None) -> SelectionTable:
+                           out: Optional[SelectionTable] = None, choice: Optional[RowChoice] = None) -> SelectionTable:
     """Triton launcher; same arguments and results as the reference (``out`` reuses buffers)."""
     _check(topk, valid, num_pages, seq_lens, rows, own_table, sink_table, ring_table, topk_phys, sink, recent,
            slot_table)
+    if choice is not None:
+        choice.check(topk, valid)
     dev = topk.device
     b, k = topk.shape
     w = sink + k + recent
@@ -219,17 +255,20 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
         topk_phys.stride(0) if topk_phys is not None else 0, slot_table.stride(0) if slot_table is not None else 0,
         out.logical.stride(0), own.shape[1] if own_table is not None else 1,
         slot_table.shape[1] if slot_table is not None else 1,
+        *choice_args(choice, topk, valid),
         K=k, SINK=sink, RECENT=recent, PAGE=page_size, W=w, BLOCK_W=block_w,
-        HIER=hier, HAS_TPHYS=topk_phys is not None, HAS_SLOTS=slot_table is not None, num_warps=4,
+        HIER=hier, HAS_TPHYS=topk_phys is not None, HAS_SLOTS=slot_table is not None, HAS_ALT=choice is not None,
+        num_warps=4,
     )
     return out
 
 
 def selection_table(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,
-                    sink_table=None, ring_table=None, topk_phys=None, slot_table=None) -> SelectionTable:
+                    sink_table=None, ring_table=None, topk_phys=None, slot_table=None,
+                    choice: Optional[RowChoice] = None) -> SelectionTable:
     """Dispatch: Triton on CUDA, torch otherwise (see the module docstring)."""
     kw = dict(sink=sink, recent=recent, page_size=page_size, own_table=own_table, sink_table=sink_table,
-              ring_table=ring_table, topk_phys=topk_phys, slot_table=slot_table)
+              ring_table=ring_table, topk_phys=topk_phys, slot_table=slot_table, choice=choice)
     if use_triton(topk):
         announce_path("selection_table", "triton")
         return selection_table_triton(topk, valid, num_pages, seq_lens, rows, **kw)

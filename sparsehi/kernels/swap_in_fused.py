@@ -13,8 +13,9 @@ request rows ``[B] int64`` with ``-1`` padding, the host-page and slot-page tabl
 and those of ``selection_table`` in hierarchical form (``topk [B, K] int32`` ascending,
 ``valid [B]``, ``num_pages [B]``, ``seq_lens [B]``, ``table_rows [B] int64`` (padding mapped to
 row 0), ``sink`` / ``recent`` pages, ``sink_table`` / ``ring_table`` ``[R, *] int32``,
-``device_slots [B, K] int32`` from the diff, ``slot_table [R, S] int32``). Returns the
-``SelectionTable``.
+``device_slots [B, K] int32`` from the diff, ``slot_table [R, S] int32``; ``choice``, a
+``RowChoice``: rows that do not use ``topk`` / ``valid`` read its ids and count, as the diff
+did). Returns the ``SelectionTable``.
 
 Entry points: ``swap_in_copy_and_table`` (dispatch), ``swap_in_copy_and_table_triton``,
 ``swap_in_copy_and_table_reference``.
@@ -28,8 +29,9 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import announce_path, use_triton
+from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
-                                              selection_table_reference)
+                                              choice_args, selection_table_reference)
 from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _swap_in_copy_block,
                                            copy_geometry, swap_in_copy_reference)
 
@@ -43,11 +45,12 @@ def _swap_in_and_table_kernel(
     topk_ptr, valid_ptr, npages_ptr, seq_ptr, trows_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
     lid_out, phys_out, pt_out, nv_out, att_out,
     stride_topk, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out, slot_cols,
+    use_ptr, alt_ptr, alt_valid_ptr, stride_alt,
     G,
     PS: tl.constexpr, SRC_PS: tl.constexpr, DST_PS: tl.constexpr, NUM_SEG: tl.constexpr, NSEGS: tl.constexpr,
     PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr,
     K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr, WBLOCKS: tl.constexpr,
+    BLOCK_W: tl.constexpr, WBLOCKS: tl.constexpr, HAS_ALT: tl.constexpr,
 ):
     # grid (max(G, WBLOCKS), B, NSEGS + 1), x fastest: a row's copy programs launch together
     # (as swap_in_copy's row-major order); the last z slice holds the table programs
@@ -65,7 +68,8 @@ def _swap_in_and_table_kernel(
             _selection_table_block(b, x, topk_ptr, valid_ptr, npages_ptr, seq_ptr, trows_ptr, topk_ptr, sink_ptr,
                                    ring_ptr, tphys_ptr, slot_ptr, lid_out, phys_out, pt_out, nv_out, att_out,
                                    stride_topk, 0, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out,
-                                   1, slot_cols, K, SINK, RECENT, PAGE, W, BLOCK_W, True, True, True)
+                                   1, slot_cols, use_ptr, alt_ptr, alt_valid_ptr, stride_alt,
+                                   K, SINK, RECENT, PAGE, W, BLOCK_W, True, True, True, HAS_ALT)
 
 
 def _empty_table(b: int, w: int, dev: torch.device) -> SelectionTable:
@@ -75,22 +79,26 @@ def _empty_table(b: int, w: int, dev: torch.device) -> SelectionTable:
 
 def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                                      page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
-                                     sink_table, ring_table, device_slots) -> SelectionTable:
+                                     sink_table, ring_table, device_slots,
+                                     choice: Optional[RowChoice] = None) -> SelectionTable:
     """Torch reference: ``swap_in_copy_reference`` then ``selection_table_reference``."""
     swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     return selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
                                      page_size=page_size, sink_table=sink_table, ring_table=ring_table,
-                                     topk_phys=device_slots, slot_table=slot_pages)
+                                     topk_phys=device_slots, slot_table=slot_pages, choice=choice)
 
 
 def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                                   page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                   sink_table, ring_table, device_slots, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                                  out: Optional[SelectionTable] = None) -> SelectionTable:
+                                  out: Optional[SelectionTable] = None,
+                                  choice: Optional[RowChoice] = None) -> SelectionTable:
     """One launch (see the module docstring); ``out`` reuses table buffers."""
     _check_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
     _check_table(topk, valid, num_pages, seq_lens, table_rows, None, sink_table, ring_table, device_slots, sink,
                  recent, slot_pages)
+    if choice is not None:
+        choice.check(topk, valid)
     if not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes={block_bytes!r} is invalid: an int >= 1")
     b, k = topk.shape
@@ -118,23 +126,26 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
         out.logical, out.physical, out.page_table, out.num_valid, out.attended,
         topk.stride(0), sink_table.stride(0), ring_table.stride(0), device_slots.stride(0), slot_pages.stride(0),
         out.logical.stride(0), slot_pages.shape[1],
+        *choice_args(choice, topk, valid),
         runs,
         PS=page_size, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, NSEGS=nsegs, PARTS=parts, SEG=seg,
         TOKS=toks, TILE=tile, K=k, SINK=sink, RECENT=recent, PAGE=page_size, W=w, BLOCK_W=block_w, WBLOCKS=wblocks,
-        num_warps=4,
+        HAS_ALT=choice is not None, num_warps=4,
     )
     return out
 
 
 def swap_in_copy_and_table(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
                            topk, valid, num_pages, seq_lens, table_rows, *, sink, recent, sink_table, ring_table,
-                           device_slots, out: Optional[SelectionTable] = None) -> SelectionTable:
+                           device_slots, out: Optional[SelectionTable] = None,
+                           choice: Optional[RowChoice] = None) -> SelectionTable:
     """Dispatch (see the module docstring): Triton when the device side is CUDA (or the
     interpreter is forced), the torch references otherwise."""
     probe = dst if dst.is_cuda else src
     args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, topk, valid,
             num_pages, seq_lens, table_rows)
-    kw = dict(sink=sink, recent=recent, sink_table=sink_table, ring_table=ring_table, device_slots=device_slots)
+    kw = dict(sink=sink, recent=recent, sink_table=sink_table, ring_table=ring_table, device_slots=device_slots,
+              choice=choice)
     if use_triton(probe):
         announce_path("swap_in_copy_and_table", "triton")
         return swap_in_copy_and_table_triton(*args, **kw, out=out)
