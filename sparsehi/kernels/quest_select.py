@@ -114,15 +114,16 @@ def quest_select_split(
     _check(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size)
     b, hq, d = q.shape
     r, n, hkv, _ = kmin.shape
-    _check_select_args(q.new_empty(b, n), top_k, candidate_start, candidate_end, row_mask)
+    dev = q.device
+    # the page scores, written and read back by the fused kernel only
+    scratch = torch.empty(b, n, dtype=torch.float32, device=dev)
+    _check_select_args(scratch, top_k, candidate_start, candidate_end, row_mask)
     kp = check_plan(plan, n, top_k)
     p, chunk = plan
     if kmin.stride(3) != 1 or kmax.stride() != kmin.stride():
         raise ValueError("kmin/kmax must share a layout with a contiguous last dim")
     if q.stride(2) != 1:
         q = q.contiguous()
-    dev = q.device
-    scratch = torch.empty(b, n, dtype=torch.float32, device=dev)
     scratch, ids, valid = select_outputs(scratch, top_k)
     if b == 0:
         return ids, valid
