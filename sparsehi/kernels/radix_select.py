@@ -107,16 +107,17 @@ def _threshold_in_registers(keys, need):
 
 
 @triton.jit
-def _select_threshold(keys, need):
+def _select_threshold(keys, need, count):
     """``(thr, ties)`` for ``_emit`` to write the ``need`` largest of ``keys`` (a block in
-    registers of fewer than 2**15 keys, 0 = not selectable; ``need <=`` their count), in fewer radix passes than
+    registers of fewer than 2**15 keys, 0 = not selectable, ``count`` of them selectable;
+    ``need <= count``), in fewer radix passes than
     ``_threshold_in_registers``: it stops as soon as every key sharing the bits found so far
     is needed, answering a threshold just below them and no ties (``_emit`` writes the same
     ids; ``thr`` need not be a key, so it is no rank statistic). Every selectable key
-    needed stops before the first pass. After two 8-bit digits the boundary digit usually
-    holds a single key, so a select typically takes 2 histogram passes, not 3-4."""
+    needed stops before the first pass. Once two 8-bit digits are known the boundary digit
+    of a few hundred keys mostly holds one key, so a select of 32 unknown bits often takes
+    2 or 3 histogram passes, not 4."""
     ok = keys != 0
-    count = tl.sum(ok.to(tl.int32), 0)
     prefix, known_lo = _shared_bits(tl.min(tl.where(ok, keys, 0xFFFFFFFF), 0), tl.max(keys, 0))
     take_all = need >= count  # every selectable key: above 0
     prefix = tl.where(take_all, 0, prefix)

@@ -16,6 +16,12 @@ many in its chunk: every chunk's shortlist keeps it, and the merge sees the same
 Results equal ``topk_select_reference``'s (ties to the lower id, ``-0.0 == +0.0``, -inf and
 NaN never selected).
 
+Both stages find their threshold with ``radix_select._select_threshold``, which stops once
+the boundary digit is wholly taken (often 2 or 3 histogram passes instead of 4).
+``sparsehi.kernels.quest_select`` fuses stage 1 with the Quest page bounds
+(``_chunk_bounds`` / ``_shortlist_to_work`` are its stage-1 pieces; ``split_work`` /
+``merge_shortlists`` its buffers and stage 2).
+
 Registers bound the shapes: a chunk of at most ``MAX_CHUNK`` ids and ``P * next_pow2(top_k)``
 merge entries at most ``MAX_MERGE``; ``split_plan`` says whether (and how) a shape splits.
 """
@@ -66,8 +72,9 @@ def _shortlist_to_work(key, offs, TOP_K, wkey_ptr, wid_ptr, wcount_ptr, b, c, P:
     """Stage 1's output for chunk ``c`` of row ``b``: the top ``min(TOP_K, selectable)`` of
     ``key`` (``_order_keys`` of the chunk, ids ``offs`` ascending) written in id order to the
     chunk's slot of the work buffers, with their count."""
-    k_loc = tl.minimum(tl.sum((key != 0).to(tl.int32), 0), TOP_K)
-    thr, need = _select_threshold(key, k_loc)
+    count = tl.sum((key != 0).to(tl.int32), 0)
+    k_loc = tl.minimum(count, TOP_K)
+    thr, need = _select_threshold(key, k_loc, count)
     thr = tl.where(k_loc > 0, thr, 0xFFFFFFFF)
     slot = (b * P + c) * KP
     _, n_out = _emit(wid_ptr + slot, key, offs.to(tl.int32), thr, need, 0, 0)
@@ -99,8 +106,9 @@ def _merge_topk_kernel(wkey_ptr, wid_ptr, wcount_ptr, ids_ptr, valid_ptr, TOP_K,
     base = b * P * KP
     key = tl.load(wkey_ptr + base + j, mask=inl, other=0).to(tl.uint32, bitcast=True)
     ids = tl.load(wid_ptr + base + j, mask=inl, other=-1)
-    k_eff = tl.minimum(tl.sum(inl.to(tl.int32), 0), TOP_K)
-    thr, need = _select_threshold(key, k_eff)
+    count = tl.sum(inl.to(tl.int32), 0)  # shortlisted keys are all selectable
+    k_eff = tl.minimum(count, TOP_K)
+    thr, need = _select_threshold(key, k_eff, count)
     thr = tl.where(k_eff > 0, thr, 0xFFFFFFFF)
     out = ids_ptr + b * stride_ib
     _, n_out = _emit(out, key, ids, thr, need, 0, 0)
