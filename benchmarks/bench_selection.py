@@ -15,7 +15,11 @@ scales, 65536 tokens, top_k 2048 tokens. B in 1, 8, 64.
 Both select the same ids (checked per row as sets). Times are CUDA-graph replays
 (``benchmarks.common.cuda_time_us(graph=True)``): GPU time without Python launch overhead,
 as a graph-captured decode step runs. ``score_us`` is the scoring kernel alone,
-``masked_topk_us`` / ``topk_select_us`` the Top-k alone on the same scores.
+``masked_topk_us`` / ``topk_select_us`` the Top-k alone on the same scores. Quest rows also
+time ``quest_retrieve`` fused (bounds + chunk shortlists in one kernel, then the merge;
+forced even where ``quest_select_plan`` would score apart) as ``fused_us`` and unfused
+(score kernel, then ``topk_select``) as ``unfused_us``; the fused ids must equal ``new``'s.
+``--tiny`` adds the tiny-gqa shape (4 query / 2 KV heads x 32, 2048 pages).
 
 Usage: ``PYTHONPATH=. python benchmarks/bench_selection.py`` on a GPU (writes
 benchmarks/results/selection.json; ``--sweep`` adds topk_select and quest_score block /
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import cuda_time_us, write_result  # noqa: E402
 from sparsehi.kernels.dsa_indexer import dsa_indexer, quantize_index_keys  # noqa: E402
 from sparsehi.kernels.quest_score import quest_score, quest_score_triton  # noqa: E402
+from sparsehi.kernels.quest_select import quest_retrieve  # noqa: E402
 from sparsehi.kernels.topk import live_rows, masked_topk, topk_select, topk_select_triton  # noqa: E402
 
 SINK, RECENT = 1, 4  # selection units outside the candidates (Quest pages; DSA scaled below)
@@ -74,11 +79,18 @@ def quest_case(b: int, pages: int, page_size: int, top_k: int, dev: torch.device
     def new():
         return topk_select(score(), top_k, cs, ce, mask)
 
+    def fused():  # bounds + chunk shortlists in one kernel, then the merge (forced: any shape)
+        return quest_retrieve(q, kmin, kmax, req, seq, "sum", page_size, top_k, cs, ce, mask, fused=True)
+
+    def unfused():  # the score kernel, then topk_select
+        return quest_retrieve(q, kmin, kmax, req, seq, "sum", page_size, top_k, cs, ce, mask, fused=False)
+
     def score_variant(block_p: int, num_warps: int):
         return quest_score_triton(q, kmin, kmax, req, seq, "sum", page_size=page_size, block_p=block_p,
                                   num_warps=num_warps)
 
-    return dict(old=old, new=new, score=score, score_variant=score_variant, cs=cs, ce=ce, mask=mask, top_k=top_k)
+    return dict(old=old, new=new, score=score, score_variant=score_variant, fused=fused, unfused=unfused, cs=cs, ce=ce,
+                mask=mask, top_k=top_k)
 
 
 def dsa_case(b: int, tokens: int, top_k: int, dev: torch.device, heads: int = 64,
@@ -118,8 +130,14 @@ def measure(case: dict[str, Any], sweep: list[tuple[int, int, int, int]], timed:
     new_sel, new_valid = case["new"]()
     row: dict[str, Any] = {"same_selection": same_sets(old_sel, new_sel) and bool(torch.equal(old_valid, new_valid)),
                            "valid_min": int(new_valid.min())}
+    if "fused" in case:
+        f_sel, f_valid = case["fused"]()
+        row["same_selection"] &= bool(torch.equal(f_sel, new_sel) and torch.equal(f_valid, new_valid))
     if not timed:
         return row
+    if "fused" in case:
+        row["fused_us"] = round(cuda_time_us(case["fused"], iters=20, graph=True), 2)
+        row["unfused_us"] = round(cuda_time_us(case["unfused"], iters=20, graph=True), 2)
     scores = case["score"]()
     k, cs, ce, mask = case["top_k"], case["cs"], case["ce"], case["mask"]
     row["old_us"] = round(cuda_time_us(case["old"], iters=20, graph=True), 2)
@@ -152,6 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the CPU, no timing, no result file")
     ap.add_argument("--sweep", action="store_true", help="also time topk_select block / list-block / warp variants")
+    ap.add_argument("--tiny", action="store_true", help="also the tiny-gqa Quest shape (4 / 2 heads x 32, B 1, 2, 8)")
     ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     args = ap.parse_args()
     t0 = time.time()
@@ -166,17 +185,21 @@ def main() -> None:
         quest_shape = dict(pages=4096, page_size=16, top_k=128)
         dsa_shape = dict(tokens=65536, top_k=2048)
     sweep = SWEEP if args.sweep and not args.quick else []
+    cases = [(b, "quest", quest_case, quest_shape) for b in batches] + [(b, "dsa", dsa_case, dsa_shape) for b in batches]
+    cases.sort(key=lambda c: c[0])
+    if args.tiny:
+        tiny = dict(pages=64 if args.quick else 2048, page_size=16, top_k=8 if args.quick else 128, hq=4, hkv=2, d=32)
+        cases += [(b, "quest_tiny", quest_case, tiny) for b in (1, 2, 8)]
     rows = []
-    for b in batches:
-        for name, make, shape in (("quest", quest_case, quest_shape), ("dsa", dsa_case, dsa_shape)):
-            r = measure(make(b, dev=dev, **shape), sweep, timed=not args.quick)
-            r = {"algorithm": name, "batch": b, **{k: v for k, v in shape.items()}, **r}
-            rows.append(r)
-            print(r, flush=True)
-            if not r["same_selection"]:
-                raise SystemExit(f"{name} B={b}: old and new select different ids")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    for b, name, make, shape in cases:
+        r = measure(make(b, dev=dev, **shape), sweep, timed=not args.quick)
+        r = {"algorithm": name, "batch": b, **{k: v for k, v in shape.items()}, **r}
+        rows.append(r)
+        print(r, flush=True)
+        if not r["same_selection"]:
+            raise SystemExit(f"{name} B={b}: old and new select different ids")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     if args.quick:
         print(f"quick check ok ({time.time() - t0:.1f} s)")
         return

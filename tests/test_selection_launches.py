@@ -131,7 +131,7 @@ def _dsa(dev, index_dtype, B=4, ctx=512, h=4, di=32):
     return alg, x
 
 
-def test_quest_retrieve_is_at_most_three_launches(dev):
+def _quest_retrieve_launches(dev):
     alg, x = _quest(dev)
 
     def call():
@@ -141,9 +141,38 @@ def test_quest_retrieve_is_at_most_three_launches(dev):
     call()  # warm-up (a GPU compiles the kernels here)
     with counting_launches() as c:
         sel, valid = call()
-    assert len(c.launches) <= 3, c.launches
-    assert c.launches[:1] == ["triton:_quest_score_kernel"] and c.launches[1:] in TOPK_LAUNCHES, c.launches
     assert valid.tolist() == [4, 4, 0, 0]
+    return c.launches
+
+
+FUSED_LAUNCHES = ["triton:_quest_chunk_topk_kernel", "triton:_merge_topk_kernel"]
+
+
+def test_quest_retrieve_is_two_launches(dev):
+    """A small batch fuses the bounds with the chunk shortlists (then the merge); a batch
+    that fills the GPU scores, then selects with one program per row: two launches either
+    way (on CUDA, the 4-row batch here splits)."""
+    launches = _quest_retrieve_launches(dev)
+    assert launches in (FUSED_LAUNCHES, ["triton:_quest_score_kernel", "triton:_topk_select_kernel"]), launches
+
+
+@pytest.fixture
+def small_gpu(monkeypatch):
+    """The split plans of a GPU of 132 SMs, on any device (the 4-row batch here splits)."""
+    for mod in ("sparsehi.kernels.quest_select", "sparsehi.kernels.topk"):
+        monkeypatch.setattr(f"{mod}._sm_count", lambda device: 132)
+
+
+def test_quest_split_retrieve_is_two_launches(dev, small_gpu):
+    """The split path, pinned: the fused bounds + chunk shortlists, then the merge."""
+    assert _quest_retrieve_launches(dev) == FUSED_LAUNCHES
+
+
+def test_quest_split_retrieve_unfused_is_three_launches(dev, small_gpu, monkeypatch):
+    """What fusing saves: scored apart (chunk bounds over the byte cap), the split select
+    is the score kernel, the chunk shortlists and the merge."""
+    monkeypatch.setattr("sparsehi.kernels.quest_select.FUSED_MAX_CHUNK_BYTES", 0)
+    assert _quest_retrieve_launches(dev) == ["triton:_quest_score_kernel", *TOPK_LAUNCHES[1]]
 
 
 def test_quest_update_is_one_launch(dev):

@@ -13,9 +13,12 @@ score with the same reduction (``Σ_h max_t ≥ max_t Σ_h``), which the propert
 checks. Sum is the default: at 32k context and a 2048-token budget it keeps 0.99 of the
 best top-k head-averaged attention mass vs 0.94 for max (benchmarks/results/fidelity.json).
 
-Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels (the bound of
-every page, pages counted from ``seq_lens`` inside the kernel; then
-:func:`sparsehi.kernels.topk.topk_select`), ``update_representations`` one
+Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels
+(:func:`sparsehi.kernels.quest_select.quest_retrieve`): for a batch too small to fill the
+GPU and light bounds, the bounds of each chunk of pages with its shortlist, then the merge;
+otherwise the bound of every page (pages counted from ``seq_lens`` inside the kernel), then
+:func:`sparsehi.kernels.topk.topk_select` (itself two launches when it splits a small
+batch). ``update_representations`` is one
 (:func:`sparsehi.kernels.quest_score.quest_update_bounds`).
 
 Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are
@@ -36,8 +39,9 @@ from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.kernels.quest_score import quest_score, quest_update_bounds
+from sparsehi.kernels.quest_select import quest_retrieve
 from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
-                                   as_row_mask, live_rows, raise_if_any, selection_kwargs, topk_select)
+                                   as_row_mask, live_rows, raise_if_any, selection_kwargs)
 
 
 @register_algorithm("quest")
@@ -218,8 +222,12 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         if host_checks_enabled(self.validate):
             raise_if_any([(req_pool_indices >= self.max_num_reqs,
                            f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
-        scores = self.score(queries, layer_id, req_pool_indices, seq_lens)
-        return topk_select(scores, top_k, cs, ce, as_row_mask(sparse_mask, scores.device))
+        kmin, kmax = self._pools(layer_id)
+        dev = kmin.device
+        # fused score + chunk shortlists, then the merge, when a small batch splits the
+        # select; else the score kernel and topk_select (same ids either way)
+        return quest_retrieve(queries.to(dev), kmin, kmax, req_pool_indices.to(dev), seq_lens.to(dev), self.head_reduce,
+                              self.page_size, top_k, cs, ce, as_row_mask(sparse_mask, dev))
 
     def on_request_end(self, req_pool_index: int) -> None:
         """Nothing to clear: a page's bounds are reset when its first token is written."""

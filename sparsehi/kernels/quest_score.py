@@ -91,20 +91,74 @@ def quest_score_reference(
 
 
 @triton.jit
+def _pair_sum(x, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr):
+    """Row sums of ``x [BLOCK_P, BLOCK_D]`` (``BLOCK_D = 2**LOG_D``) as one fixed pairwise
+    tree: level ``i`` adds neighbours ``(2j, 2j+1)``. Each addition has two operands, and
+    IEEE addition is commutative, so the float result does not depend on how the compiler
+    spreads a row over registers, lanes and warps (a plain ``tl.sum`` folds in an order set
+    by the layout, which follows the tile shape and warp count). Every kernel that scores
+    pages with this gets the same bits per page, whatever its tiling."""
+    for i in tl.static_range(LOG_D):
+        x = tl.sum(tl.reshape(x, [BLOCK_P, BLOCK_D >> (i + 1), 2]), axis=2)
+    return tl.sum(x, axis=1)  # [BLOCK_P, 1]: one term per row, exact
+
+
+@triton.jit
 def _group_score(acc, q_row, kmin_ptr, kmax_ptr, base, tile_mask, offs_d, d_mask, g, stride_qh,
-                 GROUP: tl.constexpr, SUM_HEADS: tl.constexpr):
+                 GROUP: tl.constexpr, SUM_HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                 LOG_D: tl.constexpr):
     """Fold one KV group's query heads into ``acc`` (heads in order: the reference's sum)."""
     mn = tl.load(kmin_ptr + base, mask=tile_mask, other=0.0).to(tl.float32)
     mx = tl.load(kmax_ptr + base, mask=tile_mask, other=0.0).to(tl.float32)
     for r in tl.static_range(GROUP):
         h = g * GROUP + r
         qv = tl.load(q_row + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        s = tl.sum(tl.maximum(qv[None, :] * mn, qv[None, :] * mx), axis=1)
+        s = _pair_sum(tl.maximum(qv[None, :] * mn, qv[None, :] * mx), BLOCK_P, BLOCK_D, LOG_D)
         if SUM_HEADS:
             acc = acc + s
         else:
             acc = tl.maximum(acc, s)
     return acc
+
+
+@triton.jit
+def _score_pages(q_row, kmin_ptr, kmax_ptr, req, offs_p, n, D, stride_qh, stride_kr, stride_kp, stride_kg,
+                 HKV: tl.constexpr, GROUP: tl.constexpr, SUM_HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
+                 BLOCK_D: tl.constexpr, LOG_D: tl.constexpr, UNROLL: tl.constexpr):
+    """Quest bound ``[BLOCK_P] float32`` of pages ``offs_p`` of request slot ``req`` (already
+    clamped to a real slot), ``-inf`` for pages ``>= n`` (the row's live pages; 0 for a
+    padding row). Shared by every kernel that scores pages: a page's value is the same bits
+    wherever it is computed (heads in order, ``_pair_sum`` over D)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    live_p = offs_p < n
+    # Pages past the row's last one are masked out of every load, so a fixed grid
+    # (CUDA-graph friendly) moves only the live pages' representation bytes.
+    d_mask = offs_d < D
+    tile_mask = live_p[:, None] & d_mask[None, :]
+    if SUM_HEADS:
+        acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    else:
+        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    k_off = req * stride_kr + offs_p[:, None].to(tl.int64) * stride_kp + offs_d[None, :]
+    if UNROLL:  # every group's loads issued up front: one memory latency per tile
+        for g in tl.static_range(HKV):
+            acc = _group_score(acc, q_row, kmin_ptr, kmax_ptr, k_off + g * stride_kg, tile_mask, offs_d, d_mask,
+                               g, stride_qh, GROUP, SUM_HEADS, BLOCK_P, BLOCK_D, LOG_D)
+    else:
+        for g in range(HKV):
+            acc = _group_score(acc, q_row, kmin_ptr, kmax_ptr, k_off + g * stride_kg, tile_mask, offs_d, d_mask,
+                               g, stride_qh, GROUP, SUM_HEADS, BLOCK_P, BLOCK_D, LOG_D)
+    return tl.where(live_p, acc, float("-inf"))
+
+
+@triton.jit
+def _row_pages(req_ptr, len_ptr, b, R, PAGE_SIZE):
+    """``(slot, live pages)`` of batch row ``b``: the slot clamped to a real one, 0 pages for
+    a padding (negative) or out-of-range slot."""
+    req = tl.load(req_ptr + b).to(tl.int64)
+    n = (tl.load(len_ptr + b).to(tl.int64) + PAGE_SIZE - 1) // PAGE_SIZE
+    n = tl.where((req >= 0) & (req < R), n, 0)
+    return tl.maximum(req, 0), n
 
 
 @triton.jit
@@ -115,38 +169,15 @@ def _quest_score_kernel(
     stride_kr, stride_kp, stride_kg,
     stride_ob,
     HKV: tl.constexpr, GROUP: tl.constexpr, SUM_HEADS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr, UNROLL: tl.constexpr,
 ):
     b = tl.program_id(0)
     pblk = tl.program_id(1)
     offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_d = tl.arange(0, BLOCK_D)
-    req = tl.load(req_ptr + b).to(tl.int64)
-    n = (tl.load(len_ptr + b).to(tl.int64) + PAGE_SIZE - 1) // PAGE_SIZE
-    n = tl.where((req >= 0) & (req < R), n, 0)  # padding / out-of-range rows: nothing
-    live_p = offs_p < n
-    out_mask = offs_p < P
-    # Pages past the row's last one are masked out of every load, so a fixed [B, P] grid
-    # (CUDA-graph friendly) moves only the live pages' representation bytes.
-    req = tl.maximum(req, 0)
-    d_mask = offs_d < D
-    tile_mask = live_p[:, None] & d_mask[None, :]
-    if SUM_HEADS:
-        acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-    else:
-        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    q_row = q_ptr + b * stride_qb
-    k_off = req * stride_kr + offs_p[:, None].to(tl.int64) * stride_kp + offs_d[None, :]
-    if UNROLL:  # every group's loads issued up front: one memory latency per program
-        for g in tl.static_range(HKV):
-            acc = _group_score(acc, q_row, kmin_ptr, kmax_ptr, k_off + g * stride_kg, tile_mask, offs_d, d_mask,
-                               g, stride_qh, GROUP, SUM_HEADS)
-    else:
-        for g in range(HKV):
-            acc = _group_score(acc, q_row, kmin_ptr, kmax_ptr, k_off + g * stride_kg, tile_mask, offs_d, d_mask,
-                               g, stride_qh, GROUP, SUM_HEADS)
-    acc = tl.where(live_p, acc, float("-inf"))
-    tl.store(out_ptr + b * stride_ob + offs_p, acc, mask=out_mask)
+    req, n = _row_pages(req_ptr, len_ptr, b, R, PAGE_SIZE)
+    acc = _score_pages(q_ptr + b * stride_qb, kmin_ptr, kmax_ptr, req, offs_p, n, D, stride_qh,
+                       stride_kr, stride_kp, stride_kg, HKV, GROUP, SUM_HEADS, BLOCK_P, BLOCK_D, LOG_D, UNROLL)
+    tl.store(out_ptr + b * stride_ob + offs_p, acc, mask=offs_p < P)
 
 
 def quest_score_triton(
@@ -188,6 +219,7 @@ def quest_score_triton(
     if b == 0 or p == 0:
         return out
     grid = (b, triton.cdiv(p, block_p))
+    block_d = triton.next_power_of_2(d)
     _quest_score_kernel[grid](
         q, kmin, kmax, req, lens, out,
         r, p, d, page_size,
@@ -195,7 +227,7 @@ def quest_score_triton(
         kmin.stride(0), kmin.stride(1), kmin.stride(2),
         out.stride(0),
         HKV=hkv, GROUP=hq // hkv, SUM_HEADS=(head_reduce == "sum"),
-        BLOCK_P=block_p, BLOCK_D=triton.next_power_of_2(d), UNROLL=bool(unroll), num_warps=num_warps,
+        BLOCK_P=block_p, BLOCK_D=block_d, LOG_D=block_d.bit_length() - 1, UNROLL=bool(unroll), num_warps=num_warps,
     )
     return out
 

@@ -3,7 +3,8 @@
 Scores become ``uint32`` keys whose unsigned order is the float order (0: not selectable);
 the threshold key of rank ``need`` is found digit by digit (8-bit histograms below the bits
 every candidate shares), and ``_emit`` writes the ids above it plus the first ``need`` ties
-in their given order (so, fed in id order, lower ids win ties).
+in their given order (so, fed in id order, lower ids win ties). ``_select_threshold`` is
+the variant for a selection alone: it stops once the boundary digit is wholly taken.
 """
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def _high_bits(n):
 
 
 @triton.jit
+def _extend(prefix, known_lo, need, digit, above_digit):
+    """``_refine``'s result once the digit (and the keys above it) are known."""
+    lo = tl.maximum(known_lo - 8, 0)
+    # a window that overlaps known bits (lo + 8 > known_lo) only finds digits agreeing with them
+    extended = (prefix & _high_bits(lo + 8)) | (digit.to(tl.uint32) << lo.to(tl.uint32))
+    active = known_lo > 0
+    return (tl.where(active, extended, prefix), tl.where(active, lo, known_lo),
+            tl.where(active, need - above_digit, need))
+
+
+@triton.jit
 def _refine(hist, prefix, known_lo, need):
     """One radix digit of the threshold key.
 
@@ -43,15 +55,21 @@ def _refine(hist, prefix, known_lo, need):
     the threshold is the ``need``-th largest of those keys. Returns the prefix extended to
     bits ``[lo, 32)``, ``lo``, and the rank left inside the chosen digit. A no-op once
     every bit is known (``known_lo == 0``)."""
-    lo = tl.maximum(known_lo - 8, 0)
     above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher digits
     digit = tl.sum((above >= need).to(tl.int32), 0)
     above_digit = tl.sum(tl.where(tl.arange(0, 256) == digit, above, 0), 0)
-    # a window that overlaps known bits (lo + 8 > known_lo) only finds digits agreeing with them
-    extended = (prefix & _high_bits(lo + 8)) | (digit.to(tl.uint32) << lo.to(tl.uint32))
-    active = known_lo > 0
-    return (tl.where(active, extended, prefix), tl.where(active, lo, known_lo),
-            tl.where(active, need - above_digit, need))
+    return _extend(prefix, known_lo, need, digit, above_digit)
+
+
+@triton.jit
+def _refine_counted(hist, prefix, known_lo, need):
+    """``_refine`` plus the number of keys in the chosen digit, for blocks of fewer than
+    2**15 keys (both counts of the digit come out of one packed reduction)."""
+    above = tl.sum(hist, 0) - tl.cumsum(hist, 0)
+    digit = tl.sum((above >= need).to(tl.int32), 0)
+    packed = tl.sum(tl.where(tl.arange(0, 256) == digit, above * 65536 + hist, 0), 0)
+    prefix, known_lo, need = _extend(prefix, known_lo, need, digit, packed >> 16)
+    return prefix, known_lo, need, packed & 65535
 
 
 @triton.jit
@@ -85,6 +103,39 @@ def _threshold_in_registers(keys, need):
             match = ok & ((keys & hb) == (prefix & hb))
             hist = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
             prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+    return prefix, need
+
+
+@triton.jit
+def _select_threshold(keys, need, count):
+    """``(thr, ties)`` for ``_emit`` to write the ``need`` largest of ``keys`` (a block in
+    registers of fewer than 2**15 keys, 0 = not selectable, ``count`` of them selectable;
+    ``need <= count``), in fewer radix passes than
+    ``_threshold_in_registers``: it stops as soon as every key sharing the bits found so far
+    is needed, answering a threshold just below them and no ties (``_emit`` writes the same
+    ids; ``thr`` need not be a key, so it is no rank statistic). Every selectable key
+    needed stops before the first pass. Once two 8-bit digits are known the boundary digit
+    of a few hundred keys mostly holds one key, so a select of 32 unknown bits often takes
+    2 or 3 histogram passes, not 4."""
+    ok = keys != 0
+    prefix, known_lo = _shared_bits(tl.min(tl.where(ok, keys, 0xFFFFFFFF), 0), tl.max(keys, 0))
+    take_all = need >= count  # every selectable key: above 0
+    prefix = tl.where(take_all, 0, prefix)
+    known_lo = tl.where((need > 0) & ~take_all, known_lo, 0)
+    need = tl.where(take_all, 0, need)
+    for _ in tl.static_range(4):
+        if known_lo > 0:
+            hb = _high_bits(known_lo)
+            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+            match = ok & ((keys & hb) == (prefix & hb))
+            hist = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
+            prefix, known_lo, need, in_digit = _refine_counted(hist, prefix, known_lo, need)
+            # the whole chosen digit is needed: every key >= its lowest value (its bits
+            # below known_lo are zero in prefix), i.e. every key > prefix - 1
+            done = in_digit == need
+            prefix = tl.where(done, prefix - 1, prefix)
+            need = tl.where(done, 0, need)
+            known_lo = tl.where(done, 0, known_lo)
     return prefix, need
 
 
