@@ -94,7 +94,7 @@ def test_minus_inf_and_nan_pages_are_never_selected():
     assert not set(got[0][0].tolist()) & set(range(5, 40)) and 7 not in got[0][1].tolist()
 
 
-def test_dispatch_fuses_when_a_plan_splits_and_equals_the_unfused_path(monkeypatch):
+def test_dispatch_fuses_only_when_asked_and_equals_the_unfused_path(monkeypatch):
     monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
     q, kmin, kmax, req, lengths, cs, ce = _case(5, pages=100)
     mask = torch.tensor([True, False, True])
@@ -104,7 +104,17 @@ def test_dispatch_fuses_when_a_plan_splits_and_equals_the_unfused_path(monkeypat
     # a GPU-sized plan (as split_plan makes it on CUDA)
     monkeypatch.setattr("sparsehi.kernels.quest_select._sm_count", lambda dev: 132)
     assert quest_select_plan(3, 100, 12, 132, 2 * 2 * 16 * 4) == split_plan(3, 100, 12, 132) == (4, 32)
+    _assert_same(quest_retrieve(q, kmin, kmax, req, lengths, "max", 16, 12, cs, ce, mask, fused=True), unfused)
+    # the default scores apart (measured faster on the GPU): no fused launch
+    import triton.runtime.interpreter as interp
+
+    names = []
+    real = interp.InterpretedFunction.run
+    monkeypatch.setattr(interp.InterpretedFunction, "run",
+                        lambda self, *a, **k: names.append(self.fn.__name__) or real(self, *a, **k))
     _assert_same(quest_retrieve(q, kmin, kmax, req, lengths, "max", 16, 12, cs, ce, mask), unfused)
+    assert "_quest_chunk_topk_kernel" not in names and "_quest_score_kernel" in names, names
+    monkeypatch.setattr(interp.InterpretedFunction, "run", real)
     # the CPU reference path: the same ids
     monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "0")
     ref = quest_retrieve(q, kmin, kmax, req, lengths, "max", 16, 12, cs, ce, mask)
@@ -198,7 +208,7 @@ def test_gpu_fused_is_bit_identical_to_score_then_select(b, hq, hkv, d, pages, t
         _assert_same(ref, want)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     plan = quest_select_plan(b, pages, top_k, sms, 2 * hkv * d * 2)
-    assert (plan is not None) == (d == 32)  # tiny-gqa fuses by default, the Llama shape scores apart
+    assert (plan is not None) == (d == 32)  # the plan fuses tiny-gqa's chunks, not the Llama shape's
 
 
 @pytest.mark.gpu
@@ -216,7 +226,7 @@ def test_gpu_fused_select_replays_in_a_cuda_graph():
     mask = torch.tensor([True, True, False, True], device=dev)
 
     def run():
-        return quest_retrieve(q, kmin, kmax, req, seq, "sum", 16, 128, cs, ce, mask)
+        return quest_retrieve(q, kmin, kmax, req, seq, "sum", 16, 128, cs, ce, mask, fused=True)
 
     run()
     torch.cuda.synchronize()

@@ -148,12 +148,11 @@ def _quest_retrieve_launches(dev):
 FUSED_LAUNCHES = ["triton:_quest_chunk_topk_kernel", "triton:_merge_topk_kernel"]
 
 
-def test_quest_retrieve_is_two_launches(dev):
-    """A small batch fuses the bounds with the chunk shortlists (then the merge); a batch
-    that fills the GPU scores, then selects with one program per row: two launches either
-    way (on CUDA, the 4-row batch here splits)."""
+def test_quest_retrieve_is_at_most_three_launches(dev):
+    """The bounds, then the select: one program per row (a batch that fills the GPU), or
+    chunk shortlists and the merge (on CUDA, the 4-row batch here splits)."""
     launches = _quest_retrieve_launches(dev)
-    assert launches in (FUSED_LAUNCHES, ["triton:_quest_score_kernel", "triton:_topk_select_kernel"]), launches
+    assert launches in (["triton:_quest_score_kernel", *t] for t in TOPK_LAUNCHES), launches
 
 
 @pytest.fixture
@@ -163,16 +162,20 @@ def small_gpu(monkeypatch):
         monkeypatch.setattr(f"{mod}._sm_count", lambda device: 132)
 
 
-def test_quest_split_retrieve_is_two_launches(dev, small_gpu):
-    """The split path, pinned: the fused bounds + chunk shortlists, then the merge."""
-    assert _quest_retrieve_launches(dev) == FUSED_LAUNCHES
-
-
-def test_quest_split_retrieve_unfused_is_three_launches(dev, small_gpu, monkeypatch):
-    """What fusing saves: scored apart (chunk bounds over the byte cap), the split select
-    is the score kernel, the chunk shortlists and the merge."""
-    monkeypatch.setattr("sparsehi.kernels.quest_select.FUSED_MAX_CHUNK_BYTES", 0)
+def test_quest_split_retrieve_is_three_launches(dev, small_gpu):
+    """The split path by default: the score kernel, the chunk shortlists and the merge."""
     assert _quest_retrieve_launches(dev) == ["triton:_quest_score_kernel", *TOPK_LAUNCHES[1]]
+
+
+def test_quest_split_retrieve_fused_is_two_launches(dev, small_gpu, monkeypatch):
+    """The fused kernel when asked for: bounds + chunk shortlists, then the merge."""
+    import functools
+
+    from sparsehi.kernels import quest_select
+
+    monkeypatch.setattr("sparsehi.algorithms.quest.quest_retrieve",
+                        functools.partial(quest_select.quest_retrieve, fused=True))
+    assert _quest_retrieve_launches(dev) == FUSED_LAUNCHES
 
 
 def test_quest_update_is_one_launch(dev):

@@ -13,12 +13,12 @@ score with the same reduction (``Σ_h max_t ≥ max_t Σ_h``), which the propert
 checks. Sum is the default: at 32k context and a 2048-token budget it keeps 0.99 of the
 best top-k head-averaged attention mass vs 0.94 for max (benchmarks/results/fidelity.json).
 
-Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels
-(:func:`sparsehi.kernels.quest_select.quest_retrieve`): for a batch too small to fill the
-GPU and light bounds, the bounds of each chunk of pages with its shortlist, then the merge;
-otherwise the bound of every page (pages counted from ``seq_lens`` inside the kernel), then
-:func:`sparsehi.kernels.topk.topk_select` (itself two launches when it splits a small
-batch). ``update_representations`` is one
+Decode launches per sparse layer on CUDA: ``retrieve_topk``
+(:func:`sparsehi.kernels.quest_select.quest_retrieve`) is the bound of every page (pages
+counted from ``seq_lens`` inside the kernel), then :func:`sparsehi.kernels.topk.topk_select`
+(one launch, or two when it splits a small batch: chunk shortlists, then the merge). A
+fused kernel of the bounds and the chunk shortlists exists (``fused=True``) but measured
+slower on an H100. ``update_representations`` is one
 (:func:`sparsehi.kernels.quest_score.quest_update_bounds`).
 
 Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are

@@ -1,5 +1,6 @@
 """Quest page selection in two launches at small batch: the page bounds and the chunk
-shortlists in one kernel, then the merge.
+shortlists in one kernel, then the merge. Measured slower than scoring apart, so
+``quest_retrieve`` takes it only when asked (``fused=True``; see "When" below).
 
 Unfused, a small batch selects in three launches: ``quest_score`` writes ``[B, P]``
 scores, ``topk_split._chunk_topk_kernel`` shortlists every chunk of the row, and
@@ -14,11 +15,14 @@ or layout changes), so the fused scores are ``quest_score``'s float32 bits, and 
 shortlist and merge are the split select's: ids, valid lengths and tie-breaks (lower id)
 equal ``quest_score`` + ``topk_select``.
 
-When: the plan is ``topk_split.split_plan``'s (a batch too small to fill the GPU), and
-only while a chunk's bounds are few enough bytes for one program to read
-(``FUSED_MAX_CHUNK_BYTES``): the unfused score kernel spreads the loads over
-``B x P / 4`` programs, the fused one over ``B x P_chunks``, so a heavy representation
-(the Llama-8B shape: 8 KiB of bounds per page) is scored faster apart.
+When: only with ``quest_retrieve(fused=True)`` (tests, ``benchmarks/bench_selection.py``).
+On an H100 (2026-11-25, ``benchmarks/results/selection.json``, CUDA-graph replays) the
+fused pair took 18.5 us per call at the tiny-gqa shape (2048 pages of 2 KV heads x 32,
+B = 2, top 128) against 12.3 us for the score kernel, the chunk shortlists and the merge,
+and 193 us against 20 us at the Llama-8B shape (8 KiB of bounds per page): the score
+kernel spreads the bound loads over ``B x P / 4`` programs, the fused one over
+``B x P_chunks``, each reading its chunk's bounds tile after tile. The plan it uses is
+``topk_split.split_plan``'s, capped at ``FUSED_MAX_CHUNK_BYTES`` of bounds per program.
 
 Entry points: ``quest_retrieve`` (dispatch: fused, or score then ``topk_select``),
 ``quest_select_plan``, ``quest_select_split`` (the two launches).
@@ -166,18 +170,18 @@ def quest_retrieve(
     ``ceil(lengths / page_size)`` and padding rows are never selected).
     top_k, candidate_start, candidate_end, row_mask: as
     :func:`sparsehi.kernels.topk.topk_select` over the ``[B, P]`` page scores.
-    fused: None picks by ``quest_select_plan`` (Triton only); False always scores and
-    selects apart; True fuses with ``split_plan``'s plan, or two chunks when that has
-    none (tests, benchmarks).
+    fused: None / False score and select apart (faster on the GPU: module docstring);
+    True fuses (Triton only) with ``quest_select_plan``'s plan, else ``split_plan``'s, or
+    two chunks when that has none (tests, benchmarks).
 
     Returns ``(ids [B, top_k] int32`` ascending, ``-1`` padded, ``valid [B] int32)``, equal
     to ``topk_select(quest_score(...), ...)`` on every path.
     """
-    if use_triton(q) and fused is not False:
+    if use_triton(q) and fused:
         n, hkv, d = kmin.shape[1:]
         sms = _sm_count(q.device)
         plan = quest_select_plan(q.shape[0], n, top_k, sms, 2 * hkv * d * kmin.element_size())
-        if plan is None and fused:
+        if plan is None:
             # two chunks when there is no GPU to size a plan by
             plan = split_plan(q.shape[0], n, top_k, sms) or (2, triton.next_power_of_2(triton.cdiv(max(n, 2), 2)))
         if plan is not None:
