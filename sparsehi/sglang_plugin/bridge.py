@@ -2,11 +2,14 @@
 model runner, built when its memory pools are allocated.
 
 SGLang keeps owning its pools, allocator, radix cache and scheduling. The bridge only
-watches: an extend (prefill) forward registers every request whose prompt reaches
-``min_sparse_prompt_len`` with the coordinator (hierarchical mode: its KV is offloaded to
-a host pool and its sparse buffer set up in a region reserved after SGLang's slots,
-see :mod:`sparsehi.sglang_plugin.pool_view`); a decode forward runs the coordinator's
-step for the registered rows; SGLang freeing a ``ReqToTokenPool`` row ends the request.
+watches. Extend (prefill) forwards are SGLang's own, untouched: a prompt may come in
+several chunks (chunked prefill) or partly from the radix cache, and only its first decode
+forward tells that it is complete. There, every row whose prompt reaches
+``min_sparse_prompt_len`` is registered with the coordinator from the KV SGLang's pool
+holds (representations built, hierarchical mode: the prompt offloaded to a host pool once
+and its sparse buffer set up in a region reserved after SGLang's slots, see
+:mod:`sparsehi.sglang_plugin.pool_view`); then the step runs for the registered rows.
+SGLang freeing a ``ReqToTokenPool`` row ends the request.
 SGLang's own KV of a registered request stays where SGLang put it (its decode tokens
 are written there too), so its radix cache can still reuse and cache the request's
 prefix; a prompt shorter than ``min_sparse_prompt_len`` is never registered and takes
@@ -56,14 +59,6 @@ class DecodeState:
     batch: SparseBatch
     ours: torch.Tensor  # [B] bool, on the device
     all_ours: bool  # host fact: no row takes SGLang's dense path
-
-
-@dataclass
-class PrefillState:
-    """One extend forward: the coordinator's prefill batch of the rows it registers."""
-
-    batch: SparseBatch
-    rows: list[int]
 
 
 def _host_ints(cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
@@ -132,6 +127,10 @@ class SGLangSparseBridge:
             dense_pool_tokens=max_running_requests * (max_ctx + ps) + 2 * ps,
         )
         self.registered = np.zeros(rows, dtype=bool)
+        self.declined = np.zeros(rows, dtype=bool)
+        """Rows whose prompt was too short (``min_sparse_prompt_len``): SGLang's path until freed."""
+        self.registrations = 0
+        """Prompts registered (each offloaded once, at its first decode forward)."""
         # static per-step buffers (the layer hooks read views of them; never reallocated)
         self._rows = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         self._seq = torch.ones(rows, dtype=torch.int32, device=dev)
@@ -141,7 +140,7 @@ class SGLangSparseBridge:
                     max_running_requests * per_req, type(self.algorithm).__name__, adaptor.name)
 
     # ------------------------------------------------------------------ forwards
-    def begin_forward(self, fb: Any) -> Optional[DecodeState | PrefillState]:
+    def begin_forward(self, fb: Any) -> Optional[DecodeState]:
         """Host part before SGLang's forward; None when the forward is none of ours (every
         layer hook then calls SGLang's own attention)."""
         mode = fb.forward_mode
@@ -154,11 +153,22 @@ class SGLangSparseBridge:
                                  "--enable-mixed-chunk off")
             return None
         if mode.is_extend():
-            return self._begin_prefill(fb)
+            self._note_extend(fb)
         return None
+
+    def _note_extend(self, fb: Any) -> None:
+        """An extend forward (a prompt, one chunk of it, or a prompt after a radix hit): its
+        rows are new again; they are registered at their first decode forward."""
+        rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+        self.release_rows([int(r) for r in rows[self.registered[rows]]])
+        self.declined[rows] = False
 
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
         rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+        new = ~(self.registered[rows] | self.declined[rows])
+        if new.any():
+            seq_all = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+            self._register(rows[new], seq_all[new] - 1)  # the prompt: every token but the one decoded now
         ours = self.registered[rows]
         if not ours.any():
             return None
@@ -172,68 +182,61 @@ class SGLangSparseBridge:
         self.coord.forward_begin(batch)
         return DecodeState(batch, self._ours[:b], bool(ours.all()))
 
-    def _begin_prefill(self, fb: Any) -> Optional[PrefillState]:
-        rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
-        seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
-        prefix = np.asarray(fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None
-                            else fb.extend_prefix_lens.cpu().tolist(), dtype=np.int64)
-        # a row extended again (chunked prefill's next chunk) is registered anew with its
-        # whole sequence: the coordinator takes one prefill per request
-        self.release_rows([int(r) for r in rows[self.registered[rows]]])
-        long = seq >= max(1, self.config.min_sparse_prompt_len)
+    def _register(self, rows: np.ndarray, lens: np.ndarray) -> None:
+        """Register ``rows`` whose prompts of ``lens`` tokens sit complete in SGLang's pool
+        (their ``req_to_token`` rows): the long ones get the coordinator's prefill end
+        (representations of every layer from the pool's keys, one offload to the host pool,
+        their buffers); the short ones are declined. On error nothing is registered."""
+        long = lens >= max(1, self.config.min_sparse_prompt_len)
+        self.declined[rows[~long]] = True
         if not long.any():
-            return None
-        sel = np.flatnonzero(long)
-        r, s, p = rows[sel], seq[sel], prefix[sel]
+            return
+        r, s = rows[long], lens[long]
         dev = self.device_pool.device
         rt = torch.from_numpy(r).to(dev)
+        st = torch.from_numpy(s.astype(np.int32)).to(dev)
         slots = self.req_to_token_pool.req_to_token[rt, : int(s.max())].long()
         cols = torch.arange(slots.shape[1], device=dev)[None, :]
-        slots = torch.where(cols < torch.from_numpy(s).to(dev)[:, None], slots, -1)
-        for row in r:
-            self.coord.on_request_begin(int(row))
-        batch = SparseBatch.prefill(rt, torch.from_numpy(s.astype(np.int32)).to(dev), slots,
-                                    prefix_lens=torch.from_numpy(p.astype(np.int32)).to(dev),
-                                    seq_lens_cpu=[int(x) for x in s], prefix_lens_cpu=[int(x) for x in p])
-        return PrefillState(batch, [int(x) for x in r])
-
-    def end_forward(self, state: Optional[DecodeState | PrefillState]) -> None:
-        """After SGLang's forward: offload the new prompts (their KV is in SGLang's pool
-        now) / close the decode step."""
-        if state is None:
-            return
-        if isinstance(state, PrefillState):
+        slots = torch.where(cols < st[:, None], slots, -1)
+        begun = []
+        try:
+            for row in r:
+                self.coord.on_request_begin(int(row))
+                begun.append(int(row))
+            batch = SparseBatch.prefill(rt, st, slots, prefix_lens=torch.zeros_like(st),
+                                        seq_lens_cpu=[int(x) for x in s], prefix_lens_cpu=[0] * len(s))
+            for layer in range(self.coord.num_layers):
+                self.coord.attention_end(layer, batch)
             # SGLang's slots stay SGLang's (its radix cache holds them): nothing is freed
-            self.coord.forward_end(state.batch, free_device_kv=False)
-            self.registered[state.rows] = True
-            return
-        self.coord.forward_end(state.batch)
-
-    def abort_forward(self, state: Optional[DecodeState | PrefillState]) -> None:
-        """SGLang's forward raised: a prefill's rows are dropped (not registered; SGLang
-        retries or frees them), a decode step is closed so the next one can start."""
-        if isinstance(state, PrefillState):
-            for row in state.rows:
+            self.coord.forward_end(batch, free_device_kv=False)
+        except BaseException:
+            for row in begun:
                 self.coord.on_request_end(row)
-        elif isinstance(state, DecodeState):
+            raise
+        self.registered[r] = True
+        self.registrations += len(r)
+
+    def end_forward(self, state: Optional[DecodeState]) -> None:
+        """After SGLang's forward: close the decode step."""
+        if state is not None:
+            self.coord.forward_end(state.batch)
+
+    def abort_forward(self, state: Optional[DecodeState]) -> None:
+        """SGLang's forward raised: the decode step is closed so the next one can start
+        (the rows stay registered; SGLang retries or frees them)."""
+        if state is not None:
             self.coord.forward_end(state.batch)
 
     # ------------------------------------------------------------------ attention
-    def attention(self, state: DecodeState | PrefillState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
+    def attention(self, state: DecodeState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
                   v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor]
                   ) -> torch.Tensor:
-        """One ``RadixAttention.forward`` of a forward the bridge takes part in.
-
-        Prefill: SGLang's attention, then the layer's representations. Decode: k/v (MLA:
-        the latent row ``k``) written to SGLang's slots and to the coordinator's buffer,
-        attention over the selection; rows that are not ours keep SGLang's output. Returns SGLang's shape
-        ``[B, Hq * Dv]``.
+        """One ``RadixAttention.forward`` of a decode forward the bridge takes part in: k/v
+        (MLA: the latent row ``k``) written to SGLang's slots and to the coordinator's
+        buffer, attention over the selection; rows that are not ours keep SGLang's output.
+        Returns SGLang's shape ``[B, Hq * Dv]``.
         """
         layer_id = int(layer.layer_id)
-        if isinstance(state, PrefillState):
-            out = original()
-            self.coord.attention_end(layer_id, state.batch)
-            return out
         if k is None or (self.kv_kind == "mha" and v is None):
             raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v (MLA: the latent k)")
         b = state.batch.batch_size
@@ -281,7 +284,10 @@ class SGLangSparseBridge:
         and give their host pages back (rows that are not ours are ignored)."""
         for row in rows:
             row = int(row)
-            if not (0 <= row < len(self.registered)) or not self.registered[row]:
+            if not 0 <= row < len(self.registered):
+                continue
+            self.declined[row] = False
+            if not self.registered[row]:
                 continue
             kv = self.coord.on_request_end(row)
             self.registered[row] = False
@@ -290,3 +296,4 @@ class SGLangSparseBridge:
 
     def release_all(self) -> None:
         self.release_rows([int(r) for r in np.flatnonzero(self.registered)])
+        self.declined[:] = False

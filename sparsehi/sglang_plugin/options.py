@@ -104,13 +104,13 @@ def check_sglang_features(ns: Any) -> None:
     """SGLang settings sparsehi cannot run with, checked on the parsed namespace when
     sparsehi is on (ValueError naming the flag).
 
-    CUDA graphs: the plugin's hooks run in Python around each attention layer, which a
-    replayed graph skips (a breakable prefill graph re-enters attention below the hooked
-    ``RadixAttention.forward``), so decode and prefill run eagerly: a phase whose
-    ``--cuda-graph-backend-*`` is left unset becomes ``disabled`` (logged); any other
-    explicit choice, or a ``--cuda-graph-config`` JSON, is an error. ``--enable-mixed-chunk``
-    puts decode rows in extend batches, which the coordinator's one-prefill-per-request
-    protocol cannot follow.
+    CUDA graphs: the plugin's decode hooks run in Python around each attention layer,
+    which a replayed graph skips, so decode runs eagerly: ``--cuda-graph-backend-decode``
+    left unset becomes ``disabled`` (logged); any other explicit choice, or a
+    ``--cuda-graph-config`` JSON, is an error. Prefill graphs are SGLang's choice: extend
+    forwards are SGLang's own (a prompt is registered at its first decode forward).
+    ``--enable-mixed-chunk`` puts decode rows in extend batches, which the plugin cannot
+    follow.
     """
     import logging
 
@@ -118,11 +118,12 @@ def check_sglang_features(ns: Any) -> None:
         raise ValueError("--enable-mixed-chunk cannot be used with --sparsehi-algorithm (decode rows inside "
                          "extend batches); leave it off")
     if getattr(ns, "cuda_graph_config", None) is not None:
-        raise ValueError("--cuda-graph-config cannot be used with --sparsehi-algorithm: the plugin's hooks run "
-                         "eagerly inside SGLang (decode and prefill CUDA graphs are turned off)")
+        raise ValueError("--cuda-graph-config cannot be used with --sparsehi-algorithm: the plugin's decode hooks "
+                         "run eagerly inside SGLang (decode CUDA graphs are turned off; set "
+                         "--cuda-graph-backend-prefill for prefill)")
     if getattr(ns, "disable_cuda_graph", False):
         return
-    for phase in ("decode", "prefill"):
+    for phase in ("decode",):
         dest = f"cuda_graph_backend_{phase}"
         backend = getattr(ns, dest, None)
         if backend is None:

@@ -72,14 +72,16 @@ def test_hicache_flags_keep_their_meaning():
     assert ours.enable_hierarchical_cache and ours.hicache_ratio == 3 and ours.hicache_mem_layout == "page_first"
 
 
-def test_cuda_graphs_are_turned_off_or_refused():
+def test_decode_cuda_graphs_are_turned_off_or_refused_prefill_graphs_are_sglangs():
     sa = _parse(["--sparsehi-algorithm", "quest"])
-    assert sa.cuda_graph_backend_decode == "disabled" and sa.cuda_graph_backend_prefill == "disabled"
+    assert sa.cuda_graph_backend_decode == "disabled"
     plain = _parse([])  # untouched without sparsehi
-    assert plain.cuda_graph_backend_decode is None and plain.cuda_graph_backend_prefill is None
-    for phase in ("decode", "prefill"):
-        with pytest.raises(ValueError, match=f"--cuda-graph-backend-{phase}"):
-            _parse(["--sparsehi-algorithm", "quest", f"--cuda-graph-backend-{phase}", "breakable"])
+    assert plain.cuda_graph_backend_decode is None
+    assert sa.cuda_graph_backend_prefill == plain.cuda_graph_backend_prefill  # extend forwards are SGLang's own
+    with pytest.raises(ValueError, match="--cuda-graph-backend-decode"):
+        _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-backend-decode", "breakable"])
+    ours = _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-backend-prefill", "breakable"])
+    assert ours.cuda_graph_backend_prefill == "breakable" and ours.cuda_graph_backend_decode == "disabled"
     with pytest.raises(ValueError, match="--cuda-graph-config"):
         _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-config", '{"decode": {"backend": "full"}}'])
 

@@ -31,7 +31,7 @@ def test_hooked_decode_equals_runtime_sparse_hier():
     for row, n in lens.items():
         k_all, v_all = _prefill(world, row, n, gen)
         ref.prefill(row, k_all, v_all)
-    assert world.bridge.registered[[1, 2]].all()
+    assert not world.bridge.registered.any()  # extend forwards are SGLang's own
     rows = [1, 2]
     for _ in range(6):
         for r in rows:
@@ -43,6 +43,7 @@ def test_hooked_decode_equals_runtime_sparse_hier():
         for i in range(L):
             assert got[i].shape == (len(rows), HQ * D)
             torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.registered[[1, 2]].all() and world.bridge.registrations == 2  # at the first decode
     st = world.bridge.coord.stats()
     assert st["steps"] == 6 and st["misses"] > 0  # pages really came back from host
     # SGLang's own slots hold every decoded token (its radix cache can keep the request)
@@ -141,7 +142,6 @@ def test_short_request_takes_sglangs_path_next_to_a_sparse_one():
     for w, hooked in ((world, True), (plain, False)):
         w.run(w.extend([1], [60]), long_pre, hooked=hooked)
         w.run(w.extend([2], [20]), short_pre, hooked=hooked)
-    assert world.bridge.registered[1] and not world.bridge.registered[2]
     lens = [60, 20]
     for _ in range(3):
         lens = [n + 1 for n in lens]
@@ -150,6 +150,7 @@ def test_short_request_takes_sglangs_path_next_to_a_sparse_one():
         want = plain.run(plain.decode([1, 2], lens), layers, hooked=False)
         for i in range(L):
             torch.testing.assert_close(got[i][1], want[i][1], rtol=0, atol=0)
+    assert world.bridge.registered[1] and not world.bridge.registered[2] and world.bridge.declined[2]
     # a batch of short rows only never reaches the coordinator
     steps = world.bridge.coord.stats()["steps"]
     layers = qkv(1, gen)
@@ -165,6 +166,7 @@ def test_freeing_the_row_ends_the_request():
     gen = torch.Generator().manual_seed(4)
     free_before = world.bridge.host_pool.allocator.available_size()
     _prefill(world, 3, 48, gen)
+    world.run(world.decode([3], [49]), qkv(1, gen))  # registers (offloads) the prompt
     assert world.bridge.host_pool.allocator.available_size() < free_before
     world.req_pool.free_slots.remove(3)
     world.req_pool.free_rows([3])
@@ -199,8 +201,40 @@ def test_a_failed_prefill_registers_nothing():
     assert not world.bridge.registered[1]
     assert world.bridge.host_pool.allocator.available_size() == free_before
     _prefill(world, 1, 50, gen)  # the retry goes through
-    assert world.bridge.registered[1]
     world.run(world.decode([1], [51]), qkv(1, gen))
+    assert world.bridge.registered[1]
+
+
+def test_chunked_prefill_is_offloaded_once_at_the_first_decode():
+    """A prompt prefilled in three chunks (SGLang's chunked prefill: each chunk an extend
+    with the earlier chunks as its prefix) is registered once, at its first decode forward,
+    from the whole prompt's KV in SGLang's pool: the host pool holds one copy, and decode
+    equals the runtime's sparse-hier decode of the whole prompt."""
+    cfg = sparse_config()
+    world, ref = World(cfg), ReferenceHier(cfg)
+    gen = torch.Generator().manual_seed(12)
+    free_before = world.bridge.host_pool.allocator.available_size()
+    chunks = [qkv(24, gen), qkv(24, gen), qkv(17, gen)]
+    done = 0
+    for c in chunks:
+        n = len(c[0][1])
+        world.run(world.extend([1], [done + n], prefix=[done]), c)
+        done += n
+        assert not world.bridge.registered[1] and world.bridge.registrations == 0
+    ref.prefill(1, [torch.cat([c[i][1] for c in chunks]) for i in range(L)],
+                [torch.cat([c[i][2] for c in chunks]) for i in range(L)])
+    n = done
+    for _ in range(4):
+        n += 1
+        layers = qkv(1, gen)
+        got = world.run(world.decode([1], [n]), layers)
+        want = ref.decode([1], layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.registrations == 1
+    ps = cfg.page_size
+    pages_now = (free_before - world.bridge.host_pool.allocator.available_size()) // ps
+    assert pages_now == -(-n // ps), "one host copy of the prompt and its decoded tokens"
 
 
 def test_sglangs_own_quest_through_the_hooks_equals_the_runtime_path():
