@@ -345,3 +345,29 @@ def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels):
     with pytest.raises(CaptureUnsafe, match="retrieve_topk|lambda"):
         hooks.around_forward_raw(lambda runner, fb: model(runner, fb, layers), world.runner,
                                  world.decode([1, 2], [lens[1], lens[2]]))
+
+
+def test_a_failed_registration_leaves_the_row_unregistered():
+    """The offload at a row's first decode fails (here: the coordinator's prefill end
+    raises once): the forward raises, the row is not registered and the coordinator holds
+    no request for it; the next decode forward registers it."""
+    world = World(sparse_config())
+    gen = torch.Generator().manual_seed(13)
+    _prefill(world, 1, 50, gen)
+    coord = world.bridge.coord
+    real = coord.forward_end
+    calls = []
+
+    def failing(batch, *a, **kw):
+        if batch.mode == "prefill" and not calls:
+            calls.append(1)
+            raise RuntimeError("host pool out of space")
+        return real(batch, *a, **kw)
+
+    coord.forward_end = failing
+    with pytest.raises(RuntimeError, match="host pool out of space"):
+        world.run(world.decode([1], [51]), qkv(1, gen))
+    assert not world.bridge.registered[1] and world.bridge.registrations == 0
+    assert 1 not in coord.manager.table.live_rows()
+    world.run(world.decode([1], [51]), qkv(1, gen))  # SGLang retries the step
+    assert world.bridge.registered[1] and world.bridge.registrations == 1
