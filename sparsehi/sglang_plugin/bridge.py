@@ -229,12 +229,14 @@ class SGLangSparseBridge:
 
     # ------------------------------------------------------------------ attention
     def attention(self, state: DecodeState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
-                  v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor]
-                  ) -> torch.Tensor:
+                  v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor],
+                  q_rope: Optional[torch.Tensor] = None, k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One ``RadixAttention.forward`` of a decode forward the bridge takes part in: k/v
         (MLA: the latent row ``k``) written to SGLang's slots and to the coordinator's
         buffer, attention over the selection; rows that are not ours keep SGLang's output.
-        Returns SGLang's shape ``[B, Hq * Dv]``.
+        MLA's split form (``q_rope`` / ``k_rope``: the rope parts of q and k, which then
+        hold the latent parts only) is the same row, joined. Returns SGLang's shape
+        ``[B, Hq * Dv]``.
         """
         layer_id = int(layer.layer_id)
         if k is None or (self.kv_kind == "mha" and v is None):
@@ -242,6 +244,14 @@ class SGLangSparseBridge:
         b = state.batch.batch_size
         hq, dv = int(layer.tp_q_head_num), int(layer.v_head_dim)
         d = int(layer.qk_head_dim)
+        if q_rope is not None:
+            if self.kv_kind != "mla":
+                raise ValueError(f"layer {layer_id}: q_rope / k_rope are MLA's split form; this cache is MHA")
+            q = torch.cat([q.reshape(b, hq, -1), q_rope.reshape(b, hq, -1)], dim=-1)
+            k = torch.cat([k.reshape(b, -1), k_rope.reshape(b, -1)], dim=-1)
+            if q.shape[-1] != d:
+                raise ValueError(f"layer {layer_id}: q + q_rope give {q.shape[-1]} dims per head, the layer's "
+                                 f"qk_head_dim is {d}")
         q3 = q.reshape(b, hq, d)
         if self.kv_kind == "mla":  # k is the whole latent + rope row; v (its latent part) is not stored
             k3, v3 = k.reshape(b, 1, d), None

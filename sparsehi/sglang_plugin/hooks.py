@@ -18,6 +18,10 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 RADIX_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention"
 REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 
+ROPE_PARTS = ("q_rope", "k_rope")
+"""MLA's split form of ``RadixAttention.forward`` (SGLang's DeepSeek attention with the rope
+part apart): the latent ``q`` / ``k`` with their rope parts as keywords."""
+
 BRIDGE_ATTR = "sparsehi_bridge"
 """Attribute of SGLang's ``ModelRunner`` holding its ``SGLangSparseBridge`` (absent: sparsehi off)."""
 
@@ -104,14 +108,14 @@ def around_radix_attention(original: Callable[..., Any], layer: Any, q: Any, k: 
     if not _ACTIVE or _ACTIVE[-1][0] is not forward_batch:
         return call()
     _, bridge, state = _ACTIVE[-1]
-    if args or kwargs:
-        from sparsehi.sglang_plugin.bridge import DecodeState
-
-        if isinstance(state, DecodeState):
-            raise NotImplementedError(f"sparsehi decode does not take RadixAttention's extra arguments "
-                                      f"{sorted(kwargs)} (layer {layer.layer_id}); MHA models calling "
-                                      f"attn(q, k, v, forward_batch) are covered")
-    return bridge.attention(state, layer, q, k, v, forward_batch, save_kv_cache, call)
+    rope = {name: kwargs[name] for name in ROPE_PARTS if kwargs.get(name) is not None}
+    other = sorted(name for name in kwargs if name not in ROPE_PARTS)
+    if args or other or (rope and len(rope) != len(ROPE_PARTS)):
+        raise NotImplementedError(f"sparsehi decode does not take RadixAttention's extra arguments "
+                                  f"{other or sorted(kwargs)} (layer {layer.layer_id}); covered: attn(q, k, v, "
+                                  f"forward_batch) and MLA's attn(q_nope, k_nope, k_nope, forward_batch, "
+                                  f"q_rope=, k_rope=)")
+    return bridge.attention(state, layer, q, k, v, forward_batch, save_kv_cache, call, **rope)
 
 
 def before_free_rows(pool: Any, indices: Any, *args: Any, **kwargs: Any) -> None:

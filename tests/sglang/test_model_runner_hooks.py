@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 
 from sparsehi.sglang_plugin import hooks  # noqa: E402
-from sgl_kit import HKV, HQ, LORA, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
+from sgl_kit import HKV, HQ, LORA, ROPE, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
 
 
 def _prefill(world: World, row: int, n: int, gen: torch.Generator):
@@ -371,3 +371,41 @@ def test_a_failed_registration_leaves_the_row_unregistered():
     assert 1 not in coord.manager.table.live_rows()
     world.run(world.decode([1], [51]), qkv(1, gen))  # SGLang retries the step
     assert world.bridge.registered[1] and world.bridge.registrations == 1
+
+
+def test_mla_split_rope_form_equals_the_joined_row():
+    """SGLang's DeepSeek attention hands MLA layers the latent q / k with their rope parts
+    apart (``attn_mqa(q_nope, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe)``): the hooked
+    decode joins them and equals the runtime's sparse-hier decode of the joined rows; other
+    extra arguments (e.g. an attention sink) are refused by name."""
+    cfg = sparse_config(backend="dsa")
+    world, ref = World(cfg, mla=True), ReferenceHier(cfg, mla=True)
+    gen = torch.Generator().manual_seed(14)
+    k_all, v_all = _prefill(world, 1, 66, gen)
+    ref.prefill(1, k_all, v_all)
+
+    def split_model(layers, extra=None):
+        def forward_raw(runner, fb):
+            with forward_context(ForwardContext(attn_backend=world.backend)):
+                world.backend.init_forward_metadata(fb)
+                out = []
+                for i, (q, k, _) in enumerate(layers):
+                    q3 = q.view(q.shape[0], HQ, LORA + ROPE)
+                    kw = dict(q_rope=q3[..., LORA:].reshape(q.shape[0], -1), k_rope=k[:, LORA:], **(extra or {}))
+                    out.append(world.layers[i].forward(q3[..., :LORA].reshape(q.shape[0], -1), k[:, :LORA],
+                                                       k[:, :LORA], fb, **kw))
+                return out
+        return forward_raw
+
+    n = 66
+    for _ in range(4):
+        n += 1
+        layers = qkv(1, gen, mla=True)
+        got = hooks.around_forward_raw(split_model(layers), world.runner, world.decode([1], [n]))
+        want = ref.decode([1], layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.coord.stats()["misses"] > 0
+    with pytest.raises(NotImplementedError, match="attn_sink"):
+        hooks.around_forward_raw(split_model(qkv(1, gen, mla=True), {"attn_sink": torch.zeros(HQ)}), world.runner,
+                                 world.decode([1], [n + 1]))
