@@ -191,27 +191,24 @@ class ModelRunner:
         waited for. ``force_tokens[r][t]``: the token request ``r`` consumes at step ``t``
         (teacher forcing). ``on_step(t, step)`` runs once step ``t``'s tokens are recorded
         (``step.host_ms``: its host time, ``step.split`` by part)."""
+        def close(step: PendingStep, t: int) -> None:
+            if not step.finished:  # launch_decode finishes its ``after`` itself when it must
+                self.finish_decode(step)
+            if on_step:
+                on_step(t, step)
+
         pending: Optional[PendingStep] = None
-        done = 0
         for t in range(steps):
             feed = None if force_tokens is None else [f[t] for f in force_tokens]
-            if self.rt.overlap_schedule:
-                step = self.launch_decode(reqs, feed, after=pending)
-            else:
-                step = self.launch_decode(reqs, feed)
-                self.finish_decode(step)
+            step = self.launch_decode(reqs, feed, after=pending)
             if pending is not None:
-                if not pending.finished:
-                    self.finish_decode(pending)
-                if on_step:
-                    on_step(done, pending)
-                done += 1
+                close(pending, t - 1)
             pending = step
+            if not self.rt.overlap_schedule:
+                close(pending, t)
+                pending = None
         if pending is not None:
-            if not pending.finished:
-                self.finish_decode(pending)
-            if on_step:
-                on_step(done, pending)
+            close(pending, steps - 1)
 
     def finish_decode(self, pending: PendingStep) -> list[int]:
         """Wait for a launched step's tokens and record them (``Request.output``; the
