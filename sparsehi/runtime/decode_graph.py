@@ -224,14 +224,6 @@ class DecodeGraphRunner:
         self._marks.clear()
         return gaps
 
-    def device_step_ms(self) -> list[float]:
-        """Milliseconds from each recorded step's input copy to the end of its replay (no
-        reset; ``device_gaps_ms`` clears them)."""
-        if not self._marks:
-            return []
-        self._marks[-1][1].synchronize()
-        return [a.elapsed_time(b) for a, b in self._marks]
-
     def warm(self, batch: int, variant: Hashable = None) -> None:
         """Capture the graph ``run`` will replay for a batch of ``batch`` rows and this
         variant now (as SGLang captures at start-up): capture is seconds of work that must
