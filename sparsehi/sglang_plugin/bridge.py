@@ -165,14 +165,13 @@ class SGLangSparseBridge:
 
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
         rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+        seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
         new = ~(self.registered[rows] | self.declined[rows])
         if new.any():
-            seq_all = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
-            self._register(rows[new], seq_all[new] - 1)  # the prompt: every token but the one decoded now
+            self._register(rows[new], seq[new] - 1)  # the prompt: every token but the one decoded now
         ours = self.registered[rows]
         if not ours.any():
             return None
-        seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
         has_dense = self.coord.prepare_decode(rows[ours], seq[ours])
         b = len(rows)
         self._rows[:b].copy_(torch.from_numpy(np.where(ours, rows, -1)), non_blocking=True)
