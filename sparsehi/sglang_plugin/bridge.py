@@ -22,8 +22,15 @@ Batches mixing short and registered rows run SGLang's dense attention as well, f
 the short rows only: the coordinator sees the short rows as padding rows (-1).
 
 Per step, the host part (which rows are ours, their lengths, ``prepare_decode``) runs in
-the model runner's forward hook; the layer hooks do device work only, over static
-row/length buffers allocated here (no host sync, no allocation of Python data).
+the model runner's forward hook and writes the static row / length buffers allocated here;
+the layer hooks do device work only over views of them (no host sync, no allocation of
+Python data). So the layer path is what SGLang's decode CUDA graphs record: the model
+runner's capture head / tail hooks (``ModelRunner.capture_head_hooks`` /
+``capture_tail_hooks``) hand the bridge each captured forward, whose rows are all padding
+while it records; at replay the host part of the forward hook has filled the buffers the
+graph reads. A recorded forward cannot know which rows will be ours, so it always runs
+SGLang's attention too and keeps its output for the rows that are not; for ours, SGLang's
+attention sees a length of one token (``sglang_lengths``), so it reads next to nothing.
 """
 from __future__ import annotations
 
@@ -53,12 +60,16 @@ def _round_up(x: int, m: int) -> int:
 
 @dataclass
 class DecodeState:
-    """One decode forward: the coordinator's batch over all B rows (rows that are not
-    ours are padding rows, -1) and which rows are ours."""
+    """One decode forward over B rows, eager or recorded into a CUDA graph: static views
+    of the bridge's row buffers (rows that are not ours are padding rows, -1) and, from its
+    first layer on, the coordinator's step over them."""
 
-    batch: SparseBatch
-    ours: torch.Tensor  # [B] bool, on the device
-    all_ours: bool  # host fact: no row takes SGLang's dense path
+    rows: torch.Tensor  # [B] int64: request rows, -1 where not ours
+    seq: torch.Tensor  # [B] int32: lengths with the new token (1 where not ours)
+    ours: torch.Tensor  # [B] bool
+    all_ours: bool  # host fact of an eager forward: no row takes SGLang's dense path
+    recorded: bool = False  # a CUDA-graph capture's forward: no host fact holds at replay
+    batch: Optional[SparseBatch] = None  # the coordinator's step, begun at the first layer
 
 
 def _host_ints(cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
@@ -131,10 +142,19 @@ class SGLangSparseBridge:
         """Rows whose prompt was too short (``min_sparse_prompt_len``): SGLang's path until freed."""
         self.registrations = 0
         """Prompts registered (each offloaded once, at its first decode forward)."""
-        # static per-step buffers (the layer hooks read views of them; never reallocated)
-        self._rows = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        # static per-step buffers (the layer hooks and recorded graphs read views of them;
+        # never reallocated), filled from two pinned host slots used in turn: a slot is
+        # rewritten two steps later, when its copy has long run (an event makes sure)
+        self._packed = torch.empty(3, rows, dtype=torch.int64, device=dev)  # rows, lengths, ours
+        self._rows = self._packed[0]
         self._seq = torch.ones(rows, dtype=torch.int32, device=dev)
         self._ours = torch.zeros(rows, dtype=torch.bool, device=dev)
+        pin = torch.device(dev).type == "cuda"
+        self._host_slots = [torch.empty(3, rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._turn = 0
+        self._staged = rows  # buffer rows that may hold a previous step's values
+        self._stage(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool))
         logger.info("sparsehi: coordinator over SGLang's %s pool (%d slots + %d reserved), algorithm %s, adaptor %s",
                     self.kv_kind.upper(), self.device_pool.num_slots - max_running_requests * per_req,
                     max_running_requests * per_req, type(self.algorithm).__name__, adaptor.name)
@@ -166,20 +186,79 @@ class SGLangSparseBridge:
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
         rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
         seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        b = len(rows)
+        if b > self._rows.shape[0]:
+            raise ValueError(f"decode batch of {b} rows exceeds the ReqToTokenPool's {self._rows.shape[0]} rows")
         new = ~(self.registered[rows] | self.declined[rows])
         if new.any():
             self._register(rows[new], seq[new] - 1)  # the prompt: every token but the one decoded now
         ours = self.registered[rows]
+        # A step number of its own even with none of ours: a replayed graph closes a
+        # (padding-only) step too, which must not overwrite the last real step's counters.
+        has_dense = self.coord.prepare_decode(rows[ours], seq[ours])
+        if has_dense:  # registered prompts reach min_sparse_prompt_len, so none decodes densely
+            raise RuntimeError("sparsehi: a registered row decodes densely; the plugin's decode path has no dense rows")
+        self._stage(rows, seq, ours)
         if not ours.any():
             return None
-        has_dense = self.coord.prepare_decode(rows[ours], seq[ours])
+        return DecodeState(self._rows[:b], self._seq[:b], self._ours[:b], bool(ours.all()))
+
+    def _stage(self, rows: np.ndarray, seq: np.ndarray, ours: np.ndarray) -> None:
+        """The step's rows into the static buffers: ours with their lengths, every other row
+        up to the last step's size padding (a graph of a larger batch bucket reads them).
+        One non-blocking copy from a pinned slot and two conversions, on the current stream."""
         b = len(rows)
-        self._rows[:b].copy_(torch.from_numpy(np.where(ours, rows, -1)), non_blocking=True)
-        self._seq[:b].copy_(torch.from_numpy(np.where(ours, seq, 1).astype(np.int32)), non_blocking=True)
-        self._ours[:b].copy_(torch.from_numpy(ours), non_blocking=True)
-        batch = SparseBatch.decode(self._rows[:b], self._seq[:b], prepared=True, has_dense_rows=has_dense)
-        self.coord.forward_begin(batch)
-        return DecodeState(batch, self._ours[:b], bool(ours.all()))
+        n = max(b, self._staged)
+        i, self._turn = self._turn, self._turn ^ 1
+        host, done = self._host_slots[i], self._copied[i]
+        if done is not None:
+            done.synchronize()  # the copy out of this slot two steps ago
+        h = host.numpy()
+        h[0, :n], h[1, :n], h[2, :n] = -1, 1, 0
+        h[0, :b] = np.where(ours, rows, -1)
+        h[1, :b] = np.where(ours, seq, 1)
+        h[2, :b] = ours
+        self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
+        if done is not None:
+            done.record()
+        self._seq[:n].copy_(self._packed[1, :n])
+        self._ours[:n].copy_(self._packed[2, :n])
+        self._staged = b
+
+    def sglang_lengths(self, fb: Any, state: DecodeState) -> dict[str, Any]:
+        """SGLang's decode lengths with ours cut to one token, for its attention backend
+        (``seq_lens``, ``seq_lens_cpu``, ``seq_lens_sum``: new objects, SGLang's own are
+        shared with its scheduler). Its attention output for our rows is replaced, so it
+        need not read their context; the rows that are not ours keep their lengths."""
+        out: dict[str, Any] = {"seq_lens": torch.where(state.ours, torch.ones_like(fb.seq_lens), fb.seq_lens)}
+        ours_cpu = torch.from_numpy(self.registered[_host_ints(getattr(fb, "req_pool_indices_cpu", None),
+                                                               fb.req_pool_indices)])
+        cpu = getattr(fb, "seq_lens_cpu", None)
+        if cpu is not None:
+            cpu = torch.where(ours_cpu, torch.ones_like(cpu), cpu)
+            out["seq_lens_cpu"] = cpu
+            out["seq_lens_sum"] = int(cpu.sum())
+        elif getattr(fb, "seq_lens_sum", None) is not None:
+            host = _host_ints(None, fb.seq_lens)
+            out["seq_lens_sum"] = int(np.where(ours_cpu.numpy(), 1, host).sum())
+        return out
+
+    # ------------------------------------------------------------------ CUDA-graph capture
+    def begin_capture(self, fb: Any) -> DecodeState:
+        """A decode CUDA-graph capture's forward (SGLang's capture head hook): the layer
+        path is recorded over the static buffers, whatever rows are ours at replay. A
+        warm-up run (executed, not recorded) sees padding rows only."""
+        mode = fb.forward_mode
+        if not mode.is_decode():
+            raise NotImplementedError(f"sparsehi: CUDA graphs of {mode} forwards (speculative decoding) are not "
+                                      f"supported; allowed: decode")
+        b = int(fb.batch_size)
+        if b > self._rows.shape[0]:
+            raise ValueError(f"captured batch of {b} rows exceeds the ReqToTokenPool's {self._rows.shape[0]} rows")
+        if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+            empty = np.zeros(0, dtype=np.int64)
+            self._stage(empty, empty, np.zeros(0, dtype=bool))
+        return DecodeState(self._rows[:b], self._seq[:b], self._ours[:b], all_ours=False, recorded=True)
 
     def _register(self, rows: np.ndarray, lens: np.ndarray) -> None:
         """Register ``rows`` whose prompts of ``lens`` tokens sit complete in SGLang's pool
@@ -216,15 +295,16 @@ class SGLangSparseBridge:
         self.registrations += len(r)
 
     def end_forward(self, state: Optional[DecodeState]) -> None:
-        """After SGLang's forward: close the decode step."""
-        if state is not None:
-            self.coord.forward_end(state.batch)
+        """After SGLang's forward (or a capture's tail hook): close the decode step begun by
+        the first layer. A replayed graph closed it itself: nothing began in Python."""
+        if state is not None and state.batch is not None:
+            batch, state.batch = state.batch, None
+            self.coord.forward_end(batch)
 
     def abort_forward(self, state: Optional[DecodeState]) -> None:
         """SGLang's forward raised: the decode step is closed so the next one can start
         (the rows stay registered; SGLang retries or frees them)."""
-        if state is not None:
-            self.coord.forward_end(state.batch)
+        self.end_forward(state)
 
     # ------------------------------------------------------------------ attention
     def attention(self, state: DecodeState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
@@ -240,6 +320,9 @@ class SGLangSparseBridge:
         layer_id = int(layer.layer_id)
         if k is None or (self.kv_kind == "mha" and v is None):
             raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v (MLA: the latent k)")
+        if state.batch is None:  # the first layer: the coordinator's device part of the step
+            state.batch = SparseBatch.decode(state.rows, state.seq, prepared=True, has_dense_rows=False)
+            self.coord.forward_begin(state.batch)
         b = state.batch.batch_size
         hq, dv = int(layer.tp_q_head_num), int(layer.v_head_dim)
         d = int(layer.qk_head_dim)
@@ -258,7 +341,7 @@ class SGLangSparseBridge:
             hkv = int(layer.tp_k_head_num)
             k3, v3 = k.reshape(b, hkv, d), v.reshape(b, hkv, dv)
         dense = None
-        if not state.all_ours:
+        if state.recorded or not state.all_ours:
             dense = original()  # SGLang's attention for its rows; writes every row's KV to its slots
         elif save_kv_cache:
             self._write_sglang_slot(layer, layer_id, fb.out_cache_loc, k3, v3)

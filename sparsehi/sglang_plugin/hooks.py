@@ -27,8 +27,9 @@ BRIDGE_ATTR = "sparsehi_bridge"
 
 # Bridges by the id of the ReqToTokenPool they watch (its free hook has only the pool).
 _BY_REQ_POOL: dict[int, Any] = {}
-# The forward in flight: (SGLang's ForwardBatch, bridge, state). The layer hook acts only
-# on that very batch object, so attention outside a hooked forward is SGLang's own.
+# The forwards in flight: (SGLang's ForwardBatch, bridge, state), eager or being recorded
+# into a CUDA graph. The layer hook acts only on those very batch objects, so attention
+# outside a hooked forward is SGLang's own.
 _ACTIVE: list[tuple[Any, Any, Any]] = []
 
 
@@ -47,7 +48,7 @@ def around_from_cli_args(original: Callable[..., Any], cls: type, ns: argparse.N
     """
     cfg = options.config_from_namespace(ns, sglang_page_size=getattr(ns, "page_size", None))
     if cfg is not None:
-        options.check_sglang_features(ns)
+        options.check_sglang_features(ns, cfg)
     server_args = original(cls, ns, *args, **kwargs)
     setattr(server_args, options.ATTR, cfg)
     if cfg is not None:
@@ -57,7 +58,9 @@ def around_from_cli_args(original: Callable[..., Any], cls: type, ns: argparse.N
 
 def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``ModelRunner.alloc_memory_pool``: with sparsehi on, build the coordinator over
-    the runner's ``req_to_token_pool`` and ``token_to_kv_pool`` (see ``bridge``)."""
+    the runner's ``req_to_token_pool`` and ``token_to_kv_pool`` (see ``bridge``) and add its
+    decode CUDA-graph capture hooks to the runner's ``capture_head_hooks`` /
+    ``capture_tail_hooks``."""
     cfg = getattr(getattr(runner, "server_args", None), options.ATTR, None)
     if cfg is None:
         return None
@@ -71,30 +74,65 @@ def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any)
                                 max_running_requests=max_running)
     setattr(runner, BRIDGE_ATTR, bridge)
     _BY_REQ_POOL[id(runner.req_to_token_pool)] = bridge
+    for name, hook in (("capture_head_hooks", capture_head), ("capture_tail_hooks", capture_tail)):
+        hooks = getattr(runner, name, None)
+        if hooks is not None and hook not in hooks:
+            hooks.append(hook)
     return None
 
 
 def around_forward_raw(original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
                        **kwargs: Any) -> Any:
-    """AROUND ``ModelRunner._forward_raw``: the coordinator's host part and
-    ``forward_begin`` before the model, ``forward_end`` after it (decode); the prefill's
-    registration and offload (extend). Without a bridge: SGLang's forward, untouched."""
+    """AROUND ``ModelRunner._forward_raw``: the coordinator's host part before the model
+    (it also fills what a replayed decode graph reads), the step's end after it (decode);
+    an extend forward's rows noted. While a decode forward with rows of ours runs, SGLang's
+    attention backend sees their lengths as one token (``SGLangSparseBridge.sglang_lengths``).
+    Without a bridge: SGLang's forward, untouched."""
     bridge = getattr(runner, BRIDGE_ATTR, None)
     if bridge is None:
         return original(runner, forward_batch, *args, **kwargs)
     state = bridge.begin_forward(forward_batch)
     if state is None:
         return original(runner, forward_batch, *args, **kwargs)
-    _ACTIVE.append((forward_batch, bridge, state))
+    lengths = bridge.sglang_lengths(forward_batch, state)
+    saved = {name: getattr(forward_batch, name) for name in lengths}
+    for name, value in lengths.items():
+        setattr(forward_batch, name, value)
+    entry = (forward_batch, bridge, state)
+    _ACTIVE.append(entry)
     try:
         out = original(runner, forward_batch, *args, **kwargs)
     except BaseException:
         bridge.abort_forward(state)
         raise
     finally:
-        _ACTIVE.pop()
+        _ACTIVE[:] = [e for e in _ACTIVE if e is not entry]
+        for name, value in saved.items():
+            setattr(forward_batch, name, value)
     bridge.end_forward(state)
     return out
+
+
+def capture_head(graph_runner: Any, forward_batch: Any) -> None:
+    """SGLang's capture head hook (``ModelRunner.capture_head_hooks``), first in every run of
+    a decode CUDA-graph capture: the layer hooks take part in this forward, recording the
+    bridge's layer path over its static buffers."""
+    bridge = getattr(getattr(graph_runner, "model_runner", None), BRIDGE_ATTR, None)
+    if bridge is None:
+        return
+    _ACTIVE[:] = [entry for entry in _ACTIVE if not entry[2].recorded]  # a capture that raised half-way
+    _ACTIVE.append((forward_batch, bridge, bridge.begin_capture(forward_batch)))
+
+
+def capture_tail(graph_runner: Any, out: Any, forward_batch: Any, *args: Any) -> None:
+    """SGLang's capture tail hook, last in every run of a decode CUDA-graph capture: the
+    step's end is recorded too."""
+    for i in range(len(_ACTIVE) - 1, -1, -1):
+        fb, bridge, state = _ACTIVE[i]
+        if fb is forward_batch and state.recorded:
+            del _ACTIVE[i]
+            bridge.end_forward(state)
+            return
 
 
 def around_radix_attention(original: Callable[..., Any], layer: Any, q: Any, k: Any, v: Any, forward_batch: Any,
@@ -105,9 +143,10 @@ def around_radix_attention(original: Callable[..., Any], layer: Any, q: Any, k: 
     def call() -> Any:
         return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
 
-    if not _ACTIVE or _ACTIVE[-1][0] is not forward_batch:
+    entry = next((e for e in reversed(_ACTIVE) if e[0] is forward_batch), None)
+    if entry is None:
         return call()
-    _, bridge, state = _ACTIVE[-1]
+    _, bridge, state = entry
     rope = {name: kwargs[name] for name in ROPE_PARTS if kwargs.get(name) is not None}
     other = sorted(name for name in kwargs if name not in ROPE_PARTS)
     if args or other or (rope and len(rope) != len(ROPE_PARTS)):

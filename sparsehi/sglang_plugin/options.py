@@ -100,37 +100,40 @@ def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Op
     return cfg
 
 
-def check_sglang_features(ns: Any) -> None:
+def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     """SGLang settings sparsehi cannot run with, checked on the parsed namespace when
     sparsehi is on (ValueError naming the flag).
 
-    CUDA graphs: the plugin's decode hooks run in Python around each attention layer,
-    which a replayed graph skips, so decode runs eagerly: ``--cuda-graph-backend-decode``
-    left unset becomes ``disabled`` (logged); any other explicit choice, or a
-    ``--cuda-graph-config`` JSON, is an error. Prefill graphs are SGLang's choice: extend
-    forwards are SGLang's own (a prompt is registered at its first decode forward).
+    CUDA graphs: decode graphs record the plugin's layer path (its capture hooks), so they
+    stay SGLang's choice, unless the algorithm must run eagerly (an SGLang algorithm not
+    declared capture safe): then ``--cuda-graph-backend-decode`` left unset becomes
+    ``disabled`` (logged) and any other explicit choice, or a ``--cuda-graph-config`` JSON,
+    is an error. Prefill graphs are SGLang's choice either way: extend forwards are
+    SGLang's own (a prompt is registered at its first decode forward).
     ``--enable-mixed-chunk`` puts decode rows in extend batches, which the plugin cannot
-    follow.
+    follow; speculative decoding verifies drafts in batches the plugin cannot follow either.
     """
     import logging
+
+    from sparsehi.sglang_plugin.sglang_algorithm import algorithm_requires_eager
 
     if getattr(ns, "enable_mixed_chunk", False):
         raise ValueError("--enable-mixed-chunk cannot be used with --sparsehi-algorithm (decode rows inside "
                          "extend batches); leave it off")
-    if getattr(ns, "cuda_graph_config", None) is not None:
-        raise ValueError("--cuda-graph-config cannot be used with --sparsehi-algorithm: the plugin's decode hooks "
-                         "run eagerly inside SGLang (decode CUDA graphs are turned off; set "
-                         "--cuda-graph-backend-prefill for prefill)")
-    if getattr(ns, "disable_cuda_graph", False):
+    if getattr(ns, "speculative_algorithm", None) is not None:
+        raise ValueError(f"--speculative-algorithm={ns.speculative_algorithm!r} cannot be used with "
+                         f"--sparsehi-algorithm (draft verification batches); leave it unset")
+    if not algorithm_requires_eager(cfg.algorithm) or getattr(ns, "disable_cuda_graph", False):
         return
-    for phase in ("decode",):
-        dest = f"cuda_graph_backend_{phase}"
-        backend = getattr(ns, dest, None)
-        if backend is None:
-            setattr(ns, dest, "disabled")
-            logging.getLogger(__name__).warning(
-                "sparsehi: %s CUDA graphs disabled (--cuda-graph-backend-%s disabled): the plugin's hooks run "
-                "eagerly inside SGLang", phase, phase)
-        elif backend != "disabled":
-            raise ValueError(f"--cuda-graph-backend-{phase}={backend!r} cannot be used with --sparsehi-algorithm: "
-                             f"allowed 'disabled' (the plugin's hooks run eagerly inside SGLang)")
+    why = f"--sparsehi-algorithm {cfg.algorithm} is not CUDA-graph capture safe, so decode runs eagerly"
+    if getattr(ns, "cuda_graph_config", None) is not None:
+        raise ValueError(f"--cuda-graph-config cannot be used with this algorithm: {why} (decode CUDA graphs are "
+                         f"turned off; set --cuda-graph-backend-prefill for prefill)")
+    backend = getattr(ns, "cuda_graph_backend_decode", None)
+    if backend is None:
+        ns.cuda_graph_backend_decode = "disabled"
+        logging.getLogger(__name__).warning("sparsehi: decode CUDA graphs disabled (--cuda-graph-backend-decode "
+                                            "disabled): %s", why)
+    elif backend != "disabled":
+        raise ValueError(f"--cuda-graph-backend-decode={backend!r} cannot be used with this algorithm: {why}; "
+                         f"allowed 'disabled'")

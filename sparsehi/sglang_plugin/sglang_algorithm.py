@@ -540,6 +540,18 @@ def _sglang_class(name: str) -> Optional[type]:
     return cls if is_sglang_algorithm(cls) else None
 
 
+def algorithm_requires_eager(name: str) -> bool:
+    """Whether the algorithm ``name`` (a registered name or an import path) must run its
+    decode hooks eagerly: an SGLang algorithm not declared ``sparsehi_capture_safe``, or a
+    class of ours with ``capture_safe = False``."""
+    cls = _sglang_class(name)
+    if cls is not None:
+        return not getattr(cls, "sparsehi_capture_safe", False)
+    from sparsehi.algorithms.registry import resolve_algorithm
+
+    return not getattr(resolve_algorithm(name), "capture_safe", True)
+
+
 def check_algorithm_name(name: str) -> str:
     """``'sparsehi'`` or ``'sglang'``: which API ``name`` (a registered name or an import
     path) is written for. ValueError when it is neither."""

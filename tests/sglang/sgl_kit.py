@@ -62,6 +62,8 @@ class Runner:
     token_to_kv_pool: MHATokenToKVPool
     max_running_requests: int = MAX_REQS
     device: str = "cpu"
+    capture_head_hooks: list = field(default_factory=list)
+    capture_tail_hooks: list = field(default_factory=list)
 
 
 class SlotPages:

@@ -72,18 +72,36 @@ def test_hicache_flags_keep_their_meaning():
     assert ours.enable_hierarchical_cache and ours.hicache_ratio == 3 and ours.hicache_mem_layout == "page_first"
 
 
-def test_decode_cuda_graphs_are_turned_off_or_refused_prefill_graphs_are_sglangs():
+def test_cuda_graphs_stay_sglangs_choice_with_a_capture_safe_algorithm():
+    plain = _parse([])
     sa = _parse(["--sparsehi-algorithm", "quest"])
-    assert sa.cuda_graph_backend_decode == "disabled"
-    plain = _parse([])  # untouched without sparsehi
-    assert plain.cuda_graph_backend_decode is None
+    assert sa.cuda_graph_backend_decode == plain.cuda_graph_backend_decode  # the layer path is recorded
     assert sa.cuda_graph_backend_prefill == plain.cuda_graph_backend_prefill  # extend forwards are SGLang's own
-    with pytest.raises(ValueError, match="--cuda-graph-backend-decode"):
-        _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-backend-decode", "breakable"])
-    ours = _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-backend-prefill", "breakable"])
+    ours = _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-backend-decode", "full"])
+    assert ours.cuda_graph_backend_decode == "full"
+    cfg = _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-config", '{"decode": {"backend": "full"}}'])
+    assert cfg.cuda_graph_config is not None
+
+
+SGLANG_QUEST = "sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm:QuestAlgorithm"
+
+
+def test_decode_cuda_graphs_are_turned_off_or_refused_for_an_algorithm_that_syncs():
+    sa = _parse(["--sparsehi-algorithm", SGLANG_QUEST])
+    assert sa.cuda_graph_backend_decode == "disabled"
+    plain = _parse([])
+    assert sa.cuda_graph_backend_prefill == plain.cuda_graph_backend_prefill
+    with pytest.raises(ValueError, match="--cuda-graph-backend-decode='breakable'.*not CUDA-graph capture safe"):
+        _parse(["--sparsehi-algorithm", SGLANG_QUEST, "--cuda-graph-backend-decode", "breakable"])
+    ours = _parse(["--sparsehi-algorithm", SGLANG_QUEST, "--cuda-graph-backend-prefill", "breakable"])
     assert ours.cuda_graph_backend_prefill == "breakable" and ours.cuda_graph_backend_decode == "disabled"
     with pytest.raises(ValueError, match="--cuda-graph-config"):
-        _parse(["--sparsehi-algorithm", "quest", "--cuda-graph-config", '{"decode": {"backend": "full"}}'])
+        _parse(["--sparsehi-algorithm", SGLANG_QUEST, "--cuda-graph-config", '{"decode": {"backend": "full"}}'])
+
+
+def test_speculative_decoding_is_refused():
+    with pytest.raises(ValueError, match="--speculative-algorithm"):
+        _parse(["--sparsehi-algorithm", "quest", "--speculative-algorithm", "EAGLE"])
 
 
 def test_mixed_chunk_is_refused():
