@@ -1,0 +1,148 @@
+"""The SGLang plugin's decode step: SGLang's dense attention against the plugin's
+hierarchical sparse path, eager and recorded in SGLang-style decode CUDA graphs.
+
+SGLang cannot be installed on the GPU machine, so the run uses the stand-ins of
+``benchmarks/sglang_standins.py`` (SGLang's pools, batch, layer fields, its FlashAttention
+decode contract on this package's paged kernel, and its decode graph runner's protocol)
+with the plugin's real hooks. The model is attention layers only (q / k / v given per step,
+no projections or MLP), so the step time is what the plugin changes: SGLang's KV write and
+attention, against the plugin's host part, selection, swap-in from host, sparse attention,
+backup and update (plus SGLang's attention over one token for our rows).
+
+Per batch size, three runs of the same steps: ``dense`` (sparsehi off, graphs: SGLang's
+decode), ``sparse_graph`` (sparsehi on, graphs) and ``sparse_eager`` (sparsehi on, no
+graphs). Each decodes ``--steps`` steps after one registering step (the prompts' offload),
+crossing page boundaries; queries drift slowly from step to step (``q = base + 0.3 noise``)
+so selections overlap as in a real decode. Reported per run: wall ms per step (host and
+device, synchronised only at the ends, as a serving loop runs), the hit rate, and the
+ratios measured in the same run. ``dense_roofline_ms``: the dense KV bytes of a step over
+the device-to-device copy bandwidth measured in the same run.
+
+Usage: ``PYTHONPATH=. python benchmarks/bench_sglang_plugin.py`` on a GPU (``--quick``: tiny
+shapes on CPU, to check the script). Result: ``sglang_plugin.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import device_info, hbm_copy_gbps, write_result  # noqa: E402
+from benchmarks.sglang_standins import SGLangWorld, Shape  # noqa: E402
+from sparsehi.config import SparseConfig  # noqa: E402
+
+RUNS = ("dense", "sparse_graph", "sparse_eager")
+
+
+def _config(page: int, top_k: int) -> SparseConfig:
+    return SparseConfig(algorithm="quest", backend="flashattention", top_k=top_k, device_buffer_size=2 * top_k,
+                        page_size=page, sink_tokens=page, recent_tokens=page, min_sparse_prompt_len=2 * top_k,
+                        host_to_device_ratio=2.0)
+
+
+def run_one(kind: str, shape: Shape, batch: int, context: int, steps: int, top_k: int, dev: torch.device,
+            seed: int) -> dict:
+    cfg = None if kind == "dense" else _config(shape.page_size, top_k)
+    graphs = kind != "sparse_eager" and dev.type == "cuda"
+    world = SGLangWorld(cfg, dev, graphs=graphs, shape=shape, buckets=(batch,), max_running_requests=batch)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    rows = list(range(1, batch + 1))
+    hd = shape.head_dim
+    for row in rows:
+        k = [torch.randn(context, shape.kv_heads * hd, generator=gen, device=dev, dtype=shape.dtype)
+             for _ in range(shape.layers)]
+        v = [torch.randn_like(x) for x in k]
+        world.prompt(row, k, v)
+        del k, v
+    base = [tuple(torch.randn(batch, h * hd, generator=gen, device=dev, dtype=shape.dtype)
+                  for h in (shape.q_heads, shape.kv_heads, shape.kv_heads)) for _ in range(shape.layers)]
+
+    def inputs():
+        return [tuple(x + 0.3 * torch.randn(x.shape, generator=gen, device=dev, dtype=x.dtype) for x in layer)
+                for layer in base]
+
+    per_step = [inputs() for _ in range(steps + 1)]
+    lens = {r: context for r in rows}
+
+    def step(t: int) -> None:
+        for r in rows:
+            lens[r] += 1
+        world.forward(world.batch(rows, [lens[r] for r in rows]), per_step[t])
+
+    step(0)  # registers the prompts (offload to host) at their first decode
+    if world.bridge is not None:
+        world.bridge.coord.reset_stats()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for t in range(1, steps + 1):
+        step(t)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    ms = (time.perf_counter() - t0) * 1000.0 / steps
+    out = {"run": kind, "batch": batch, "graphs": graphs, "ms_per_step": round(ms, 4)}
+    if world.bridge is not None:
+        st = world.bridge.coord.stats()
+        out["hit_rate"] = round(st["hit_rate"], 4)
+        out["bytes_loaded_per_step"] = st["bytes_loaded"] // max(1, st["steps"])
+    del world, per_step, base
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: checks the script")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap.add_argument("--context", type=int, default=32768, help="prompt tokens per request")
+    ap.add_argument("--batches", default="1,4", help="comma list of batch sizes")
+    ap.add_argument("--layers", type=int, default=8, help="attention layers")
+    ap.add_argument("--steps", type=int, default=96, help="timed decode steps (after the registering one)")
+    ap.add_argument("--top-k", type=int, default=2048, help="tokens selected per step and layer")
+    args = ap.parse_args(argv)
+    if args.quick:
+        dev = torch.device("cpu")
+        shape_kw = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
+        args.context, args.steps, args.top_k, batches = 64, 6, 8, [1, 2]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a GPU (or --quick)")
+        dev = torch.device("cuda")
+        shape_kw = dict(layers=args.layers, q_heads=32, kv_heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16)
+        batches = [int(x) for x in args.batches.split(",")]
+    results = []
+    for b in batches:
+        ps = shape_kw["page_size"]
+        ctx = -(-(args.context + args.steps + 2) // ps) * ps
+        shape = Shape(context=ctx, rows=b + 1, pool_tokens=b * (ctx + ps), **shape_kw)
+        runs = {kind: run_one(kind, shape, b, args.context, args.steps, args.top_k, dev, seed=b) for kind in RUNS}
+        dense_bytes = 2 * shape.layers * b * (args.context + args.steps) * shape.kv_heads * shape.head_dim * \
+            torch.finfo(shape.dtype).bits // 8
+        row = {"batch": b, "runs": list(runs.values()),
+               "sparse_graph_speedup_vs_dense": round(runs["dense"]["ms_per_step"] / runs["sparse_graph"]["ms_per_step"], 3),
+               "sparse_graph_speedup_vs_eager": round(runs["sparse_eager"]["ms_per_step"] / runs["sparse_graph"]["ms_per_step"], 3),
+               "dense_kv_bytes_per_step": dense_bytes}
+        results.append(row)
+        print(row, flush=True)
+    payload = {**device_info(), "shape": {k: str(v) for k, v in shape_kw.items()}, "context": args.context,
+               "steps": args.steps, "top_k": args.top_k, "results": results}
+    if dev.type == "cuda":
+        bw = hbm_copy_gbps()
+        payload["hbm_copy_gbps"] = round(bw, 1)
+        for row in results:
+            row["dense_roofline_ms"] = round(row["dense_kv_bytes_per_step"] / (bw * 1e9) * 1e3, 4)
+    path = write_result("sglang_plugin.json", payload, args.out)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

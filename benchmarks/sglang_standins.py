@@ -1,0 +1,262 @@
+"""Stand-ins for the parts of SGLang 0.5.23 the plugin's decode path touches, with the
+plugin's real hooks around them: for GPU tests and benchmarks on a machine where SGLang
+cannot be installed (``tests/sglang`` runs the same hooks over SGLang's real classes on CPU).
+
+Each class carries only the attributes the bridge reads: ``ReqToTokenPool``
+(``req_to_token``), an MHA token-to-KV pool (``k_buffer`` / ``v_buffer``, one
+``[size + page_size, heads, dim]`` tensor per layer, ``set_kv_buffer``), ``ForwardBatch``
+(mode, rows, lengths, write slots and their CPU copies) and ``RadixAttention``'s layer
+fields. SGLang's attention is its FlashAttention decode contract: the new token to
+``out_cache_loc``, then attention over the page table ``req_to_token[row, ::page] // page``
+with ``cache_seqlens = seq_lens`` (this package's paged decode kernel; its programs past a
+row's length do nothing, as FlashAttention's).
+
+``SGLangWorld`` is a model runner of attention layers only: a forward runs the layers on
+given q / k / v through ``hooks.around_radix_attention`` inside ``hooks.around_forward_raw``,
+eagerly or, with ``graphs``, as SGLang's ``DecodeCudaGraphRunner`` does: per batch bucket a
+capture batch of padding rows, the model runner's capture head hooks, the model and its
+tail hooks recorded once (after warm-up runs); at each step the forward hook's host part,
+then the step's inputs copied into the capture batch padded to the bucket (row 0, length 1,
+slot 0), then the replay. Without CUDA the "replay" runs the recorded Python path again
+under a simulated capture.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sparsehi.algorithms.graph_safety import simulated_capture, sync_debug_errors
+from sparsehi.config import SparseConfig
+from sparsehi.kernels.paged_decode import paged_decode
+from sparsehi.sglang_plugin import hooks
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Layers, heads, head dim, SGLang's page size, the longest context, request rows,
+    KV slots of SGLang's pool and the KV dtype."""
+
+    layers: int = 3
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    page_size: int = 4
+    context: int = 96
+    rows: int = 5
+    pool_tokens: int = 640
+    dtype: torch.dtype = torch.float32
+
+
+class Mode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_extend(self) -> bool:
+        return self.name == "extend"
+
+    def is_mixed(self) -> bool:
+        return False
+
+
+@dataclass
+class Batch:
+    """``ForwardBatch`` fields the plugin reads in a decode forward."""
+
+    forward_mode: Mode
+    batch_size: int
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens_cpu: Optional[torch.Tensor] = None
+    req_pool_indices_cpu: Optional[torch.Tensor] = None
+    seq_lens_sum: Optional[int] = None
+
+
+class ReqToTokenPool:
+    def __init__(self, rows: int, context: int, device: torch.device) -> None:
+        self.size = rows
+        self.req_to_token = torch.zeros(rows, context, dtype=torch.int32, device=device)
+
+
+class MHAPool:
+    def __init__(self, shape: Shape, device: torch.device) -> None:
+        self.shape = shape
+        self.size, self.page_size, self.device = shape.pool_tokens, shape.page_size, device
+        self.dtype = self.store_dtype = shape.dtype
+        n = shape.pool_tokens + shape.page_size
+        self.k_buffer = [torch.zeros(n, shape.kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+                         for _ in range(shape.layers)]
+        self.v_buffer = [torch.zeros_like(self.k_buffer[0]) for _ in range(shape.layers)]
+
+    def set_kv_buffer(self, layer, loc, k, v) -> None:
+        s = self.shape
+        self.k_buffer[layer.layer_id][loc.long()] = k.view(-1, s.kv_heads, s.head_dim).to(s.dtype)
+        self.v_buffer[layer.layer_id][loc.long()] = v.view(-1, s.kv_heads, s.head_dim).to(s.dtype)
+
+
+@dataclass
+class Layer:
+    layer_id: int
+    tp_q_head_num: int
+    tp_k_head_num: int
+    qk_head_dim: int
+    v_head_dim: int
+    scaling: float
+
+
+@dataclass
+class Runner:
+    server_args: object
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHAPool
+    max_running_requests: int
+    capture_head_hooks: list
+    capture_tail_hooks: list
+
+
+class SGLangWorld:
+    """The stand-in model runner with the plugin's hooks (``cfg`` None: sparsehi off).
+    ``buckets``: the graph batch sizes (``graphs`` only)."""
+
+    def __init__(self, cfg: Optional[SparseConfig], device: torch.device, graphs: bool, shape: Shape = Shape(),
+                 buckets: tuple[int, ...] = (2, 4), max_running_requests: int = 4) -> None:
+        self.shape, self.device, self.graphs = shape, torch.device(device), graphs
+        self.req_pool = ReqToTokenPool(shape.rows, shape.context, self.device)
+        self.kv_pool = MHAPool(shape, self.device)
+        args = type("Args", (), {"sparsehi_config": cfg})()
+        self.runner = Runner(args, self.req_pool, self.kv_pool, max_running_requests, [], [])
+        hooks.after_alloc_memory_pool(None, self.runner)
+        s = shape
+        self.layers = [Layer(i, s.q_heads, s.kv_heads, s.head_dim, s.head_dim, s.head_dim ** -0.5)
+                       for i in range(s.layers)]
+        self.next_page = 1  # page 0 is SGLang's padding page
+        self.slots: dict[int, list[int]] = {}
+        self.model_runner = self.runner  # what the capture hooks read off SGLang's graph runner
+        self.buckets = tuple(sorted(buckets))
+        self.captured: dict[int, tuple] = {}
+        if graphs:
+            for bs in self.buckets:
+                self.captured[bs] = self._capture(bs)
+
+    @property
+    def bridge(self):
+        return getattr(self.runner, hooks.BRIDGE_ATTR, None)
+
+    # ------------------------------------------------------------------ SGLang's attention
+    def attend(self, layer: Layer, q, k, v, fb: Batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """SGLang's FlashAttention decode: ``[B, Hq * D]``."""
+        s = self.shape
+        if save_kv_cache:
+            self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        b = q.shape[0]
+        pages = self.req_pool.req_to_token[fb.req_pool_indices.long()][:, :: s.page_size] // s.page_size
+        o = paged_decode(q.view(b, s.q_heads, s.head_dim).to(s.dtype), self.kv_pool.k_buffer[layer.layer_id],
+                         self.kv_pool.v_buffer[layer.layer_id], pages.int(), fb.seq_lens.int(),
+                         page_size=s.page_size, sm_scale=layer.scaling)
+        return o.reshape(b, s.q_heads * s.head_dim)
+
+    # ------------------------------------------------------------------ the scheduler's side
+    def grow(self, row: int) -> int:
+        """The next slot of ``row`` (page-aligned pages, as SGLang's paged allocator)."""
+        have = self.slots.setdefault(row, [])
+        if len(have) % self.shape.page_size == 0:
+            slot = self.next_page * self.shape.page_size
+            self.next_page += 1
+        else:
+            slot = have[-1] + 1
+        have.append(slot)
+        self.req_pool.req_to_token[row, len(have) - 1] = slot
+        return slot
+
+    def prompt(self, row: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """SGLang's prefill of ``row`` (``k[layer]`` / ``v[layer]``: ``[n, Hkv * D]``): its KV
+        in SGLang's slots; the plugin registers it at its first decode forward."""
+        s = self.shape
+        locs = torch.tensor([self.grow(row) for _ in range(k[0].shape[0])], device=self.device)
+        for i in range(s.layers):
+            self.kv_pool.k_buffer[i][locs] = k[i].view(-1, s.kv_heads, s.head_dim).to(s.dtype)
+            self.kv_pool.v_buffer[i][locs] = v[i].view(-1, s.kv_heads, s.head_dim).to(s.dtype)
+
+    # ------------------------------------------------------------------ forwards
+    def _model(self, fb: Batch, qkv) -> list[torch.Tensor]:
+        return [hooks.around_radix_attention(self.attend, self.layers[i], q, k, v, fb)
+                for i, (q, k, v) in enumerate(qkv)]
+
+    def _run_once(self, fb: Batch, qkv) -> list[torch.Tensor]:
+        """One run of SGLang's capture closure: head hooks, the model, tail hooks."""
+        for hook in self.runner.capture_head_hooks:
+            hook(self, fb)
+        out = self._model(fb, qkv)
+        for hook in self.runner.capture_tail_hooks:
+            hook(self, out, fb, fb.batch_size)
+        return out
+
+    def _capture(self, bs: int):
+        dev, s = self.device, self.shape
+        zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
+        fb = Batch(Mode("decode"), bs, zeros.clone(), torch.ones(bs, dtype=torch.int64, device=dev), zeros.clone())
+        qkv = [tuple(torch.zeros(bs, h * s.head_dim, dtype=s.dtype, device=dev)
+                     for h in (s.q_heads, s.kv_heads, s.kv_heads)) for _ in range(s.layers)]
+        if dev.type != "cuda":
+            self._run_once(fb, qkv)  # the warm-up (executed)
+            return None, fb, qkv, None
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run_once(fb, qkv)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._run_once(fb, qkv)
+        return graph, fb, qkv, out
+
+    def _replay(self, fb: Batch, qkv) -> list[torch.Tensor]:
+        """SGLang's graph runner inside ``_forward_raw``: the step's inputs into the static
+        tensors (padded to the bucket), then the replay."""
+        b = fb.batch_size
+        bs = next(x for x in self.buckets if x >= b)
+        graph, sfb, sqkv, out = self.captured[bs]
+        for name, pad in (("req_pool_indices", 0), ("seq_lens", 1), ("out_cache_loc", 0)):
+            dst = getattr(sfb, name)
+            dst.fill_(pad)
+            dst[:b] = getattr(fb, name)  # seq_lens: what the forward hook left there (ours: one token)
+        for src, dst in zip(qkv, sqkv):
+            for x, y in zip(src, dst):
+                y.zero_()
+                y[:b] = x
+        if graph is None:
+            with simulated_capture():
+                out = self._run_once(sfb, sqkv)
+        else:
+            graph.replay()
+        return [o[:b] for o in out]
+
+    def batch(self, rows: list[int], lens: list[int]) -> Batch:
+        """The scheduler's decode batch: one new slot per row (``lens`` count it)."""
+        dev = self.device
+        locs = [self.grow(r) for r in rows]
+        if any(len(self.slots[r]) != n for r, n in zip(rows, lens)):
+            raise ValueError("lens must be each row's length with the token decoded now")
+        return Batch(Mode("decode"), len(rows), torch.tensor(rows, device=dev), torch.tensor(lens, device=dev),
+                     torch.tensor(locs, device=dev), seq_lens_cpu=torch.tensor(lens),
+                     req_pool_indices_cpu=torch.tensor(rows), seq_lens_sum=sum(lens))
+
+    def forward(self, fb: Batch, qkv, no_sync: bool = False) -> list[torch.Tensor]:
+        """One decode forward through the model runner's forward hook: per layer
+        ``[B, Hq * D]`` (views of static outputs when graphed: read before the next step).
+        ``no_sync``: under ``torch.cuda.set_sync_debug_mode("error")`` (CUDA), as SGLang's
+        overlap scheduler needs the host part and the replay to leave the device running."""
+        if self.graphs:
+            step = lambda runner, b: self._replay(b, qkv)  # noqa: E731
+        else:
+            step = lambda runner, b: self._model(b, qkv)  # noqa: E731
+        with sync_debug_errors() if no_sync and self.device.type == "cuda" else contextlib.nullcontext():
+            return hooks.around_forward_raw(step, self.runner, fb)
