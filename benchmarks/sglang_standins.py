@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -122,11 +122,15 @@ class Runner:
 
 class SGLangWorld:
     """The stand-in model runner with the plugin's hooks (``cfg`` None: sparsehi off).
-    ``buckets``: the graph batch sizes (``graphs`` only)."""
+    ``buckets``: the graph batch sizes (``graphs`` only). A forward's inputs are per layer
+    ``(q, k, v)``, or, with ``layer_inputs``, one ``[B, input_width]`` tensor from which the
+    model computes them (``layer_inputs(x)``, inside the recorded graph too)."""
 
     def __init__(self, cfg: Optional[SparseConfig], device: torch.device, graphs: bool, shape: Shape = Shape(),
-                 buckets: tuple[int, ...] = (2, 4), max_running_requests: int = 4) -> None:
+                 buckets: tuple[int, ...] = (2, 4), max_running_requests: int = 4,
+                 layer_inputs: Optional[Callable[[torch.Tensor], list]] = None, input_width: int = 0) -> None:
         self.shape, self.device, self.graphs = shape, torch.device(device), graphs
+        self.layer_inputs, self.input_width = layer_inputs, input_width
         self.req_pool = ReqToTokenPool(shape.rows, shape.context, self.device)
         self.kv_pool = MHAPool(shape, self.device)
         args = type("Args", (), {"sparsehi_config": cfg})()
@@ -184,7 +188,8 @@ class SGLangWorld:
             self.kv_pool.v_buffer[i][locs] = v[i].view(-1, s.kv_heads, s.head_dim).to(s.dtype)
 
     # ------------------------------------------------------------------ forwards
-    def _model(self, fb: Batch, qkv) -> list[torch.Tensor]:
+    def _model(self, fb: Batch, inputs) -> list[torch.Tensor]:
+        qkv = self.layer_inputs(inputs) if self.layer_inputs is not None else inputs
         return [hooks.around_radix_attention(self.attend, self.layers[i], q, k, v, fb)
                 for i, (q, k, v) in enumerate(qkv)]
 
@@ -201,8 +206,11 @@ class SGLangWorld:
         dev, s = self.device, self.shape
         zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
         fb = Batch(Mode("decode"), bs, zeros.clone(), torch.ones(bs, dtype=torch.int64, device=dev), zeros.clone())
-        qkv = [tuple(torch.zeros(bs, h * s.head_dim, dtype=s.dtype, device=dev)
-                     for h in (s.q_heads, s.kv_heads, s.kv_heads)) for _ in range(s.layers)]
+        if self.layer_inputs is not None:
+            qkv = torch.zeros(bs, self.input_width, dtype=s.dtype, device=dev)
+        else:
+            qkv = [tuple(torch.zeros(bs, h * s.head_dim, dtype=s.dtype, device=dev)
+                         for h in (s.q_heads, s.kv_heads, s.kv_heads)) for _ in range(s.layers)]
         if dev.type != "cuda":
             self._run_once(fb, qkv)  # the warm-up (executed)
             return None, fb, qkv, None
@@ -228,10 +236,11 @@ class SGLangWorld:
             dst = getattr(sfb, name)
             dst.fill_(pad)
             dst[:b] = getattr(fb, name)  # seq_lens: what the forward hook left there (ours: one token)
-        for src, dst in zip(qkv, sqkv):
-            for x, y in zip(src, dst):
-                y.zero_()
-                y[:b] = x
+        pairs = [(qkv, sqkv)] if self.layer_inputs is not None else \
+            [(x, y) for src, dst in zip(qkv, sqkv) for x, y in zip(src, dst)]
+        for x, y in pairs:
+            y.zero_()
+            y[:b] = x
         if graph is None:
             with simulated_capture():
                 out = self._run_once(sfb, sqkv)

@@ -84,3 +84,36 @@ def test_bad_views_are_rejected():
         swap_in_copy_reference(host.paged_view(), dev.paged_view(), 9, *args, 4)
     with pytest.raises(ValueError, match="page_size"):
         swap_in_copy_reference(host.paged_view(), dev.paged_view(), 0, *args, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_into_a_layer_past_2_31_elements_of_the_pool():
+    """A device pool whose layer offset passes 2**31 elements (over 4 GiB per buffer, e.g.
+    an SGLang KV pool the plugin adopts whole): pages copied into its last layer land where
+    the page-by-page copy puts them (the offset is computed in int64; the fused swap-in
+    runs the same copy block)."""
+    ps, heads, dim = 64, 8, 128
+    spec = KVCacheSpec("mha", 3, heads, dim, torch.bfloat16, ps)
+    pages = (1 << 31) // (2 * heads * dim * ps) + 64  # layer 2 starts past 2**31 elements
+    big = DeviceKVPool(spec, pages * ps, "cuda")
+    small = HostKVPool(DeviceKVPool(spec, 16 * ps, "cuda"), hicache_ratio=2.0, pin_memory=True)
+    assert 2 * big.kv_data.stride(1) > 2 ** 31
+    g = torch.Generator().manual_seed(4)
+    small.kv_data.copy_(torch.randn(small.kv_data.shape, generator=g).to(torch.bfloat16))
+    load_ids = torch.tensor([[0, 1, 2]], dtype=torch.int32, device="cuda")
+    load_slots = torch.tensor([[0, 1, 2]], dtype=torch.int32, device="cuda")
+    num = torch.tensor([3], dtype=torch.int32, device="cuda")
+    rows = torch.tensor([0], device="cuda")
+    host_pages = torch.tensor([[3, 5, 7]], device="cuda")
+    slot_pages = torch.tensor([[pages - 1, pages - 2, 1]], dtype=torch.int32, device="cuda")
+    layer = 2
+    swap_in_copy_triton(small.paged_view(), big.paged_view(), layer, load_ids, load_slots, num, rows, host_pages,
+                        slot_pages, ps)
+    torch.cuda.synchronize()
+    hv = small.paged_view()
+    for hp, dp in ((3, pages - 1), (5, pages - 2), (7, 1)):
+        want = torch.stack([hv[(hp * ps + t) // hv.shape[1], (hp * ps + t) % hv.shape[1], layer] for t in range(ps)])
+        got = big.kv_data[:, layer, dp * ps:(dp + 1) * ps].permute(1, 0, 2, 3).cpu()
+        assert torch.equal(got, want.cpu()), (hp, dp)
+    assert not big.kv_data[:, 0].any() and not big.kv_data[:, 1].any()  # no write wrapped into another layer

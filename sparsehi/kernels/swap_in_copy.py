@@ -79,6 +79,9 @@ def _swap_in_copy_block(
     the runs g, g + G, ... of the row's misses (see the kernel's comments)."""
     n = tl.load(nload_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
+    # int64 layer (b is): layer x layer stride passes 2**31 elements in a pool over 4 GiB
+    # per buffer, e.g. an SGLang KV pool the plugin adopts whole
+    lay = b * 0 + layer
     end = tl.where(row >= 0, tl.minimum(n, K) * PS, 0)
     head = (seg % NUM_SEG).to(tl.int64)
     buf = (seg // NUM_SEG).to(tl.int64)
@@ -99,8 +102,8 @@ def _swap_in_copy_block(
         hs = hp * PS + tok  # token slots; each view has its own page size
         ds = dp * PS + tok
         live = live & (hp >= 0) & (hs < src_slots) & (dp >= 0) & (ds < dst_slots)
-        s_off = (hs // SRC_PS) * s_sp + (hs % SRC_PS) * s_st + layer * s_sl + buf * s_sb + head * s_sh + part * SEG
-        d_off = (ds // DST_PS) * d_sp + (ds % DST_PS) * d_st + layer * d_sl + buf * d_sb + head * d_sh + part * SEG
+        s_off = (hs // SRC_PS) * s_sp + (hs % SRC_PS) * s_st + lay * s_sl + buf * s_sb + head * s_sh + part * SEG
+        d_off = (ds // DST_PS) * d_sp + (ds % DST_PS) * d_st + lay * d_sl + buf * d_sb + head * d_sh + part * SEG
         m = live[:, None] & (w < SEG)
         x = tl.load(src_ptr + s_off[:, None] + w, mask=m)
         tl.store(dst_ptr + d_off[:, None] + w, x, mask=m)
