@@ -16,10 +16,13 @@ crossing page boundaries; queries drift slowly from step to step (``q = base + 0
 so selections overlap as in a real decode. The scheduler's batches are built before the
 timed loop; in it the host runs ahead of the device, as in SGLang's overlap scheduler.
 Reported per run: wall ms per step (synchronised only at the ends), the host's own ms per
-step (the loop before the final wait), the hit rate, and the ratios measured in the same
-run. Shape: Llama-8B's attention (32 layers, 32 query / 8 KV heads of 128, bf16), page 64,
-Quest with its dense layers 0 and 1, K = 2048 tokens, buffer 2 K. ``dense_roofline_ms``: the dense KV bytes of a step over
-the device-to-device copy bandwidth measured in the same run.
+step (the loop before the final wait; it includes waits on the device, e.g. for a pinned
+staging slot), for graphed runs ``replay_ms`` (the last step's graph replayed alone: the
+device time of a step), the hit rate, and the ratios measured in the same run. Shape:
+Llama-8B's attention (32 layers, 32 query / 8 KV heads of 128, bf16), page 64, Quest with
+its dense layers 0 and 1, K = 2048 tokens, buffer 2 K. ``dense_roofline_ms``: the dense KV
+bytes of a step over the device-to-device copy bandwidth measured in the same run.
+``--profile`` prints the host's cProfile of each timed loop.
 
 Usage: ``PYTHONPATH=. python benchmarks/bench_sglang_plugin.py`` on a GPU (``--quick``: tiny
 shapes on CPU, to check the script). Result: ``sglang_plugin.json``.
@@ -27,8 +30,11 @@ shapes on CPU, to check the script). Result: ``sglang_plugin.json``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import os
+import pstats
 import sys
 import time
 
@@ -36,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import device_info, hbm_copy_gbps, write_result  # noqa: E402
+from benchmarks.common import cuda_time_us, device_info, hbm_copy_gbps, write_result  # noqa: E402
 from benchmarks.sglang_standins import SGLangWorld, Shape  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 
@@ -50,7 +56,7 @@ def _config(page: int, top_k: int) -> SparseConfig:
 
 
 def run_one(kind: str, shape: Shape, batch: int, context: int, steps: int, top_k: int, dev: torch.device,
-            seed: int) -> dict:
+            seed: int, profile: bool = False) -> dict:
     cfg = None if kind == "dense" else _config(shape.page_size, top_k)
     graphs = kind != "sparse_eager" and dev.type == "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -84,15 +90,27 @@ def run_one(kind: str, shape: Shape, batch: int, context: int, steps: int, top_k
         world.bridge.coord.reset_stats()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     for t in range(1, steps + 1):
         world.forward(batches[t], per_step[t])
+    if prof is not None:
+        prof.disable()
     host = time.perf_counter() - t0
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     ms = (time.perf_counter() - t0) * 1000.0 / steps
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"--- host profile: {kind}, batch {batch} ---\n{text.getvalue()}", flush=True)
     out = {"run": kind, "batch": batch, "graphs": graphs, "ms_per_step": round(ms, 4),
            "host_ms_per_step": round(host * 1000.0 / steps, 4)}
+    if graphs:  # the device time of one step: the last step's graph replayed alone
+        graph = world.captured[batch][0]
+        out["replay_ms"] = round(cuda_time_us(graph.replay, iters=20, warmup=2) / 1000.0, 4)
     if world.bridge is not None:
         st = world.bridge.coord.stats()
         out["hit_rate"] = round(st["hit_rate"], 4)
@@ -114,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=96, help="timed decode steps (after the registering one)")
     ap.add_argument("--top-k", type=int, default=2048, help="tokens selected per step and layer")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma list of runs from {RUNS}")
+    ap.add_argument("--profile", action="store_true", help="print the host's cProfile of each timed loop")
     args = ap.parse_args(argv)
     if args.quick:
         dev = torch.device("cpu")
@@ -134,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         ps = shape_kw["page_size"]
         ctx = -(-(args.context + args.steps + 2) // ps) * ps
         shape = Shape(context=ctx, rows=b + 1, pool_tokens=b * (ctx + ps), **shape_kw)
-        runs = {kind: run_one(kind, shape, b, args.context, args.steps, args.top_k, dev, seed=b) for kind in kinds}
+        runs = {kind: run_one(kind, shape, b, args.context, args.steps, args.top_k, dev, seed=b,
+                               profile=args.profile) for kind in kinds}
         dense_bytes = 2 * shape.layers * b * (args.context + args.steps) * shape.kv_heads * shape.head_dim * \
             torch.finfo(shape.dtype).bits // 8
         row = {"batch": b, "runs": list(runs.values()), "dense_kv_bytes_per_step": dense_bytes}
