@@ -10,14 +10,17 @@ recorded path runs again (on CPU: under a simulated capture, as nothing can be r
 """
 from __future__ import annotations
 
-import torch
+import pytest
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sparsehi.algorithms.graph_safety import simulated_capture
-from sparsehi.sglang_plugin import hooks
+pytest.importorskip("sglang.srt.plugins", reason="SGLang is not installed (run scripts/setup_sglang_env.sh)")
 
-from sgl_kit import D, HKV, HQ, L, World, qkv, sparse_config
+import torch  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
+from sparsehi.algorithms.graph_safety import simulated_capture  # noqa: E402
+from sparsehi.sglang_plugin import hooks  # noqa: E402
+
+from sgl_kit import D, HKV, HQ, L, World, qkv, sparse_config  # noqa: E402
 
 
 class Recorded:
