@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -254,9 +255,13 @@ class SGLangWorld:
         locs = [self.grow(r) for r in rows]
         if any(len(self.slots[r]) != n for r, n in zip(rows, lens)):
             raise ValueError("lens must be each row's length with the token decoded now")
-        return Batch(Mode("decode"), len(rows), torch.tensor(rows, device=dev), torch.tensor(lens, device=dev),
-                     torch.tensor(locs, device=dev), seq_lens_cpu=torch.tensor(lens),
-                     req_pool_indices_cpu=torch.tensor(rows), seq_lens_sum=sum(lens))
+        fb = Batch(Mode("decode"), len(rows), torch.tensor(rows, device=dev), torch.tensor(lens, device=dev),
+                   torch.tensor(locs, device=dev), seq_lens_cpu=torch.tensor(lens), seq_lens_sum=sum(lens))
+        # as SGLang's ForwardBatch.init_new: no req_pool_indices_cpu on a decode batch, then
+        # the plugin's hook on init_new keeps the scheduler batch's host copy
+        hooks.after_forward_batch_init_new(fb, Batch, SimpleNamespace(req_pool_indices_cpu=torch.tensor(rows)),
+                                           self.runner)
+        return fb
 
     def forward(self, fb: Batch, qkv, no_sync: bool = False) -> list[torch.Tensor]:
         """One decode forward through the model runner's forward hook: per layer

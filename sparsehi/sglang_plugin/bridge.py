@@ -70,13 +70,41 @@ class DecodeState:
     all_ours: bool  # host fact of an eager forward: no row takes SGLang's dense path
     recorded: bool = False  # a CUDA-graph capture's forward: no host fact holds at replay
     batch: Optional[SparseBatch] = None  # the coordinator's step, begun at the first layer
+    host_rows: Optional[np.ndarray] = None  # [B] int64 on the host: the forward's rows (eager and replayed)
+    host_ours: Optional[np.ndarray] = None  # [B] bool on the host: which of them are ours
 
 
-def _host_ints(cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
-    """Host copy of a per-row value: SGLang's own CPU copy when it has one, else a read-back."""
+ROWS_CPU_ATTR = "sparsehi_req_pool_indices_cpu"
+"""Attribute of a decode ``ForwardBatch``: the scheduler's host copy of its row ids, which
+SGLang's ``ForwardBatch.init_new`` keeps for extend batches only (set by the plugin's hook
+on ``init_new``), so that the forward hook never reads ``req_pool_indices`` back from the
+device."""
+
+_READ_BACKS: set[str] = set()
+
+
+def _host_ints(name: str, cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
+    """Host copy of a per-row value: a CPU copy when SGLang has one, else a read-back from
+    the device (a host sync: the host then waits for the device's queued work, so it can
+    no longer run ahead of it; logged once per value)."""
     if cpu is not None:
         return np.asarray(cpu.tolist() if isinstance(cpu, torch.Tensor) else cpu, dtype=np.int64)
+    if dev.device.type != "cpu" and name not in _READ_BACKS:
+        _READ_BACKS.add(name)
+        logger.warning("sparsehi: the forward batch has no host copy of %s; reading it back from the device "
+                       "(a host sync each forward: the host no longer runs ahead of the device)", name)
     return dev.cpu().numpy().astype(np.int64)
+
+
+def host_rows(fb: Any) -> np.ndarray:
+    """[B] int64: a forward batch's ``ReqToTokenPool`` rows on the host (SGLang's
+    ``req_pool_indices_cpu``, else the scheduler's copy the ``init_new`` hook kept)."""
+    cpu = getattr(fb, "req_pool_indices_cpu", None)
+    if cpu is None:
+        cpu = getattr(fb, ROWS_CPU_ATTR, None)
+        if cpu is not None and len(cpu) != len(fb.req_pool_indices):  # padded since (e.g. by SGLang's DP sync)
+            cpu = None
+    return _host_ints("req_pool_indices", cpu, fb.req_pool_indices)
 
 
 class SGLangSparseBridge:
@@ -167,7 +195,7 @@ class SGLangSparseBridge:
         if mode.is_decode():
             return self._begin_decode(fb)
         if mode.is_mixed():
-            rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+            rows = host_rows(fb)
             if self.registered[rows].any():
                 raise ValueError("sparsehi does not run mixed chunked-prefill/decode batches: leave "
                                  "--enable-mixed-chunk off")
@@ -179,13 +207,13 @@ class SGLangSparseBridge:
     def _note_extend(self, fb: Any) -> None:
         """An extend forward (a prompt, one chunk of it, or a prompt after a radix hit): its
         rows are new again; they are registered at their first decode forward."""
-        rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
+        rows = host_rows(fb)
         self.release_rows([int(r) for r in rows[self.registered[rows]]])
         self.declined[rows] = False
 
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
-        rows = _host_ints(getattr(fb, "req_pool_indices_cpu", None), fb.req_pool_indices)
-        seq = _host_ints(getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        rows = host_rows(fb)
+        seq = _host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
         b = len(rows)
         if b > self._rows.shape[0]:
             raise ValueError(f"decode batch of {b} rows exceeds the ReqToTokenPool's {self._rows.shape[0]} rows")
@@ -201,7 +229,8 @@ class SGLangSparseBridge:
         self._stage(rows, seq, ours)
         if not ours.any():
             return None
-        return DecodeState(self._rows[:b], self._seq[:b], self._ours[:b], bool(ours.all()))
+        return DecodeState(self._rows[:b], self._seq[:b], self._ours[:b], bool(ours.all()), host_rows=rows,
+                           host_ours=ours)
 
     def _stage(self, rows: np.ndarray, seq: np.ndarray, ours: np.ndarray) -> None:
         """The step's rows into the static buffers: ours with their lengths, every other row
@@ -231,15 +260,14 @@ class SGLangSparseBridge:
         shared with its scheduler). Its attention output for our rows is replaced, so it
         need not read their context; the rows that are not ours keep their lengths."""
         out: dict[str, Any] = {"seq_lens": torch.where(state.ours, torch.ones_like(fb.seq_lens), fb.seq_lens)}
-        ours_cpu = torch.from_numpy(self.registered[_host_ints(getattr(fb, "req_pool_indices_cpu", None),
-                                                               fb.req_pool_indices)])
+        ours_cpu = torch.from_numpy(state.host_ours)
         cpu = getattr(fb, "seq_lens_cpu", None)
         if cpu is not None:
             cpu = torch.where(ours_cpu, torch.ones_like(cpu), cpu)
             out["seq_lens_cpu"] = cpu
             out["seq_lens_sum"] = int(cpu.sum())
         elif getattr(fb, "seq_lens_sum", None) is not None:
-            host = _host_ints(None, fb.seq_lens)
+            host = _host_ints("seq_lens", None, fb.seq_lens)
             out["seq_lens_sum"] = int(np.where(ours_cpu.numpy(), 1, host).sum())
         return out
 
@@ -302,9 +330,22 @@ class SGLangSparseBridge:
             self.coord.forward_end(batch)
 
     def abort_forward(self, state: Optional[DecodeState]) -> None:
-        """SGLang's forward raised: the decode step is closed so the next one can start
-        (the rows stay registered; SGLang retries or frees them)."""
-        self.end_forward(state)
+        """SGLang's forward raised part-way: the step's rows of ours may be half-advanced in
+        the coordinator (lengths, pages, buffers), so they leave it: the decode step is
+        closed, their requests end (host pages given back) and they take SGLang's own path
+        from now on (declined). SGLang's slots hold every token of theirs (the decode
+        tokens are written there too), so whether SGLang retries the step or frees the
+        rows, no KV is lost."""
+        try:
+            self.end_forward(state)
+        finally:
+            if state is not None and state.host_rows is not None:
+                rows = [int(r) for r in state.host_rows[state.host_ours]]
+                self.release_rows(rows)
+                self.declined[rows] = True
+                if rows:
+                    logger.warning("sparsehi: a decode forward raised; rows %s leave the sparse path and decode "
+                                   "on SGLang's own attention", rows)
 
     # ------------------------------------------------------------------ attention
     def attention(self, state: DecodeState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],

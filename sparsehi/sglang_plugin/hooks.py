@@ -17,6 +17,7 @@ SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 RADIX_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention"
 REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 
 ROPE_PARTS = ("q_rope", "k_rope")
 """MLA's split form of ``RadixAttention.forward`` (SGLang's DeepSeek attention with the rope
@@ -78,6 +79,25 @@ def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any)
         hooks = getattr(runner, name, None)
         if hooks is not None and hook not in hooks:
             hooks.append(hook)
+    return None
+
+
+def after_forward_batch_init_new(result: Any, cls: type, batch: Any = None, model_runner: Any = None, *args: Any,
+                                 **kwargs: Any) -> None:
+    """AFTER ``ForwardBatch.init_new(batch, model_runner)``: a decode forward batch of a
+    runner with sparsehi on keeps the scheduler's host copy of its row ids
+    (``batch.req_pool_indices_cpu``, which ``init_new`` passes on for extend batches only)
+    as ``sparsehi_req_pool_indices_cpu``, so the forward hook needs no read-back from the
+    device, which would make the host wait for the previous step's replay."""
+    batch = kwargs.get("batch", batch)
+    model_runner = kwargs.get("model_runner", model_runner)
+    if getattr(model_runner, BRIDGE_ATTR, None) is None or getattr(result, "req_pool_indices_cpu", None) is not None:
+        return None
+    from sparsehi.sglang_plugin.bridge import ROWS_CPU_ATTR
+
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    if rows is not None:
+        setattr(result, ROWS_CPU_ATTR, rows)
     return None
 
 
@@ -182,6 +202,7 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
         (f"{SERVER_ARGS}.from_cli_args", around_from_cli_args, hook_type.AROUND),
         (f"{MODEL_RUNNER}.alloc_memory_pool", after_alloc_memory_pool, hook_type.AFTER),
         (f"{MODEL_RUNNER}._forward_raw", around_forward_raw, hook_type.AROUND),
+        (f"{FORWARD_BATCH}.init_new", after_forward_batch_init_new, hook_type.AFTER),
         (f"{RADIX_ATTENTION}.forward", around_radix_attention, hook_type.AROUND),
         (f"{REQ_TO_TOKEN_POOL}.free_rows", before_free_rows, hook_type.BEFORE),
         (f"{REQ_TO_TOKEN_POOL}.clear", before_clear, hook_type.BEFORE),

@@ -111,7 +111,8 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     is an error. Prefill graphs are SGLang's choice either way: extend forwards are
     SGLang's own (a prompt is registered at its first decode forward).
     ``--enable-mixed-chunk`` puts decode rows in extend batches, which the plugin cannot
-    follow; speculative decoding verifies drafts in batches the plugin cannot follow either.
+    follow; speculative decoding verifies drafts in batches the plugin cannot follow either,
+    nor the split micro-batches of two-batch overlap or DP attention's padded batches.
     """
     import logging
 
@@ -123,6 +124,14 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     if getattr(ns, "speculative_algorithm", None) is not None:
         raise ValueError(f"--speculative-algorithm={ns.speculative_algorithm!r} cannot be used with "
                          f"--sparsehi-algorithm (draft verification batches); leave it unset")
+    if getattr(ns, "enable_two_batch_overlap", False):
+        raise ValueError("--enable-two-batch-overlap cannot be used with --sparsehi-algorithm (its layers run on "
+                         "split micro-batches the plugin cannot follow); leave it off")
+    dp = int(getattr(ns, "attn_dp_size", 1) or 1)
+    if dp > 1 or getattr(ns, "enable_dp_attention", False):
+        raise ValueError(f"--attn-dp-size={dp} (DP attention, also --enable-dp-attention) cannot be used with "
+                         f"--sparsehi-algorithm (its decode batches are padded after the plugin's forward hook); "
+                         f"allowed: 1")
     if not algorithm_requires_eager(cfg.algorithm) or getattr(ns, "disable_cuda_graph", False):
         return
     why = f"--sparsehi-algorithm {cfg.algorithm} is not CUDA-graph capture safe, so decode runs eagerly"

@@ -15,6 +15,7 @@ as ``sparsehi.runtime.sparse_backend`` drives it, with the same K/V, queries and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -163,12 +164,16 @@ class World:
         for r, n in zip(rows, lens):
             locs += self.pages.grow(r, 1)
             self.req_pool.req_to_token[r, n - 1] = locs[-1]
-        return ForwardBatch(
+        fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=len(rows), input_ids=torch.zeros(len(rows), dtype=torch.long),
             req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), out_cache_loc=torch.tensor(locs),
-            seq_lens_sum=sum(lens), seq_lens_cpu=torch.tensor(lens), req_pool_indices_cpu=torch.tensor(rows),
-            positions=torch.tensor(lens) - 1,
+            seq_lens_sum=sum(lens), seq_lens_cpu=torch.tensor(lens), positions=torch.tensor(lens) - 1,
         )
+        # SGLang's init_new leaves a decode batch's req_pool_indices_cpu unset; the plugin's
+        # hook on it keeps the scheduler batch's copy (init_new itself needs a ModelRunner)
+        scheduled = SimpleNamespace(req_pool_indices_cpu=torch.tensor(rows))
+        hooks.after_forward_batch_init_new(fb, ForwardBatch, scheduled, self.runner)
+        return fb
 
 
 def qkv(n: int, gen: torch.Generator, mla: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

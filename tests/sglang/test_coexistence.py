@@ -104,6 +104,14 @@ def test_speculative_decoding_is_refused():
         _parse(["--sparsehi-algorithm", "quest", "--speculative-algorithm", "EAGLE"])
 
 
+def test_two_batch_overlap_and_dp_attention_are_refused():
+    with pytest.raises(ValueError, match="--enable-two-batch-overlap"):
+        _parse(["--sparsehi-algorithm", "quest", "--enable-two-batch-overlap"])
+    with pytest.raises(ValueError, match="--attn-dp-size=2"):
+        _parse(["--sparsehi-algorithm", "quest", "--attn-dp-size", "2", "--tp-size", "2"])
+    _parse(["--enable-two-batch-overlap"])  # without sparsehi: SGLang's business
+
+
 def test_mixed_chunk_is_refused():
     with pytest.raises(ValueError, match="--enable-mixed-chunk"):
         _parse(["--sparsehi-algorithm", "quest", "--enable-mixed-chunk"])

@@ -83,9 +83,11 @@ def test_recorded_decode_equals_the_eager_one_with_sglangs_classes():
         layers = qkv(n, gen)
         for w in (eager, graphed):
             w.run(w.extend([row], [n]), layers)
-    schedule = [[1, 2, 3]] * 4 + [[1, 2]] * 4
+    # the larger bucket, the short row alone (no row of ours), the smaller bucket, the
+    # larger one again, then the short request ends
+    schedule = [[1, 2, 3]] * 3 + [[3]] + [[1, 2]] * 2 + [[1, 2, 3]] * 2 + [[1, 2]] * 2
     for step, rows in enumerate(schedule):
-        if step == 4:
+        if step == 8:
             for w in (eager, graphed):
                 w.req_pool.free_rows(torch.tensor([3]))  # SGLang frees the short request's row
         for r in rows:

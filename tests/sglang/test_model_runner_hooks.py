@@ -409,3 +409,70 @@ def test_mla_split_rope_form_equals_the_joined_row():
     with pytest.raises(NotImplementedError, match="attn_sink"):
         hooks.around_forward_raw(split_model(qkv(1, gen, mla=True), {"attn_sink": torch.zeros(HQ)}), world.runner,
                                  world.decode([1], [n + 1]))
+
+
+def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
+    """A decode forward raises after its first layers (here: the coordinator's attention end
+    of layer 1): the rows of that step leave the coordinator (host pages given back) and
+    are declined, so SGLang's retry of the step and the steps after it run SGLang's own
+    attention over the KV its slots hold, equal to a server without sparsehi."""
+    world, plain = World(sparse_config()), World(None)
+    gen = torch.Generator().manual_seed(15)
+    layers = qkv(50, gen)
+    for w in (world, plain):
+        w.run(w.extend([1], [50]), layers)
+    free_before = world.bridge.host_pool.allocator.available_size()
+    layers = qkv(1, gen)
+    for w in (world, plain):
+        w.run(w.decode([1], [51]), layers)
+    assert world.bridge.registered[1] and world.bridge.host_pool.allocator.available_size() < free_before
+    coord = world.bridge.coord
+    real = coord.attention_end
+
+    def failing(layer, *a, **kw):
+        if layer == 1:
+            raise RuntimeError("device fault")
+        return real(layer, *a, **kw)
+
+    coord.attention_end = failing
+    step, fb = qkv(1, gen), world.decode([1], [52])
+    with pytest.raises(RuntimeError, match="device fault"):
+        world.run(fb, step)
+    coord.attention_end = real
+    assert not world.bridge.registered[1] and world.bridge.declined[1]
+    assert 1 not in coord.manager.table.live_rows()
+    assert world.bridge.host_pool.allocator.available_size() == free_before
+    for n in (52, 53):  # SGLang's retry of the step, then the next one
+        layers = step if n == 52 else qkv(1, gen)
+        got = world.run(fb if n == 52 else world.decode([1], [n]), layers)
+        want = plain.run(plain.decode([1], [n]), layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-6, atol=1e-6)
+
+
+def test_decode_batches_carry_the_schedulers_host_rows():
+    """SGLang's ``ForwardBatch.init_new`` keeps ``req_pool_indices_cpu`` for extend batches
+    only; the plugin's hook on it (applied by ``load_plugins()``) keeps the scheduler
+    batch's copy on a decode batch of a runner with sparsehi on, which the bridge reads
+    instead of the device tensor; a copy of another length (a batch padded since) is not
+    used."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from sparsehi.sglang_plugin.bridge import ROWS_CPU_ATTR, host_rows
+
+    assert hasattr(ForwardBatch.init_new, "__wrapped__")
+    world, plain = World(sparse_config()), World(None)
+    fb = plain.decode([3, 1], [7, 9])
+    assert not hasattr(fb, ROWS_CPU_ATTR)  # sparsehi off: nothing added
+    fb = world.decode([3, 1], [7, 9])
+    assert getattr(fb, ROWS_CPU_ATTR).tolist() == [3, 1] and fb.req_pool_indices_cpu is None
+    fb.req_pool_indices = torch.tensor([5, 6])  # the device tensor is not read while the host copy fits
+    assert host_rows(fb).tolist() == [3, 1]
+    fb.req_pool_indices = torch.tensor([3, 1, 0])  # padded after init_new: the device tensor is read
+    assert host_rows(fb).tolist() == [3, 1, 0]
+    ext = world.extend([2], [8])
+    hooks.after_forward_batch_init_new(ext, ForwardBatch, SimpleNamespace(req_pool_indices_cpu=torch.tensor([9])),
+                                       world.runner)
+    assert not hasattr(ext, ROWS_CPU_ATTR)  # SGLang's own copy is there
