@@ -129,9 +129,9 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
                          "split micro-batches the plugin cannot follow); leave it off")
     dp = int(getattr(ns, "attn_dp_size", 1) or 1)
     if dp > 1 or getattr(ns, "enable_dp_attention", False):
-        raise ValueError(f"--attn-dp-size={dp} (DP attention, also --enable-dp-attention) cannot be used with "
-                         f"--sparsehi-algorithm (its decode batches are padded after the plugin's forward hook); "
-                         f"allowed: 1")
+        flag = f"--attn-dp-size={dp}" if dp > 1 else "--enable-dp-attention"
+        raise ValueError(f"{flag} (DP attention) cannot be used with --sparsehi-algorithm (its decode batches are "
+                         f"padded after the plugin's forward hook); allowed: --attn-dp-size 1")
     if not algorithm_requires_eager(cfg.algorithm) or getattr(ns, "disable_cuda_graph", False):
         return
     why = f"--sparsehi-algorithm {cfg.algorithm} is not CUDA-graph capture safe, so decode runs eagerly"

@@ -109,6 +109,8 @@ def test_two_batch_overlap_and_dp_attention_are_refused():
         _parse(["--sparsehi-algorithm", "quest", "--enable-two-batch-overlap"])
     with pytest.raises(ValueError, match="--attn-dp-size=2"):
         _parse(["--sparsehi-algorithm", "quest", "--attn-dp-size", "2", "--tp-size", "2"])
+    with pytest.raises(ValueError, match="--enable-dp-attention"):
+        _parse(["--sparsehi-algorithm", "quest", "--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"])
     _parse(["--enable-two-batch-overlap"])  # without sparsehi: SGLang's business
 
 
