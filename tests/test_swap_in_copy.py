@@ -117,3 +117,23 @@ def test_copy_into_a_layer_past_2_31_elements_of_the_pool():
         got = big.kv_data[:, layer, dp * ps:(dp + 1) * ps].permute(1, 0, 2, 3).cpu()
         assert torch.equal(got, want.cpu()), (hp, dp)
     assert not big.kv_data[:, 0].any() and not big.kv_data[:, 1].any()  # no write wrapped into another layer
+
+
+def test_ids_and_slots_past_their_tables_are_skipped():
+    """A load id past ``host_pages``' columns or a slot past ``slot_pages``' is skipped by
+    the kernel and by the reference alike (the reference once clamped them to the last
+    column and copied a page the kernel does not)."""
+    dev, host = _pools("mha", 4, "layer_first")
+    load_ids, load_slots, num, rows, host_pages, slot_pages = (a.to(DEV) for a in _lists(host.num_slots // 4,
+                                                                                         dev.num_slots // 4))
+    load_ids[0, 0] = host_pages.shape[1]
+    load_slots[2, 1] = slot_pages.shape[1] + 5
+    args = (load_ids, load_slots, num, rows, host_pages, slot_pages, 4)
+    got = []
+    for fn in (swap_in_copy_reference, swap_in_copy_triton):
+        dev.kv_data.zero_()
+        fn(host.paged_view(), dev.paged_view(), 1, *args)
+        got.append(dev.kv_data.clone())
+    assert torch.equal(got[0], got[1])
+    # the six other loads copied (4 tokens, 2 buffers, 2 x 8 words each), the two skipped not
+    assert int((got[0] != 0).sum()) == (3 + 6 + 2 - 2) * 4 * 2 * 16

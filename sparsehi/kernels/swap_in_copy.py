@@ -54,7 +54,9 @@ def swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, row
     dev = load_ids.device
     cols = torch.arange(k, device=dev)[None, :]
     r = rows.long().clamp(min=0)[:, None]
-    ok = (cols < num_loads.long()[:, None]) & (load_ids >= 0) & (load_slots >= 0) & (rows[:, None] >= 0)
+    # ids and slots past their tables are skipped, as the kernel does (not clamped)
+    ok = ((cols < num_loads.long()[:, None]) & (load_ids >= 0) & (load_ids < host_pages.shape[1])
+          & (load_slots >= 0) & (load_slots < slot_pages.shape[1]) & (rows[:, None] >= 0))
     ids = load_ids.long().clamp(0, host_pages.shape[1] - 1)
     slots = load_slots.long().clamp(0, slot_pages.shape[1] - 1)
     hp = torch.where(ok, host_pages.long()[r, ids], -1)
