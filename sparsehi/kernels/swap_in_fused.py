@@ -9,7 +9,10 @@ launch fewer per sparse layer; at small batches, where each launch's latency is 
 layer's swap-in, that is what it saves.
 
 Arguments: those of ``swap_in_copy`` (host / device 6-D pool views, the diff's load lists,
-request rows ``[B] int64`` with ``-1`` padding, the host-page and slot-page tables, page size)
+request rows ``[B] int64`` with ``-1`` padding, the host-page and slot-page tables, page size;
+keywords ``host_tokens`` (``[R, T]``, the host slot of each token, read instead of
+``host_pages``, which may then be None) and ``resident`` (``(v2p [N], v2p_page_size)``: tokens
+whose host page is still in GPU memory are read from the device view), see swap_in_copy.py)
 and those of ``selection_table`` in hierarchical form (``topk [B, K] int32`` ascending,
 ``valid [B]``, ``num_pages [B]``, ``seq_lens [B]``, ``table_rows [B] int64`` (padding mapped to
 row 0), ``sink`` / ``recent`` pages, ``sink_table`` / ``ring_table`` ``[R, *] int32``,
@@ -33,7 +36,7 @@ from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
                                               choice_args, selection_table_reference)
 from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _swap_in_copy_block,
-                                           copy_geometry, swap_in_copy_reference)
+                                           copy_geometry, source_args, swap_in_copy_reference)
 
 
 @triton.jit
@@ -42,6 +45,7 @@ def _swap_in_and_table_kernel(
     layer, K_LOAD, src_slots, dst_slots, hp_cols, sp_cols,
     stride_ids, stride_hp, stride_sp,
     s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
+    ht_ptr, v2p_ptr, ht_cols, v2p_n, stride_ht, stride_htc, stride_v2p,
     topk_ptr, valid_ptr, npages_ptr, seq_ptr, trows_ptr, sink_ptr, ring_ptr, tphys_ptr, slot_ptr,
     lid_out, phys_out, pt_out, nv_out, att_out,
     stride_topk, stride_sink, stride_ring, stride_tphys, stride_slot, stride_out, slot_cols,
@@ -51,6 +55,7 @@ def _swap_in_and_table_kernel(
     PARTS: tl.constexpr, SEG: tl.constexpr, TOKS: tl.constexpr, TILE: tl.constexpr,
     K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAGE: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, WBLOCKS: tl.constexpr, HAS_ALT: tl.constexpr,
+    HAS_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, VPS: tl.constexpr,
 ):
     # grid (max(G, WBLOCKS), B, NSEGS + 1), x fastest: a row's copy programs launch together
     # (as swap_in_copy's row-major order); the last z slice holds the table programs
@@ -62,7 +67,8 @@ def _swap_in_and_table_kernel(
             _swap_in_copy_block(b, x, G, z, src_ptr, dst_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
                                 layer, K_LOAD, src_slots, dst_slots, hp_cols, sp_cols, stride_ids, stride_hp,
                                 stride_sp, s_sp, s_st, s_sl, s_sb, s_sh, d_sp, d_st, d_sl, d_sb, d_sh,
-                                PS, SRC_PS, DST_PS, NUM_SEG, PARTS, SEG, TOKS, TILE)
+                                ht_ptr, v2p_ptr, ht_cols, v2p_n, stride_ht, stride_htc, stride_v2p,
+                                PS, SRC_PS, DST_PS, NUM_SEG, PARTS, SEG, TOKS, TILE, HAS_TOKENS, RESIDENT, VPS)
     else:
         if x < WBLOCKS:
             _selection_table_block(b, x, topk_ptr, valid_ptr, npages_ptr, seq_ptr, trows_ptr, topk_ptr, sink_ptr,
@@ -80,9 +86,12 @@ def _empty_table(b: int, w: int, dev: torch.device) -> SelectionTable:
 def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                                      page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                      sink_table, ring_table, device_slots,
-                                     choice: Optional[RowChoice] = None) -> SelectionTable:
+                                     choice: Optional[RowChoice] = None,
+                                     host_tokens: Optional[torch.Tensor] = None,
+                                     resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
     """Torch reference: ``swap_in_copy_reference`` then ``selection_table_reference``."""
-    swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+    swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
+                           host_tokens=host_tokens, resident=resident)
     return selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
                                      page_size=page_size, sink_table=sink_table, ring_table=ring_table,
                                      topk_phys=device_slots, slot_table=slot_pages, choice=choice)
@@ -92,9 +101,12 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
                                   page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                   sink_table, ring_table, device_slots, block_bytes: int = DEFAULT_BLOCK_BYTES,
                                   out: Optional[SelectionTable] = None,
-                                  choice: Optional[RowChoice] = None) -> SelectionTable:
-    """One launch (see the module docstring); ``out`` reuses table buffers."""
-    _check_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
+                                  choice: Optional[RowChoice] = None,
+                                  host_tokens: Optional[torch.Tensor] = None,
+                                  resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
+    """One launch (see the module docstring); ``out`` reuses table buffers. No host syncs."""
+    _check_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
+                host_tokens, resident)
     _check_table(topk, valid, num_pages, seq_lens, table_rows, None, sink_table, ring_table, device_slots, sink,
                  recent, slot_pages)
     if choice is not None:
@@ -116,12 +128,14 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
     block_w = min(512, triton.next_power_of_2(w))
     wblocks = triton.cdiv(w, block_w)
     nsegs = src.shape[3] * nseg
+    (hp, hp_cols, stride_hp), extra, flags = source_args(host_pages, slot_pages, host_tokens, resident)
     _swap_in_and_table_kernel[(max(runs, wblocks), b, nsegs + 1)](
-        ws, wd, li, ls, num_loads, rows, host_pages, slot_pages,
-        layer, kl, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], host_pages.shape[1], slot_pages.shape[1],
-        li.stride(0), host_pages.stride(0), slot_pages.stride(0),
+        ws, wd, li, ls, num_loads, rows, hp, slot_pages,
+        layer, kl, src.shape[0] * src.shape[1], dst.shape[0] * dst.shape[1], hp_cols, slot_pages.shape[1],
+        li.stride(0), stride_hp, slot_pages.stride(0),
         ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), ws.stride(4),
         wd.stride(0), wd.stride(1), wd.stride(2), wd.stride(3), wd.stride(4),
+        *extra,
         topk, valid, num_pages, seq_lens, table_rows, sink_table, ring_table, device_slots, slot_pages,
         out.logical, out.physical, out.page_table, out.num_valid, out.attended,
         topk.stride(0), sink_table.stride(0), ring_table.stride(0), device_slots.stride(0), slot_pages.stride(0),
@@ -130,7 +144,7 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
         runs,
         PS=page_size, SRC_PS=src.shape[1], DST_PS=dst.shape[1], NUM_SEG=nseg, NSEGS=nsegs, PARTS=parts, SEG=seg,
         TOKS=toks, TILE=tile, K=k, SINK=sink, RECENT=recent, PAGE=page_size, W=w, BLOCK_W=block_w, WBLOCKS=wblocks,
-        HAS_ALT=choice is not None, num_warps=4,
+        HAS_ALT=choice is not None, **flags, num_warps=4,
     )
     return out
 
@@ -138,14 +152,15 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
 def swap_in_copy_and_table(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
                            topk, valid, num_pages, seq_lens, table_rows, *, sink, recent, sink_table, ring_table,
                            device_slots, out: Optional[SelectionTable] = None,
-                           choice: Optional[RowChoice] = None) -> SelectionTable:
+                           choice: Optional[RowChoice] = None, host_tokens: Optional[torch.Tensor] = None,
+                           resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
     """Dispatch (see the module docstring): Triton when the device side is CUDA (or the
     interpreter is forced), the torch references otherwise."""
     probe = dst if dst.is_cuda else src
     args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, topk, valid,
             num_pages, seq_lens, table_rows)
     kw = dict(sink=sink, recent=recent, sink_table=sink_table, ring_table=ring_table, device_slots=device_slots,
-              choice=choice)
+              choice=choice, host_tokens=host_tokens, resident=resident)
     if use_triton(probe):
         announce_path("swap_in_copy_and_table", "triton")
         return swap_in_copy_and_table_triton(*args, **kw, out=out)
