@@ -61,6 +61,11 @@ class SparseConfig:
     being written)."""
     dense_layers: Optional[tuple[int, ...]] = None
     """Layers that always attend densely; None: the algorithm's default (Quest: 0, 1)."""
+    max_sparse_requests: Optional[int] = None
+    """SGLang plugin: requests that decode sparsely at once (their GPU buffers and
+    representations are carved out of SGLang's KV memory); None: as many as half of that
+    memory holds, at most ``--max-running-requests``. Longer prompts beyond it decode on
+    SGLang's own path."""
     io_backend: str = "kernel"
     """Host->device loads of missed pages: ``kernel`` (Triton zero-copy gather) or
     ``direct`` (torch indexing + copies on a side stream)."""
@@ -121,6 +126,9 @@ class SparseConfig:
             if any(not _is_int(x) or x < 0 for x in self.dense_layers):
                 bad("dense_layers", "None or a tuple/list of integer layer ids >= 0 (not bools)")
             self.dense_layers = tuple(int(x) for x in self.dense_layers)
+        if self.max_sparse_requests is not None and (not _is_int(self.max_sparse_requests)
+                                                     or self.max_sparse_requests < 1):
+            bad("max_sparse_requests", "None or an integer >= 1 (not a bool)")
         if not isinstance(self.io_backend, str) or self.io_backend not in IO_BACKENDS:
             bad("io_backend", f"one of {IO_BACKENDS}")
         if not isinstance(self.sparse_extra_config, dict):

@@ -119,6 +119,7 @@ class SparseCoordinator:
         init_algorithm: bool = True,
         validate: bool = True,
         dense_pool_tokens: Optional[int] = None,
+        host_addressing: str = "pages",
     ) -> None:
         if not isinstance(algorithm, BaseSparseAlgorithm):
             raise ValueError(f"algorithm must be a BaseSparseAlgorithm, got {type(algorithm).__name__}")
@@ -139,7 +140,7 @@ class SparseCoordinator:
         self.manager = SparseKVCacheManager(
             config, device_pool, mode=mode, host_pool=host_pool, transfer=transfer, sparse_layers=sparse,
             max_num_reqs=max_num_reqs, max_context_len=max_context_len, dense_pool_tokens=dense_pool_tokens,
-            validate=validate,
+            validate=validate, host_addressing=host_addressing,
         )
         self.sel_mode = SparseMode.TOKEN_WISE if config.page_size == 1 else SparseMode.PAGE_WISE
         if init_algorithm:
@@ -157,6 +158,30 @@ class SparseCoordinator:
         kv = self.manager.end_request(int(req_pool_index))
         self.algorithm.on_request_end(int(req_pool_index))
         return kv
+
+    # ------------------------------------------------------------------ engine-held host KV
+    def adopt_prompts(self, req_pool_indices: list[int], seq_lens: list[int], token_slots: torch.Tensor,
+                      host_slots: torch.Tensor) -> None:
+        """``host_addressing='tokens'``: register prompts whose KV the engine holds (on the GPU
+        at ``token_slots [B, max_len]``, -1 where only in host memory; in host memory at
+        ``host_slots [B, max_len]``); the requests began with ``on_request_begin`` and their
+        representations were built with prefill ``attention_end`` calls. See
+        ``SparseKVCacheManager.adopt_prompt``."""
+        self.manager.adopt_prompt(list(req_pool_indices), list(seq_lens), token_slots, host_slots)
+
+    def record_host_tokens(self, req_pool_indices: torch.Tensor, positions: torch.Tensor,
+                           host_slots: torch.Tensor) -> None:
+        """``host_addressing='tokens'``: the host slot of each decode row's new token (``-1``
+        rows are padding); graph-safe."""
+        self.manager.record_host_tokens(req_pool_indices, positions, host_slots)
+
+    def set_residency(self, v2p: Optional[torch.Tensor], page_size: int = 1) -> None:
+        """``host_addressing='tokens'``: the engine's virtual->GPU page map over host slots
+        (``v2p [pages] int32``, 0 = not on the GPU; ``page_size`` tokens a page), so misses
+        still on the GPU are read from there. None: every miss reads host memory."""
+        if not self.manager.host_tokens:
+            raise ValueError("set_residency is for host_addressing='tokens'")
+        self.manager.resident = None if v2p is None else (v2p, int(page_size))
 
     def _check_layer(self, layer_id: int) -> None:
         if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:

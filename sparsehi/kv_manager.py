@@ -10,6 +10,16 @@ the request's full KV on the GPU in a separate, dense-layers-only pool.
 GPU-only mode: every page stays in the device pool; selections map straight to the
 request's own pages (no diff, no loads) — the reference the hierarchical mode must match.
 
+Host addressing (hierarchical). ``host_addressing="pages"``: the manager allocates each
+request's host pages from the host pool and offloads the prompt itself (``finish_prefill``).
+``host_addressing="tokens"``: the host pool belongs to an engine that already keeps every
+token's KV there (SGLang with the plugin: a token's host slot is its virtual KV id); the
+manager allocates no host memory, writes nothing to it, and reads a request's token ``t``
+from host slot ``host_token_table[row, t]``, which the engine fills (``adopt_prompt`` for
+the prompt, ``record_host_tokens`` each decode step). ``resident = (v2p, page_size)``, when
+the engine sets it, names host slots whose KV is still on the GPU: the swap-in reads those
+from GPU memory instead.
+
 Dense rows. A request whose prompt is shorter than ``SparseConfig.min_sparse_prompt_len``
 is decoded densely in every layer, as SGLang's sparse coordinator does: its whole KV stays
 in the device pool (hierarchical mode still backs it up to host, for the radix tree) and
@@ -46,7 +56,8 @@ from sparsehi.swap_in import SwapInMixin
 from sparsehi.swap_in_stats import StepCounts, SwapInCounters
 
 COORDINATOR_MODES = ("hierarchical", "gpu_only")
-__all__ = ["COORDINATOR_MODES", "DecodeStep", "RequestKV", "SparseKVCacheManager"]
+HOST_ADDRESSING = ("pages", "tokens")
+__all__ = ["COORDINATOR_MODES", "HOST_ADDRESSING", "DecodeStep", "RequestKV", "SparseKVCacheManager"]
 
 
 @dataclass
@@ -107,9 +118,14 @@ class SparseKVCacheManager(SwapInMixin):
         max_context_len: int,
         dense_pool_tokens: Optional[int] = None,
         validate: bool = True,
+        host_addressing: str = "pages",
     ) -> None:
         if mode not in COORDINATOR_MODES:
             raise ValueError(f"mode={mode!r} is invalid: one of {COORDINATOR_MODES}")
+        if host_addressing not in HOST_ADDRESSING:
+            raise ValueError(f"host_addressing={host_addressing!r} is invalid: one of {HOST_ADDRESSING}")
+        if host_addressing == "tokens" and mode != "hierarchical":
+            raise ValueError("host_addressing='tokens' needs mode='hierarchical' (the host pool holds the KV)")
         if device_pool.page_size != config.page_size:
             raise ValueError(f"SparseConfig.page_size={config.page_size} must equal device_pool.page_size={device_pool.page_size}")
         if not isinstance(max_num_reqs, int) or max_num_reqs < 1:
@@ -128,6 +144,9 @@ class SparseKVCacheManager(SwapInMixin):
         self.config = config
         self.mode = mode
         self.hier = mode == "hierarchical"
+        self.host_tokens = host_addressing == "tokens"
+        self.resident: Optional[tuple[torch.Tensor, int]] = None
+        """``(v2p, page_size)`` of the engine's GPU residency (host_addressing='tokens'), or None."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.device = device_pool.device
@@ -174,7 +193,12 @@ class SparseKVCacheManager(SwapInMixin):
             # the swap-in's own copy kernel reads pinned host memory from the GPU (the
             # ``kernel`` io backend); ``direct`` on CUDA keeps the engine's path
             self._fused_copy = dev.type != "cuda" or getattr(transfer, "io_backend", "kernel") == "kernel"
+            if self.host_tokens and not self._fused_copy:
+                raise ValueError("host_addressing='tokens' needs io_backend='kernel' (the swap-in's own copy kernel)")
             self.host_page_table = torch.full((max_num_reqs, self.M), -1, dtype=torch.int64, device=dev)
+            # token addressing: one extra row absorbs padding rows' writes (record_host_tokens)
+            self.host_token_table = (torch.full((max_num_reqs + 1, self.M * self.ps), -1, dtype=torch.int32,
+                                                device=dev) if self.host_tokens else None)
             self.buf_pages = torch.zeros(max_num_reqs, self.S, dtype=torch.int32, device=dev)
             self.sink_table = torch.zeros(max_num_reqs, max(self.sink, 1), dtype=torch.int32, device=dev)
             self.ring_table = torch.zeros(max_num_reqs, self.R, dtype=torch.int32, device=dev)
@@ -217,6 +241,8 @@ class SparseKVCacheManager(SwapInMixin):
         self.dense_rows_t[row] = False
         if self.hier:
             self.host_page_table[row] = -1
+            if self.host_token_table is not None:
+                self.host_token_table[row] = -1
             if self.dense_pool_table is not None:
                 self.dense_pool_table[row] = -1
             self.lru.reset_rows(rows)
@@ -235,10 +261,12 @@ class SparseKVCacheManager(SwapInMixin):
         out = RequestKV(seq_len=n)
         ar = torch.arange(self.ps)
         if self.hier:
-            self._sync_host_writes()
-            hp = torch.from_numpy(t.host[row, :P].copy()) if P and t.host[row, 0] >= 0 else torch.zeros(0, dtype=torch.int64)
-            out.host_pages = hp
-            out.host_slots = (hp[:, None] * self.ps + ar[None, :]).reshape(-1)[:n]
+            if not self.host_tokens:  # token addressing: the host copies are the engine's
+                self._sync_host_writes()
+                hp = (torch.from_numpy(t.host[row, :P].copy()) if P and t.host[row, 0] >= 0
+                      else torch.zeros(0, dtype=torch.int64))
+                out.host_pages = hp
+                out.host_slots = (hp[:, None] * self.ps + ar[None, :]).reshape(-1)[:n]
             alloc = self.device_pool.allocator
             owned = np.concatenate([t.sink[row], t.ring[row], t.lru[row], t.device[row, :P]])
             owned = owned[owned >= 0]
@@ -285,6 +313,9 @@ class SparseKVCacheManager(SwapInMixin):
             raise ValueError(f"token_slots must be [B={b}, max_len] int64, got {tuple(token_slots.shape)}")
         if host_slots is not None and len(host_slots) != b:
             raise ValueError(f"host_slots must hold one tensor per batch row ({b}), got {len(host_slots)}")
+        if self.host_tokens:
+            raise ValueError("host_addressing='tokens': the engine keeps the prompt's host copy; register it with "
+                             "adopt_prompt instead of finish_prefill")
         reqs = [self._req(r) for r in rows]
         for r, req in zip(rows, reqs):
             if req.prefilled:
@@ -312,6 +343,112 @@ class SparseKVCacheManager(SwapInMixin):
             return
         finish_prefill_hierarchical(self, rows, seq_lens, prefix_lens, ts_cpu, dev_pages, dense, host_slots,
                                     free_device_kv)
+
+    def adopt_prompt(self, rows: list[int], seq_lens: list[int], token_slots: torch.Tensor,
+                     host_slots: torch.Tensor) -> None:
+        """Token addressing: register prompts whose KV the engine already holds, on the GPU
+        (``token_slots [B, max_len] int64``: device slot of each position, ``-1`` where it is
+        only in host memory) and in host memory (``host_slots [B, max_len]`` int32/int64:
+        host slot of each position). Each row gets its GPU buffer (sink pages and recent ring
+        filled from the prompt, an empty LRU region) and, with dense layers, its dense-layer
+        pages; nothing is written to the host pool. Rows must be sparse (prompt of at least
+        ``min_sparse_prompt_len`` tokens). Every page is taken before anything changes:
+        running short leaves the manager as it was. No host sync."""
+        if not self.host_tokens:
+            raise ValueError("adopt_prompt is for host_addressing='tokens'; use finish_prefill")
+        b = len(rows)
+        if len(seq_lens) != b or len(set(rows)) != b:
+            raise ValueError(f"rows ({list(rows)}) must be distinct and seq_lens ({list(seq_lens)}) one per row")
+        for name, t in (("token_slots", token_slots), ("host_slots", host_slots)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != b or t.shape[1] < max(seq_lens, default=0):
+                raise ValueError(f"{name} must be [B={b}, >= max seq_len] integer, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        for r, n in zip(rows, seq_lens):
+            if self._req(r).prefilled:
+                raise ValueError(f"req_pool_index={r} was already registered")
+            if not self.config.min_sparse_prompt_len <= n <= self.max_context_len:
+                raise ValueError(f"seq_len={n} of req_pool_index={r} must lie in [min_sparse_prompt_len="
+                                 f"{self.config.min_sparse_prompt_len}, max_context_len={self.max_context_len}]")
+        ps, sink, R, S = self.ps, self.sink, self.R, self.S
+        alloc = self.device_pool.allocator
+        got_buf: list[torch.Tensor] = []
+        got_dense: list[torch.Tensor] = []
+        try:
+            for r, n in zip(rows, seq_lens):
+                pages = alloc.alloc_pages(sink + R + S, on_host=True)
+                if pages is None:
+                    raise RuntimeError(f"device pool is out of space for the GPU buffer of req_pool_index={r}: need "
+                                       f"{sink + R + S} pages, {alloc.num_free_pages()} free")
+                got_buf.append(pages)
+                if self.dense_pool is not None:
+                    dp = self.dense_pool.allocator.alloc_pages(_cdiv(n, ps), on_host=True)
+                    if dp is None:
+                        raise RuntimeError(f"dense-layer pool is out of space for req_pool_index={r}")
+                    got_dense.append(dp)
+        except Exception:
+            for pages in got_buf:
+                alloc.free_pages(pages)
+            for dp in got_dense:
+                self.dense_pool.allocator.free_pages(dp)
+            raise
+        dev = self.device
+        t = self.table
+        kv = self.device_pool.kv_data  # [bufs, layers, slots, H, D]
+        off = self._offsets
+        for i, (r, n) in enumerate(zip(rows, seq_lens)):
+            P = _cdiv(n, ps)
+            pages = got_buf[i]
+            sink_pages, ring_pages, lru_pages = pages[:sink], pages[sink:sink + R], pages[sink + R:]
+            t.sink[r], t.ring[r], t.lru[r] = sink_pages.numpy(), ring_pages.numpy(), lru_pages.numpy()
+            if sink:
+                self.sink_table[r, :sink] = sink_pages.to(dev, torch.int32)
+            self.ring_table[r] = ring_pages.to(dev, torch.int32)
+            self.buf_pages[r] = lru_pages.to(dev, torch.int32)
+            self.host_token_table[r, :n] = host_slots[i, :n].to(dev, torch.int32)
+            # sink pages and the recent window's pages, token by token from where they are
+            logical = list(range(min(sink, P))) + list(range(max(sink, P - R), P))
+            dst_pages = [int(sink_pages[p]) for p in logical[:min(sink, P)]] + \
+                        [int(ring_pages[p % R]) for p in logical[min(sink, P):]]
+            pos = (torch.tensor(logical, dtype=torch.int64)[:, None] * ps + off.cpu()[None, :]).reshape(-1)
+            dst = (torch.tensor(dst_pages, dtype=torch.int64)[:, None] * ps + off.cpu()[None, :]).reshape(-1)
+            live = pos < n
+            pos, dst = pos[live].to(dev), dst[live].to(dev)
+            self._fill_from_engine(kv, token_slots[i].to(dev)[pos], host_slots[i].to(dev)[pos], dst, None)
+            if self.dense_pool is not None:
+                dp = got_dense[i]
+                t.dense_pool[r, :P] = dp.numpy()
+                self.dense_pool_table[r, :P] = dp.to(dev, torch.int32)
+                allpos = torch.arange(n, device=dev)
+                dst = (dp.to(dev)[:, None] * ps + off[None, :]).reshape(-1)[:n]
+                self._fill_from_engine(kv, token_slots[i].to(dev)[allpos], host_slots[i].to(dev)[allpos], dst,
+                                       self.dense_layers)
+            self._set_prefilled(r, n, False)
+
+    def _fill_from_engine(self, kv: torch.Tensor, src_dev: torch.Tensor, src_host: torch.Tensor, dst: torch.Tensor,
+                          dense_layers: Optional[tuple[int, ...]]) -> None:
+        """Copy tokens into device slots ``dst``. Main pool (``dense_layers`` None), every
+        layer: from device slots ``src_dev`` where they are ``>= 0``, else from host slots
+        ``src_host``. Dense-layer pool (its layers): from ``src_dev`` only (the engine
+        registers a prompt while it is on the GPU). Fixed shapes, no host sync."""
+        on_gpu = src_dev >= 0
+        s = src_dev.clamp(min=0)
+        if dense_layers is None:
+            kv[:, :, dst] = kv[:, :, s]
+            self.transfer.load(torch.where(on_gpu, -1, src_host.long()), dst, allow_padding=True).wait()
+            return
+        dl = torch.tensor(dense_layers, dtype=torch.int64, device=kv.device)
+        self.dense_pool.kv_data[:, :, dst] = kv[:, dl[:, None], s[None, :]]
+
+    def record_host_tokens(self, rows: torch.Tensor, positions: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Token addressing: ``host_token_table[rows[b], positions[b]] = host_slots[b]`` for the
+        live rows (``rows [B] int64``, ``-1`` padding; positions ``[B]``; host slots ``[B]``).
+        Fixed shapes, no host sync (a decode step's graph records it)."""
+        if self.host_token_table is None:
+            raise ValueError("record_host_tokens is for host_addressing='tokens'")
+        tab = self.host_token_table
+        r = torch.where(rows >= 0, rows, tab.shape[0] - 1)
+        p = positions.to(torch.int64).clamp(0, tab.shape[1] - 1)
+        tab.index_put_((r, p), host_slots.to(tab.dtype))
 
     def _set_prefilled(self, row: int, seq_len: int, dense: bool) -> None:
         self.table.seq[row] = seq_len
@@ -387,16 +524,16 @@ class SparseKVCacheManager(SwapInMixin):
                 if new_dev is None:
                     raise RuntimeError(f"device pool is out of space for {n_dev} new decode pages")
                 got.append((self.device_pool.allocator, new_dev))
-            if self.hier:
+            if self.hier and not self.host_tokens:
                 new_host = self.host_pool.allocator.alloc_pages(n, on_host=True)
                 if new_host is None:
                     raise RuntimeError(f"host pool is out of space for {n} new decode pages")
                 got.append((self.host_pool.allocator, new_host))
-                if self.dense_pool is not None:
-                    new_dense = self.dense_pool.allocator.alloc_pages(n, on_host=True)
-                    if new_dense is None:
-                        raise RuntimeError(f"dense-layer pool is out of space for {n} new decode pages")
-                    got.append((self.dense_pool.allocator, new_dense))
+            if self.hier and self.dense_pool is not None:
+                new_dense = self.dense_pool.allocator.alloc_pages(n, on_host=True)
+                if new_dense is None:
+                    raise RuntimeError(f"dense-layer pool is out of space for {n} new decode pages")
+                got.append((self.dense_pool.allocator, new_dense))
         except Exception:
             for alloc, p in got:
                 alloc.free_pages(p)
@@ -412,6 +549,8 @@ class SparseKVCacheManager(SwapInMixin):
         if new_dev is not None:
             t.device[rows[dev_mask], pages[dev_mask]] = new_dev.numpy()
             ents.append(_entries(2, rows[dev_mask], pages[dev_mask], new_dev.numpy()))
+        if not ents:
+            return
         ents = np.concatenate(ents)
         if self.defer_page_entries:  # the decode step writes them (take_page_entries)
             self._page_entries = ents if self._page_entries is None else np.concatenate([self._page_entries, ents])
@@ -516,7 +655,7 @@ class SparseKVCacheManager(SwapInMixin):
     def backup_token(self, layer: int, step: DecodeStep, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
         """Hierarchical: copy the new token of ``layer`` to its host slot (per layer, so the
         page is complete on host before it leaves the recent window). Graph-safe."""
-        if not self.hier:
+        if not self.hier or self.host_tokens:  # token addressing: the engine writes its host copy
             return
         if layer in self.dense_index:
             # The model wrote it into the dense-layer pool, which the transfer engine does not

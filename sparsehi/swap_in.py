@@ -62,7 +62,7 @@ class SwapInMixin:
         r = self._lru_diff(layer, step, topk, valid, choice)
         if self._fused_copy:
             swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, step.rows,
-                         self.host_page_table, self.buf_pages, self.ps)
+                         self.host_page_table, self.buf_pages, self.ps, **self._host_addressing())
         else:  # io_backend "direct" on CUDA: the engine's host-side path (not graph-capturable)
             self._load_through_engine(layer, step, r)
         return r.device_slots
@@ -85,7 +85,14 @@ class SwapInMixin:
                                       step.rows, self.host_page_table, self.buf_pages, self.ps, topk, valid,
                                       step.num_pages, step.seq_lens, step.safe_rows, sink=self.sink, recent=self.R,
                                       sink_table=self.sink_table, ring_table=self.ring_table,
-                                      device_slots=r.device_slots, choice=choice)
+                                      device_slots=r.device_slots, choice=choice, **self._host_addressing())
+
+    def _host_addressing(self) -> dict:
+        """The copy kernels' host addressing: per page (none), or per token from the token
+        table, with the engine's GPU residency (misses still on the GPU read from there)."""
+        if not self.host_tokens:
+            return {}
+        return {"host_tokens": self.host_token_table[: self.max_num_reqs], "resident": self.resident}
 
     def _lru_diff(self, layer: int, step: DecodeStep, topk: torch.Tensor, valid: torch.Tensor,
                   choice: Optional[RowChoice] = None) -> LruDiffResult:

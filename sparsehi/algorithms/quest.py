@@ -130,17 +130,17 @@ class QuestAlgorithm(BaseSparseAlgorithm):
             raise ValueError(f"token_slots has {max_len} positions > max_context_len={self.max_pages * ps}")
         if key_buffer.shape[1:] != kmin.shape[2:]:
             raise ValueError(f"key_buffer {tuple(key_buffer.shape)} does not match the pool's [Hkv, D]={tuple(kmin.shape[2:])}")
-        dev = kmin.device
-        seq = seq_lens.to(dev).long()
-        req = req_pool_indices.to(dev).long()
+        # lengths and rows on the host (one read; none when the caller passes CPU tensors)
+        seq = [int(x) for x in seq_lens.tolist()]
+        req = [int(x) for x in req_pool_indices.tolist()]
         # One request at a time bounds the temporary to one row's keys.
         for i in range(b):
-            n, r = int(seq[i]), int(req[i])
+            n, r = seq[i], req[i]
             if n <= 0 or r < 0:  # empty or padding row
                 continue
             if r >= self.max_num_reqs:
                 raise ValueError(f"req_pool_indices[{i}]={r} is invalid: < max_num_reqs={self.max_num_reqs} (negative: padding)")
-            k = key_buffer[token_slots[i, :n].to(key_buffer.device).long()].to(dev)
+            k = key_buffer[token_slots[i, :n].to(key_buffer.device).long()].to(kmin.device)
             full = n // ps
             if full:
                 kp = k[: full * ps].view(full, ps, *k.shape[1:])
