@@ -209,4 +209,7 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
     ):
         registry.register(target, hook, kind)
         targets.append(target)
+    # sgl.Engine(sparsehi_*=...) keywords: Engine.server_args_class wrapped (engine_options.py)
+    from sparsehi.sglang_plugin import engine_options
+    targets += engine_options.register(registry, hook_type)
     return targets
