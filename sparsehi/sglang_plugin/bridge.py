@@ -1,39 +1,41 @@
-"""The coordinator inside SGLang's model runner: one :class:`SGLangSparseBridge` per
-model runner, built when its memory pools are allocated.
+"""The coordinator inside SGLang's model runner: one :class:`SGLangSparseBridge` per model
+runner, built when its memory pools are allocated.
 
-SGLang keeps owning its pools, allocator, radix cache and scheduling. The bridge only
-watches. Extend (prefill) forwards are SGLang's own, untouched: a prompt may come in
-several chunks (chunked prefill) or partly from the radix cache, and only its first decode
-forward tells that it is complete. There, every row whose prompt reaches
-``min_sparse_prompt_len`` is registered with the coordinator from the KV SGLang's pool
-holds (representations built, hierarchical mode: the prompt offloaded to a host pool once
-and its sparse buffer set up in a region reserved after SGLang's slots, see
-:mod:`sparsehi.sglang_plugin.pool_view`); then the step runs for the registered rows.
-SGLang freeing a ``ReqToTokenPool`` row ends the request.
-SGLang's own KV of a registered request stays where SGLang put it (its decode tokens
-are written there too), so its radix cache can still reuse and cache the request's
-prefix; a prompt shorter than ``min_sparse_prompt_len`` is never registered and takes
-SGLang's unmodified attention path.
+Memory. SGLang's KV slots become host-backed (``host_backed_allocator``): the scheduler's
+allocator, tree and request rows hold virtual slots whose KV lives in the plugin's pinned
+host pool (host slot = virtual slot), and GPU memory (the same bytes SGLang had allotted
+to its KV pool, taken over without a second copy: ``pool_view.adopt_kv_pool``) is split
+into GPU pages for the virtual pages SGLang's own kernels need (``KVResidency``) and the
+sparse requests' buffers. What stays on the GPU, page by page (pins):
 
-Attention of registered rows goes through our backend adaptor (``--sparsehi-backend``:
-the Triton ``kv_indptr`` / ``kv_indices`` or the FlashAttention page-table metadata,
-built from the selection by :mod:`sparsehi.adapters`) over the shared KV memory.
-Batches mixing short and registered rows run SGLang's dense attention as well, for
-the short rows only: the coordinator sees the short rows as padding rows (-1).
+- a prompt while it is prefilled (chunk after chunk), and a prefix hit's pages, brought
+  back from host before the extend forward that reads them;
+- every page of a request SGLang decodes itself (a prompt shorter than
+  ``min_sparse_prompt_len``, or no sparse capacity left);
+- of a registered (sparse) request, only the page its newest token is written to.
 
-Per step, the host part (which rows are ours, their lengths, ``prepare_decode``) runs in
-the model runner's forward hook and writes the static row / length buffers allocated here;
-the layer hooks do device work only over views of them (no host sync, no allocation of
-Python data). So the layer path is what SGLang's decode CUDA graphs record: the model
-runner's capture head / tail hooks (``ModelRunner.capture_head_hooks`` /
-``capture_tail_hooks``) hand the bridge each captured forward, whose rows are all padding
-while it records; at replay the host part of the forward hook has filled the buffers the
-graph reads. A recorded forward cannot know which rows will be ours, so it always runs
-SGLang's attention too and keeps its output for the rows that are not; for ours, SGLang's
-attention sees a length of one token (``sglang_lengths``), so it reads next to nothing.
+Everything a forward writes is copied to host after it (write-through), so a page whose
+pins drop to zero is demoted: its GPU page is freed, its KV stays in host memory, where the
+radix tree keeps finding it. A sparse request's GPU footprint after registration is its
+buffer (sink + LRU region + recent ring + a page) and one page.
+
+Forwards. Extend forwards are SGLang's own; around them the bridge pins the rows' pages
+(bringing a prefix hit back first), copies the new tokens to host after, and for a prompt
+that will decode sparsely builds the algorithm's representations from the keys on the GPU
+(so registration does not stall the first decode step). At a row's first decode forward
+its prompt is complete: it is registered (``adopt_prompts``: buffers set up from the prompt
+still on the GPU) and its prompt pages are demoted after that step; the first step's
+misses are read from GPU memory (``set_residency``). Decode steps of registered rows run
+the coordinator's layer path (selection, swap-in, adaptor attention) in SGLang's decode
+CUDA graphs (capture head / tail hooks), as before; SGLang's attention sees our rows as one
+token (``sglang_lengths``) and its output for them is replaced.
+
+Request end. ``ReqToTokenPool.free_rows`` (SGLang frees a row after its KV went to the tree
+or back to the allocator): the row's pins are dropped, its sparse state ends.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -42,51 +44,54 @@ import numpy as np
 import torch
 
 from hicache.host_pool import HostKVPool
-from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
+from hicache.residency import KVResidency
+from hicache.transfer import KVTransferEngine
 from sparsehi.config import SparseConfig
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch as SparseBatch
-from sparsehi.sglang_plugin.pool_view import adopt_kv_pool, req_to_token_rows
+from sparsehi.sglang_plugin import sglang_api
+from sparsehi.sglang_plugin.host_backed_allocator import host_backed_allocator_class
+from sparsehi.sglang_plugin.pool_view import adopt_kv_pool, describe_kv_pool, req_to_token_rows
+from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 
 logger = logging.getLogger(__name__)
 
-
 ATTEND_WITH = ("adaptor", "sglang_triton")
+ROWS_CPU_ATTR = "sparsehi_req_pool_indices_cpu"
+"""Attribute of a decode ``ForwardBatch``: the scheduler's host copy of its row ids, which
+SGLang's ``ForwardBatch.init_new`` keeps for extend batches only (set by the plugin's hook
+on ``init_new``), so that the forward hook never reads ``req_pool_indices`` back."""
+PROMPT_LENS_ATTR = "sparsehi_prompt_lens"
+"""Attribute of an extend ``ForwardBatch``: each row's full prompt length (set by the hook
+on ``init_new``), which tells at the first chunk whether the request will decode sparsely."""
+
+BUFFER_SHARE = 0.5
+"""Default share of SGLang's KV memory the sparse requests' buffers and representations
+may take (``--sparsehi-max-sparse-requests`` sets the count instead)."""
+
+HOST_SHARE = 0.7
+"""At most this share of the machine's memory (over the TP ranks) becomes pinned host KV."""
+
+_READ_BACKS: set[str] = set()
+
+
+def _host_memory_bytes() -> Optional[int]:
+    """The machine's physical memory (the same on every rank of a host), or None."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-@dataclass
-class DecodeState:
-    """One decode forward over B rows, eager or recorded into a CUDA graph: static views
-    of the bridge's row buffers (rows that are not ours are padding rows, -1) and, from its
-    first layer on, the coordinator's step over them."""
-
-    rows: torch.Tensor  # [B] int64: request rows, -1 where not ours
-    seq: torch.Tensor  # [B] int32: lengths with the new token (1 where not ours)
-    ours: torch.Tensor  # [B] bool
-    all_ours: bool  # host fact of an eager forward: no row takes SGLang's dense path
-    recorded: bool = False  # a CUDA-graph capture's forward: no host fact holds at replay
-    batch: Optional[SparseBatch] = None  # the coordinator's step, begun at the first layer
-    host_rows: Optional[np.ndarray] = None  # [B] int64 on the host: the forward's rows (eager and replayed)
-    host_ours: Optional[np.ndarray] = None  # [B] bool on the host: which of them are ours
-
-
-ROWS_CPU_ATTR = "sparsehi_req_pool_indices_cpu"
-"""Attribute of a decode ``ForwardBatch``: the scheduler's host copy of its row ids, which
-SGLang's ``ForwardBatch.init_new`` keeps for extend batches only (set by the plugin's hook
-on ``init_new``), so that the forward hook never reads ``req_pool_indices`` back from the
-device."""
-
-_READ_BACKS: set[str] = set()
-
-
 def _host_ints(name: str, cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
-    """Host copy of a per-row value: a CPU copy when SGLang has one, else a read-back from
-    the device (a host sync: the host then waits for the device's queued work, so it can
-    no longer run ahead of it; logged once per value)."""
+    """Host copy of a per-row value: SGLang's CPU copy, else a read-back from the device (a
+    host sync, which takes the host's lead over the device; logged once per value)."""
     if cpu is not None:
         return np.asarray(cpu.tolist() if isinstance(cpu, torch.Tensor) else cpu, dtype=np.int64)
     if dev.device.type != "cpu" and name not in _READ_BACKS:
@@ -97,8 +102,7 @@ def _host_ints(name: str, cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
 
 
 def host_rows(fb: Any) -> np.ndarray:
-    """[B] int64: a forward batch's ``ReqToTokenPool`` rows on the host (SGLang's
-    ``req_pool_indices_cpu``, else the scheduler's copy the ``init_new`` hook kept)."""
+    """[B] int64: a forward batch's ``ReqToTokenPool`` rows on the host."""
     cpu = getattr(fb, "req_pool_indices_cpu", None)
     if cpu is None:
         cpu = getattr(fb, ROWS_CPU_ATTR, None)
@@ -107,22 +111,53 @@ def host_rows(fb: Any) -> np.ndarray:
     return _host_ints("req_pool_indices", cpu, fb.req_pool_indices)
 
 
-class SGLangSparseBridge:
-    """Coordinator over SGLang's ``ReqToTokenPool`` and KV pool (MHA or MLA).
+@dataclass
+class DecodeState:
+    """One decode forward over B rows, eager or recorded into a CUDA graph: static views
+    of the bridge's row buffers (rows that are not ours are padding rows, -1) and, from its
+    first layer on, the coordinator's step over them."""
 
-    config: the parsed ``--sparsehi-*`` options. req_to_token_pool / kv_pool: SGLang's.
-    max_running_requests: requests decoding at once (sizes the reserved buffer region and
-    the dense-layer pool). adaptor_impl: the adaptor's kernel choice (``auto``: Triton on
-    CUDA, torch reference on CPU). attend_with: ``adaptor`` (the adaptor's own decode
-    kernel) or ``sglang_triton`` (``--sparsehi-backend triton`` only: SGLang's Triton decode
-    kernel over the adaptor's rewritten ``kv_indptr`` / ``kv_indices``). validate: the
-    coordinator's host-side value checks (syncs; tests only).
+    slots: torch.Tensor  # [B] int64: coordinator request slots, -1 where not ours
+    sgl_rows: torch.Tensor  # [B] int64: SGLang rows of our rows (0 where not ours)
+    seq: torch.Tensor  # [B] int32: lengths with the new token (1 where not ours)
+    ours: torch.Tensor  # [B] bool
+    all_ours: bool  # host fact of an eager forward: no row takes SGLang's dense path
+    recorded: bool = False  # a CUDA-graph capture's forward: no host fact holds at replay
+    batch: Optional[SparseBatch] = None  # the coordinator's step, begun at the first layer
+    fb: Any = None  # SGLang's ForwardBatch (eager and replayed forwards)
+    host_rows: Optional[np.ndarray] = None  # [B] SGLang rows
+    host_ours: Optional[np.ndarray] = None  # [B] bool
+    host_seq: Optional[np.ndarray] = None  # [B] lengths with the new token
+    registered_now: Optional[np.ndarray] = None  # SGLang rows registered at this step
+
+
+@dataclass
+class ExtendState:
+    """One extend forward: its rows, and which of them will decode sparsely."""
+
+    fb: Any
+    rows: np.ndarray
+    seq: np.ndarray
+    sparse: np.ndarray  # [B] bool: rows with a coordinator slot (representations built after)
+    prev_pinned: np.ndarray  # [B] pinned lengths before this forward (undone if it raises)
+    new_slots: list[int]  # rows that got their coordinator slot in this forward
+
+
+class SGLangSparseBridge:
+    """The plugin inside one SGLang model runner (see the module docstring).
+
+    config: the parsed ``--sparsehi-*`` options. runner: SGLang's ``ModelRunner`` right
+    after ``alloc_memory_pool`` (``req_to_token_pool``, ``token_to_kv_pool``,
+    ``token_to_kv_pool_allocator``, ``max_running_requests``, ``kv_index_translator``);
+    the bridge replaces its allocator and KV buffers and switches its translator.
+    adaptor_impl: the adaptor's kernel choice (``auto``: Triton on CUDA, torch reference on
+    CPU). attend_with: ``adaptor`` or ``sglang_triton`` (``--sparsehi-backend triton``
+    only: SGLang's Triton decode kernel over our ``kv_indptr`` / ``kv_indices``).
+    validate: the coordinator's host-side value checks (syncs; tests only).
     """
 
-    def __init__(self, config: SparseConfig, req_to_token_pool: Any, kv_pool: Any, *, max_running_requests: int,
-                 adaptor_impl: str = "auto", attend_with: str = "adaptor", validate: bool = False) -> None:
-        if not isinstance(max_running_requests, int) or max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be an int >= 1, got {max_running_requests!r}")
+    def __init__(self, config: SparseConfig, runner: Any, *, adaptor_impl: str = "auto",
+                 attend_with: str = "adaptor", validate: bool = False) -> None:
         if config.algorithm == "dsa":
             raise ValueError("--sparsehi-algorithm dsa needs the DeepSeek indexer's queries and keys, which SGLang's "
                              "RadixAttention does not hand the plugin: use quest, oracle or package.module:ClassName")
@@ -133,109 +168,344 @@ class SGLangSparseBridge:
                              f"got {config.backend!r}")
         self.attend_with = attend_with
         self.config = config
-        self.req_to_token_pool = req_to_token_pool
-        self.kv_pool = kv_pool
-        rows, max_ctx = req_to_token_rows(req_to_token_pool)
+        req_pool, kv_pool, sgl_alloc = sglang_api.runner_pools(runner)
+        self.req_to_token_pool, self.kv_pool = req_pool, kv_pool
+        rows, max_ctx = req_to_token_rows(req_pool)
+        self.num_rows = rows
+        lay = describe_kv_pool(kv_pool)
+        self.sgl_ps = lay.page_size
         ps = config.page_size
-        if int(kv_pool.page_size) != ps:
-            raise ValueError(f"--sparsehi-page-size={ps} must equal SGLang's --page-size={kv_pool.page_size} "
-                             f"(the selection works on SGLang's pages)")
         max_ctx = _round_up(max_ctx, ps)
+        max_running = int(getattr(runner, "max_running_requests", None) or rows - 1)
+        sgl_tokens = int(kv_pool.size)
         per_req = (config.sink_units + config.recent_units + config.buffer_units + 1) * ps
-        self.device_pool = adopt_kv_pool(kv_pool, max_running_requests * per_req)
-        dev = self.device_pool.device
-        self.kv_kind = self.device_pool.spec.attention
-        # ours by name, or an SGLang BaseSparseAlgorithm subclass wrapped with SGLang's own pools
-        self.algorithm = create_plugin_algorithm(config, dev, req_to_token_pool=req_to_token_pool,
-                                                 token_to_kv_pool=kv_pool)
-        self.host_pool = HostKVPool(self.device_pool, hicache_ratio=config.host_to_device_ratio)
-        if self.kv_kind == "mla":
-            from sparsehi.adapters import create_adaptor
+        dev = kv_pool.device if isinstance(kv_pool.device, torch.device) else torch.device(kv_pool.device)
 
-            adaptor = create_adaptor("dsa", kv_lora_rank=self.device_pool.spec.kv_lora_rank, impl=adaptor_impl)
+        # the algorithm first: its representations come out of SGLang's KV memory too
+        self.algorithm = create_plugin_algorithm(config, dev)
+        spec = lay.spec()
+        token_bytes = spec.token_bytes
+        rep_per_req = self._representation_bytes(spec, max_ctx)
+        budget = sgl_tokens * token_bytes
+        max_sparse = config.max_sparse_requests
+        if max_sparse is None:
+            max_sparse = int(BUFFER_SHARE * budget // (per_req * token_bytes + rep_per_req))
+            max_sparse = max(1, min(max_running, max_sparse))
+        self.max_sparse = int(max_sparse)
+        extra = self.max_sparse * rep_per_req + self._table_bytes(max_ctx, spec.num_layers)
+        self.device_pool, res_rows = adopt_kv_pool(kv_pool, sel_page_size=ps, reserve_tokens=self.max_sparse * per_req,
+                                                   extra_bytes=extra)
+        self.physical_pages = res_rows // self.sgl_ps - 1
+        # host pool: one slot per virtual KV slot (SGLang's allocator hands out 1..V), at
+        # most HOST_SHARE of the machine's memory per TP rank (the same on every rank: their
+        # schedulers must decide alike)
+        unit = max(ps, self.sgl_ps)
+        host_tokens = _round_up(int(sgl_tokens * config.host_to_device_ratio), unit)
+        tp = max(1, int(getattr(runner, "tp_size", 1) or 1))
+        total = _host_memory_bytes()
+        if total is not None:
+            cap = int(HOST_SHARE * total / tp // spec.token_bytes) // unit * unit
+            if cap < host_tokens:
+                logger.warning("sparsehi: --sparsehi-host-to-device-ratio %.3g asks for %.1f GB of pinned host KV; "
+                               "%.0f%% of this machine's %.1f GB over %d rank(s) holds %d tokens: using that",
+                               config.host_to_device_ratio, host_tokens * spec.token_bytes / 1e9, 100 * HOST_SHARE,
+                               total / 1e9, tp, cap)
+                host_tokens = max(cap, 2 * unit)
+        self.virtual_tokens = host_tokens - self.sgl_ps
+        ratio = (host_tokens + ps) / self.device_pool.num_slots
+        self.host_pool = HostKVPool(self.device_pool, hicache_ratio=max(ratio, 1.0 + 1e-9))
+        self.transfer = KVTransferEngine(self.device_pool, self.host_pool, io_backend="kernel", validate=False)
+        self.residency = KVResidency(self.virtual_tokens // self.sgl_ps, self.physical_pages, dev)
+        self.forwards = 0
+        self.allocator = self._make_allocator(sgl_alloc)
+        sglang_api.install_allocator(runner, self.allocator, self.virtual_tokens)
+        translator = getattr(runner, "kv_index_translator", None)
+        if translator is not None:
+            sglang_api.make_translating(translator, self.allocator)
+        # the coordinator over compact request slots [0, max_sparse)
+        from sparsehi.adapters import create_adaptor
+
+        self.kv_kind = spec.attention
+        if self.kv_kind == "mla":
+            adaptor = create_adaptor("dsa", kv_lora_rank=spec.kv_lora_rank, impl=adaptor_impl)
         else:
             if config.backend == "dsa":
                 raise ValueError("--sparsehi-backend=dsa needs an MLA model; this model has an MHA cache: use "
                                  "'flashattention' or 'triton'")
-            from sparsehi.adapters import create_adaptor
-
             adaptor = create_adaptor(config.backend, impl=adaptor_impl)
+        dense_layers = [layer for layer in range(spec.num_layers) if not self.algorithm.is_sparse_layer(layer)]
         self.coord = SparseCoordinator(
             config, self.algorithm, self.device_pool, mode="hierarchical", host_pool=self.host_pool,
-            adaptor=adaptor, max_num_reqs=rows, max_context_len=max_ctx, validate=validate,
-            dense_pool_tokens=max_running_requests * (max_ctx + ps) + 2 * ps,
+            transfer=self.transfer, adaptor=adaptor, max_num_reqs=self.max_sparse, max_context_len=max_ctx,
+            validate=validate, host_addressing="tokens",
+            dense_pool_tokens=(self.max_sparse * (max_ctx + ps) + 2 * ps) if dense_layers else None,
         )
+        self.coord.set_residency(self.residency.v2p, self.sgl_ps)
+        # host-side state per SGLang row
+        self.slot_of_row = np.full(rows, -1, dtype=np.int64)
+        self.row_of_slot = np.full(self.max_sparse, -1, dtype=np.int64)
+        self.free_slots = list(range(self.max_sparse - 1, -1, -1))
         self.registered = np.zeros(rows, dtype=bool)
         self.declined = np.zeros(rows, dtype=bool)
-        """Rows whose prompt was too short (``min_sparse_prompt_len``): SGLang's path until freed."""
+        """Rows SGLang decodes itself (short prompt, or no sparse slot left) until freed."""
+        self.pinned_len = np.zeros(rows, dtype=np.int64)
+        """Tokens of a row whose pages the row pins (prefilling rows, rows SGLang decodes)."""
+        self.open_pos = np.full(rows, -1, dtype=np.int64)
+        """Registered rows: position whose page the row pins (its newest token's)."""
+        self.prompt_len = np.zeros(rows, dtype=np.int64)
         self.registrations = 0
-        """Prompts registered (each offloaded once, at its first decode forward)."""
-        # static per-step buffers (the layer hooks and recorded graphs read views of them;
-        # never reallocated), filled from two pinned host slots used in turn: a slot is
-        # rewritten two steps later, when its copy has long run (an event makes sure)
-        self._packed = torch.empty(3, rows, dtype=torch.int64, device=dev)  # rows, lengths, ours
-        self._rows = self._packed[0]
+        self._wt_event = torch.cuda.Event() if dev.type == "cuda" else None  # last extend write-through
+        self._fwd_event = torch.cuda.Event() if dev.type == "cuda" else None  # end of the last forward
+        # static per-step buffers over SGLang's batch positions (never reallocated; the
+        # layer hooks and recorded graphs read views of them), filled from two pinned host
+        # slots used in turn
+        self._packed = torch.empty(4, rows, dtype=torch.int64, device=dev)  # slots, sgl rows, lengths, ours
+        self._slots, self._sgl_rows = self._packed[0], self._packed[1]
         self._seq = torch.ones(rows, dtype=torch.int32, device=dev)
         self._ours = torch.zeros(rows, dtype=torch.bool, device=dev)
-        pin = torch.device(dev).type == "cuda"
-        self._host_slots = [torch.empty(3, rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        pin = dev.type == "cuda"
+        self._host_slots = [torch.empty(4, rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._turn = 0
-        self._staged = rows  # buffer rows that may hold a previous step's values
-        self._stage(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool))
-        logger.info("sparsehi: coordinator over SGLang's %s pool (%d slots + %d reserved), algorithm %s, adaptor %s",
-                    self.kv_kind.upper(), self.device_pool.num_slots - max_running_requests * per_req,
-                    max_running_requests * per_req, type(self.algorithm).__name__, adaptor.name)
+        self._staged = rows
+        empty = np.zeros(0, dtype=np.int64)
+        self._stage(empty, empty, empty, np.zeros(0, dtype=bool))
+        logger.info("sparsehi: SGLang's %s KV memory (%d tokens) as %d GPU tokens for SGLang's kernels + buffers of %d "
+                    "sparse requests; %d host-backed KV slots (%.1f GB pinned); algorithm %s, adaptor %s",
+                    self.kv_kind.upper(), sgl_tokens, self.physical_pages * self.sgl_ps, self.max_sparse,
+                    self.virtual_tokens, self.host_pool.nbytes() / 1e9, type(self.algorithm).__name__, adaptor.name)
+
+    # ------------------------------------------------------------------ set-up
+    def _representation_bytes(self, spec: Any, max_ctx: int) -> int:
+        """GPU bytes of one request's representations (measured by asking the algorithm for
+        a pool of one request)."""
+        algo = create_plugin_algorithm(self.config, self.kv_pool.device)
+        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        algo.initialize_representation_pool(0, spec.num_layers, 1, max_ctx, kv_heads=spec.kv_heads,
+                                            head_dim=spec.head_dim, dtype=spec.dtype)
+        got = sum(t.numel() * t.element_size() for t in _tensors_of(algo))
+        if torch.cuda.is_available():
+            got = max(got, torch.cuda.memory_allocated() - before)
+        del algo
+        return int(got)
+
+    def _table_bytes(self, max_ctx: int, num_layers: int) -> int:
+        """GPU bytes of the coordinator's and the residency's own tables (an upper estimate)."""
+        ps, n = self.config.page_size, self.max_sparse
+        m = max_ctx // ps
+        s = self.config.buffer_units
+        lru = num_layers * n * (2 * s + m) * 4  # per sparse layer: resident, last_used (S) and slot_of (M)
+        tables = (n + 1) * max_ctx * 4 + n * m * 16 + n * (s + 16) * 8
+        v = int(self.kv_pool.size * self.config.host_to_device_ratio) + 1
+        return lru + tables + v * 24
+
+    def _make_allocator(self, sgl_alloc: Any) -> Any:
+        cls, args, kwargs = sglang_api.allocator_class_args(sgl_alloc, self.virtual_tokens)
+        alloc = host_backed_allocator_class(cls)(*args, **kwargs)
+        alloc.bind_residency(self.residency, settle_tag=lambda: self.forwards - 1)
+        return alloc
+
+    # ------------------------------------------------------------------ ordering helpers
+    def _after_forwards(self) -> None:
+        """Make the current stream wait for the last forward and the last extend's
+        write-through (before demoting pages they may read or write)."""
+        for ev in (self._fwd_event, self._wt_event):
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev)
+
+    def _row_positions(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                       every_token: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, positions) over ``[start, end)`` of each row: every position with
+        ``every_token``, else the positions that start a page (one per page: a row's pins
+        cover the pages of ``[0, n)`` named by their first positions)."""
+        out_r, out_p = [], []
+        step = 1 if every_token else self.sgl_ps
+        for r, a, b in zip(rows, starts, ends):
+            first = int(a) if every_token else _round_up(int(a), self.sgl_ps)
+            p = np.arange(first, int(b), step, dtype=np.int64)
+            out_r.append(np.full(len(p), r, dtype=np.int64))
+            out_p.append(p)
+        if not out_r:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(out_r), np.concatenate(out_p)
+
+    def _page_start(self, pos: np.ndarray) -> np.ndarray:
+        return pos - pos % self.sgl_ps
+
+    def _vids(self, rows: np.ndarray, pos: np.ndarray) -> torch.Tensor:
+        """``req_to_token[rows, pos]`` as int64 on the device (call under ``residency.ordered``)."""
+        rtt = self.req_to_token_pool.req_to_token
+        r = torch.from_numpy(rows).to(rtt.device, non_blocking=True)
+        p = torch.from_numpy(pos).to(rtt.device, non_blocking=True)
+        return rtt[r, p].long()
+
+    def _vpages(self, vids: torch.Tensor) -> torch.Tensor:
+        return vids if self.sgl_ps == 1 else torch.div(vids, self.sgl_ps, rounding_mode="floor")
+
+    def _pin(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, delta: int = 1) -> None:
+        r, p = self._row_positions(rows, starts, ends)
+        if not len(r):
+            return
+        with self.residency.ordered():
+            pages = self._vpages(self._vids(r, p))
+        if delta > 0:
+            self.residency.pin(pages)
+        else:
+            self.residency.demote(pages, unpin=True)
+
+    def _bring_back(self, rows: np.ndarray, prefix: np.ndarray) -> None:
+        """Prefix hits: the prefix pages of ``rows`` that are only in host memory get GPU
+        pages and their KV, before the extend forward reads them."""
+        r, p = self._row_positions(rows, np.zeros_like(prefix), prefix, every_token=True)
+        if not len(r):
+            return
+        pages = _round_up(int(prefix.sum()), 1) if self.sgl_ps == 1 else int(sum(-(-int(x) // self.sgl_ps) + 1
+                                                                                  for x in prefix))
+        if self.residency.free_pages_lower_bound() < pages and self.residency.settle(exact=True) < pages:
+            raise RuntimeError(f"sparsehi: {pages} GPU pages needed to bring a prefix hit back, "
+                               f"{self.residency.free_pages_lower_bound()} free (admission should have kept them)")
+        with self.residency.ordered():
+            vids = self._vids(r, p)
+            missing = self.residency.v2p[self._vpages(vids)] == 0
+        self.residency.map(self._vpages(vids), upper=pages)
+        self.residency.ready()
+        phys = self.residency.physical_slots(vids, self.sgl_ps)
+        host = torch.where(missing & (phys >= 0), vids, -1)
+        with self.residency.ordered():
+            self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
 
     # ------------------------------------------------------------------ forwards
-    def begin_forward(self, fb: Any) -> Optional[DecodeState]:
-        """Host part before SGLang's forward; None when the forward is none of ours (every
-        layer hook then calls SGLang's own attention)."""
+    def begin_forward(self, fb: Any) -> Any:
+        """Host part before SGLang's forward: an ``ExtendState`` / ``DecodeState`` for the
+        forward's end, or None (nothing of ours runs in it)."""
+        self.forwards += 1
         mode = fb.forward_mode
+        state: Any = None
         if mode.is_decode():
-            return self._begin_decode(fb)
-        if mode.is_mixed():
+            state = self._begin_decode(fb)
+        elif mode.is_mixed():
             rows = host_rows(fb)
             if self.registered[rows].any():
                 raise ValueError("sparsehi does not run mixed chunked-prefill/decode batches: leave "
                                  "--enable-mixed-chunk off")
-            return None
-        if mode.is_extend():
-            self._note_extend(fb)
-        return None
+            state = self._begin_extend(fb)
+        elif mode.is_extend():
+            state = self._begin_extend(fb)
+        self.residency.ready()
+        return state
 
-    def _note_extend(self, fb: Any) -> None:
-        """An extend forward (a prompt, one chunk of it, or a prompt after a radix hit): its
-        rows are new again; they are registered at their first decode forward."""
+    def _begin_extend(self, fb: Any) -> ExtendState:
         rows = host_rows(fb)
-        self.release_rows([int(r) for r in rows[self.registered[rows]]])
-        self.declined[rows] = False
+        seq = _host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        pre = np.asarray(getattr(fb, "extend_prefix_lens_cpu", None) or [0] * len(rows), dtype=np.int64)
+        prompt = getattr(fb, PROMPT_LENS_ATTR, None)
+        prompt = np.asarray(prompt if prompt is not None else seq, dtype=np.int64)
+        new = self.pinned_len[rows] == 0
+        for r in rows[new & self.registered[rows]]:  # a row extended again (a resumed request)
+            self.release_rows([int(r)])
+        fresh = new & (pre > 0)
+        if fresh.any():
+            self._bring_back(rows[fresh], pre[fresh])
+        prev = self.pinned_len[rows].copy()
+        self._pin(rows, prev, seq)
+        self.pinned_len[rows] = np.maximum(self.pinned_len[rows], seq)
+        self.prompt_len[rows] = prompt
+        want = (self.slot_of_row[rows] < 0) & ~self.declined[rows] & (prompt >= self.config.min_sparse_prompt_len)
+        got = []
+        for r in rows[want]:
+            if not self.free_slots:
+                break
+            slot = self.free_slots.pop()
+            self.coord.on_request_begin(slot)
+            self.slot_of_row[r], self.row_of_slot[slot] = slot, r
+            got.append(int(r))
+        return ExtendState(fb, rows, seq, self.slot_of_row[rows] >= 0, prev, got)
+
+    def _end_extend(self, state: ExtendState) -> None:
+        fb = state.fb
+        virt = getattr(fb, "out_cache_loc_virtual", None)
+        if virt is None:
+            virt = fb.out_cache_loc  # an untranslated batch (tests): virtual = GPU slots
+        if fb.out_cache_loc is not None and fb.out_cache_loc.numel():
+            handle = self.transfer.backup(fb.out_cache_loc, virt, allow_padding=True)
+            if self._wt_event is not None:
+                with torch.cuda.stream(self.transfer.stream):
+                    self._wt_event.record()
+            del handle
+        if state.sparse.any():
+            rows, seq = state.rows[state.sparse], state.seq[state.sparse]
+            r, p = self._row_positions(rows, np.zeros_like(seq), seq, every_token=True)
+            width = int(seq.max())
+            with self.residency.ordered():
+                phys = self.residency.physical_slots(self._vids(r, p), self.sgl_ps)
+            tab = torch.full((len(rows), width), -1, dtype=torch.int64, device=phys.device)
+            row_idx = np.repeat(np.arange(len(rows)), seq)
+            tab[torch.from_numpy(row_idx).to(phys.device), torch.from_numpy(p).to(phys.device)] = phys
+            slots = torch.from_numpy(self.slot_of_row[rows])
+            batch = SparseBatch.prefill(slots, torch.from_numpy(seq.astype(np.int32)), tab,
+                                        prefix_lens=torch.zeros(len(rows), dtype=torch.int32),
+                                        seq_lens_cpu=[int(x) for x in seq], prefix_lens_cpu=[0] * len(rows))
+            for layer in range(self.coord.num_layers):
+                self.coord.attention_end(layer, batch)
 
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
         rows = host_rows(fb)
         seq = _host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
         b = len(rows)
-        if b > self._rows.shape[0]:
-            raise ValueError(f"decode batch of {b} rows exceeds the ReqToTokenPool's {self._rows.shape[0]} rows")
-        new = ~(self.registered[rows] | self.declined[rows])
-        if new.any():
-            self._register(rows[new], seq[new] - 1)  # the prompt: every token but the one decoded now
+        if b > self._slots.shape[0]:
+            raise ValueError(f"decode batch of {b} rows exceeds the ReqToTokenPool's {self._slots.shape[0]} rows")
+        first = ~(self.registered[rows] | self.declined[rows])
+        reg = first & (self.slot_of_row[rows] >= 0)
+        if reg.any():
+            self._register(rows[reg], seq[reg] - 1)
+        self.declined[rows[first & ~reg]] = True
+        dense = self.declined[rows]
+        if dense.any():  # SGLang decodes them: their new token's page stays on the GPU
+            d = rows[dense]
+            self._pin(d, self.pinned_len[d], seq[dense])
+            self.pinned_len[d] = np.maximum(self.pinned_len[d], seq[dense])
         ours = self.registered[rows]
-        # A step number of its own even with none of ours: a replayed graph closes a
-        # (padding-only) step too, which must not overwrite the last real step's counters.
-        has_dense = self.coord.prepare_decode(rows[ours], seq[ours])
-        if has_dense:  # registered prompts reach min_sparse_prompt_len, so none decodes densely
-            raise RuntimeError("sparsehi: a registered row decodes densely; the plugin's decode path has no dense rows")
-        self._stage(rows, seq, ours)
-        if not ours.any():
-            return None
-        return DecodeState(self._rows[:b], self._seq[:b], self._ours[:b], bool(ours.all()), host_rows=rows,
-                           host_ours=ours)
+        slots = self.slot_of_row[rows]
+        self.coord.prepare_decode(slots[ours], seq[ours])
+        self._stage(slots, rows, seq, ours)
+        now = reg & self.registered[rows]  # those whose registration went through
+        state = DecodeState(self._slots[:b], self._sgl_rows[:b], self._seq[:b], self._ours[:b], bool(ours.all()),
+                            fb=fb, host_rows=rows, host_ours=ours, host_seq=seq,
+                            registered_now=rows[now] if now.any() else None)
+        return state if ours.any() else _NoOurs(state)
 
-    def _stage(self, rows: np.ndarray, seq: np.ndarray, ours: np.ndarray) -> None:
-        """The step's rows into the static buffers: ours with their lengths, every other row
-        up to the last step's size padding (a graph of a larger batch bucket reads them).
-        One non-blocking copy from a pinned slot and two conversions, on the current stream."""
+    def _register(self, rows: np.ndarray, lens: np.ndarray) -> None:
+        """Rows whose prompts of ``lens`` tokens are complete (their first decode forward):
+        the coordinator adopts them from SGLang's KV (on the GPU where still pinned, else
+        host). On error nothing is registered (the rows decode on SGLang's path)."""
+        r, p = self._row_positions(rows, np.zeros_like(lens), lens, every_token=True)
+        width = int(lens.max())
+        with self.residency.ordered():
+            vids = self._vids(r, p)
+            phys = self.residency.physical_slots(vids, self.sgl_ps)
+        dev = vids.device
+        i = torch.from_numpy(np.repeat(np.arange(len(rows)), lens)).to(dev)
+        pos = torch.from_numpy(p).to(dev)
+        host = torch.full((len(rows), width), -1, dtype=torch.int64, device=dev)
+        gpu = torch.full((len(rows), width), -1, dtype=torch.int64, device=dev)
+        host[i, pos] = vids
+        gpu[i, pos] = phys
+        slots = [int(s) for s in self.slot_of_row[rows]]
+        try:
+            self.coord.adopt_prompts(slots, [int(n) for n in lens], gpu, host)
+        except Exception:
+            logger.exception("sparsehi: registering rows %s failed; they decode on SGLang's own path", list(rows))
+            for r_ in rows:
+                self._end_slot(int(r_))
+            self.declined[rows] = True
+            return
+        self.registered[rows] = True
+        self.registrations += len(rows)
+
+    def _stage(self, slots: np.ndarray, rows: np.ndarray, seq: np.ndarray, ours: np.ndarray) -> None:
+        """The step's rows into the static buffers (one non-blocking copy from a pinned slot);
+        rows past the step's batch up to the last step's size become padding (a graph of a
+        larger batch bucket reads them)."""
         b = len(rows)
         n = max(b, self._staged)
         i, self._turn = self._turn, self._turn ^ 1
@@ -243,22 +513,22 @@ class SGLangSparseBridge:
         if done is not None:
             done.synchronize()  # the copy out of this slot two steps ago
         h = host.numpy()
-        h[0, :n], h[1, :n], h[2, :n] = -1, 1, 0
-        h[0, :b] = np.where(ours, rows, -1)
-        h[1, :b] = np.where(ours, seq, 1)
-        h[2, :b] = ours
+        h[0, :n], h[1, :n], h[2, :n], h[3, :n] = -1, 0, 1, 0
+        h[0, :b] = np.where(ours, slots, -1)
+        h[1, :b] = np.where(ours, rows, 0)
+        h[2, :b] = np.where(ours, seq, 1)
+        h[3, :b] = ours
         self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
         if done is not None:
             done.record()
-        self._seq[:n].copy_(self._packed[1, :n])
-        self._ours[:n].copy_(self._packed[2, :n])
+        self._seq[:n].copy_(self._packed[2, :n])
+        self._ours[:n].copy_(self._packed[3, :n])
         self._staged = b
 
     def sglang_lengths(self, fb: Any, state: DecodeState) -> dict[str, Any]:
         """SGLang's decode lengths with ours cut to one token, for its attention backend
-        (``seq_lens``, ``seq_lens_cpu``, ``seq_lens_sum``: new objects, SGLang's own are
-        shared with its scheduler). Its attention output for our rows is replaced, so it
-        need not read their context; the rows that are not ours keep their lengths."""
+        (new objects: SGLang's own are shared with its scheduler). Its output for our rows
+        is replaced, so it need not read their context."""
         out: dict[str, Any] = {"seq_lens": torch.where(state.ours, torch.ones_like(fb.seq_lens), fb.seq_lens)}
         ours_cpu = torch.from_numpy(state.host_ours)
         cpu = getattr(fb, "seq_lens_cpu", None)
@@ -267,103 +537,124 @@ class SGLangSparseBridge:
             out["seq_lens_cpu"] = cpu
             out["seq_lens_sum"] = int(cpu.sum())
         elif getattr(fb, "seq_lens_sum", None) is not None:
-            host = _host_ints("seq_lens", None, fb.seq_lens)
-            out["seq_lens_sum"] = int(np.where(ours_cpu.numpy(), 1, host).sum())
+            out["seq_lens_sum"] = int(np.where(state.host_ours, 1, state.host_seq).sum())
         return out
+
+    def end_forward(self, state: Any) -> None:
+        """After SGLang's forward (or a capture's tail hook): write its tokens through to
+        host, close the decode step, demote what no longer needs the GPU."""
+        if isinstance(state, ExtendState):
+            self._end_extend(state)
+        elif isinstance(state, (DecodeState, _NoOurs)):
+            self._end_decode(state)
+        if self._fwd_event is not None and not (isinstance(state, DecodeState) and state.recorded):
+            self._fwd_event.record()
+        if not (isinstance(state, DecodeState) and state.recorded):
+            self.residency.snapshot(self.forwards)
+
+    def _end_decode(self, state: Any) -> None:
+        inner = state.state if isinstance(state, _NoOurs) else state
+        if inner.batch is not None:
+            batch, inner.batch = inner.batch, None
+            self.coord.forward_end(batch)
+        if inner.recorded or inner.fb is None:
+            return
+        fb = inner.fb
+        virt = getattr(fb, "out_cache_loc_virtual", None)
+        if virt is None:
+            virt = fb.out_cache_loc
+        if fb.out_cache_loc is not None and fb.out_cache_loc.numel():
+            self.transfer.backup(fb.out_cache_loc, virt, allow_padding=True).wait()
+        rows, seq, ours = inner.host_rows, inner.host_seq, inner.host_ours
+        self._after_forwards()
+        if ours.any():
+            # a registered row pins only the page its newest token is written to
+            r, s = rows[ours], seq[ours]
+            newest = s - 1
+            prev = self.open_pos[r]
+            opens = (prev < 0) | (newest // self.sgl_ps != np.maximum(prev, 0) // self.sgl_ps)
+            if opens.any():
+                start = self._page_start(newest[opens])
+                self._pin(r[opens], start, start + 1)
+                old = opens & (prev >= 0)
+                if old.any():
+                    start = self._page_start(prev[old])
+                    self._pin(r[old], start, start + 1, delta=-1)
+            self.open_pos[r] = newest
+        if inner.registered_now is not None:
+            # the prompt's prefill pins go (after the newest page's pin: they may share a page)
+            reg = inner.registered_now
+            self._pin(reg, np.zeros_like(reg), self.pinned_len[reg], delta=-1)
+            self.pinned_len[reg] = 0
 
     # ------------------------------------------------------------------ CUDA-graph capture
     def begin_capture(self, fb: Any) -> DecodeState:
         """A decode CUDA-graph capture's forward (SGLang's capture head hook): the layer
-        path is recorded over the static buffers, whatever rows are ours at replay. A
-        warm-up run (executed, not recorded) sees padding rows only."""
+        path is recorded over the static buffers, whatever rows are ours at replay."""
         mode = fb.forward_mode
         if not mode.is_decode():
             raise NotImplementedError(f"sparsehi: CUDA graphs of {mode} forwards (speculative decoding) are not "
                                       f"supported; allowed: decode")
         b = int(fb.batch_size)
-        if b > self._rows.shape[0]:
-            raise ValueError(f"captured batch of {b} rows exceeds the ReqToTokenPool's {self._rows.shape[0]} rows")
+        if b > self._slots.shape[0]:
+            raise ValueError(f"captured batch of {b} rows exceeds the ReqToTokenPool's {self._slots.shape[0]} rows")
         if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
             empty = np.zeros(0, dtype=np.int64)
-            self._stage(empty, empty, np.zeros(0, dtype=bool))
-        return DecodeState(self._rows[:b], self._seq[:b], self._ours[:b], all_ours=False, recorded=True)
+            self._stage(empty, empty, empty, np.zeros(0, dtype=bool))
+        return DecodeState(self._slots[:b], self._sgl_rows[:b], self._seq[:b], self._ours[:b], all_ours=False,
+                           recorded=True)
 
-    def _register(self, rows: np.ndarray, lens: np.ndarray) -> None:
-        """Register ``rows`` whose prompts of ``lens`` tokens sit complete in SGLang's pool
-        (their ``req_to_token`` rows): the long ones get the coordinator's prefill end
-        (representations of every layer from the pool's keys, one offload to the host pool,
-        their buffers); the short ones are declined. On error nothing is registered."""
-        long = lens >= max(1, self.config.min_sparse_prompt_len)
-        self.declined[rows[~long]] = True
-        if not long.any():
+    def abort_forward(self, state: Any) -> None:
+        """SGLang's forward raised part-way. An extend forward's pins and new coordinator
+        slots are undone (its retry redoes them). A decode step's rows of ours may be
+        half-advanced in the coordinator, so they leave it and decode on SGLang's path from
+        now on (their KV is whole: in host memory, and SGLang's slots name it)."""
+        if isinstance(state, ExtendState):
+            for r in state.new_slots:
+                self._end_slot(r)
+            self._pin(state.rows, state.prev_pinned, state.seq, delta=-1)
+            self.pinned_len[state.rows] = state.prev_pinned
             return
-        r, s = rows[long], lens[long]
-        dev = self.device_pool.device
-        rt = torch.from_numpy(r).to(dev)
-        st = torch.from_numpy(s.astype(np.int32)).to(dev)
-        slots = self.req_to_token_pool.req_to_token[rt, : int(s.max())].long()
-        cols = torch.arange(slots.shape[1], device=dev)[None, :]
-        slots = torch.where(cols < st[:, None], slots, -1)
-        begun = []
+        inner = state.state if isinstance(state, _NoOurs) else state
         try:
-            for row in r:
-                self.coord.on_request_begin(int(row))
-                begun.append(int(row))
-            batch = SparseBatch.prefill(rt, st, slots, prefix_lens=torch.zeros_like(st),
-                                        seq_lens_cpu=[int(x) for x in s], prefix_lens_cpu=[0] * len(s))
-            for layer in range(self.coord.num_layers):
-                self.coord.attention_end(layer, batch)
-            # SGLang's slots stay SGLang's (its radix cache holds them): nothing is freed
-            self.coord.forward_end(batch, free_device_kv=False)
-        except BaseException:
-            for row in begun:
-                self.coord.on_request_end(row)
-            raise
-        self.registered[r] = True
-        self.registrations += len(r)
-
-    def end_forward(self, state: Optional[DecodeState]) -> None:
-        """After SGLang's forward (or a capture's tail hook): close the decode step begun by
-        the first layer. A replayed graph closed it itself: nothing began in Python."""
-        if state is not None and state.batch is not None:
-            batch, state.batch = state.batch, None
-            self.coord.forward_end(batch)
-
-    def abort_forward(self, state: Optional[DecodeState]) -> None:
-        """SGLang's forward raised part-way: the step's rows of ours may be half-advanced in
-        the coordinator (lengths, pages, buffers), so they leave it: the decode step is
-        closed, their requests end (host pages given back) and they take SGLang's own path
-        from now on (declined). SGLang's slots hold every token of theirs (the decode
-        tokens are written there too), so whether SGLang retries the step or frees the
-        rows, no KV is lost."""
-        try:
-            self.end_forward(state)
+            if isinstance(inner, DecodeState) and inner.batch is not None:
+                batch, inner.batch = inner.batch, None
+                self.coord.forward_end(batch)
         finally:
-            if state is not None and state.host_rows is not None:
-                rows = [int(r) for r in state.host_rows[state.host_ours]]
-                self.release_rows(rows)
-                self.declined[rows] = True
+            if isinstance(inner, DecodeState) and inner.host_rows is not None:
+                rows = [int(r) for r in inner.host_rows[inner.host_ours]]
+                for r in rows:
+                    self._end_slot(r)
+                    self.declined[r] = True
+                    self._repin_whole(r, int(inner.host_seq[list(inner.host_rows).index(r)]))
                 if rows:
                     logger.warning("sparsehi: a decode forward raised; rows %s leave the sparse path and decode "
                                    "on SGLang's own attention", rows)
+
+    def _repin_whole(self, row: int, seq: int) -> None:
+        """A row that goes back to SGLang's path needs its whole context on the GPU again."""
+        self._bring_back(np.array([row]), np.array([seq]))
+        self._pin(np.array([row]), np.array([0]), np.array([seq]))
+        self.pinned_len[row] = seq
+        self.open_pos[row] = -1
 
     # ------------------------------------------------------------------ attention
     def attention(self, state: DecodeState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
                   v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor],
                   q_rope: Optional[torch.Tensor] = None, k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One ``RadixAttention.forward`` of a decode forward the bridge takes part in: k/v
-        (MLA: the latent row ``k``) written to SGLang's slots and to the coordinator's
-        buffer, attention over the selection; rows that are not ours keep SGLang's output.
-        MLA's split form (``q_rope`` / ``k_rope``: the rope parts of q and k, which then
-        hold the latent parts only) is the same row, joined. Returns SGLang's shape
-        ``[B, Hq * Dv]``.
-        """
+        """One ``RadixAttention.forward`` of a decode forward with rows of ours: k/v written
+        to SGLang's slot (its GPU page) and to the coordinator's buffer, attention over the
+        selection; rows that are not ours keep SGLang's output. MLA's split form (``q_rope``
+        / ``k_rope``) is joined into the latent row. Returns ``[B, Hq * Dv]``."""
         layer_id = int(layer.layer_id)
         if k is None or (self.kv_kind == "mha" and v is None):
             raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v (MLA: the latent k)")
         if state.batch is None:  # the first layer: the coordinator's device part of the step
-            state.batch = SparseBatch.decode(state.rows, state.seq, prepared=True, has_dense_rows=False)
+            state.batch = SparseBatch.decode(state.slots, state.seq, prepared=True, has_dense_rows=False)
             self.coord.forward_begin(state.batch)
+            rtt = self.req_to_token_pool.req_to_token
+            pos = (state.seq.long() - 1).clamp(min=0)
+            self.coord.record_host_tokens(state.slots, pos, rtt[state.sgl_rows, pos])
         b = state.batch.batch_size
         hq, dv = int(layer.tp_q_head_num), int(layer.v_head_dim)
         d = int(layer.qk_head_dim)
@@ -376,7 +667,7 @@ class SGLangSparseBridge:
                 raise ValueError(f"layer {layer_id}: q + q_rope give {q.shape[-1]} dims per head, the layer's "
                                  f"qk_head_dim is {d}")
         q3 = q.reshape(b, hq, d)
-        if self.kv_kind == "mla":  # k is the whole latent + rope row; v (its latent part) is not stored
+        if self.kv_kind == "mla":
             k3, v3 = k.reshape(b, 1, d), None
         else:
             hkv = int(layer.tp_k_head_num)
@@ -401,32 +692,121 @@ class SGLangSparseBridge:
 
     def _write_sglang_slot(self, layer: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                            v: Optional[torch.Tensor]) -> None:
-        """The new token into SGLang's own slot (what its backend would have written), so
-        its radix cache holds the request's full KV. MHA through SGLang's writer; MLA
-        straight into the shared buffer (SGLang's MLA writer needs its parallel context,
-        and the unquantised row it would write is exactly ``k``)."""
+        """The new token into SGLang's own slot (what its backend would have written; the
+        write-through copies it to host from there)."""
         if self.kv_kind == "mha":
             self.kv_pool.set_kv_buffer(layer, loc, k, v)
         else:
             buf = self.device_pool.get_key_buffer(layer_id)
             buf.index_copy_(0, loc.long(), k.to(buf.dtype))
 
+    # ------------------------------------------------------------------ tree checkpoints
+    def before_checkpoint(self, req: Any) -> Optional[tuple[int, int, torch.Tensor]]:
+        """Before SGLang's tree checkpoints ``req``: its stream waits for our reads of the
+        row; returns what ``after_checkpoint`` compares (None: a row of no interest)."""
+        self.residency.ready()
+        row = sglang_api.req_row(req)
+        if row is None or not (self.pinned_len[row] > 0 or self.registered[row]):
+            return None
+        start = sglang_api.req_protected_len(req)
+        with self.residency.ordered():
+            old = self.req_to_token_pool.req_to_token[row, start:].clone()
+        return row, start, old
+
+    def after_checkpoint(self, req: Any, token: Optional[tuple[int, int, torch.Tensor]]) -> None:
+        """After SGLang's tree checkpointed ``req``: positions whose slots it replaced by the
+        tree's own (a prefix another request inserted first, same KV) are followed — pins
+        move to the new slots (brought back to the GPU if needed), a registered row's token
+        table takes them."""
+        if token is None:
+            return
+        row, start, old = token
+        end = sglang_api.req_protected_len(req)
+        if end <= start:
+            return
+        rtt = self.req_to_token_pool.req_to_token
+        if self.registered[row]:
+            slot = int(self.slot_of_row[row])
+            with self.residency.ordered():
+                self.coord.manager.host_token_table[slot, start:end] = rtt[row, start:end]
+            return
+        n = min(end, int(self.pinned_len[row]))
+        if n <= start:
+            return
+        pos = np.arange(start, n, dtype=np.int64)
+        with self.residency.ordered():
+            new = rtt[row, start:n].long()
+            changed = new != old[: n - start].long()
+            vids = torch.where(changed, new, 0)
+        if self.residency.free_pages_lower_bound() < n - start:
+            self.residency.settle(exact=True)
+        with self.residency.ordered():
+            missing = (self.residency.v2p[self._vpages(vids)] == 0) & (vids > 0)
+        self.residency.map(self._vpages(vids), upper=n - start)
+        self.residency.ready()
+        phys = self.residency.physical_slots(vids, self.sgl_ps)
+        host = torch.where(missing & (phys >= 0), vids, -1)
+        with self.residency.ordered():
+            self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
+        opens = torch.from_numpy((pos % self.sgl_ps == 0) | (pos == start)).to(vids.device)
+        self.residency.pin(torch.where(changed & opens, self._vpages(vids), 0))
+
     # ------------------------------------------------------------------ requests
+    def _end_slot(self, row: int) -> None:
+        slot = int(self.slot_of_row[row])
+        if slot < 0:
+            return
+        if self.registered[row] and self.open_pos[row] >= 0:
+            start = self._page_start(self.open_pos[row:row + 1])
+            self._pin(np.array([row]), start, start + 1, delta=-1)
+        self.coord.on_request_end(slot)
+        self.slot_of_row[row], self.row_of_slot[slot] = -1, -1
+        self.free_slots.append(slot)
+        self.registered[row] = False
+        self.open_pos[row] = -1
+
     def release_rows(self, rows: list[int]) -> None:
-        """SGLang frees these ``ReqToTokenPool`` rows: end their requests in the coordinator
-        and give their host pages back (rows that are not ours are ignored)."""
-        for row in rows:
-            row = int(row)
-            if not 0 <= row < len(self.registered):
-                continue
-            self.declined[row] = False
-            if not self.registered[row]:
-                continue
-            kv = self.coord.on_request_end(row)
-            self.registered[row] = False
-            if kv.host_pages is not None and kv.host_pages.numel():
-                self.host_pool.allocator.free_pages(kv.host_pages)
+        """SGLang frees these ``ReqToTokenPool`` rows: their pins go (pages no one else pins
+        leave the GPU once the forwards in flight are done with them), their sparse state ends."""
+        rows = [int(r) for r in rows if 0 <= int(r) < self.num_rows]
+        if not rows:
+            return
+        self._after_forwards()
+        for r in rows:
+            self._end_slot(r)
+            if self.pinned_len[r] > 0:
+                self._pin(np.array([r]), np.array([0]), self.pinned_len[r:r + 1], delta=-1)
+            self.pinned_len[r] = 0
+            self.declined[r] = False
+            self.prompt_len[r] = 0
+        # frees wait for the forward in flight: settled once two more forwards have run
+        self.residency.snapshot(self.forwards + 1)
 
     def release_all(self) -> None:
-        self.release_rows([int(r) for r in np.flatnonzero(self.registered)])
+        self.release_rows([int(r) for r in np.flatnonzero((self.pinned_len > 0) | (self.slot_of_row >= 0))])
         self.declined[:] = False
+
+
+class _NoOurs:
+    """A decode forward with no row of ours (SGLang's own path runs): what its end still
+    needs (write-through, the pins of SGLang's rows)."""
+
+    def __init__(self, state: DecodeState) -> None:
+        self.state = state
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Tensors an object holds in its attributes (dicts of tensors included)."""
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            out += [x for x in v.values() if isinstance(x, torch.Tensor)]
+    seen, uniq = set(), []
+    for t in out:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            uniq.append(t)
+    return uniq

@@ -10,14 +10,10 @@ import logging
 from typing import Any, Callable
 
 from sparsehi.sglang_plugin import options
+from sparsehi.sglang_plugin.sglang_api import (FORWARD_BATCH, MODEL_RUNNER, PREFILL_ADDER, RADIX_ATTENTION,
+                                               REQ_TO_TOKEN_POOL, SERVER_ARGS, TREE_CACHES)
 
 logger = logging.getLogger(__name__)
-
-SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
-MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
-RADIX_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention"
-REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
-FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 
 ROPE_PARTS = ("q_rope", "k_rope")
 """MLA's split form of ``RadixAttention.forward`` (SGLang's DeepSeek attention with the rope
@@ -26,8 +22,10 @@ part apart): the latent ``q`` / ``k`` with their rope parts as keywords."""
 BRIDGE_ATTR = "sparsehi_bridge"
 """Attribute of SGLang's ``ModelRunner`` holding its ``SGLangSparseBridge`` (absent: sparsehi off)."""
 
-# Bridges by the id of the ReqToTokenPool they watch (its free hook has only the pool).
+# Bridges by the id of the ReqToTokenPool they watch (its free hook has only the pool) and
+# by the id of the allocator they installed (the tree's and the adder's hooks have that).
 _BY_REQ_POOL: dict[int, Any] = {}
+_BY_ALLOCATOR: dict[int, Any] = {}
 # The forwards in flight: (SGLang's ForwardBatch, bridge, state), eager or being recorded
 # into a CUDA graph. The layer hook acts only on those very batch objects, so attention
 # outside a hooked forward is SGLang's own.
@@ -43,10 +41,7 @@ def after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any,
 def around_from_cli_args(original: Callable[..., Any], cls: type, ns: argparse.Namespace, *args: Any,
                          **kwargs: Any) -> Any:
     """AROUND ``ServerArgs.from_cli_args``: build SGLang's record, then check our options
-    and keep the resulting ``SparseConfig`` (or None) on it as ``sparsehi_config``.
-
-    The selection page size defaults to SGLang's ``--page-size``.
-    """
+    and keep the resulting ``SparseConfig`` (or None) on it as ``sparsehi_config``."""
     cfg = options.config_from_namespace(ns, sglang_page_size=getattr(ns, "page_size", None))
     if cfg is not None:
         options.check_sglang_features(ns, cfg)
@@ -58,10 +53,10 @@ def around_from_cli_args(original: Callable[..., Any], cls: type, ns: argparse.N
 
 
 def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``ModelRunner.alloc_memory_pool``: with sparsehi on, build the coordinator over
-    the runner's ``req_to_token_pool`` and ``token_to_kv_pool`` (see ``bridge``) and add its
-    decode CUDA-graph capture hooks to the runner's ``capture_head_hooks`` /
-    ``capture_tail_hooks``."""
+    """AFTER ``ModelRunner.alloc_memory_pool``: with sparsehi on, build the bridge (it takes
+    over SGLang's KV memory, installs the host-backed allocator and switches the runner's
+    KV index translator, see ``bridge``) and add its decode CUDA-graph capture hooks to
+    the runner's ``capture_head_hooks`` / ``capture_tail_hooks``."""
     cfg = getattr(getattr(runner, "server_args", None), options.ATTR, None)
     if cfg is None:
         return None
@@ -70,11 +65,11 @@ def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any)
     old = getattr(runner, BRIDGE_ATTR, None)
     if old is not None:  # pools rebuilt (e.g. after a weight update): forget the old ones
         _BY_REQ_POOL.pop(id(old.req_to_token_pool), None)
-    max_running = int(getattr(runner, "max_running_requests", None) or runner.req_to_token_pool.size)
-    bridge = SGLangSparseBridge(cfg, runner.req_to_token_pool, runner.token_to_kv_pool,
-                                max_running_requests=max_running)
+        _BY_ALLOCATOR.pop(id(old.allocator), None)
+    bridge = SGLangSparseBridge(cfg, runner)
     setattr(runner, BRIDGE_ATTR, bridge)
     _BY_REQ_POOL[id(runner.req_to_token_pool)] = bridge
+    _BY_ALLOCATOR[id(bridge.allocator)] = bridge
     for name, hook in (("capture_head_hooks", capture_head), ("capture_tail_hooks", capture_tail)):
         hooks = getattr(runner, name, None)
         if hooks is not None and hook not in hooks:
@@ -84,17 +79,26 @@ def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any)
 
 def after_forward_batch_init_new(result: Any, cls: type, batch: Any = None, model_runner: Any = None, *args: Any,
                                  **kwargs: Any) -> None:
-    """AFTER ``ForwardBatch.init_new(batch, model_runner)``: a decode forward batch of a
-    runner with sparsehi on keeps the scheduler's host copy of its row ids
+    """AFTER ``ForwardBatch.init_new(batch, model_runner)``, for a runner with sparsehi on:
+    a decode batch keeps the scheduler's host copy of its row ids
     (``batch.req_pool_indices_cpu``, which ``init_new`` passes on for extend batches only)
-    as ``sparsehi_req_pool_indices_cpu``, so the forward hook needs no read-back from the
-    device, which would make the host wait for the previous step's replay."""
+    so the forward hook needs no read-back from the device; an extend batch keeps each
+    request's full prompt length (a long one is prepared for sparse decode from its first
+    chunk on)."""
     batch = kwargs.get("batch", batch)
     model_runner = kwargs.get("model_runner", model_runner)
-    if getattr(model_runner, BRIDGE_ATTR, None) is None or getattr(result, "req_pool_indices_cpu", None) is not None:
+    if getattr(model_runner, BRIDGE_ATTR, None) is None:
         return None
-    from sparsehi.sglang_plugin.bridge import ROWS_CPU_ATTR
+    from sparsehi.sglang_plugin import sglang_api
+    from sparsehi.sglang_plugin.bridge import PROMPT_LENS_ATTR, ROWS_CPU_ATTR
 
+    mode = getattr(result, "forward_mode", None)
+    if mode is not None and mode.is_extend():
+        lens = sglang_api.extend_prompt_lens(batch)
+        if lens is not None and len(lens) == len(result.req_pool_indices):
+            setattr(result, PROMPT_LENS_ATTR, lens)
+    if getattr(result, "req_pool_indices_cpu", None) is not None:
+        return None
     rows = getattr(batch, "req_pool_indices_cpu", None)
     if rows is not None:
         setattr(result, ROWS_CPU_ATTR, rows)
@@ -103,17 +107,26 @@ def after_forward_batch_init_new(result: Any, cls: type, batch: Any = None, mode
 
 def around_forward_raw(original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
                        **kwargs: Any) -> Any:
-    """AROUND ``ModelRunner._forward_raw``: the coordinator's host part before the model
-    (it also fills what a replayed decode graph reads), the step's end after it (decode);
-    an extend forward's rows noted. While a decode forward with rows of ours runs, SGLang's
-    attention backend sees their lengths as one token (``SGLangSparseBridge.sglang_lengths``).
-    Without a bridge: SGLang's forward, untouched."""
+    """AROUND ``ModelRunner._forward_raw``: the bridge's host part before the model (pins,
+    prefix pages back from host, registration, the static buffers a replayed decode graph
+    reads), its end after it (write-through to host, demotions, the decode step's end).
+    While a decode forward with rows of ours runs, SGLang's attention backend sees their
+    lengths as one token (``SGLangSparseBridge.sglang_lengths``). Without a bridge:
+    SGLang's forward, untouched."""
+    from sparsehi.sglang_plugin.bridge import DecodeState
+
     bridge = getattr(runner, BRIDGE_ATTR, None)
     if bridge is None:
         return original(runner, forward_batch, *args, **kwargs)
     state = bridge.begin_forward(forward_batch)
-    if state is None:
-        return original(runner, forward_batch, *args, **kwargs)
+    if not isinstance(state, DecodeState):
+        try:
+            out = original(runner, forward_batch, *args, **kwargs)
+        except BaseException:
+            bridge.abort_forward(state)
+            raise
+        bridge.end_forward(state)
+        return out
     lengths = bridge.sglang_lengths(forward_batch, state)
     saved = {name: getattr(forward_batch, name) for name in lengths}
     for name, value in lengths.items():
@@ -194,10 +207,40 @@ def before_clear(pool: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
+def around_tree_checkpoint(original: Callable[..., Any], tree: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND a radix tree's ``checkpoint(req, *, up_to)``: the tree may rewrite the
+    request's row to its own slots (a prefix another request inserted first); the bridge
+    orders that after its own reads of the row and follows the new slots."""
+    bridge = _BY_ALLOCATOR.get(id(getattr(tree, "token_to_kv_pool_allocator", None)))
+    if bridge is None:
+        return original(tree, req, *args, **kwargs)
+    token = bridge.before_checkpoint(req)
+    out = original(tree, req, *args, **kwargs)
+    bridge.after_checkpoint(req, token)
+    return out
+
+
+def around_request_slot_reserve(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``PrefillAdder._request_slot_reserve_for_req``: a new request's cached prefix
+    may be only in host memory (the plugin's slots are host-backed) and must be brought
+    back to the GPU before its extend forward reads it, so admission charges it too."""
+    reserve = original(adder, req, *args, **kwargs)
+    bridge = _BY_ALLOCATOR.get(id(getattr(adder, "token_to_kv_pool_allocator", None)))
+    if bridge is None:
+        return reserve
+    from sparsehi.sglang_plugin import sglang_api
+
+    prefix = int(getattr(req, "prefix_len", 0) or 0)
+    if prefix and sglang_api.req_row(req) is None:
+        ps = bridge.sgl_ps
+        reserve += -(-prefix // ps) * ps
+    return reserve
+
+
 def register_hooks(registry: Any, hook_type: Any) -> list[str]:
     """Register every hook on ``registry`` (SGLang's ``HookRegistry``); returns the targets."""
     targets = []
-    for target, hook, kind in (
+    entries = [
         (f"{SERVER_ARGS}.add_cli_args", after_add_cli_args, hook_type.AFTER),
         (f"{SERVER_ARGS}.from_cli_args", around_from_cli_args, hook_type.AROUND),
         (f"{MODEL_RUNNER}.alloc_memory_pool", after_alloc_memory_pool, hook_type.AFTER),
@@ -206,7 +249,10 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
         (f"{RADIX_ATTENTION}.forward", around_radix_attention, hook_type.AROUND),
         (f"{REQ_TO_TOKEN_POOL}.free_rows", before_free_rows, hook_type.BEFORE),
         (f"{REQ_TO_TOKEN_POOL}.clear", before_clear, hook_type.BEFORE),
-    ):
+        (f"{PREFILL_ADDER}._request_slot_reserve_for_req", around_request_slot_reserve, hook_type.AROUND),
+    ]
+    entries += [(f"{tree}.checkpoint", around_tree_checkpoint, hook_type.AROUND) for tree in TREE_CACHES]
+    for target, hook, kind in entries:
         registry.register(target, hook, kind)
         targets.append(target)
     # sgl.Engine(sparsehi_*=...) keywords: Engine.server_args_class wrapped (engine_options.py)

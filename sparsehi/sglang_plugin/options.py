@@ -32,13 +32,21 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--sparsehi-device-buffer-size", "device_buffer_size", int,
      "Tokens of GPU LRU buffer per request and layer (>= top-k, multiple of the page size)."),
     ("--sparsehi-page-size", "page_size", int,
-     "Selection page size in tokens (power of two <= 256); defaults to SGLang's --page-size."),
+     "Selection page size in tokens (power of two <= 256; default 64), independent of SGLang's --page-size: "
+     "host KV is addressed per token."),
     ("--sparsehi-sink-tokens", "sink_tokens", int, "Leading tokens always attended."),
     ("--sparsehi-recent-tokens", "recent_tokens", int, "Trailing tokens always attended (>= 1)."),
     ("--sparsehi-min-sparse-prompt-len", "min_sparse_prompt_len", int,
      "Requests with a shorter prompt take SGLang's unmodified attention path."),
     ("--sparsehi-host-to-device-ratio", "host_to_device_ratio", float,
-     "Host KV pool size over the GPU KV the live requests hold (> 1)."),
+     "Host-backed KV slots over SGLang's GPU KV pool (> 1, default 2): SGLang's scheduler admits by them, "
+     "pinned host memory holds them."),
+    ("--sparsehi-max-sparse-requests", "max_sparse_requests", int,
+     "Requests decoding sparsely at once (their GPU buffers come out of SGLang's KV memory); default: as many as "
+     "half of it holds, at most --max-running-requests."),
+    ("--sparsehi-dense-layers", "dense_layers", str,
+     "Comma-separated layers that attend densely (their whole context stays on the GPU for each sparse request); "
+     "default: none, every layer sparse."),
 )
 
 
@@ -68,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Optional[SparseConfig]:
     """The ``SparseConfig`` the parsed options ask for; None when ``--sparsehi-algorithm`` is unset.
+    ``sglang_page_size`` is accepted for callers of earlier versions and not used: the
+    selection page size is the plugin's own (host KV is addressed per token).
 
     Raises ``ValueError`` naming the flag (not the dataclass field) on a bad value.
     """
@@ -77,8 +87,16 @@ def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Op
         if given:
             raise ValueError(f"{', '.join(given)} given without --sparsehi-algorithm, which turns sparsehi on")
         return None
-    if values["page_size"] is None and sglang_page_size is not None:
-        values["page_size"] = int(sglang_page_size)
+    if isinstance(values["dense_layers"], (tuple, list)):  # a config dict (sgl.Engine) names them as a sequence
+        pass
+    elif values["dense_layers"] is not None:
+        text = str(values["dense_layers"]).strip()
+        try:
+            values["dense_layers"] = tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
+        except ValueError:
+            raise ValueError(f"--sparsehi-dense-layers={text!r} is invalid: comma-separated layer ids, e.g. 0,1") from None
+    else:
+        values["dense_layers"] = ()  # GPU memory follows the buffer: no layer keeps a whole context there
     kwargs = {k: v for k, v in values.items() if v is not None}
     # defaults whose budgets must follow a page size other than SparseConfig's 64
     page = kwargs.get("page_size", SparseConfig.page_size)
@@ -127,6 +145,21 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     if getattr(ns, "enable_two_batch_overlap", False):
         raise ValueError("--enable-two-batch-overlap cannot be used with --sparsehi-algorithm (its layers run on "
                          "split micro-batches the plugin cannot follow); leave it off")
+    # SGLang features that move KV by SGLang's slot ids themselves (its host tier, PD
+    # transfer, another sparse tier): with the plugin those ids are host-backed virtual
+    # slots whose KV already lives in the plugin's host pool.
+    for flag, attr in (("--enable-hierarchical-cache", "enable_hierarchical_cache"),
+                       ("--enable-hisparse", "enable_hisparse"), ("--enable-lmcache", "enable_lmcache")):
+        if getattr(ns, attr, False):
+            raise ValueError(f"{flag} cannot be used with --sparsehi-algorithm: the plugin's host pool already holds "
+                             f"every token's KV and SGLang's radix cache reuses prefixes from it; leave {flag} off")
+    mode = getattr(ns, "disaggregation_mode", "null")
+    if mode not in (None, "null"):
+        raise ValueError(f"--disaggregation-mode={mode!r} cannot be used with --sparsehi-algorithm (PD transfer "
+                         f"addresses SGLang's GPU slots); allowed: null")
+    if int(getattr(ns, "pp_size", 1) or 1) > 1:
+        raise ValueError(f"--pp-size={ns.pp_size} cannot be used with --sparsehi-algorithm (pipeline parallel layer "
+                         f"slices); allowed: 1")
     dp = int(getattr(ns, "attn_dp_size", 1) or 1)
     if dp > 1 or getattr(ns, "enable_dp_attention", False):
         flag = f"--attn-dp-size={dp}" if dp > 1 else "--enable-dp-attention"

@@ -2,21 +2,24 @@
 
 Our KV manager and transfer engine address every layer of a pool from one base tensor
 (``DeviceKVPool.kv_data [buffers, layers, slots, heads, dim]``); SGLang keeps one tensor
-per layer (``MHATokenToKVPool.k_buffer[l]`` / ``v_buffer[l]``, ``MLATokenToKVPool.kv_buffer[l]``,
-each ``[size + page_size, heads, dim]``). :func:`adopt_kv_pool` builds a ``DeviceKVPool``
-whose ``kv_data`` holds SGLang's rows followed by a reserved region, copies what SGLang's
-buffers hold, and points SGLang's per-layer lists at views of it. Both then read and write
-the same memory: SGLang's attention backends, radix cache and allocator keep working on
-slots ``[0, size + page_size)``; the coordinator allocates its sparse buffers (sink pages,
-recent ring, LRU region) only from the reserved slots after them.
+per layer (``MHATokenToKVPool.k_buffer[l]`` / ``v_buffer[l]``, ``MLATokenToKVPool.kv_buffer[l]``).
+:func:`adopt_kv_pool` takes over the GPU memory SGLang allotted to its KV pool without a
+second copy: SGLang's tensors (empty at start-up) are released first, then one
+``DeviceKVPool`` of at most the same bytes is allocated, and SGLang's per-layer lists
+become views of its first rows. Those rows are the GPU pages SGLang's kernels address
+(through the plugin's virtual->GPU page map, see ``host_backed_allocator``); the slots
+after them hold the sparse requests' buffers, handed out by the pool's allocator.
 
-Nothing here imports SGLang: the pool is duck-typed by the attributes read below.
+Nothing here imports SGLang: the pool is duck-typed by the attributes read below
+(``sglang_api`` owns the writes into SGLang's objects).
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.device_pool import DeviceKVPool
@@ -83,48 +86,51 @@ def describe_kv_pool(kv_pool: Any) -> PoolLayout:
     return PoolLayout("mha", len(kv_pool.k_buffer), int(k.shape[1]), int(k.shape[2]), kv_pool.dtype, ps, rows)
 
 
-def adopt_kv_pool(kv_pool: Any, reserve_tokens: int) -> DeviceKVPool:
-    """A ``DeviceKVPool`` sharing SGLang's KV memory, plus ``reserve_tokens`` slots for
-    the coordinator's buffers.
+def adopt_kv_pool(kv_pool: Any, *, sel_page_size: int, reserve_tokens: int,
+                  extra_bytes: int = 0) -> tuple[DeviceKVPool, int]:
+    """A ``DeviceKVPool`` in the GPU memory of SGLang's (empty) KV pool, and the rows of it
+    SGLang's kernels now address.
 
-    SGLang's per-layer tensors are replaced by views of the new pool's ``kv_data`` (their
-    contents copied) and its data-pointer tables rebuilt, so SGLang's kernels and ours
-    address the same memory. The returned pool's allocator hands out only pages of the
-    reserved region: SGLang's own pages are marked taken once, here, and its own
-    allocator keeps managing them. Runs once, at memory-pool initialisation; the old
-    tensors are released after the copy (peak memory is twice SGLang's KV for that moment).
+    SGLang's tensors are released first; the new pool holds ``rows`` slots for SGLang
+    (page 0 its padding page; a multiple of both page sizes) then ``reserve_tokens`` slots
+    (rounded up to whole ``sel_page_size`` pages) for the coordinator's buffers, and all
+    of it (plus ``extra_bytes`` the caller allocates beside it) takes at most the bytes
+    SGLang's tensors had. SGLang's per-layer lists point at views of the first ``rows``
+    slots and its ``size`` becomes ``rows - page_size``. The pool's allocator hands out
+    only pages after them. Returns ``(pool, rows)``. Raises ValueError when the reserve
+    leaves SGLang fewer than two pages.
     """
+    from sparsehi.sglang_plugin import sglang_api
+
     if not isinstance(reserve_tokens, int) or reserve_tokens < 0:
         raise ValueError(f"reserve_tokens must be an int >= 0, got {reserve_tokens!r}")
+    if not isinstance(sel_page_size, int) or sel_page_size < 1:
+        raise ValueError(f"sel_page_size must be an int >= 1, got {sel_page_size!r}")
     lay = describe_kv_pool(kv_pool)
-    ps = lay.page_size
-    reserve = -(-reserve_tokens // ps) * ps
-    pool = DeviceKVPool(lay.spec(), lay.rows + reserve, kv_pool.device)
-    sgl_pages = lay.rows // ps
-    if sgl_pages > 1:  # page 0 is the allocator's own padding page already
-        taken = pool.allocator.alloc_pages(sgl_pages - 1)
-        if taken is None or int(taken.min()) != 1 or int(taken.max()) != sgl_pages - 1:
-            raise RuntimeError("could not mark SGLang's pages taken in the sparse pool's allocator")
-    with torch.no_grad():
-        if lay.attention == "mla":
-            old = kv_pool.kv_buffer
-            n = old[0].shape[0]
-            for layer, t in enumerate(old):
-                pool.kv_data[0, layer, :n].copy_(t)
-            kv_pool.kv_buffer = [pool.kv_data[0, layer, :n] for layer in range(lay.num_layers)]
-            kv_pool.data_ptrs = torch.tensor([x.data_ptr() for x in kv_pool.kv_buffer], dtype=torch.uint64,
-                                             device=kv_pool.device)
-        else:
-            n = kv_pool.k_buffer[0].shape[0]
-            for layer in range(lay.num_layers):
-                pool.kv_data[0, layer, :n].copy_(kv_pool.k_buffer[layer])
-                pool.kv_data[1, layer, :n].copy_(kv_pool.v_buffer[layer])
-            kv_pool.k_buffer = [pool.kv_data[0, layer, :n] for layer in range(lay.num_layers)]
-            kv_pool.v_buffer = [pool.kv_data[1, layer, :n] for layer in range(lay.num_layers)]
-            refresh = getattr(kv_pool, "_init_data_ptrs_and_strides", None)
-            if refresh is not None:
-                refresh()
-    return pool
+    spec = KVCacheSpec(lay.attention, lay.num_layers, lay.kv_heads, lay.head_dim, lay.dtype, sel_page_size,
+                       kv_lora_rank=lay.kv_lora_rank)
+    old_bytes = sum(t.numel() * t.element_size() for t in sglang_api.pool_buffers(kv_pool))
+    unit = int(np.lcm(sel_page_size, lay.page_size))
+    reserve = -(-reserve_tokens // sel_page_size) * sel_page_size
+    rows = (int(max(0, old_bytes - extra_bytes) // spec.token_bytes) - reserve) // unit * unit
+    if rows < 2 * lay.page_size or rows < unit:
+        raise ValueError(f"the sparse buffers ({reserve} tokens) and tables ({extra_bytes / 2**30:.2f} GiB) leave "
+                         f"SGLang's kernels {max(rows, 0)} GPU tokens of its {lay.rows}: lower "
+                         f"--sparsehi-max-sparse-requests or --sparsehi-device-buffer-size, or raise "
+                         f"--mem-fraction-static")
+    device = kv_pool.device
+    sglang_api.drop_pool_buffers(kv_pool)
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # SGLang's per-layer blocks go back before the one allocation
+    pool = DeviceKVPool(spec, rows + reserve, device)
+    taken = pool.allocator.alloc_pages(rows // sel_page_size - 1)  # page 0 is the allocator's own padding page
+    if rows // sel_page_size > 1 and (taken is None or int(taken.max()) != rows // sel_page_size - 1):
+        raise RuntimeError("could not mark SGLang's rows taken in the sparse pool's allocator")
+    per_layer = [tuple(pool.kv_data[b, layer, :rows] for b in range(spec.num_buffers))
+                 for layer in range(lay.num_layers)]
+    sglang_api.swap_pool_buffers(kv_pool, per_layer, rows)
+    return pool, rows
 
 
 def req_to_token_rows(req_to_token_pool: Any) -> tuple[int, int]:

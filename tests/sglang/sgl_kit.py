@@ -1,12 +1,19 @@
 """A small SGLang serving loop on CPU for the plugin's tests, built from SGLang's real parts.
 
-SGLang's ``ReqToTokenPool``, ``MHATokenToKVPool``, ``ForwardBatch``, ``RadixAttention`` and
-its CPU attention backend (``TorchNativeAttnBackend``) are used as they are; what a test
-supplies is what a served model and the scheduler would: the page allocation of SGLang's
-slots (``SlotPages``), the per-layer q/k/v of each forward, and the model runner object
-the plugin's hooks are handed (``Runner``: the attributes SGLang's ``ModelRunner`` has
-after ``alloc_memory_pool``). ``ModelRunner`` itself needs SGLang's server stack, which
-the test environment does not install.
+SGLang's ``ReqToTokenPool``, ``MHATokenToKVPool`` / ``MLATokenToKVPool``, its KV allocators
+(``TokenToKVPoolAllocator``, ``PagedTokenToKVPoolAllocator``), ``KVIndexTranslator`` (its
+plans bind each forward's write slots), ``ForwardBatch``, ``RadixAttention`` and its CPU
+attention backend (``TorchNativeAttnBackend``) are used as they are. What a test supplies
+is what a served model and the scheduler would: which rows share a cached prefix, the
+per-layer q/k/v of each forward, and the model runner object the plugin's hooks are handed
+(``Runner``: the attributes SGLang's ``ModelRunner`` has after ``alloc_memory_pool``).
+``ModelRunner`` itself needs SGLang's server stack, which the test environment does not
+install.
+
+SGLang's GPU attention backends read the KV pool through the model runner's
+``KVIndexTranslator`` (virtual slots -> GPU slots). The CPU backend reads
+``req_to_token`` as it is, so the kit hands it the rows translated the same way
+(``PhysicalRows``: ``allocator.translate_kv_loc`` of every entry, recomputed per forward).
 
 The reference (``ReferenceHier``) is the runtime's ``sparse-hier`` decode path: the same
 ``SparseCoordinator`` in hierarchical mode over hicache's own device and host pools, driven
@@ -21,6 +28,9 @@ from typing import Optional
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -49,7 +59,8 @@ MAX_REQS = 4
 
 def sparse_config(**kw) -> SparseConfig:
     base = dict(algorithm="quest", backend="triton", top_k=8, device_buffer_size=12, page_size=PS, sink_tokens=4,
-                recent_tokens=4, min_sparse_prompt_len=40, dense_layers=(0,), host_to_device_ratio=2.0)
+                recent_tokens=4, min_sparse_prompt_len=40, dense_layers=(0,), host_to_device_ratio=2.0,
+                max_sparse_requests=MAX_REQS)
     base.update(kw)
     return SparseConfig(**base)
 
@@ -61,70 +72,83 @@ class Runner:
     server_args: object
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
+    token_to_kv_pool_allocator: object
+    kv_index_translator: object
+    max_total_num_tokens: int = POOL_TOKENS
     max_running_requests: int = MAX_REQS
     device: str = "cpu"
     capture_head_hooks: list = field(default_factory=list)
     capture_tail_hooks: list = field(default_factory=list)
 
 
-class SlotPages:
-    """The scheduler's side: page-aligned slots of SGLang's KV pool per request row."""
+class PhysicalRows:
+    """``req_to_token`` as SGLang's GPU backends read it: every entry translated to its GPU
+    slot by the runner's allocator (identity without the plugin)."""
 
-    def __init__(self) -> None:
-        self.next_page = 1  # page 0 is SGLang's padding page
-        self.slots: dict[int, list[int]] = {}
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
 
-    def grow(self, row: int, n: int) -> list[int]:
-        have = self.slots.setdefault(row, [])
-        new = []
-        for _ in range(n):
-            if len(have) % PS == 0:  # the row opens a new page
-                slot = self.next_page * PS
-                self.next_page += 1
-            else:
-                slot = have[-1] + 1
-            new.append(slot)
-            have.append(slot)
-        return new
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        rtt = self.runner.req_to_token_pool.req_to_token
+        alloc = self.runner.token_to_kv_pool_allocator
+        if not hasattr(alloc, "translate_kv_loc"):
+            return rtt
+        return alloc.translate_kv_loc(rtt.long()).to(rtt.dtype)
 
-    def share(self, row: int, src: int, n: int) -> None:
-        """Row ``row`` reuses the first ``n`` slots (whole pages) of ``src`` (a radix-cache hit)."""
-        assert n % PS == 0
-        self.slots[row] = list(self.slots[src][:n])
+
+def _prompt_batch(rows: list[int], prompts: list[int]) -> SimpleNamespace:
+    """The scheduler batch ``ForwardBatch.init_new`` is built from, as far as the plugin reads it."""
+    reqs = [SimpleNamespace(origin_input_ids=[0] * n, output_ids=[]) for n in prompts]
+    return SimpleNamespace(reqs=reqs, req_pool_indices_cpu=torch.tensor(rows))
 
 
 @dataclass
 class World:
-    """SGLang's pools, backend and layers, with the plugin's model-runner hooks applied."""
+    """SGLang's pools, allocator, translator, backend and layers, with the plugin's
+    model-runner hooks applied. ``sgl_page``: SGLang's ``--page-size``."""
 
     cfg: Optional[SparseConfig]
     mla: bool = False
+    sgl_page: int = 1
+    pool_tokens: int = POOL_TOKENS
     req_pool: ReqToTokenPool = field(init=False)
     kv_pool: MHATokenToKVPool = field(init=False)
     runner: Runner = field(init=False)
     backend: TorchNativeAttnBackend = field(init=False)
     layers: list = field(init=False)
-    pages: SlotPages = field(init=False)
 
     def __post_init__(self) -> None:
         self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
+        ps = self.sgl_page
         if self.mla:
-            self.kv_pool = MLATokenToKVPool(POOL_TOKENS, PS, torch.float32, LORA, ROPE, L, "cpu", False)
+            self.kv_pool = MLATokenToKVPool(self.pool_tokens, ps, torch.float32, LORA, ROPE, L, "cpu", False)
         else:
-            self.kv_pool = MHATokenToKVPool(POOL_TOKENS, PS, torch.float32, HKV, D, L, "cpu", False)
+            self.kv_pool = MHATokenToKVPool(self.pool_tokens, ps, torch.float32, HKV, D, L, "cpu", False)
+        if ps == 1:
+            alloc = TokenToKVPoolAllocator(self.pool_tokens, torch.float32, "cpu", self.kv_pool, False)
+        else:
+            alloc = PagedTokenToKVPoolAllocator(self.pool_tokens, ps, torch.float32, "cpu", self.kv_pool, False)
+        translator = KVIndexTranslator(req_to_token=self.req_pool.req_to_token, token_to_kv_pool_allocator=alloc,
+                                       token_to_kv_pool=self.kv_pool, page_size=ps, device="cpu")
         args = type("Args", (), {"sparsehi_config": self.cfg})()
-        self.runner = Runner(args, self.req_pool, self.kv_pool)
+        self.runner = Runner(args, self.req_pool, self.kv_pool, alloc, translator, max_total_num_tokens=self.pool_tokens)
         hooks.after_alloc_memory_pool(None, self.runner)  # what SGLang runs after alloc_memory_pool
         self.backend = TorchNativeAttnBackend(self.runner)
+        self.backend.req_to_token_pool = PhysicalRows(self.runner)
         if self.mla:
             self.layers = [RadixAttention(HQ, LORA + ROPE, SCALE, 1, layer_id=i, v_head_dim=LORA) for i in range(L)]
         else:
             self.layers = [RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in range(L)]
-        self.pages = SlotPages()
+        self.lens: dict[int, int] = {}
 
     @property
     def bridge(self):
         return getattr(self.runner, hooks.BRIDGE_ATTR, None)
+
+    @property
+    def alloc(self):
+        return self.runner.token_to_kv_pool_allocator
 
     def _model(self, qkv):
         def forward_raw(runner, fb):
@@ -141,39 +165,92 @@ class World:
             return hooks.around_forward_raw(model, self.runner, fb)
         return model(self.runner, fb)
 
-    def extend(self, rows: list[int], lens: list[int], prefix: Optional[list[int]] = None) -> ForwardBatch:
+    def _slots(self, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
+        """Allocate ``[start, end)`` of each row as the scheduler does (SGLang's allocator,
+        page-aligned rows at --page-size > 1) and write ``req_to_token``."""
+        ps = self.sgl_page
+        rtt = self.req_pool.req_to_token
+        if ps == 1:
+            ids = self.alloc.alloc(sum(e - s for s, e in zip(starts, ends)))
+            assert ids is not None, "the allocator refused"
+            out, k = [], 0
+            for r, s, e in zip(rows, starts, ends):
+                rtt[r, s:e] = ids[k:k + e - s].to(torch.int32)
+                out.append(ids[k:k + e - s])
+                k += e - s
+            return torch.cat(out)
+        pre = torch.tensor(starts, dtype=torch.int64)
+        seq = torch.tensor(ends, dtype=torch.int64)
+        last = torch.tensor([int(rtt[r, s - 1]) if s > 0 else -1 for r, s in zip(rows, starts)], dtype=torch.int64)
+        if all(e - s == 1 for s, e in zip(starts, ends)):
+            ids = self.alloc.alloc_decode(seq, seq, last)
+        else:
+            ids = self.alloc.alloc_extend(pre, pre, seq, seq, last, int((seq - pre).sum()))
+        assert ids is not None, "the allocator refused"
+        k = 0
+        for r, s, e in zip(rows, starts, ends):
+            rtt[r, s:e] = ids[k:k + e - s].to(torch.int32)
+            k += e - s
+        return ids
+
+    def _bind(self, fb: ForwardBatch) -> ForwardBatch:
+        """What ``ForwardBatch.init_new`` does with the runner's translator: the plan of the
+        forward's slots (``out_cache_loc`` becomes the GPU slots, the virtual ones kept)."""
+        t = self.runner.kv_index_translator
+        t.own_plan(fb).bind(fb, t)
+        return fb
+
+    def extend(self, rows: list[int], lens: list[int], prefix: Optional[list[int]] = None,
+               share: Optional[dict[int, int]] = None, prompts: Optional[list[int]] = None) -> ForwardBatch:
+        """An extend forward of ``rows`` up to ``lens`` tokens, ``prefix`` of them cached:
+        from the row's own earlier chunks, or (``share[row] = src``) the first tokens of row
+        ``src`` (a radix-tree hit). ``prompts``: each request's full prompt length."""
         prefix = prefix or [0] * len(rows)
-        locs = []
-        for r, n, p in zip(rows, lens, prefix):
-            if p == 0:
-                self.pages.slots.pop(r, None)
-            locs += self.pages.grow(r, n - p)
-            self.req_pool.req_to_token[r, :n] = torch.tensor(self.pages.slots[r][:n], dtype=torch.int32)
+        share = share or {}
+        rtt = self.req_pool.req_to_token
+        for r, p in zip(rows, prefix):
+            if r in share:
+                rtt[r, :p] = rtt[share[r], :p]
+        locs = self._slots(rows, prefix, lens)
         ext = [n - p for n, p in zip(lens, prefix)]
-        return ForwardBatch(
+        for r, n in zip(rows, lens):
+            self.lens[r] = n
+        fb = ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=len(rows), input_ids=torch.zeros(sum(ext), dtype=torch.long),
-            req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), out_cache_loc=torch.tensor(locs),
+            req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), out_cache_loc=locs,
             seq_lens_sum=sum(lens), seq_lens_cpu=torch.tensor(lens), req_pool_indices_cpu=torch.tensor(rows),
             extend_prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(ext),
             extend_prefix_lens_cpu=list(prefix), extend_seq_lens_cpu=ext, extend_num_tokens=sum(ext),
             positions=torch.cat([torch.arange(p, n) for n, p in zip(lens, prefix)]),
         )
+        self._bind(fb)
+        hooks.after_forward_batch_init_new(fb, ForwardBatch, _prompt_batch(rows, prompts or list(lens)), self.runner)
+        return fb
 
     def decode(self, rows: list[int], lens: list[int]) -> ForwardBatch:
-        locs = []
+        locs = self._slots(rows, [n - 1 for n in lens], lens)
         for r, n in zip(rows, lens):
-            locs += self.pages.grow(r, 1)
-            self.req_pool.req_to_token[r, n - 1] = locs[-1]
+            self.lens[r] = n
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=len(rows), input_ids=torch.zeros(len(rows), dtype=torch.long),
-            req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), out_cache_loc=torch.tensor(locs),
+            req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), out_cache_loc=locs,
             seq_lens_sum=sum(lens), seq_lens_cpu=torch.tensor(lens), positions=torch.tensor(lens) - 1,
         )
+        self._bind(fb)
         # SGLang's init_new leaves a decode batch's req_pool_indices_cpu unset; the plugin's
         # hook on it keeps the scheduler batch's copy (init_new itself needs a ModelRunner)
-        scheduled = SimpleNamespace(req_pool_indices_cpu=torch.tensor(rows))
+        scheduled = SimpleNamespace(req_pool_indices_cpu=torch.tensor(rows), reqs=None)
         hooks.after_forward_batch_init_new(fb, ForwardBatch, scheduled, self.runner)
         return fb
+
+    def finish(self, row: int, keep: int = 0) -> None:
+        """A request ends as SGLang releases it without a tree: its slots past ``keep`` (what
+        a tree would keep) back to the allocator, then its row freed."""
+        n = self.lens.pop(row)
+        ids = self.req_pool.req_to_token[row, keep:n].long()
+        if ids.numel():
+            self.alloc.free(ids)
+        self.req_pool.free_rows(torch.tensor([row]))
 
 
 def qkv(n: int, gen: torch.Generator, mla: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -1,6 +1,6 @@
-"""sparsehi next to SGLang's own features: the radix cache (prefix reuse) stays on,
-SGLang's HiCache flags keep their meaning, and settings the plugin cannot follow are
-refused naming the flag."""
+"""sparsehi next to SGLang's own features: the radix cache (prefix reuse) stays on and
+reuses prefixes whose KV is only in the plugin's host pool; settings the plugin cannot
+follow (SGLang's own host tier among them) are refused naming the flag."""
 from __future__ import annotations
 
 import argparse
@@ -26,22 +26,35 @@ def _parse(argv: list[str]):
 
 
 def test_radix_prefix_reuse_composes_with_sparse_hier():
-    """Request B reuses the first 48 slots of request A (a radix-cache hit, as SGLang's
-    scheduler hands it: shared slots in req_to_token, extend_prefix_lens=48). Both decode
-    as the runtime's sparse-hier decode of their whole sequences."""
+    """Request A registers at its first decode step and its prompt leaves the GPU (host
+    only). Request B then reuses A's first 48 slots (a radix-cache hit, as SGLang's
+    scheduler hands it: shared slots in req_to_token, extend_prefix_lens=48): its extend
+    forward reads them from the GPU again (brought back from host before it), exactly as
+    SGLang alone computes it, and both requests decode as the runtime's sparse-hier
+    decode of their whole sequences."""
     cfg = sparse_config()
-    world, ref = World(cfg), ReferenceHier(cfg)
+    world, ref, plain = World(cfg), ReferenceHier(cfg), World(None)
     gen = torch.Generator().manual_seed(10)
     a = qkv(64, gen)
     world.run(world.extend([1], [64]), a)
+    plain.run(plain.extend([1], [64]), a, hooked=False)
     ref.prefill(1, [k for _, k, _ in a], [v for _, _, v in a])
-    world.pages.share(2, 1, 48)
+    step = qkv(1, gen)
+    torch.testing.assert_close(world.run(world.decode([1], [65]), step)[1], ref.decode([1], step)[1])
+    plain.run(plain.decode([1], [65]), step, hooked=False)
+    res = world.bridge.residency
+    shared = world.req_pool.req_to_token[1, :48].long()
+    assert (res.v2p[shared] == 0).all()  # A's prompt is in host memory only
     b_new = qkv(20, gen)
-    world.run(world.extend([2], [68], prefix=[48]), b_new)
+    got = world.run(world.extend([2], [68], prefix=[48], share={2: 1}), b_new)
+    want = plain.run(plain.extend([2], [68], prefix=[48], share={2: 1}), b_new, hooked=False)
+    for i in range(L):
+        torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)  # the prefix read is SGLang's own
     assert torch.equal(world.req_pool.req_to_token[2, :48], world.req_pool.req_to_token[1, :48])
+    assert (res.v2p[shared] > 0).all()  # back on the GPU for B's prefill
     ref.prefill(2, [torch.cat([a[i][1][:48], b_new[i][1]]) for i in range(L)],
                 [torch.cat([a[i][2][:48], b_new[i][2]]) for i in range(L)])
-    lens = {1: 64, 2: 68}
+    lens = {1: 65, 2: 68}
     for _ in range(4):
         for r in lens:
             lens[r] += 1
@@ -50,10 +63,12 @@ def test_radix_prefix_reuse_composes_with_sparse_hier():
         want = ref.decode([1, 2], layers)
         for i in range(L):
             torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
-    # the shared prefix slots were never written by the decode of either request
-    for i in range(L):
-        torch.testing.assert_close(world.kv_pool.k_buffer[i][world.req_pool.req_to_token[2, :48].long()],
-                                   a[i][1][:48].view(48, -1, world.kv_pool.head_dim))
+    assert (res.v2p[shared] == 0).all()  # B registered too: the shared prefix left the GPU again
+    # the shared prefix's host copy was never written by the decode of either request
+    host = world.bridge.host_pool
+    for i in (0, L - 1):
+        k_host = host.read_tokens(i, shared)[0]
+        torch.testing.assert_close(k_host, a[i][1][:48].view(48, -1, world.kv_pool.head_dim))
 
 
 def test_radix_cache_stays_on():
@@ -61,15 +76,16 @@ def test_radix_cache_stays_on():
     assert getattr(sa, ATTR) is not None and not sa.disable_radix_cache
 
 
-def test_hicache_flags_keep_their_meaning():
+def test_sglangs_own_host_tiers_are_refused_naming_the_flag():
+    """With the plugin every token's KV already lives in its host pool; SGLang's HiCache
+    (which moves KV by the same slot ids) is refused with a message naming the flag, and
+    keeps its meaning without the plugin."""
     plain = _parse(HICACHE)
-    ours = _parse([*HICACHE, "--sparsehi-algorithm", "quest"])
-    names = [n for n in dir(plain) if n.startswith("hicache_") or n == "enable_hierarchical_cache"]
-    assert "hicache_ratio" in names and "hicache_mem_layout" in names
-    for n in names:
-        if not callable(getattr(plain, n)):
-            assert getattr(ours, n) == getattr(plain, n), n
-    assert ours.enable_hierarchical_cache and ours.hicache_ratio == 3 and ours.hicache_mem_layout == "page_first"
+    assert plain.enable_hierarchical_cache and plain.hicache_ratio == 3
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache cannot be used with --sparsehi-algorithm"):
+        _parse([*HICACHE, "--sparsehi-algorithm", "quest"])
+    with pytest.raises(ValueError, match="--disaggregation-mode='decode'"):
+        _parse(["--sparsehi-algorithm", "quest", "--disaggregation-mode", "decode"])
 
 
 def test_cuda_graphs_stay_sglangs_choice_with_a_capture_safe_algorithm():

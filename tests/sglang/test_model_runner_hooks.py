@@ -43,13 +43,18 @@ def test_hooked_decode_equals_runtime_sparse_hier():
         for i in range(L):
             assert got[i].shape == (len(rows), HQ * D)
             torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
-    assert world.bridge.registered[[1, 2]].all() and world.bridge.registrations == 2  # at the first decode
-    st = world.bridge.coord.stats()
+    b = world.bridge
+    assert b.registered[[1, 2]].all() and b.registrations == 2  # at the first decode
+    st = b.coord.stats()
     assert st["steps"] == 6 and st["misses"] > 0  # pages really came back from host
-    # SGLang's own slots hold every decoded token (its radix cache can keep the request)
+    # every token's KV is in the host pool at its SGLang slot (its radix cache can keep the
+    # request), and of SGLang's pages only each row's newest token's is on the GPU
     for r in rows:
-        slots = world.req_pool.req_to_token[r, : lens[r]].long()
-        assert torch.equal(world.kv_pool.k_buffer[1][slots[-1]], layers[1][1].view(len(rows), HKV, D)[rows.index(r)])
+        vids = world.req_pool.req_to_token[r, : lens[r]].long()
+        assert torch.equal(b.host_pool.read_tokens(1, vids[-1:])[0][0],
+                           layers[1][1].view(len(rows), HKV, D)[rows.index(r)])
+        assert (b.residency.v2p[vids[:-1]] == 0).all() and int(b.residency.v2p[vids[-1]]) > 0
+    assert b.residency.counts()["resident"] == len(rows)
 
 
 def test_hooked_mla_decode_equals_runtime_sparse_hier():
@@ -100,13 +105,14 @@ def test_sparse_selection_differs_from_dense_and_dense_budget_equals_sglang():
     is really sparse); with top-k covering the context it equals SGLang's own attention."""
     gen = torch.Generator().manual_seed(1)
     for top_k, same in ((8, False), (96, True)):
-        world = World(sparse_config(top_k=top_k, device_buffer_size=max(12, top_k)))
-        _prefill(world, 1, 70, gen)
+        world = World(sparse_config(top_k=top_k, device_buffer_size=max(12, top_k), max_sparse_requests=1))
+        plain = World(None)
+        pre = qkv(70, gen)
+        world.run(world.extend([1], [70]), pre)
+        plain.run(plain.extend([1], [70]), pre, hooked=False)
         layers = qkv(1, gen)
-        fb = world.decode([1], [71])
-        got = world.run(fb, layers)
-        # SGLang's own attention over the same pool (the token was just written there)
-        with_plain = world.run(fb, layers, hooked=False)
+        got = world.run(world.decode([1], [71]), layers)
+        with_plain = plain.run(plain.decode([1], [71]), layers, hooked=False)  # SGLang alone
         for i in range(1, L):  # layer 0 is a dense layer in both cases
             close = torch.allclose(got[i], with_plain[i], rtol=1e-5, atol=1e-5)
             assert close == same, (top_k, i)
@@ -117,8 +123,6 @@ def test_without_flags_hooks_are_no_ops():
     gen = torch.Generator().manual_seed(2)
     hooked, plain = World(None), World(None)
     assert hooked.bridge is None
-    for w in (hooked, plain):
-        w.pages = type(w.pages)()
     pre = qkv(45, gen)
     outs = [hooked.run(hooked.extend([1], [45]), pre), plain.run(plain.extend([1], [45]), pre, hooked=False)]
     for a, b in zip(*outs):
@@ -162,16 +166,21 @@ def test_short_request_takes_sglangs_path_next_to_a_sparse_one():
 
 
 def test_freeing_the_row_ends_the_request():
+    """SGLang frees a registered row and its slots: the coordinator's request ends (its
+    buffer pages come back), no GPU page stays held, the virtual slots are all free."""
     world = World(sparse_config())
+    b = world.bridge
     gen = torch.Generator().manual_seed(4)
-    free_before = world.bridge.host_pool.allocator.available_size()
+    buffer_free = b.device_pool.allocator.num_free_pages()
     _prefill(world, 3, 48, gen)
-    world.run(world.decode([3], [49]), qkv(1, gen))  # registers (offloads) the prompt
-    assert world.bridge.host_pool.allocator.available_size() < free_before
-    world.req_pool.free_slots.remove(3)
-    world.req_pool.free_rows([3])
-    assert not world.bridge.registered[3]
-    assert world.bridge.host_pool.allocator.available_size() == free_before
+    world.run(world.decode([3], [49]), qkv(1, gen))  # registers the prompt
+    assert b.registered[3] and b.device_pool.allocator.num_free_pages() < buffer_free
+    world.finish(3)
+    assert not b.registered[3] and b.slot_of_row[3] == -1 and len(b.free_slots) == b.max_sparse
+    assert b.device_pool.allocator.num_free_pages() == buffer_free
+    assert b.residency.counts() == {"free": b.physical_pages, "resident": 0, "pinned": 0}
+    assert world.alloc.available_size() == b.virtual_tokens
+    b.residency.check()
 
 
 def test_load_plugins_hooks_attention_and_the_request_pool():
@@ -190,37 +199,40 @@ def test_load_plugins_hooks_attention_and_the_request_pool():
 
 def test_a_failed_prefill_registers_nothing():
     world = World(sparse_config())
+    b = world.bridge
     gen = torch.Generator().manual_seed(7)
-    free_before = world.bridge.host_pool.allocator.available_size()
 
     def broken(runner, fb):
         raise RuntimeError("model failed")
 
+    fb = world.extend([1], [50])
     with pytest.raises(RuntimeError, match="model failed"):
-        hooks.around_forward_raw(broken, world.runner, world.extend([1], [50]))
-    assert not world.bridge.registered[1]
-    assert world.bridge.host_pool.allocator.available_size() == free_before
-    _prefill(world, 1, 50, gen)  # the retry goes through
+        hooks.around_forward_raw(broken, world.runner, fb)
+    assert not b.registered[1] and b.slot_of_row[1] == -1 and b.pinned_len[1] == 0
+    assert b.residency.counts()["pinned"] == 0  # its pins were undone
+    world.run(fb, qkv(50, gen))  # SGLang's retry of the same forward goes through
     world.run(world.decode([1], [51]), qkv(1, gen))
     assert world.bridge.registered[1]
 
 
-def test_chunked_prefill_is_offloaded_once_at_the_first_decode():
+def test_chunked_prefill_is_registered_once_at_the_first_decode():
     """A prompt prefilled in three chunks (SGLang's chunked prefill: each chunk an extend
-    with the earlier chunks as its prefix) is registered once, at its first decode forward,
-    from the whole prompt's KV in SGLang's pool: the host pool holds one copy, and decode
-    equals the runtime's sparse-hier decode of the whole prompt."""
+    with the earlier chunks as its prefix) stays on the GPU while it is prefilled, each
+    chunk written through to host; it is registered once, at its first decode forward, and
+    then leaves the GPU; decode equals the runtime's sparse-hier decode of the whole prompt."""
     cfg = sparse_config()
     world, ref = World(cfg), ReferenceHier(cfg)
+    b = world.bridge
     gen = torch.Generator().manual_seed(12)
-    free_before = world.bridge.host_pool.allocator.available_size()
     chunks = [qkv(24, gen), qkv(24, gen), qkv(17, gen)]
     done = 0
     for c in chunks:
         n = len(c[0][1])
-        world.run(world.extend([1], [done + n], prefix=[done]), c)
+        world.run(world.extend([1], [done + n], prefix=[done], prompts=[65]), c)
         done += n
-        assert not world.bridge.registered[1] and world.bridge.registrations == 0
+        assert not b.registered[1] and b.registrations == 0
+        assert b.slot_of_row[1] >= 0  # a sparse request from its first chunk on (representations built)
+        assert b.residency.counts()["pinned"] == done
     ref.prefill(1, [torch.cat([c[i][1] for c in chunks]) for i in range(L)],
                 [torch.cat([c[i][2] for c in chunks]) for i in range(L)])
     n = done
@@ -231,10 +243,12 @@ def test_chunked_prefill_is_offloaded_once_at_the_first_decode():
         want = ref.decode([1], layers)
         for i in range(L):
             torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
-    assert world.bridge.registrations == 1
-    ps = cfg.page_size
-    pages_now = (free_before - world.bridge.host_pool.allocator.available_size()) // ps
-    assert pages_now == -(-n // ps), "one host copy of the prompt and its decoded tokens"
+    assert b.registrations == 1
+    vids = world.req_pool.req_to_token[1, :65].long()
+    for i in range(L):  # the host copy of the prompt, at its SGLang slots
+        torch.testing.assert_close(b.host_pool.read_tokens(i, vids)[0],
+                                   torch.cat([c[i][1] for c in chunks]).view(65, HKV, D))
+    assert b.residency.counts()["resident"] == 1
 
 
 def test_sglangs_own_quest_through_the_hooks_equals_the_runtime_path():
@@ -347,30 +361,34 @@ def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels):
                                  world.decode([1, 2], [lens[1], lens[2]]))
 
 
-def test_a_failed_registration_leaves_the_row_unregistered():
-    """The offload at a row's first decode fails (here: the coordinator's prefill end
-    raises once): the forward raises, the row is not registered and the coordinator holds
-    no request for it; the next decode forward registers it."""
-    world = World(sparse_config())
+def test_a_failed_registration_leaves_the_row_on_sglangs_path():
+    """The registration at a row's first decode fails (here: the coordinator's adoption
+    raises once): the row is not registered, the coordinator holds no request for it, and
+    it decodes on SGLang's own path over its prompt, which stayed on the GPU — equal to a
+    server without sparsehi."""
+    world, plain = World(sparse_config()), World(None)
+    b = world.bridge
     gen = torch.Generator().manual_seed(13)
-    _prefill(world, 1, 50, gen)
-    coord = world.bridge.coord
-    real = coord.forward_end
-    calls = []
+    pre = qkv(50, gen)
+    world.run(world.extend([1], [50]), pre)
+    plain.run(plain.extend([1], [50]), pre, hooked=False)
+    coord = b.coord
+    real = coord.adopt_prompts
 
-    def failing(batch, *a, **kw):
-        if batch.mode == "prefill" and not calls:
-            calls.append(1)
-            raise RuntimeError("host pool out of space")
-        return real(batch, *a, **kw)
+    def failing(*a, **kw):
+        raise RuntimeError("buffer pages out of space")
 
-    coord.forward_end = failing
-    with pytest.raises(RuntimeError, match="host pool out of space"):
-        world.run(world.decode([1], [51]), qkv(1, gen))
-    assert not world.bridge.registered[1] and world.bridge.registrations == 0
-    assert 1 not in coord.manager.table.live_rows()
-    world.run(world.decode([1], [51]), qkv(1, gen))  # SGLang retries the step
-    assert world.bridge.registered[1] and world.bridge.registrations == 1
+    coord.adopt_prompts = failing
+    for n in (51, 52):
+        layers = qkv(1, gen)
+        got = world.run(world.decode([1], [n]), layers)
+        want = plain.run(plain.decode([1], [n]), layers, hooked=False)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-6, atol=1e-6)
+    coord.adopt_prompts = real
+    assert not b.registered[1] and b.declined[1] and b.registrations == 0
+    assert coord.manager.table.live_rows() == [] and len(b.free_slots) == b.max_sparse
+    assert b.residency.counts()["pinned"] == 52  # SGLang decodes it: its whole context stays on the GPU
 
 
 def test_mla_split_rope_form_equals_the_joined_row():
@@ -420,12 +438,11 @@ def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
     gen = torch.Generator().manual_seed(15)
     layers = qkv(50, gen)
     for w in (world, plain):
-        w.run(w.extend([1], [50]), layers)
-    free_before = world.bridge.host_pool.allocator.available_size()
+        w.run(w.extend([1], [50]), layers, hooked=w is world)
     layers = qkv(1, gen)
     for w in (world, plain):
-        w.run(w.decode([1], [51]), layers)
-    assert world.bridge.registered[1] and world.bridge.host_pool.allocator.available_size() < free_before
+        w.run(w.decode([1], [51]), layers, hooked=w is world)
+    assert world.bridge.registered[1] and world.bridge.residency.counts()["resident"] == 1
     coord = world.bridge.coord
     real = coord.attention_end
 
@@ -440,12 +457,12 @@ def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
         world.run(fb, step)
     coord.attention_end = real
     assert not world.bridge.registered[1] and world.bridge.declined[1]
-    assert 1 not in coord.manager.table.live_rows()
-    assert world.bridge.host_pool.allocator.available_size() == free_before
+    assert 1 not in coord.manager.table.live_rows() and len(world.bridge.free_slots) == world.bridge.max_sparse
+    assert world.bridge.residency.counts()["pinned"] == 52  # brought back to the GPU for SGLang's path
     for n in (52, 53):  # SGLang's retry of the step, then the next one
         layers = step if n == 52 else qkv(1, gen)
         got = world.run(fb if n == 52 else world.decode([1], [n]), layers)
-        want = plain.run(plain.decode([1], [n]), layers)
+        want = plain.run(plain.decode([1], [n]), layers, hooked=False)
         for i in range(L):
             torch.testing.assert_close(got[i], want[i], rtol=1e-6, atol=1e-6)
 

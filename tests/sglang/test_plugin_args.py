@@ -51,8 +51,14 @@ def test_flags_parse_into_sparse_config(loaded):
     cfg = getattr(sa, ATTR)
     assert (cfg.algorithm, cfg.top_k, cfg.device_buffer_size, cfg.min_sparse_prompt_len, cfg.backend) == \
         ("quest", 256, 512, 100, "triton")
-    assert cfg.page_size == 16  # follows SGLang's --page-size unless --sparsehi-page-size is given
+    assert cfg.page_size == 64  # the selection page is the plugin's own, whatever SGLang's --page-size
     assert sa.page_size == 16
+    assert cfg.dense_layers == ()  # no layer keeps a whole context on the GPU unless asked
+    sa = _parse(["--sparsehi-algorithm", "quest", "--sparsehi-page-size", "16", "--sparsehi-dense-layers", "0,1",
+                 "--sparsehi-max-sparse-requests", "12", "--sparsehi-host-to-device-ratio", "4"])
+    cfg = getattr(sa, ATTR)
+    assert (cfg.page_size, cfg.dense_layers, cfg.max_sparse_requests, cfg.host_to_device_ratio) == (16, (0, 1), 12, 4.0)
+    assert sa.page_size in (None, 1)  # SGLang's default page size (resolved to 1 later)
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -62,6 +68,8 @@ def test_flags_parse_into_sparse_config(loaded):
     (["--sparsehi-algorithm", "quest", "--sparsehi-backend", "flashinfer"], "--sparsehi-backend"),
     (["--sparsehi-algorithm", "quest", "--sparsehi-page-size", "48"], "--sparsehi-page-size"),
     (["--sparsehi-top-k", "256"], "--sparsehi-algorithm"),
+    (["--sparsehi-algorithm", "quest", "--sparsehi-dense-layers", "0,x"], "--sparsehi-dense-layers"),
+    (["--sparsehi-algorithm", "quest", "--sparsehi-max-sparse-requests", "0"], "--sparsehi-max-sparse-requests"),
 ])
 def test_bad_values_are_rejected_naming_the_flag(loaded, argv, flag):
     with pytest.raises(ValueError, match=flag):
@@ -84,7 +92,6 @@ def test_without_flags_server_args_are_unchanged(loaded):
     from sglang.srt.arg_groups.arg_utils import record_fields
     for f in record_fields(ServerArgs):
         assert getattr(hooked, f.name) == getattr(plain, f.name), f.name
-    # SGLang's HiCache flags keep their meaning next to ours; the radix cache stays on
-    sa = _parse(["--enable-hierarchical-cache", "--hicache-ratio", "3", "--sparsehi-algorithm", "quest"])
-    assert sa.enable_hierarchical_cache and sa.hicache_ratio == 3 and not sa.disable_radix_cache
-    assert getattr(sa, ATTR) is not None
+    # the radix cache stays on with ours
+    sa = _parse(["--sparsehi-algorithm", "quest"])
+    assert not sa.disable_radix_cache and getattr(sa, ATTR) is not None

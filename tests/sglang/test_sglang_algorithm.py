@@ -338,7 +338,7 @@ def test_algorithm_option_takes_an_sglang_class():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = config_from_namespace(parser.parse_args(["--sparsehi-algorithm", QUEST]), sglang_page_size=16)
+    cfg = config_from_namespace(parser.parse_args(["--sparsehi-algorithm", QUEST, "--sparsehi-page-size", "16"]))
     assert cfg.algorithm == QUEST and cfg.page_size == 16
     for bad, why in ((f"{QUEST}Nope", "has no attribute|must name"), ("sglang.srt.no_such_module:X", "cannot import"),
                      ("questt", "unknown")):
