@@ -49,15 +49,20 @@ from sparsehi.config import SparseConfig  # noqa: E402
 RUNS = ("dense", "sparse_graph", "sparse_eager")
 
 
-def _config(page: int, top_k: int) -> SparseConfig:
+def _config(page: int, top_k: int, batch: int) -> SparseConfig:
     return SparseConfig(algorithm="quest", backend="flashattention", top_k=top_k, device_buffer_size=2 * top_k,
                         page_size=page, sink_tokens=page, recent_tokens=page, min_sparse_prompt_len=2 * top_k,
-                        host_to_device_ratio=2.0)
+                        host_to_device_ratio=2.0, dense_layers=(0, 1), max_sparse_requests=batch)
+
+
+def _buffer_tokens(page: int, top_k: int) -> int:
+    """GPU tokens of one sparse request's buffer (sink, recent ring, LRU region, a page)."""
+    return (3 + 2 * top_k // page) * page
 
 
 def run_one(kind: str, shape: Shape, batch: int, context: int, steps: int, top_k: int, dev: torch.device,
-            seed: int, profile: bool = False) -> dict:
-    cfg = None if kind == "dense" else _config(shape.page_size, top_k)
+            seed: int, profile: bool = False, sel_page: int = 64) -> dict:
+    cfg = None if kind == "dense" else _config(sel_page, top_k, batch)
     graphs = kind != "sparse_eager" and dev.type == "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
     hd = shape.head_dim
@@ -136,13 +141,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         dev = torch.device("cpu")
-        shape_kw = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
+        shape_kw = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
+        sel_page = 4
         args.context, args.steps, args.top_k, batches = 64, 6, 8, [1, 2]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a GPU (or --quick)")
         dev = torch.device("cuda")
-        shape_kw = dict(layers=args.layers, q_heads=32, kv_heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16)
+        shape_kw = dict(layers=args.layers, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+        sel_page = 64
         batches = [int(x) for x in args.batches.split(",")]
     kinds = [k for k in args.runs.split(",") if k]
     bad = [k for k in kinds if k not in RUNS]
@@ -150,11 +157,13 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--runs={args.runs!r}: a comma list of {RUNS}")
     results = []
     for b in batches:
-        ps = shape_kw["page_size"]
-        ctx = -(-(args.context + args.steps + 2) // ps) * ps
-        shape = Shape(context=ctx, rows=b + 1, pool_tokens=b * (ctx + ps), **shape_kw)
+        ctx = -(-(args.context + args.steps + 2) // sel_page) * sel_page
+        # SGLang's pool at --page-size 1: every prompt is on the GPU while it is prefilled,
+        # plus (sparse) the requests' buffers and representations
+        pool = b * (ctx + 2 * _buffer_tokens(sel_page, args.top_k) + sel_page)
+        shape = Shape(context=ctx, rows=b + 1, pool_tokens=pool, **shape_kw)
         runs = {kind: run_one(kind, shape, b, args.context, args.steps, args.top_k, dev, seed=b,
-                               profile=args.profile) for kind in kinds}
+                               profile=args.profile, sel_page=sel_page) for kind in kinds}
         dense_bytes = 2 * shape.layers * b * (args.context + args.steps) * shape.kv_heads * shape.head_dim * \
             torch.finfo(shape.dtype).bits // 8
         row = {"batch": b, "runs": list(runs.values()), "dense_kv_bytes_per_step": dense_bytes}
