@@ -6,12 +6,13 @@ Run on the GPU machine from the project root, after ``source .sglang-gpu/setup_s
 (SGLang 0.5.23 and this project in /tmp/site, dummy-weight model configs in /tmp/tiny and
 /tmp/l8b)::
 
-    python3 benchmarks/bench_sglang_server.py --dry-run            # the plan and the commands
-    python3 benchmarks/bench_sglang_server.py                       # everything (~12-14 min: two calls' worth)
-    # within a 10-minute call limit, three calls that fill one result file (--merge):
-    python3 benchmarks/bench_sglang_server.py --only sglang --time-budget 560
-    python3 benchmarks/bench_sglang_server.py --only plugin --skip-check --merge --time-budget 560
-    python3 benchmarks/bench_sglang_server.py --only plugin --skip-measure --merge --time-budget 560
+    python3 benchmarks/bench_sglang_server.py --dry-run       # the plan and the commands, nothing started
+    python3 benchmarks/bench_sglang_server.py                  # everything, four server starts (~11-14 min)
+    # within a 10-minute limit per call, three calls filling one result file (--merge reads the
+    # file in --out: bring sglang_server.json back from $OUT into benchmarks/results between calls):
+    python3 benchmarks/bench_sglang_server.py --only sglang --time-budget 540
+    python3 benchmarks/bench_sglang_server.py --only plugin --skip-check --merge --time-budget 540
+    python3 benchmarks/bench_sglang_server.py --only plugin --skip-measure --merge --time-budget 540
 
 Model: ``--model-dir`` (default ``$MODEL_DIR`` or /tmp/l8b: Llama-3-8B's shape), loaded with
 ``--load-format dummy``. Servers: SGLang's ``launch_server`` with the common flags of
@@ -83,9 +84,13 @@ leaves less than ``--min-host-avail-gib`` available is killed (its row says so).
 logs: ``$OUT`` if set, else the output directory (``server_<tag>.log``); with ``$OUT`` set
 the result file is copied there too.
 
-Device time (H100, Llama-3-8B shape, 32k and 64k): each start 60-110 s; per context and
-server roughly 15-25 s (32k) and 40-60 s (64k), mostly prefill; the two check servers a
-start each. About 10-13 minutes in all.
+Device time (H100, Llama-3-8B shape, 32k and 64k, estimated; prefill dominates: every
+admitted request of the held run is prefilled once, queued ones are aborted unprefilled):
+each start 60-110 s; per server and context about (ttft reps + 1 + held batch) prefills plus
+~256 + 32 x held decode steps: ~50 s at 32k (~12 held) and ~65 s at 64k (~6 held) without
+the plugin, more if the plugin holds more; the reference and check prompts a few seconds.
+Per full run: sglang ~3.5-4.5 min, plugin ~4-6 min, the two check servers ~3.5 min: about
+11-14 min, in three calls of under 6 min each as above.
 
 Result: ``sglang_server.json`` (``--out``, default benchmarks/results).
 """
@@ -128,6 +133,7 @@ ROW_FIELDS = ("context", "plugin", "batch_held", "b1_tok_s", "best_tok_s", "best
               "peak_gpu_gib", "peak_host_gib")
 TOP_FIELDS = ("device", "date", "rows", "defaults_start", "tokens_equal_full_topk")
 GIB = 2 ** 30
+CHECK_KEYS = ("prompts", "prompt_len", "new_tokens", "seed")  # what makes the check's prompts the same
 FLAG_STRING_OPTIONS = ("--plugin-args", "--check-plugin-args", "--server-args")
 
 
@@ -426,11 +432,11 @@ def merge_results(old: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[st
         keyed[(r["context"], r["plugin"])] = r
     out["rows"] = sorted(keyed.values(), key=lambda r: (r["context"], r["plugin"]))
     out["servers"] = {**old.get("servers", {}), **new.get("servers", {})}
-    check = dict(old.get("check") or {})
-    for k, v in (new.get("check") or {}).items():
-        if v is not None:
-            check[k] = v
-    out["check"] = check
+    old_check, new_check = dict(old.get("check") or {}), dict(new.get("check") or {})
+    if any(old_check.get(k) != new_check.get(k) for k in CHECK_KEYS if k in new_check):
+        out["check"] = new_check  # other prompts: the old reference and verdicts do not apply
+    else:
+        out["check"] = {**old_check, **{k: v for k, v in new_check.items() if v is not None}}
     return out
 
 
@@ -641,6 +647,13 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # localhost: never through a proxy
+
+
+def _open(req: Any, timeout: float) -> Any:
+    return _OPENER.open(req, timeout=timeout)
+
+
 class ServerDied(RuntimeError):
     pass
 
@@ -673,7 +686,7 @@ class Server:
             if not self.alive():
                 raise ServerDied(f"{self.tag}: server exited (rc={self.proc.returncode}) before it was up")
             try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                with _open(self.base + "/health", timeout=5) as r:
                     if r.status == 200:
                         return time.perf_counter() - t0
             except (urllib.error.URLError, OSError, ValueError):
@@ -726,6 +739,14 @@ class Server:
             data = f.read() if end is None else f.read(max(0, end - start))
         return data.decode("utf-8", "replace").splitlines()
 
+    def read_new(self, pos: int) -> tuple[list[str], int]:
+        """The complete log lines from byte ``pos`` on, and where the next read starts."""
+        with open(self.log_path, "rb") as f:
+            f.seek(pos)
+            data = f.read()
+        cut = data.rfind(b"\n") + 1
+        return data[:cut].decode("utf-8", "replace").splitlines(), pos + cut
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_lines()[-n:])
@@ -737,13 +758,13 @@ class Server:
         req = urllib.request.Request(self.base + path, data=json.dumps(body or {}).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with _open(req, timeout=timeout) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
     def get_json(self, path: str, timeout: float = 30.0) -> Any:
-        with urllib.request.urlopen(self.base + path, timeout=timeout) as r:
+        with _open(self.base + path, timeout=timeout) as r:
             return json.loads(r.read())
 
     def flush_cache(self) -> bool:
@@ -775,13 +796,14 @@ class Server:
         if rid is not None:
             body["rid"] = rid
         rec = {} if rec is None else rec
-        rec.update({"t_send": time.perf_counter(), "chunks": [], "t_first": None, "t_done": None,
+        rec.update({"t_send": None, "chunks": [], "t_first": None, "t_done": None,
                     "output_ids": None, "finish_reason": None, "cached_tokens": None, "error": None,
                     "max_new": max_new, "rid": rid})
         req = urllib.request.Request(self.base + "/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
+        rec["t_send"] = time.perf_counter()
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+            with _open(req, timeout=timeout or self.request_timeout) as r:
                 for raw in r:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -801,7 +823,11 @@ class Server:
                     rec["chunks"].append((t, int(n)))
                     if rec["t_first"] is None and n >= 1:
                         rec["t_first"] = t
-                    rec["output_ids"] = out.get("output_ids", rec["output_ids"])
+                    ids = out.get("output_ids")
+                    if ids is not None:  # cumulative (SGLang's default) or, with
+                        # --incremental-streaming-output, this chunk's tokens only
+                        rec["output_ids"] = list(ids) if len(ids) == n or rec["output_ids"] is None \
+                            else rec["output_ids"] + list(ids)
                     rec["cached_tokens"] = meta.get("cached_tokens", rec["cached_tokens"])
                     fr = meta.get("finish_reason")
                     if fr is not None:
@@ -866,7 +892,9 @@ class Bench:
     # -- result file
     def init_result(self, servers: list[dict]) -> None:
         a = self.args
-        ref = (self.existing or {}).get("check", {}).get("reference_tokens")
+        old = (self.existing or {}).get("check") or {}
+        same = all(old.get(k) == v for k, v in zip(CHECK_KEYS, (a.check_prompts, a.check_len, a.check_new, a.seed)))
+        ref = old.get("reference_tokens") if same else None  # SGLang's tokens for these same prompts
         env = device_info(self.gpu)
         self.result = {
             "device": env["device"],
@@ -1138,27 +1166,33 @@ class Bench:
                          rec=recs[i])
 
         threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
-        t_sent = time.perf_counter()
+        t_sent, t_mono = time.perf_counter(), time.monotonic()
         for t in threads:
             t.start()
         aborted: Optional[list[int]] = None
-        queue_seen: Optional[tuple[float, int]] = None  # (when, #queue-req) of the first Decode line with a queue
+        pos, first_queue, last_queue = start, None, 0  # first_queue: when a Decode line first showed a queue
         while any(t.is_alive() for t in threads):
             if time.monotonic() > deadline or not srv.alive():
                 srv.abort()
                 break
-            if queue_seen is None:
-                q = next((d for d in decode_lines(srv.log_lines(start)) if d["queue"] > 0), None)
-                if q is not None:
-                    queue_seen = (time.monotonic(), q["queue"])
-            if queue_seen is not None and aborted is None:
-                # still waiting: running, no first token. When their number is the log line's
-                # queue (or after 5 s, for a first token still on its way), abort them
+            lines, pos = srv.read_new(pos)
+            for d in decode_lines(lines):
+                last_queue = d["queue"]
+                if last_queue > 0 and first_queue is None:
+                    first_queue = time.monotonic()
+            if first_queue is not None and aborted is None:
+                # SGLang decodes with requests queued: it holds all it can. The requests still
+                # without a first token are queued once their number is down to the latest
+                # line's queue (until then some are on their way in, or a first token is on its
+                # way out); abort them (or whatever is still waiting 5 s after the first queue)
                 waiting = [i for i in range(n) if threads[i].is_alive() and recs[i]["t_first"] is None]
-                if len(waiting) <= queue_seen[1] or time.monotonic() - queue_seen[0] > 5.0:
+                if len(waiting) <= last_queue or time.monotonic() - first_queue > 5.0:
                     for i in waiting:
                         srv.abort(rids[i])
                     aborted = waiting
+                    emit({"server": spec["tag"], "context": ctx, "held_aborted_queued": len(waiting),
+                          "log_queue": last_queue, "queue_first_seen_s": round(first_queue - t_mono, 2),
+                          "after_s": round(time.monotonic() - t_mono, 2)})
             time.sleep(0.05)
         for t in threads:
             t.join(timeout=max(1.0, deadline - time.monotonic() + 5.0))

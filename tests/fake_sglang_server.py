@@ -214,6 +214,7 @@ def main():
             else:
                 self._send(404)
 
+    ThreadingHTTPServer.request_queue_size = 128  # socketserver's 5 would make some connects wait a SYN retry
     srv = ThreadingHTTPServer(("127.0.0.1", port), H)
     srv.daemon_threads = True
     time.sleep(0.3)

@@ -219,6 +219,10 @@ def test_merge_results():
     assert set(m["servers"]) == {"sglang", "plugin"}
     assert m["check"]["reference_tokens"] == [[1, 2]] and m["check"]["graphed_first_mismatch"] == [None]
     assert bench.merge_results(None, new) is new
+    # other check prompts: the old reference does not carry over
+    other = dict(new, check={"prompt_len": 2000, "reference_tokens": None})
+    assert bench.merge_results({**old, "check": {"prompt_len": 3000, "reference_tokens": [[1]]}},
+                               other)["check"] == {"prompt_len": 2000, "reference_tokens": None}
 
 
 def test_tokens_verdict():
@@ -338,7 +342,7 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     out = tmp_path / "res"
-    argv = ["--model-dir", str(model), "--contexts", "1000,2000", "--new-tokens", "40", "--ramp-step", "20",
+    argv = ["--model-dir", str(model), "--contexts", "1000,2000", "--new-tokens", "100", "--ramp-step", "20",
             "--min-window-steps", "8", "--check-len", "300", "--check-new", "16", "--out", str(out),
             "--poll-s", "0.1", "--min-host-avail-gib", "0"]
     t0 = time.time()
@@ -353,7 +357,7 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
                                                                  (2000, True)]
     for r in res["rows"]:
         # fake pool 6000 tokens, admits while the tokens in use + prompt + max_new fit:
-        # 1000-token prompts (max_new 40, 60, ...) -> 5, 2000 -> 2
+        # 1000-token prompts (max_new 100, 120, ...) -> 5, 2000 -> 2 (the rest queued, then aborted)
         assert r["batch_held"] == {1000: 5, 2000: 2}[r["context"]], r
         assert r["held_sent"] == {1000: 8, 2000: 5}[r["context"]]
         assert r["held_saturated"] is True and r["held_aborted"] == r["held_sent"] - r["batch_held"]
