@@ -62,9 +62,10 @@ the row counts any):
   what its log says: KV tokens and GiB, max_running_requests, weights and CUDA-graph
   memory, start time, the lines that mention sparsehi.
 
-``defaults_start``: a plugin server started without ``--page-size`` /
+``defaults_start``: the plugin server (``--plugin-args``) started without ``--page-size`` /
 ``--mem-fraction-static`` (SGLang's defaults) and served a request of 4096 tokens (16 new):
-the main plugin server when neither flag is given, else a server started for this alone.
+the measured plugin server when neither flag is given, else a server started for this alone
+(``plugin_defaults``); None when neither ran (the check servers do not count).
 
 ``tokens_equal_full_topk``: ``--check-prompts`` random prompts of ``--check-len`` tokens,
 greedy (temperature 0, ignore_eos), ``--check-new`` tokens each, one at a time: the plugin
@@ -194,7 +195,9 @@ def server_env(plugin: bool, baseline_plugin_loaded: bool = False, base: Optiona
 def plan_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The servers this run starts, in order, each ``{tag, plugin, flags, env_plugins, tasks}``;
     tasks: ``warmup``, ``reference`` (check prompts on SGLang), ``measure`` (all contexts),
-    ``check`` (check prompts on the plugin), ``defaults`` (one request)."""
+    ``check`` (check prompts on the plugin), ``defaults`` (one request). ``plugin_defaults``
+    (the plugin's flags without --page-size / --mem-fraction-static) only when those are given:
+    otherwise the measured plugin server tells defaults_start."""
     common = common_flags(args.model_dir, args.context_length, args.page_size, args.mem_fraction_static,
                           shlex.split(args.server_args))
     plugin_flags = shlex.split(args.plugin_args)
@@ -205,7 +208,9 @@ def plan_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     def add(tag, plugin, flags, tasks):
         servers.append({"tag": tag, "plugin": plugin, "flags": flags, "tasks": tasks,
-                        "env_plugins": PLUGIN_NAME if (plugin or args.baseline_plugin_loaded) else NO_PLUGIN})
+                        "env_plugins": PLUGIN_NAME if (plugin or args.baseline_plugin_loaded) else NO_PLUGIN,
+                        # defaults_start: the measured plugin flags, SGLang's page size / memory fraction
+                        "defaults_probe": tag in ("plugin", "plugin_defaults") and not has_defaults_flags(flags)})
 
     if "sglang" in want:
         tasks = ["warmup"] + (["reference"] if check else []) + ([] if args.skip_measure else ["measure"])
@@ -217,7 +222,7 @@ def plan_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
             add("check_graphed", True, common + check_flags, ["warmup", "check"])
             if not args.skip_eager_check:
                 add("check_eager", True, common + check_flags + list(EAGER_FLAGS), ["warmup", "check"])
-        if not args.skip_defaults and all(has_defaults_flags(s["flags"]) for s in servers if s["plugin"]):
+        if not args.skip_defaults and has_defaults_flags(common):
             add("plugin_defaults", True, strip_defaults_flags(common + plugin_flags), ["warmup", "defaults"])
     return servers
 
@@ -1006,7 +1011,7 @@ class Bench:
             rec["warmup_ok"] = w["error"] is None and w["output_ids"] is not None and \
                 len(w["output_ids"]) == WARMUP_NEW
             rec["warmup_error"] = w["error"]
-            if spec["plugin"] and not has_defaults_flags(spec["flags"]):
+            if spec["defaults_probe"]:
                 self.result["defaults_start"] = bool(self.result["defaults_start"] is not False and rec["warmup_ok"])
                 self.result.setdefault("defaults_start_server", tag)
             self.write()
@@ -1041,7 +1046,7 @@ class Bench:
             rec["error"] = err[:1000]
             rec["log_tail"] = srv.log_tail(40)
             emit({"server": tag, "error": rec["error"]})
-            if spec["plugin"] and not has_defaults_flags(spec["flags"]) and "warmup_ok" not in rec:
+            if spec["defaults_probe"] and "warmup_ok" not in rec:
                 self.result["defaults_start"] = False
                 self.result["defaults_start_server"] = tag  # the one that failed
             if "measure" in spec["tasks"]:

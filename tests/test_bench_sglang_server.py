@@ -287,9 +287,12 @@ def test_plan_options():
     assert [s["tag"] for s in p] == ["plugin"]
     p = plan("--only", "plugin", "--skip-measure", "--skip-eager-check")
     assert [s["tag"] for s in p] == ["check_graphed"]
+    assert not p[0]["defaults_probe"]  # the check servers do not tell defaults_start
+    assert [s["defaults_probe"] for s in plan()] == [False, True, False, False]
     # flags given: a separate server for defaults_start, without them
     p = plan("--page-size", "64", "--mem-fraction-static", "0.8", "--server-args", "--max-running-requests 16")
     assert [s["tag"] for s in p][-1] == "plugin_defaults"
+    assert [s["defaults_probe"] for s in p] == [False, False, False, False, True]
     d = p[-1]["flags"]
     assert not bench.has_defaults_flags(d) and _flags_after(d, "--max-running-requests") == "16"
     assert _flags_after(p[0]["flags"], "--page-size") == "64"
