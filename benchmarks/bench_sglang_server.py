@@ -32,9 +32,11 @@ the row counts any):
 - ``ttft_s``: one request of that context with ``max_new_tokens=1`` (the fastest of
   ``--ttft-reps``; all in ``ttft_reps_s``).
 - ``b1_tok_s``: serve_probe's method, ``(N - 1) / (T(N) - T(1))``: T(N) the time of one
-  fresh request with ``max_new_tokens=N`` (``--b1-new-tokens``), T(1) ``ttft_s``. Also
-  ``b1_stream_tok_s`` (its tokens after the first over first-to-last token time) and
-  ``sglang_b1_gen_tok_s`` (SGLang's "gen throughput" log lines at one running request).
+  fresh request with ``max_new_tokens=N`` (``--b1-new-tokens``), T(1) ``ttft_s``; so it
+  includes the first decode step, where the plugin registers the prompt (copies its KV to
+  host). Also ``b1_stream_tok_s``, the same request's steady rate (streamed, from its second
+  token on, as the windows below) and ``sglang_b1_gen_tok_s`` (SGLang's "gen throughput" log
+  lines at one running request).
 - ``batch_held``: the largest ``#running-req`` of SGLang's "Decode batch" log lines while
   it is sent more requests than fit: the estimate ``max_total_num_tokens // context`` (its
   startup log line) plus ``--held-extra``, at most ``--batch-cap`` and
@@ -44,8 +46,10 @@ the row counts any):
   (the batch is the server's limit, not the number sent).
 - ``best_tok_s`` / ``best_batch``: client-side decode tok/s over the same run, streamed.
   Request i of the run asks ``--new-tokens + i * --ramp-step`` tokens, so after the held
-  batch decodes together the requests finish one by one and the batch steps down. Between
-  two consecutive first-token / last-token events the set of decoding requests is fixed:
+  batch decodes together the requests finish one by one and the batch steps down. A request
+  counts from the arrival of its second token (``--start-token``: the first decode step, with
+  the plugin's once-per-request registration, is left out of the steady rate). Between
+  two consecutive start / last-token events the set of decoding requests is fixed:
   its rate is the tokens the client received in that window over its length (windows
   where a request advanced fewer than ``--min-window-steps`` tokens, e.g. while others
   prefill, are left out). ``tok_s_by_batch``: the best window per batch size; ``best_*``:
@@ -350,18 +354,20 @@ def tokens_at(chunks: list[tuple[float, int]], t: float, times: Optional[list[fl
     return chunks[i - 1][1] if i else 0
 
 
-def window_rates(streams: list[dict[str, Any]], min_steps: int = 16) -> dict[int, float]:
+def window_rates(streams: list[dict[str, Any]], min_steps: int = 16, start_token: int = 2) -> dict[int, float]:
     """Client-side decode tok/s per batch size from streamed requests that ran together.
 
-    Each stream: ``{"chunks": [(arrival time, cumulative completion tokens), ...]}``; its
-    first token (the end of its prefill) and its last chunk are events. Between two
-    consecutive events the requests decoding (first token before the window, last chunk
-    after it) are fixed; the window's rate is the tokens they received in it over its
-    length. Windows where a decoding request advanced fewer than ``min_steps`` tokens
-    (others prefilling, too short to time) are left out. Per batch size: the best window."""
+    Each stream: ``{"chunks": [(arrival time, cumulative completion tokens), ...]}``; the
+    arrival of its token ``start_token`` (2: after the prefill's token and the first decode
+    step, the one where the plugin registers the prompt, a once-per-request cost) and its
+    last chunk are events. Between two consecutive events the requests decoding (started
+    before the window, last chunk after it) are fixed; the window's rate is the tokens they
+    received in it over its length. Windows where a decoding request advanced fewer than
+    ``min_steps`` tokens (others prefilling, too short to time) are left out. Per batch
+    size: the best window."""
     live = []
     for s in streams:
-        ch = [(t, n) for t, n in s.get("chunks", []) if n >= 1]
+        ch = [(t, n) for t, n in s.get("chunks", []) if n >= start_token]
         if len(ch) >= 2:
             live.append((ch[0][0], ch[-1][0], ch, [c[0] for c in ch]))
     times = sorted({t for f, d, _, _ in live for t in (f, d)})
@@ -917,6 +923,7 @@ class Bench:
             "config": {"model_dir": a.model_dir, "contexts": a.contexts, "context_length": a.context_length,
                        "new_tokens": a.new_tokens, "b1_new_tokens": a.b1_new_tokens, "ramp_step": a.ramp_step,
                        "batch_cap": a.batch_cap, "held_extra": a.held_extra, "ttft_reps": a.ttft_reps,
+                       "start_token": a.start_token, "min_window_steps": a.min_window_steps,
                        "plugin_args": a.plugin_args, "server_args": a.server_args, "page_size": a.page_size,
                        "mem_fraction_static": a.mem_fraction_static, "baseline": (
                            "plugin loaded, no --sparsehi flags" if a.baseline_plugin_loaded else
@@ -1121,9 +1128,7 @@ class Bench:
             n = r["chunks"][-1][1]
             t_n = r["t_done"] - r["t_send"]
             row["b1_tok_s"] = b1_rate(t_one, t_n, n)
-            first, last = r["chunks"][0], r["chunks"][-1]
-            row["b1_stream_tok_s"] = round((last[1] - first[1]) / (last[0] - first[0]), 1) \
-                if last[0] > first[0] else None
+            row["b1_stream_tok_s"] = window_rates([r], 1, a.start_token).get(1)
             time.sleep(0.3)
             b1_log = decode_lines(srv.log_lines(b1_start))
             row["sglang_b1_gen_tok_s"] = steady_gen_tok_s(b1_log, 1)
@@ -1205,7 +1210,7 @@ class Bench:
         time.sleep(0.5)
         summ = phase_log_summary(srv.log_lines(start))
         decoded = [r for r in recs if r.get("error") is None and r["t_first"] is not None]
-        rates = window_rates(decoded, a.min_window_steps)
+        rates = window_rates(decoded, a.min_window_steps, a.start_token)
         best, best_b = best_rate(rates)
         held = summ["held"]
         return {"batch_held": held, "held_sent": n, "held_aborted": len(aborted or []),
@@ -1262,6 +1267,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--held-extra", type=int, default=2, help="requests sent beyond what the KV pool can hold")
     ap.add_argument("--min-window-steps", type=int, default=16,
                     help="a rate window counts when every request in it advanced this many tokens")
+    ap.add_argument("--start-token", type=int, default=2,
+                    help="client-side rates count a request from its arrival of this token on (2: the first "
+                         "decode step, where the plugin registers the prompt, is left out)")
     ap.add_argument("--ttft-reps", type=int, default=2, help="max_new_tokens=1 requests per context")
     ap.add_argument("--only", choices=("plugin", "sglang"), default=None, help="start only these servers")
     ap.add_argument("--plugin-args", default=DEFAULT_PLUGIN_ARGS, help="the plugin's flags (measurement server)")

@@ -160,6 +160,17 @@ def test_window_rates_leave_out_prefill_windows():
     assert bench.window_rates([{"chunks": [(0.0, 1)]}, {"chunks": []}]) == {}
 
 
+def test_window_rates_leave_out_the_first_decode_step():
+    # two requests; the first decode step (token 2) takes 1 s (the plugin registering the
+    # prompts), then 10 ms a step: from token 2 on the rate is the steady one
+    step = 0.01
+    streams = [{"chunks": [(0.0, 1)] + [(1.0 + k * step, 2 + k) for k in range(n)]} for n in (100, 140)]
+    steady = bench.window_rates(streams, min_steps=16)
+    assert steady[2] == pytest.approx(200, rel=0.03) and steady[1] == pytest.approx(100, rel=0.03)
+    with_first = bench.window_rates(streams, min_steps=16, start_token=1)
+    assert with_first[2] < 0.6 * steady[2]
+
+
 def test_best_rate_and_b1():
     assert bench.best_rate({}) == (None, None)
     assert bench.best_rate({1: 50.0, 4: 180.0, 8: 170.0}) == (180.0, 4)
