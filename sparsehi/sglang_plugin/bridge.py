@@ -69,7 +69,7 @@ BUFFER_SHARE = 0.5
 """Default share of SGLang's KV memory the sparse requests' buffers and representations
 may take (``--sparsehi-max-sparse-requests`` sets the count instead)."""
 
-HOST_SHARE = 0.7
+HOST_SHARE = 0.6
 """At most this share of the machine's memory (over the TP ranks) becomes pinned host KV."""
 
 _READ_BACKS: set[str] = set()

@@ -44,7 +44,10 @@ def _prefill_budget_class(base: type) -> type:
 
         def _available_and_evictable(self):
             virtual = super()._available_and_evictable()
-            return min(virtual, self.allocator.gpu_tokens_free(need=virtual))
+            gpu = getattr(self, "_gpu_tokens", None)
+            if gpu is None:  # once per admission round: allocations come after it
+                gpu = self._gpu_tokens = self.allocator.admission_gpu_tokens()
+            return min(virtual, gpu)
 
     return PhysicalPrefillBudget
 
@@ -80,6 +83,20 @@ def host_backed_allocator_class(base: type) -> type:
             if free < need:
                 free = r.settle(exact=True) * self.page_size
             return free
+
+        def admission_gpu_tokens(self) -> int:
+            """Free GPU tokens for an admission round: the lower bound, or, when no forward
+            ran since the previous round (nothing in flight could free more), the device's
+            own count (a host sync while the device waits anyway): a bound left stale by an
+            idle server would hold admission off for good."""
+            tag = self.settle_tag()
+            stale = tag == getattr(self, "_admission_tag", object())
+            self._admission_tag = tag
+            r = self.residency
+            if stale:
+                return r.settle(exact=True) * self.page_size
+            r.settle(tag)
+            return r.free_pages_lower_bound() * self.page_size
 
         def _pages(self, ids: torch.Tensor) -> torch.Tensor:
             return ids if self.page_size == 1 else torch.div(ids, self.page_size, rounding_mode="floor")

@@ -92,8 +92,10 @@ def test_prefill_budget_is_capped_by_gpu_tokens():
     tree = type("Tree", (), {"evictable_size": lambda self: 20, "supports_mamba": lambda self: False})()
     budget = alloc.create_prefill_budget(tree)
     assert budget.remaining_total == 8  # virtual 64 + 20 evictable, GPU 8
+    budget.reserve(3, 2)  # what the round admits counts against it (3 + a page + 2 new tokens)
+    assert budget.remaining_total == 2
     alloc.alloc(5)
-    assert budget.remaining_total == 3
+    assert alloc.create_prefill_budget(tree).remaining_total == 3  # the next round
 
 
 def test_paged_allocator_maps_only_new_pages():
