@@ -354,6 +354,25 @@ def tokens_at(chunks: list[tuple[float, int]], t: float, times: Optional[list[fl
     return chunks[i - 1][1] if i else 0
 
 
+def first_step(chunks: list[tuple[float, int]]) -> dict[str, Optional[float]]:
+    """A streamed request's first decode step (its token 1 to token 2: the step in which the
+    plugin registers the prompt) against its steady step (the mean from token 3 on), in ms,
+    and their ratio (``first_step_ratio``); None where the stream does not resolve them
+    (tokens arriving several to a chunk)."""
+    at = {n: t for t, n in chunks}
+    out: dict[str, Optional[float]] = {"first_step_ms": None, "steady_step_ms": None, "first_step_ratio": None}
+    if 1 not in at or 2 not in at or 3 not in at:
+        return out
+    last_t, last_n = chunks[-1]
+    if last_n <= 3:
+        return out
+    first = (at[2] - at[1]) * 1e3
+    steady = (last_t - at[3]) * 1e3 / (last_n - 3)
+    out.update(first_step_ms=round(first, 3), steady_step_ms=round(steady, 3),
+               first_step_ratio=round(first / steady, 3) if steady > 0 else None)
+    return out
+
+
 def window_rates(streams: list[dict[str, Any]], min_steps: int = 16, start_token: int = 2) -> dict[int, float]:
     """Client-side decode tok/s per batch size from streamed requests that ran together.
 
@@ -1129,6 +1148,7 @@ class Bench:
             t_n = r["t_done"] - r["t_send"]
             row["b1_tok_s"] = b1_rate(t_one, t_n, n)
             row["b1_stream_tok_s"] = window_rates([r], 1, a.start_token).get(1)
+            row.update(first_step(r["chunks"]))
             time.sleep(0.3)
             b1_log = decode_lines(srv.log_lines(b1_start))
             row["sglang_b1_gen_tok_s"] = steady_gen_tok_s(b1_log, 1)

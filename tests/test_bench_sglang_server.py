@@ -423,3 +423,12 @@ def _is_fake_server(pid):
         return b"sglang.launch_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_first_step_against_the_steady_step():
+    from benchmarks.bench_sglang_server import first_step
+
+    chunks = [(0.0, 1), (0.05, 2), (0.06, 3), (0.07, 4), (0.08, 5)]  # first step 50 ms, then 10 ms
+    got = first_step(chunks)
+    assert got["first_step_ms"] == 50.0 and got["steady_step_ms"] == 10.0 and got["first_step_ratio"] == 5.0
+    assert first_step([(0.0, 1), (0.1, 3), (0.2, 5)])["first_step_ratio"] is None  # several tokens a chunk
