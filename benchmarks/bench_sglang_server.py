@@ -40,22 +40,24 @@ the row counts any):
 - ``batch_held``: the largest ``#running-req`` of SGLang's "Decode batch" log lines while
   it is sent more requests than fit: the estimate ``max_total_num_tokens // context`` (its
   startup log line) plus ``--held-extra``, at most ``--batch-cap`` and
-  ``max_running_requests``. SGLang prefills whatever it can admit before it decodes; once a
-  Decode batch line shows a queue, the requests still waiting (no first token) are aborted
-  (``/abort_request``) so the rest decode undisturbed. ``held_saturated``: a queue was seen
-  (the batch is the server's limit, not the number sent).
+  ``max_running_requests``, each asking ``--held-new-tokens`` (more than the run lasts).
+  SGLang admits one long prompt at a time (chunked prefill); with the plugin the batch keeps
+  growing as registered prompts leave the GPU. Once a Decode batch line has shown a queue
+  and the running requests have not grown for ``--held-settle-s``, the requests still
+  waiting (no first token) are aborted (``/abort_request``), the held batch decodes for
+  ``--held-measure-s`` and the run ends (the rest aborted). ``held_saturated``: a queue was
+  seen (the batch is the server's limit, not the number sent).
 - ``best_tok_s`` / ``best_batch``: client-side decode tok/s over the same run, streamed.
-  Request i of the run asks ``--new-tokens + i * --ramp-step`` tokens, so after the held
-  batch decodes together the requests finish one by one and the batch steps down. A request
-  counts from the arrival of its second token (``--start-token``: the first decode step, with
-  the plugin's once-per-request registration, is left out of the steady rate). Between
-  two consecutive start / last-token events the set of decoding requests is fixed:
-  its rate is the tokens the client received in that window over its length (windows
-  where a request advanced fewer than ``--min-window-steps`` tokens, e.g. while others
-  prefill, are left out). ``tok_s_by_batch``: the best window per batch size; ``best_*``:
-  the largest of them (``held_tok_s``: the one at ``batch_held``). ``sglang_gen_tok_s``:
-  the median of SGLang's own "gen throughput" lines at the held batch (each line after the
-  first such line of the run: the first one's interval may hold prefill time).
+  A request counts from the arrival of its second token (``--start-token``: the first
+  decode step, with the plugin's once-per-request registration, is left out of the steady
+  rate). Between two consecutive start / last-token events the set of decoding requests is
+  fixed: its rate is the tokens the client received in that window over its length
+  (windows where a request advanced fewer than ``--min-window-steps`` tokens, e.g. while
+  others prefill, are left out). ``tok_s_by_batch``: the best window per batch size;
+  ``best_*``: the largest of them (``held_tok_s``: the one at ``batch_held``).
+  ``sglang_gen_tok_s``: the median of SGLang's own "gen throughput" lines at the held batch
+  (each line after the first such line of the run: the first one's interval may hold
+  prefill time).
 - ``peak_gpu_gib``: the largest ``nvidia-smi --query-gpu=memory.used`` seen while that
   context ran (polled every ``--poll-s``; the whole GPU, so SGLang's static pool counts);
   ``peak_host_gib``: the largest sum of RSS over the server's process tree (/proc). RSS
@@ -1177,13 +1179,17 @@ class Bench:
         self.put_row(row)
 
     def held_run(self, srv: Server, spec: dict[str, Any], ctx: int) -> dict[str, Any]:
-        """Send more requests of ``ctx`` than fit, streamed; abort those still queued once
-        SGLang decodes with a queue; held batch from the log, rates from the streams."""
+        """Send more requests of ``ctx`` than fit, streamed, each asking for more tokens than
+        the run lasts; once SGLang decodes with a queue and its number of running requests
+        has not grown for ``--held-settle-s`` (it holds all it can: the plugin's batch grows
+        as registered prompts leave the GPU, one prefill at a time), abort those still
+        queued, let the held batch decode for ``--held-measure-s``, then abort the rest.
+        Held batch from the log, rates from the streams."""
         a = self.args
         rec = self.result["servers"][spec["tag"]]
         n = held_plan(rec.get("max_total_num_tokens"), rec.get("max_running_requests"), ctx, a.held_extra,
                       a.batch_cap)
-        news = ramp_new_tokens(n, a.new_tokens, a.ramp_step, a.context_length - ctx - 8)
+        news = ramp_new_tokens(n, a.held_new_tokens, a.ramp_step, a.context_length - ctx - 8)
         prompts = [prompt(a.seed, f"held{i}", ctx, self.vocab) for i in range(n)]
         stamp = f"{os.getpid()}-{int(time.time())}"
         rids = [f"bench-{spec['tag']}-{ctx}-{i}-{stamp}" for i in range(n)]
@@ -1200,29 +1206,38 @@ class Bench:
         for t in threads:
             t.start()
         aborted: Optional[list[int]] = None
-        pos, first_queue, last_queue = start, None, 0  # first_queue: when a Decode line first showed a queue
+        stop_at: Optional[float] = None
+        pos, last_queue, queue_seen = start, 0, False
+        most, grew = 0, time.monotonic()  # most running requests seen, and when that last grew
         while any(t.is_alive() for t in threads):
-            if time.monotonic() > deadline or not srv.alive():
+            now = time.monotonic()
+            if now > deadline or not srv.alive():
                 srv.abort()
                 break
             lines, pos = srv.read_new(pos)
             for d in decode_lines(lines):
                 last_queue = d["queue"]
-                if last_queue > 0 and first_queue is None:
-                    first_queue = time.monotonic()
-            if first_queue is not None and aborted is None:
-                # SGLang decodes with requests queued: it holds all it can. The requests still
-                # without a first token are queued once their number is down to the latest
-                # line's queue (until then some are on their way in, or a first token is on its
-                # way out); abort them (or whatever is still waiting 5 s after the first queue)
+                queue_seen = queue_seen or last_queue > 0
+                if d["running"] > most:
+                    most, grew = d["running"], now
+            settled = queue_seen and now - grew > a.held_settle_s
+            if aborted is None and (settled or (queue_seen and last_queue == 0 and most > 0
+                                                and now - grew > a.held_settle_s)):
                 waiting = [i for i in range(n) if threads[i].is_alive() and recs[i]["t_first"] is None]
-                if len(waiting) <= last_queue or time.monotonic() - first_queue > 5.0:
-                    for i in waiting:
+                for i in waiting:
+                    srv.abort(rids[i])
+                aborted = waiting
+                stop_at = now + a.held_measure_s
+                emit({"server": spec["tag"], "context": ctx, "held_aborted_queued": len(waiting),
+                      "log_queue": last_queue, "running": most, "after_s": round(now - t_mono, 2)})
+            if aborted is None and not queue_seen and most > 0 and now - grew > a.held_settle_s:
+                stop_at = stop_at or now + a.held_measure_s  # everything was admitted (fewer sent than fit)
+                aborted = []
+            if stop_at is not None and now > stop_at:
+                for i in range(n):
+                    if threads[i].is_alive():
                         srv.abort(rids[i])
-                    aborted = waiting
-                    emit({"server": spec["tag"], "context": ctx, "held_aborted_queued": len(waiting),
-                          "log_queue": last_queue, "queue_first_seen_s": round(first_queue - t_mono, 2),
-                          "after_s": round(time.monotonic() - t_mono, 2)})
+                stop_at = float("inf")
             time.sleep(0.05)
         for t in threads:
             t.join(timeout=max(1.0, deadline - time.monotonic() + 5.0))
@@ -1236,7 +1251,8 @@ class Bench:
         return {"batch_held": held, "held_sent": n, "held_aborted": len(aborted or []),
                 "held_saturated": None if held is None else bool(summ["queue_seen"]),
                 "held_new_tokens": [news[0], news[-1]],
-                "held_errors": sum(1 for i, r in enumerate(recs) if r.get("error") and i not in (aborted or [])),
+                "held_errors": sum(1 for i, r in enumerate(recs) if r.get("error") and r["t_first"] is None
+                                   and i not in (aborted or [])),
                 "best_tok_s": best, "best_batch": best_b, "held_tok_s": rates.get(held) if held else None,
                 "tok_s_by_batch": {str(k): v for k, v in rates.items()},
                 "sglang_gen_tok_s": steady_gen_tok_s(summ["decodes"], held),
@@ -1281,8 +1297,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help=f"SGLang's --context-length (default: largest context + {CONTEXT_MARGIN})")
     ap.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens of the held run's first request")
     ap.add_argument("--b1-new-tokens", type=int, default=None, help="N of the batch-1 timing (default --new-tokens)")
-    ap.add_argument("--ramp-step", type=int, default=32,
-                    help="held run: request i asks --new-tokens + i * this (0: all the same)")
+    ap.add_argument("--ramp-step", type=int, default=0,
+                    help="held run: request i asks --held-new-tokens + i * this (0: all the same)")
+    ap.add_argument("--held-new-tokens", type=int, default=8192,
+                    help="held run: max_new_tokens of each request (more than the run lasts; capped by the "
+                         "context length); the run ends them by abort")
+    ap.add_argument("--held-settle-s", type=float, default=25.0,
+                    help="held run: the batch is held once SGLang decodes with a queue and its running "
+                         "requests have not grown for this long")
+    ap.add_argument("--held-measure-s", type=float, default=15.0,
+                    help="held run: how long the held batch decodes (queue aborted) before the run ends")
     ap.add_argument("--batch-cap", type=int, default=64, help="most requests a held run sends")
     ap.add_argument("--held-extra", type=int, default=2, help="requests sent beyond what the KV pool can hold")
     ap.add_argument("--min-window-steps", type=int, default=16,

@@ -356,6 +356,7 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
     (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     out = tmp_path / "res"
     argv = ["--model-dir", str(model), "--contexts", "1000,2000", "--new-tokens", "100", "--ramp-step", "20",
+            "--held-new-tokens", "100", "--held-settle-s", "0.3", "--held-measure-s", "0.3",
             "--min-window-steps", "8", "--check-len", "300", "--check-new", "16", "--out", str(out),
             "--poll-s", "0.1", "--min-host-avail-gib", "0"]
     t0 = time.time()
