@@ -254,6 +254,9 @@ class SGLangSparseBridge:
         """Registered rows: position whose page the row pins (its newest token's)."""
         self.prompt_len = np.zeros(rows, dtype=np.int64)
         self.registrations = 0
+        self.released_at = -(1 << 30)
+        """Forward count when the bridge last gave GPU pages back outside SGLang's own frees
+        (a registered prompt, a finished request's pins)."""
         self._wt_event = torch.cuda.Event() if dev.type == "cuda" else None  # last extend write-through
         self._fwd_event = torch.cuda.Event() if dev.type == "cuda" else None  # end of the last forward
         # static per-step buffers over SGLang's batch positions (never reallocated; the
@@ -586,6 +589,7 @@ class SGLangSparseBridge:
             reg = inner.registered_now
             self._pin(reg, np.zeros_like(reg), self.pinned_len[reg], delta=-1)
             self.pinned_len[reg] = 0
+            self.released_at = self.forwards
 
     # ------------------------------------------------------------------ CUDA-graph capture
     def begin_capture(self, fb: Any) -> DecodeState:
@@ -779,8 +783,15 @@ class SGLangSparseBridge:
             self.pinned_len[r] = 0
             self.declined[r] = False
             self.prompt_len[r] = 0
+        self.released_at = self.forwards
         # frees wait for the forward in flight: settled once two more forwards have run
         self.residency.snapshot(self.forwards + 1)
+
+    def recently_released(self, window: int = 3) -> bool:
+        """Whether GPU pages came back within the last ``window`` forwards (SGLang's
+        admission, shut while a request did not fit, may try again: the host's count of
+        free GPU pages learns of device-side frees within two forwards)."""
+        return self.forwards - self.released_at <= window
 
     def release_all(self) -> None:
         self.release_rows([int(r) for r in np.flatnonzero((self.pinned_len > 0) | (self.slot_of_row >= 0))])

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from sparsehi.sglang_plugin import options
 from sparsehi.sglang_plugin.sglang_api import (FORWARD_BATCH, MODEL_RUNNER, PREFILL_ADDER, RADIX_ATTENTION,
-                                               REQ_TO_TOKEN_POOL, SERVER_ARGS, TREE_CACHES)
+                                               REQ_TO_TOKEN_POOL, SCHEDULER, SERVER_ARGS, TREE_CACHES)
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,20 @@ def around_request_slot_reserve(original: Callable[..., Any], adder: Any, req: A
     return reserve
 
 
+def around_get_new_batch_prefill(original: Callable[..., Any], scheduler: Any, running_batch: Any, *args: Any,
+                                 **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.get_new_batch_prefill(running_batch)``: SGLang stops admitting
+    while ``running_batch.batch_is_full`` (a request did not fit; cleared when one leaves).
+    GPU memory also comes back when the plugin registers a prompt (it leaves the GPU), so
+    the flag is cleared for the few forwards after the bridge gave GPU pages back (the
+    host's count of free GPU pages learns of them within two forwards)."""
+    bridge = _BY_ALLOCATOR.get(id(getattr(scheduler, "token_to_kv_pool_allocator", None)))
+    if (bridge is not None and running_batch is not None and getattr(running_batch, "batch_is_full", False)
+            and bridge.recently_released()):
+        running_batch.batch_is_full = False
+    return original(scheduler, running_batch, *args, **kwargs)
+
+
 def register_hooks(registry: Any, hook_type: Any) -> list[str]:
     """Register every hook on ``registry`` (SGLang's ``HookRegistry``); returns the targets."""
     targets = []
@@ -250,6 +264,7 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
         (f"{REQ_TO_TOKEN_POOL}.free_rows", before_free_rows, hook_type.BEFORE),
         (f"{REQ_TO_TOKEN_POOL}.clear", before_clear, hook_type.BEFORE),
         (f"{PREFILL_ADDER}._request_slot_reserve_for_req", around_request_slot_reserve, hook_type.AROUND),
+        (f"{SCHEDULER}.get_new_batch_prefill", around_get_new_batch_prefill, hook_type.AROUND),
     ]
     entries += [(f"{tree}.checkpoint", around_tree_checkpoint, hook_type.AROUND) for tree in TREE_CACHES]
     for target, hook, kind in entries:

@@ -493,3 +493,33 @@ def test_decode_batches_carry_the_schedulers_host_rows():
     hooks.after_forward_batch_init_new(ext, ForwardBatch, SimpleNamespace(req_pool_indices_cpu=torch.tensor([9])),
                                        world.runner)
     assert not hasattr(ext, ROWS_CPU_ATTR)  # SGLang's own copy is there
+
+
+def test_admission_shut_for_lack_of_memory_opens_when_a_prompt_leaves_the_gpu():
+    """SGLang stops admitting while ``running_batch.batch_is_full`` (a request did not fit)
+    until a request leaves; with the plugin GPU memory also comes back when a prompt is
+    registered, so the scheduler hook clears the flag in the forwards after that, and not
+    otherwise."""
+    from types import SimpleNamespace
+
+    world = World(sparse_config())
+    gen = torch.Generator().manual_seed(21)
+    scheduler = SimpleNamespace(token_to_kv_pool_allocator=world.alloc)
+    calls = []
+
+    def original(sched, batch):
+        calls.append(batch.batch_is_full)
+        return None, batch
+
+    full = SimpleNamespace(batch_is_full=True)
+    hooks.around_get_new_batch_prefill(original, scheduler, full)
+    assert calls == [True]  # nothing came back yet: SGLang's own decision stands
+    _prefill(world, 1, 60, gen)
+    world.run(world.decode([1], [61]), qkv(1, gen))  # registers: the prompt leaves the GPU
+    hooks.around_get_new_batch_prefill(original, scheduler, full)
+    assert calls[-1] is False and full.batch_is_full is False
+    for n in range(62, 67):  # forwards later the host's count has caught up: the flag stays as SGLang sets it
+        world.run(world.decode([1], [n]), qkv(1, gen))
+    full.batch_is_full = True
+    hooks.around_get_new_batch_prefill(original, scheduler, full)
+    assert calls[-1] is True
