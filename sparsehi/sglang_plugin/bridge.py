@@ -738,11 +738,18 @@ class SGLangSparseBridge:
             new = rtt[row, start:n].long()
             changed = new != old[: n - start].long()
             vids = torch.where(changed, new, 0)
-        if self.residency.free_pages_lower_bound() < n - start:
+        # GPU pages the rewrite may take: at most one per page of [start, n), known on the
+        # host; where fewer are free, the pages that really take one (changed positions
+        # whose tree copy is not on the GPU, usually none) are counted instead (a host
+        # read, only when GPU pages are short)
+        need = -(-n // self.sgl_ps) - start // self.sgl_ps
+        if self.residency.free_pages_lower_bound() < need:
             self.residency.settle(exact=True)
         with self.residency.ordered():
             missing = (self.residency.v2p[self._vpages(vids)] == 0) & (vids > 0)
-        self.residency.map(self._vpages(vids), upper=n - start)
+            if self.residency.free_pages_lower_bound() < need:
+                need = int(torch.unique(self._vpages(vids[missing])).numel())
+        self.residency.map(self._vpages(vids), upper=need)
         self.residency.ready()
         phys = self.residency.physical_slots(vids, self.sgl_ps)
         host = torch.where(missing & (phys >= 0), vids, -1)

@@ -60,11 +60,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SCHEDULER_METHODS = ("get_next_batch_to_run", "get_new_batch_prefill", "update_running_batch",
                      "process_batch_result_prefill", "process_batch_result_decode")
-BUG_CHECKPOINT_PAGES = pytest.mark.xfail(strict=True, reason=(
-    "sparsehi bug: after a pinned (prefilling or SGLang-decoded) row's checkpoint the bridge asks the residency for one "
-    "GPU page per token of [cache_protected_len before, after) and raises ResidencyExhausted when fewer are free, "
-    "though only rewritten positions whose tree copy is off the GPU take a page (usually none): a prompt longer than "
-    "the free GPU pages crashes SGLang's result processing in checkpoint_kv_cache"))
 BUG_OPEN_PAGE_PIN = pytest.mark.xfail(strict=True, reason=(
     "sparsehi bug: a registered (sparse) row's checkpoint at release may rewrite its newest token's page, the one page "
     "it pins, to the tree's copy; the pin is not moved with it, so the row's release (free_rows) unpins the tree's "
@@ -563,7 +558,6 @@ def test_finished_request_leaves_the_tree_host_backed_and_a_prefix_hit_is_prefil
     srv.assert_idle()
 
 
-@BUG_CHECKPOINT_PAGES
 @BUG_BATCH_IS_FULL
 def test_admission_follows_gpu_memory_and_runs_more_sparse_requests_than_sglangs_pool_holds():
     """A GPU pool of 512 tokens (most of it the sparse buffers) with 4x host memory: SGLang's
@@ -596,7 +590,7 @@ def _row(srv: Server, rid: str, n: int) -> list[int]:
     return srv.world.req_pool.req_to_token[req.kv.req_pool_idx, :n].tolist()
 
 
-@pytest.mark.parametrize("sgl_page", [1, pytest.param(4, marks=BUG_CHECKPOINT_PAGES)])
+@pytest.mark.parametrize("sgl_page", [1, 4])
 def test_identical_prompts_prefilled_together_are_deduplicated_at_checkpoint(sgl_page):
     """Three requests with the same prompt are prefilled in one batch (all computed before
     any is checkpointed): the later checkpoints rewrite their rows to the first's slots and
@@ -630,7 +624,6 @@ def test_identical_prompts_prefilled_together_are_deduplicated_at_checkpoint(sgl
     srv.assert_idle()
 
 
-@BUG_CHECKPOINT_PAGES
 def test_identical_short_prompts_on_a_small_gpu_are_deduplicated_and_decode_as_sglang():
     """The dense variant on a small GPU (its free pages fewer than a prompt after two
     prefills): two short identical prompts decoded on SGLang's own path; the second's
