@@ -727,8 +727,14 @@ class SGLangSparseBridge:
         rtt = self.req_to_token_pool.req_to_token
         if self.registered[row]:
             slot = int(self.slot_of_row[row])
+            p = int(self.open_pos[row])
             with self.residency.ordered():
                 self.coord.manager.host_token_table[slot, start:end] = rtt[row, start:end]
+                if start <= p < end:  # the page the row pins (its newest token's) may be the tree's now
+                    now = rtt[row, p:p + 1].long()
+                    moved = torch.where(now != old[p - start:p - start + 1].long(), self._vpages(now), 0)
+            if start <= p < end:
+                self.residency.pin(moved)  # the old page's pin goes with its slots (freed as a duplicate)
             return
         n = min(end, int(self.pinned_len[row]))
         if n <= start:

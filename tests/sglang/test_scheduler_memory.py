@@ -60,10 +60,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SCHEDULER_METHODS = ("get_next_batch_to_run", "get_new_batch_prefill", "update_running_batch",
                      "process_batch_result_prefill", "process_batch_result_decode")
-BUG_OPEN_PAGE_PIN = pytest.mark.xfail(strict=True, reason=(
-    "sparsehi bug: a registered (sparse) row's checkpoint at release may rewrite its newest token's page, the one page "
-    "it pins, to the tree's copy; the pin is not moved with it, so the row's release (free_rows) unpins the tree's "
-    "page, which another request may pin: the page leaves the GPU under a request decoding on SGLang's path"))
 BUG_BATCH_IS_FULL = pytest.mark.xfail(strict=True, reason=(
     "sparsehi bug: after a prefill refused for memory SGLang's scheduler sets running_batch.batch_is_full and tries "
     "no admission until a request leaves the running batch; GPU pages freed when a sparse request's prompt leaves "
@@ -651,7 +647,6 @@ def test_identical_short_prompts_on_a_small_gpu_are_deduplicated_and_decode_as_s
     srv.assert_idle()
 
 
-@BUG_OPEN_PAGE_PIN
 def test_a_sparse_requests_newest_page_deduplicated_at_release_keeps_other_pins():
     """A sparse request whose whole sequence is already cached (an earlier request with the
     same prompt and output) is released with a checkpoint: its newest token's page, the
