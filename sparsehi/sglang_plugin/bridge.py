@@ -254,6 +254,10 @@ class SGLangSparseBridge:
         """Registered rows: position whose page the row pins (its newest token's)."""
         self.prompt_len = np.zeros(rows, dtype=np.int64)
         self.registrations = 0
+        self.prompt_releases = 0
+        """Decode steps after which registered prompts left the GPU (their pages freed
+        without a request leaving SGLang's running batch); ``freed_gpu_pages`` reports them."""
+        self._prompt_releases_seen = 0
         self._wt_event = torch.cuda.Event() if dev.type == "cuda" else None  # last extend write-through
         self._fwd_event = torch.cuda.Event() if dev.type == "cuda" else None  # end of the last forward
         # static per-step buffers over SGLang's batch positions (never reallocated; the
@@ -586,6 +590,7 @@ class SGLangSparseBridge:
             reg = inner.registered_now
             self._pin(reg, np.zeros_like(reg), self.pinned_len[reg], delta=-1)
             self.pinned_len[reg] = 0
+            self.prompt_releases += 1
 
     # ------------------------------------------------------------------ CUDA-graph capture
     def begin_capture(self, fb: Any) -> DecodeState:
@@ -763,6 +768,15 @@ class SGLangSparseBridge:
             self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
         opens = torch.from_numpy((pos % self.sgl_ps == 0) | (pos == start)).to(vids.device)
         self.residency.pin(torch.where(changed & opens, self._vpages(vids), 0))
+
+    # ------------------------------------------------------------------ admission
+    def freed_gpu_pages(self) -> bool:
+        """Whether registered prompts left the GPU since the last call: GPU pages came free
+        that SGLang's scheduler does not know of (it expects memory back only when a
+        request leaves its running batch). The same answer on every TP rank."""
+        freed = self.prompt_releases != self._prompt_releases_seen
+        self._prompt_releases_seen = self.prompt_releases
+        return freed
 
     # ------------------------------------------------------------------ requests
     def _end_slot(self, row: int) -> None:

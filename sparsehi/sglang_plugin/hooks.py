@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from sparsehi.sglang_plugin import options
 from sparsehi.sglang_plugin.sglang_api import (FORWARD_BATCH, MODEL_RUNNER, PREFILL_ADDER, RADIX_ATTENTION,
-                                               REQ_TO_TOKEN_POOL, SERVER_ARGS, TREE_CACHES)
+                                               REQ_TO_TOKEN_POOL, SCHEDULER, SERVER_ARGS, TREE_CACHES)
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,20 @@ def around_request_slot_reserve(original: Callable[..., Any], adder: Any, req: A
     return reserve
 
 
+def before_get_new_batch_prefill(scheduler: Any, running_batch: Any = None, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``Scheduler.get_new_batch_prefill(running_batch)``: after a prefill refused
+    for memory SGLang sets ``running_batch.batch_is_full`` and tries no admission until a
+    request leaves the running batch (in plain SGLang the only way memory comes back).
+    With the plugin GPU pages also come back when a sparse request's prompt leaves the GPU
+    (at its registration): then the flag is cleared, so the waiting requests are tried
+    again."""
+    running_batch = kwargs.get("running_batch", running_batch)
+    bridge = _BY_ALLOCATOR.get(id(getattr(scheduler, "token_to_kv_pool_allocator", None)))
+    if bridge is not None and bridge.freed_gpu_pages() and running_batch is not None:
+        running_batch.batch_is_full = False
+    return None
+
+
 def register_hooks(registry: Any, hook_type: Any) -> list[str]:
     """Register every hook on ``registry`` (SGLang's ``HookRegistry``); returns the targets."""
     targets = []
@@ -250,6 +264,7 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
         (f"{REQ_TO_TOKEN_POOL}.free_rows", before_free_rows, hook_type.BEFORE),
         (f"{REQ_TO_TOKEN_POOL}.clear", before_clear, hook_type.BEFORE),
         (f"{PREFILL_ADDER}._request_slot_reserve_for_req", around_request_slot_reserve, hook_type.AROUND),
+        (f"{SCHEDULER}.get_new_batch_prefill", before_get_new_batch_prefill, hook_type.BEFORE),
     ]
     entries += [(f"{tree}.checkpoint", around_tree_checkpoint, hook_type.AROUND) for tree in TREE_CACHES]
     for target, hook, kind in entries:

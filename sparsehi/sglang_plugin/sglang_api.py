@@ -32,6 +32,10 @@ Written against SGLang ``TESTED_SGLANG`` (0.5.23); ``register()`` refuses any ot
 - ``PrefillAdder._request_slot_reserve_for_req(req, *, extend_input_len=None)``: the
   extra KV tokens admission charges a request (the plugin adds the prefix a host-backed
   prefix hit must bring back to the GPU).
+- ``Scheduler.get_new_batch_prefill(running_batch)`` and ``ScheduleBatch.batch_is_full``:
+  after a prefill refused for memory the scheduler sets the running batch's
+  ``batch_is_full`` and tries no admission until a request leaves the running batch (or
+  retraction shrinks it); the plugin clears it when GPU pages were freed otherwise since.
 - Radix trees' ``checkpoint(req, *, up_to)``: may rewrite ``req_to_token[row,
   cache_protected_len_before:cache_protected_len_after]`` to the tree's own slots (a
   prefix another request inserted first) and free the request's duplicates.
@@ -55,6 +59,7 @@ RADIX_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention"
 REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 TREE_CACHES = ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache",
                "sglang.srt.mem_cache.radix_cache.RadixCache")
 """Radix trees whose ``checkpoint`` the plugin follows (the default tree of 0.5.23, and
