@@ -51,6 +51,7 @@ class _Snapshot:
     value: torch.Tensor  # [1] int64, pinned host copy of the stack's top
     event: Optional[torch.cuda.Event]
     taken_total: int  # the host's running total of pages allocations may have taken, then
+    frees: int  # the host's count of freeing calls issued before it
 
 
 class KVResidency:
@@ -78,6 +79,8 @@ class KVResidency:
         self._lb = physical_pages
         self._taken_total = 0
         self._snapshots: collections.deque[_Snapshot] = collections.deque()
+        self._frees = 0  # freeing calls issued (release, demote of many pages)
+        self._frees_settled = 0  # of them, those a settled snapshot has counted
 
     def reset(self) -> None:
         """Every page off the GPU, every GPU page free, no pins (the engine cleared its pool)."""
@@ -89,6 +92,7 @@ class KVResidency:
             self._top.fill_(self.physical_pages)
         self._snapshots.clear()
         self._lb = self.physical_pages
+        self._frees_settled = self._frees
 
     @contextmanager
     def ordered(self) -> Iterator[None]:
@@ -133,7 +137,7 @@ class KVResidency:
         if pin:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._snapshots.append(_Snapshot(tag, value, event, self._taken_total))
+        self._snapshots.append(_Snapshot(tag, value, event, self._taken_total, self._frees))
 
     def settle(self, up_to_tag: Optional[int] = None, *, exact: bool = False) -> int:
         """Raise the lower bound from the snapshots tagged ``<= up_to_tag`` (waiting for
@@ -148,7 +152,14 @@ class KVResidency:
                 snap.event.synchronize()
             bound = int(snap.value[0]) - (self._taken_total - snap.taken_total)
             self._lb = max(self._lb, bound)
+            self._frees_settled = max(self._frees_settled, snap.frees)
         return self._lb
+
+    def frees_pending(self) -> bool:
+        """Whether GPU pages were given back (``release``, or ``demote`` with ``counted``)
+        that the lower bound does not count yet: a count that refused an allocation may
+        allow it once they are settled."""
+        return self._frees > self._frees_settled
 
     def _take(self, upper: int) -> None:
         if upper > self._lb:
@@ -205,6 +216,7 @@ class KVResidency:
         v = self._vpages(vpages)
         if v.numel() == 0:
             return
+        self._frees += 1
         with self._ordered():
             first = self._first_of(v)
             phys = self.v2p[v]
@@ -222,14 +234,18 @@ class KVResidency:
             if delta < 0:
                 self.pins.clamp_(min=0)
 
-    def demote(self, vpages: torch.Tensor, *, unpin: bool = False, keep: Optional[torch.Tensor] = None) -> None:
+    def demote(self, vpages: torch.Tensor, *, unpin: bool = False, keep: Optional[torch.Tensor] = None,
+               counted: bool = False) -> None:
         """Give back the GPU pages of the pages of ``vpages`` that have no pins (after
         removing one pin per entry with ``unpin``); ``keep [n] bool`` exempts entries. Their
         KV must be complete in host memory, and no queued GPU work may still read them
-        (the caller orders this after both)."""
+        (the caller orders this after both). ``counted``: report it in ``frees_pending``
+        (a caller's large give-back, which may let a refused allocation through)."""
         v = self._vpages(vpages)
         if v.numel() == 0:
             return
+        if counted:
+            self._frees += 1
         with self._ordered():
             if unpin:
                 self.pins.index_add_(0, v, torch.full_like(v, -1, dtype=torch.int32))

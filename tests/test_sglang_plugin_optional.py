@@ -31,9 +31,11 @@ def test_off_without_algorithm():
 
 
 def test_min_sparse_prompt_len_and_page_size_default():
+    """The selection page is the plugin's own (64), whatever SGLang's page size (1 by
+    default); no dense layers unless named."""
     cfg = config_from_namespace(_ns(["--sparsehi-algorithm", "quest", "--sparsehi-min-sparse-prompt-len", "0"]),
                                 sglang_page_size=1)
-    assert cfg.min_sparse_prompt_len == 0 and cfg.page_size == 1
+    assert cfg.min_sparse_prompt_len == 0 and cfg.page_size == 64 and cfg.dense_layers == ()
 
 
 @pytest.mark.parametrize("argv, flag", [

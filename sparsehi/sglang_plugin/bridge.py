@@ -254,9 +254,6 @@ class SGLangSparseBridge:
         """Registered rows: position whose page the row pins (its newest token's)."""
         self.prompt_len = np.zeros(rows, dtype=np.int64)
         self.registrations = 0
-        self.released_at = -(1 << 30)
-        """Forward count when the bridge last gave GPU pages back outside SGLang's own frees
-        (a registered prompt, a finished request's pins)."""
         self._wt_event = torch.cuda.Event() if dev.type == "cuda" else None  # last extend write-through
         self._fwd_event = torch.cuda.Event() if dev.type == "cuda" else None  # end of the last forward
         # static per-step buffers over SGLang's batch positions (never reallocated; the
@@ -345,7 +342,11 @@ class SGLangSparseBridge:
     def _vpages(self, vids: torch.Tensor) -> torch.Tensor:
         return vids if self.sgl_ps == 1 else torch.div(vids, self.sgl_ps, rounding_mode="floor")
 
-    def _pin(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, delta: int = 1) -> None:
+    def _pin(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, delta: int = 1,
+             counted: bool = False) -> None:
+        """Add (``delta`` 1) or remove (-1: pages left with no pins leave the GPU) one pin on
+        each page of ``[start, end)`` of each row. ``counted``: a give-back SGLang's
+        admission should hear of (``KVResidency.frees_pending``)."""
         r, p = self._row_positions(rows, starts, ends)
         if not len(r):
             return
@@ -354,7 +355,7 @@ class SGLangSparseBridge:
         if delta > 0:
             self.residency.pin(pages)
         else:
-            self.residency.demote(pages, unpin=True)
+            self.residency.demote(pages, unpin=True, counted=counted)
 
     def _bring_back(self, rows: np.ndarray, prefix: np.ndarray) -> None:
         """Prefix hits: the prefix pages of ``rows`` that are only in host memory get GPU
@@ -587,9 +588,8 @@ class SGLangSparseBridge:
         if inner.registered_now is not None:
             # the prompt's prefill pins go (after the newest page's pin: they may share a page)
             reg = inner.registered_now
-            self._pin(reg, np.zeros_like(reg), self.pinned_len[reg], delta=-1)
+            self._pin(reg, np.zeros_like(reg), self.pinned_len[reg], delta=-1, counted=True)
             self.pinned_len[reg] = 0
-            self.released_at = self.forwards
 
     # ------------------------------------------------------------------ CUDA-graph capture
     def begin_capture(self, fb: Any) -> DecodeState:
@@ -731,8 +731,14 @@ class SGLangSparseBridge:
         rtt = self.req_to_token_pool.req_to_token
         if self.registered[row]:
             slot = int(self.slot_of_row[row])
+            p = int(self.open_pos[row])
             with self.residency.ordered():
                 self.coord.manager.host_token_table[slot, start:end] = rtt[row, start:end]
+                if start <= p < end:  # the page the row pins (its newest token's) may be the tree's now
+                    now = rtt[row, p:p + 1].long()
+                    moved = torch.where(now != old[p - start:p - start + 1].long(), self._vpages(now), 0)
+            if start <= p < end:
+                self.residency.pin(moved)  # the old page's pin goes with its slots (freed as a duplicate)
             return
         n = min(end, int(self.pinned_len[row]))
         if n <= start:
@@ -742,11 +748,18 @@ class SGLangSparseBridge:
             new = rtt[row, start:n].long()
             changed = new != old[: n - start].long()
             vids = torch.where(changed, new, 0)
-        if self.residency.free_pages_lower_bound() < n - start:
+        # GPU pages the rewrite may take: at most one per page of [start, n), known on the
+        # host; where fewer are free, the pages that really take one (changed positions
+        # whose tree copy is not on the GPU, usually none) are counted instead (a host
+        # read, only when GPU pages are short)
+        need = -(-n // self.sgl_ps) - start // self.sgl_ps
+        if self.residency.free_pages_lower_bound() < need:
             self.residency.settle(exact=True)
         with self.residency.ordered():
             missing = (self.residency.v2p[self._vpages(vids)] == 0) & (vids > 0)
-        self.residency.map(self._vpages(vids), upper=n - start)
+            if self.residency.free_pages_lower_bound() < need:
+                need = int(torch.unique(self._vpages(vids[missing])).numel())
+        self.residency.map(self._vpages(vids), upper=need)
         self.residency.ready()
         phys = self.residency.physical_slots(vids, self.sgl_ps)
         host = torch.where(missing & (phys >= 0), vids, -1)
@@ -779,19 +792,23 @@ class SGLangSparseBridge:
         for r in rows:
             self._end_slot(r)
             if self.pinned_len[r] > 0:
-                self._pin(np.array([r]), np.array([0]), self.pinned_len[r:r + 1], delta=-1)
+                self._pin(np.array([r]), np.array([0]), self.pinned_len[r:r + 1], delta=-1, counted=True)
             self.pinned_len[r] = 0
             self.declined[r] = False
             self.prompt_len[r] = 0
-        self.released_at = self.forwards
         # frees wait for the forward in flight: settled once two more forwards have run
         self.residency.snapshot(self.forwards + 1)
 
-    def recently_released(self, window: int = 3) -> bool:
-        """Whether GPU pages came back within the last ``window`` forwards (SGLang's
-        admission, shut while a request did not fit, may try again: the host's count of
-        free GPU pages learns of device-side frees within two forwards)."""
-        return self.forwards - self.released_at <= window
+    def decodes_sparsely(self, row: int) -> bool:
+        """Whether SGLang row ``row`` decodes on the sparse path (registered, or about to be
+        at its first decode: a coordinator slot for a long prompt)."""
+        return 0 <= row < self.num_rows and bool(self.registered[row] or self.slot_of_row[row] >= 0)
+
+    def gpu_frees_pending(self) -> bool:
+        """Whether GPU pages were given back (a registered prompt, a finished request's
+        pins, SGLang's own frees) that the host's count of free GPU pages does not hold
+        yet: SGLang's admission, shut while a request did not fit, may try again."""
+        return self.residency.frees_pending()
 
     def release_all(self) -> None:
         self.release_rows([int(r) for r in np.flatnonzero((self.pinned_len > 0) | (self.slot_of_row >= 0))])

@@ -237,16 +237,35 @@ def around_request_slot_reserve(original: Callable[..., Any], adder: Any, req: A
     return reserve
 
 
+def around_running_request_offset(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
+                                  **kwargs: Any) -> Any:
+    """AROUND ``PrefillAdder._get_running_request_total_token_offset(req)``: a running
+    request's future tokens, which admission keeps room for. A request that decodes
+    sparsely needs host slots for them (SGLang's count, unchanged) and one GPU page at a
+    time, so the rest is exempt from the prefill budget's GPU side."""
+    offset = original(adder, req, *args, **kwargs)
+    bridge = _BY_ALLOCATOR.get(id(getattr(adder, "token_to_kv_pool_allocator", None)))
+    if bridge is None:
+        return offset
+    from sparsehi.sglang_plugin import sglang_api
+
+    row = sglang_api.req_row(req)
+    budget = getattr(adder, "memory_budget", None)
+    if row is not None and budget is not None and bridge.decodes_sparsely(row):
+        budget.gpu_exempt = getattr(budget, "gpu_exempt", 0) + max(0.0, offset - bridge.sgl_ps)
+    return offset
+
+
 def around_get_new_batch_prefill(original: Callable[..., Any], scheduler: Any, running_batch: Any, *args: Any,
                                  **kwargs: Any) -> Any:
     """AROUND ``Scheduler.get_new_batch_prefill(running_batch)``: SGLang stops admitting
     while ``running_batch.batch_is_full`` (a request did not fit; cleared when one leaves).
-    GPU memory also comes back when the plugin registers a prompt (it leaves the GPU), so
-    the flag is cleared for the few forwards after the bridge gave GPU pages back (the
-    host's count of free GPU pages learns of them within two forwards)."""
+    GPU memory also comes back when the plugin registers a prompt (it leaves the GPU), and
+    the host's count of free GPU pages learns of device-side frees a forward or two later,
+    so the flag is cleared while such frees are pending."""
     bridge = _BY_ALLOCATOR.get(id(getattr(scheduler, "token_to_kv_pool_allocator", None)))
     if (bridge is not None and running_batch is not None and getattr(running_batch, "batch_is_full", False)
-            and bridge.recently_released()):
+            and bridge.gpu_frees_pending()):
         running_batch.batch_is_full = False
     return original(scheduler, running_batch, *args, **kwargs)
 
@@ -264,6 +283,8 @@ def register_hooks(registry: Any, hook_type: Any) -> list[str]:
         (f"{REQ_TO_TOKEN_POOL}.free_rows", before_free_rows, hook_type.BEFORE),
         (f"{REQ_TO_TOKEN_POOL}.clear", before_clear, hook_type.BEFORE),
         (f"{PREFILL_ADDER}._request_slot_reserve_for_req", around_request_slot_reserve, hook_type.AROUND),
+        (f"{PREFILL_ADDER}._get_running_request_total_token_offset", around_running_request_offset,
+         hook_type.AROUND),
         (f"{SCHEDULER}.get_new_batch_prefill", around_get_new_batch_prefill, hook_type.AROUND),
     ]
     entries += [(f"{tree}.checkpoint", around_tree_checkpoint, hook_type.AROUND) for tree in TREE_CACHES]

@@ -34,21 +34,39 @@ from hicache.residency import KVResidency
 logger = logging.getLogger(__name__)
 
 _CLASSES: dict[type, type] = {}
+_BUDGETS: dict[type, type] = {}
 
 
 def _prefill_budget_class(base: type) -> type:
-    class PhysicalPrefillBudget(base):
-        """SGLang's prefill budget, capped by the free GPU tokens: an admitted prompt is
-        prefilled in GPU memory (cached tree content is host-backed, so evicting it frees
-        virtual slots only, no GPU pages)."""
+    if base in _BUDGETS:
+        return _BUDGETS[base]
 
-        def _available_and_evictable(self):
-            virtual = super()._available_and_evictable()
+    class PhysicalPrefillBudget(base):
+        """SGLang's prefill budget, with the free GPU tokens as a second limit: an admitted
+        prompt is prefilled in GPU memory (cached tree content is host-backed, so evicting
+        it frees virtual slots only, no GPU pages). On the GPU side the decode headroom of
+        running requests that decode sparsely is not charged (``gpu_exempt``, set by the
+        plugin's hook on ``PrefillAdder._get_running_request_total_token_offset``): their
+        new tokens need host slots, and one GPU page at a time."""
+
+        gpu_exempt = 0
+
+        def _gpu(self) -> int:
             gpu = getattr(self, "_gpu_tokens", None)
             if gpu is None:  # once per admission round: allocations come after it
                 gpu = self._gpu_tokens = self.allocator.admission_gpu_tokens()
-            return min(virtual, gpu)
+            return gpu
 
+        @property
+        def remaining_total(self):
+            return min(super().remaining_total, self._gpu() - (self.total_offset - self.gpu_exempt))
+
+        @property
+        def remaining_current(self):
+            return min(super().remaining_current, self._gpu() - self.current_offset)
+
+    PhysicalPrefillBudget.__name__ = PhysicalPrefillBudget.__qualname__ = f"Physical{base.__name__}"
+    _BUDGETS[base] = PhysicalPrefillBudget
     return PhysicalPrefillBudget
 
 

@@ -31,7 +31,11 @@ Written against SGLang ``TESTED_SGLANG`` (0.5.23); ``register()`` refuses any ot
   ``kv.cache_protected_len``).
 - ``PrefillAdder._request_slot_reserve_for_req(req, *, extend_input_len=None)``: the
   extra KV tokens admission charges a request (the plugin adds the prefix a host-backed
-  prefix hit must bring back to the GPU).
+  prefix hit must bring back to the GPU); ``PrefillAdder._get_running_request_total_token_offset(req)``:
+  a running request's future tokens admission keeps room for (the plugin exempts a sparse
+  request's from the GPU side: one page at a time); ``PrefillAdder.memory_budget``,
+  ``PrefillBudget.total_offset`` / ``current_offset`` / ``remaining_total`` /
+  ``remaining_current`` / ``_available_and_evictable``.
 - ``Scheduler.get_new_batch_prefill(running_batch)`` and ``ScheduleBatch.batch_is_full``
   (``SCHEDULER``), and the scheduler's ``token_to_kv_pool_allocator``.
 - Radix trees' ``checkpoint(req, *, up_to)``: may rewrite ``req_to_token[row,

@@ -106,12 +106,14 @@ def _prompt_batch(rows: list[int], prompts: list[int]) -> SimpleNamespace:
 @dataclass
 class World:
     """SGLang's pools, allocator, translator, backend and layers, with the plugin's
-    model-runner hooks applied. ``sgl_page``: SGLang's ``--page-size``."""
+    model-runner hooks applied. ``sgl_page``: SGLang's ``--page-size``; ``max_reqs``: the
+    ``ReqToTokenPool``'s rows (SGLang's ``--max-running-requests``)."""
 
     cfg: Optional[SparseConfig]
     mla: bool = False
     sgl_page: int = 1
     pool_tokens: int = POOL_TOKENS
+    max_reqs: int = MAX_REQS
     req_pool: ReqToTokenPool = field(init=False)
     kv_pool: MHATokenToKVPool = field(init=False)
     runner: Runner = field(init=False)
@@ -119,7 +121,7 @@ class World:
     layers: list = field(init=False)
 
     def __post_init__(self) -> None:
-        self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
+        self.req_pool = ReqToTokenPool(self.max_reqs, MAX_CTX, "cpu", False)
         ps = self.sgl_page
         if self.mla:
             self.kv_pool = MLATokenToKVPool(self.pool_tokens, ps, torch.float32, LORA, ROPE, L, "cpu", False)
@@ -132,7 +134,8 @@ class World:
         translator = KVIndexTranslator(req_to_token=self.req_pool.req_to_token, token_to_kv_pool_allocator=alloc,
                                        token_to_kv_pool=self.kv_pool, page_size=ps, device="cpu")
         args = type("Args", (), {"sparsehi_config": self.cfg})()
-        self.runner = Runner(args, self.req_pool, self.kv_pool, alloc, translator, max_total_num_tokens=self.pool_tokens)
+        self.runner = Runner(args, self.req_pool, self.kv_pool, alloc, translator, max_total_num_tokens=self.pool_tokens,
+                             max_running_requests=self.max_reqs)
         hooks.after_alloc_memory_pool(None, self.runner)  # what SGLang runs after alloc_memory_pool
         self.backend = TorchNativeAttnBackend(self.runner)
         self.backend.req_to_token_pool = PhysicalRows(self.runner)
@@ -227,6 +230,31 @@ class World:
         hooks.after_forward_batch_init_new(fb, ForwardBatch, _prompt_batch(rows, prompts or list(lens)), self.runner)
         return fb
 
+    def forward_batch(self, batch) -> ForwardBatch:
+        """The ``ForwardBatch`` SGLang's ``ForwardBatch.init_new`` makes of a scheduler's
+        ``ScheduleBatch`` after ``prepare_for_extend`` / ``prepare_for_decode`` (its
+        allocation and ``req_to_token`` rows are the scheduler's own), as far as the
+        attention backend and the plugin read it; the plugin's hook on ``init_new`` runs."""
+        rows = [int(r) for r in batch.req_pool_indices_cpu]
+        lens = [int(n) for n in batch.seq_lens_cpu]
+        common = dict(batch_size=len(rows), req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens),
+                      out_cache_loc=batch.out_cache_loc.clone(), seq_lens_sum=sum(lens),
+                      seq_lens_cpu=torch.tensor(lens))
+        if batch.forward_mode.is_decode():
+            fb = ForwardBatch(forward_mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
+                              positions=torch.tensor(lens) - 1, **common)
+        else:
+            prefix, ext = [int(p) for p in batch.prefix_lens], [int(e) for e in batch.extend_lens]
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.EXTEND, input_ids=torch.zeros(sum(ext), dtype=torch.long),
+                req_pool_indices_cpu=torch.tensor(rows), extend_prefix_lens=torch.tensor(prefix),
+                extend_seq_lens=torch.tensor(ext), extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
+                extend_num_tokens=sum(ext), positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)]),
+                **common)
+        self._bind(fb)
+        hooks.after_forward_batch_init_new(fb, ForwardBatch, batch, self.runner)
+        return fb
+
     def decode(self, rows: list[int], lens: list[int]) -> ForwardBatch:
         locs = self._slots(rows, [n - 1 for n in lens], lens)
         for r, n in zip(rows, lens):
@@ -269,7 +297,7 @@ def qkv(n: int, gen: torch.Generator, mla: bool = False) -> list[tuple[torch.Ten
 class ReferenceHier:
     """The runtime's ``sparse-hier`` decode: the hierarchical coordinator over hicache's pools."""
 
-    def __init__(self, cfg: SparseConfig, mla: bool = False) -> None:
+    def __init__(self, cfg: SparseConfig, mla: bool = False, max_reqs: int = MAX_REQS) -> None:
         self.mla = mla
         if mla:
             spec = KVCacheSpec("mla", L, 1, LORA + ROPE, torch.float32, PS, kv_lora_rank=LORA)
@@ -281,7 +309,7 @@ class ReferenceHier:
         self.host = HostKVPool(self.pool, hicache_ratio=4.0, pin_memory=False)
         self.coord = SparseCoordinator(cfg, create_plugin_algorithm(cfg, "cpu"), self.pool, mode="hierarchical",
                                        host_pool=self.host, adaptor=adaptor,
-                                       max_num_reqs=MAX_REQS + 1, max_context_len=MAX_CTX, validate=True,
+                                       max_num_reqs=max_reqs + 1, max_context_len=MAX_CTX, validate=True,
                                        dense_pool_tokens=POOL_TOKENS * 2)
         self.seq: dict[int, int] = {}
 
