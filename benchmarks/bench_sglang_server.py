@@ -105,6 +105,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import hashlib
 import ctypes
 import datetime as _dt
 import json
@@ -606,7 +607,22 @@ def device_info(gpu: str) -> dict[str, Any]:
                 host_mem_gib=None if mem is None else round(mem, 1))
     rev = _run_text(["git", "rev-parse", "--short", "HEAD"], 5.0)
     info["git"] = rev.strip() if rev else None
+    # HEAD alone does not name the code that ran (a copied tree may carry changes past it)
+    dirty = _run_text(["git", "status", "--porcelain", "--untracked-files=no", "--", "sparsehi", "hicache"], 5.0)
+    info["git_dirty"] = None if dirty is None else bool(dirty.strip())
+    info["source_sha1"] = source_digest()
     return info
+
+
+def source_digest(root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """SHA-1 over the paths and bytes of the package sources (``sparsehi/``, ``hicache/``),
+    which names the code a run used whatever git says about the tree."""
+    h = hashlib.sha1()
+    for pkg in ("sparsehi", "hicache"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 class MemTracker(threading.Thread):
