@@ -61,20 +61,18 @@ if [ ! -x "$PY" ]; then
         python3 -m venv "$VENV"
     fi
 fi
-# --no-compile: no .pyc for all that is installed (most of torch and triton is never
-# imported); Python writes them for what the tests import, on first use.
 if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "[setup] installing torch==2.13.0 (CPU wheel)"
-    "$PY" -m pip install -q --no-compile torch==2.13.0
+    "$PY" -m pip install -q torch==2.13.0
 fi
 echo "[setup] installing sparsehi[dev,mooncake] (editable)"
 # flock: the editable build writes sparsehi.egg-info here, and scripts/setup_sglang_env.sh
 # (which scripts/test.sh runs at the same time) builds it too
-if ! flock pyproject.toml "$PY" -m pip install -q --no-compile -e ".[dev,mooncake]"; then
+if ! flock pyproject.toml "$PY" -m pip install -q -e ".[dev,mooncake]"; then
     # no Mooncake wheel for this platform: everything else still works, its tests skip
     echo "[setup] WARNING: the mooncake extra (mooncake-transfer-engine-non-cuda) did not install;" \
          "installing sparsehi[dev] only, the Mooncake storage tests will be skipped" >&2
-    flock pyproject.toml "$PY" -m pip install -q --no-compile -e ".[dev]"
+    flock pyproject.toml "$PY" -m pip install -q -e ".[dev]"
     NO_MOONCAKE=1
 fi
 wait "$IB_PID" 2>/dev/null || true

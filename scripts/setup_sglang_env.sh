@@ -4,7 +4,10 @@
 # - torch==2.13.0+cpu, the CPU wheel .venv uses (pip takes it from local disk; the `+cpu` pin
 #   makes pip fail rather than pull a CUDA build where that wheel is not at hand), and
 #   triton==3.8.0 (the Triton of torch 2.14.1, which SGLang 0.5.23 pins; on CPU its kernels
-#   and ours run under TRITON_INTERPRET=1, set by tests/conftest.py);
+#   and ours run under TRITON_INTERPRET=1, set by tests/conftest.py). Installed here, not
+#   shared with .venv: --system-site-packages or a .pth into .venv would also bring in
+#   .venv's other packages (matplotlib, mooncake, pytest-xdist, ...) and hide a requirement
+#   missing from the list below; from local disk it takes seconds, beside scripts/setup.sh;
 # - sglang==0.5.23 without its dependency set, and only the modules its imports need
 #   (scripts/sglang-env-requirements.txt). Its dependency set pins torch==2.14.1 (a CUDA
 #   build) and several GB of CUDA kernels: sglang-kernel, flashinfer, deep-gemm, nvidia-*.
@@ -38,9 +41,9 @@ fi
 start=$(date +%s)
 rm -rf "$VENV"
 python3 -m venv "$VENV"
-# --no-compile: no .pyc for the ~2 GB installed (most of it never imported); Python writes
-# them for the modules the tests import on first use.
-PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
+# pip compiles .pyc as it installs (PYTHONDONTWRITEBYTECODE=1 is set on these machines, so
+# with --no-compile every test process would compile what it imports, each time)
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
 echo "[setup-sglang] torch==2.13.0+cpu triton==3.8.0 and the modules SGLang's imports need"
 "${PIP[@]}" torch==2.13.0+cpu triton==3.8.0 -r scripts/sglang-env-requirements.txt
 echo "[setup-sglang] sglang==0.5.23 and torchvision==0.28.0 (--no-deps), sparsehi (editable, --no-deps)"
@@ -60,6 +63,7 @@ if s.count(old) != 2 or s.count(anchor) != 1:
 helper = ("\n\ndef _register_fake_if_ops(name):  # added by sparsehi's scripts/setup_sglang_env.sh\n"
           "    return torch.library.register_fake(name) if torchvision.extension._has_ops() else (lambda fn: fn)\n")
 p.write_text(s.replace(old, '@_register_fake_if_ops("torchvision::').replace(anchor, anchor + helper))
+import py_compile; py_compile.compile(str(p), doraise=True)  # its .pyc, as pip wrote the others
 EOF
 "$PY" -W ignore - <<'EOF'
 import sys, torch
