@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the SGLang test environment .venv-sglang (tests/sglang run in it), CPU
-# only, about 2 GB:
+# only, about 2.4 GB:
 # - torch==2.13.0+cpu, the CPU wheel .venv uses (pip takes it from local disk; the `+cpu` pin
 #   makes pip fail rather than pull a CUDA build where that wheel is not at hand), and
 #   triton==3.8.0 (the Triton of torch 2.14.1, which SGLang 0.5.23 pins; on CPU its kernels
