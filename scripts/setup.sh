@@ -33,7 +33,9 @@ ensure_ibverbs() {
         echo "$warn" >&2
     fi
 }
-ensure_ibverbs
+# apt-get (on a fresh machine only) runs beside pip; the Mooncake checks wait for it
+ensure_ibverbs &
+IB_PID=$!
 # the Mooncake client counts as installed when it imports, or (no libibverbs) when its files are there
 mooncake_ok() {
     [ -f "$STAMP.no-mooncake" ] && return 0  # its wheel did not install here: not tried again
@@ -43,8 +45,11 @@ mooncake_ok() {
         "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('mooncake') is None)" 2>/dev/null
     fi
 }
-if [ -f "$STAMP" ] && "$PY" -c "import sparsehi, hicache, torch, triton" 2>/dev/null && mooncake_ok; then
-    exit 0
+if [ -f "$STAMP" ]; then
+    wait "$IB_PID" || true
+    if "$PY" -c "import sparsehi, hicache, torch, triton" 2>/dev/null && mooncake_ok; then
+        exit 0
+    fi
 fi
 has_cuda_torch() { "$1" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; }
 if [ ! -x "$PY" ]; then
@@ -61,13 +66,16 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
 echo "[setup] installing sparsehi[dev,mooncake] (editable)"
-if ! "$PY" -m pip install -q -e ".[dev,mooncake]"; then
+# flock: the editable build writes sparsehi.egg-info here, and scripts/setup_sglang_env.sh
+# (which scripts/test.sh runs at the same time) builds it too
+if ! flock pyproject.toml "$PY" -m pip install -q -e ".[dev,mooncake]"; then
     # no Mooncake wheel for this platform: everything else still works, its tests skip
     echo "[setup] WARNING: the mooncake extra (mooncake-transfer-engine-non-cuda) did not install;" \
          "installing sparsehi[dev] only, the Mooncake storage tests will be skipped" >&2
-    "$PY" -m pip install -q -e ".[dev]"
+    flock pyproject.toml "$PY" -m pip install -q -e ".[dev]"
     NO_MOONCAKE=1
 fi
+wait "$IB_PID" 2>/dev/null || true
 rm -f "$VENV"/.sparsehi-installed-*
 touch "$STAMP"
 if [ "${NO_MOONCAKE:-0}" = 1 ]; then touch "$STAMP.no-mooncake"; fi
