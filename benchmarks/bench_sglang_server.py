@@ -9,7 +9,7 @@ Run on the GPU machine from the project root, after ``source .sglang-gpu/setup_s
     python3 benchmarks/bench_sglang_server.py --dry-run       # the plan and the commands, nothing started
     python3 benchmarks/bench_sglang_server.py                  # everything, four server starts (~11-14 min)
     # within a 10-minute limit per call, three calls filling one result file (--merge reads the
-    # file in --out: bring sglang_server.json back from $OUT into benchmarks/results between calls):
+    # file in --out: copy sglang_server.json from the GPU machine into benchmarks/results between calls):
     python3 benchmarks/bench_sglang_server.py --only sglang --time-budget 540
     python3 benchmarks/bench_sglang_server.py --only plugin --skip-check --merge --time-budget 540
     python3 benchmarks/bench_sglang_server.py --only plugin --skip-measure --merge --time-budget 540
@@ -88,8 +88,7 @@ the GPU's memory is back to where it was; one JSON line is printed per measureme
 result file is rewritten after each, so a timeout leaves what was measured;
 ``--time-budget`` stops starting work that would run past it; a server whose host memory
 leaves less than ``--min-host-avail-gib`` available is killed (its row says so). Server
-logs: ``$OUT`` if set, else the output directory (``server_<tag>.log``); with ``$OUT`` set
-the result file is copied there too.
+logs: ``--log-dir``, else the output directory (``server_<tag>.log``).
 
 Device time (H100, Llama-3-8B shape, 32k and 64k, estimated; prefill dominates: every
 admitted request of the held run is prefilled once, queued ones are aborted unprefilled):
@@ -912,8 +911,7 @@ class Bench:
         self.args = args
         self.t0 = time.monotonic()
         self.out_dir = Path(args.out or RESULTS_DIR)
-        env_out = os.environ.get("OUT")
-        self.log_dir = Path(env_out) if env_out else self.out_dir
+        self.log_dir = Path(args.log_dir) if args.log_dir else self.out_dir
         self.gpu = args.gpu or gpu_index()
         self.vocab = model_vocab(args.model_dir)
         self.existing: Optional[dict] = None
@@ -976,10 +974,6 @@ class Bench:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         os.replace(tmp, path)
-        env_out = os.environ.get("OUT")
-        if env_out and Path(env_out).resolve() != self.out_dir.resolve():
-            Path(env_out).mkdir(parents=True, exist_ok=True)
-            (Path(env_out) / RESULT_NAME).write_text(path.read_text())
         return path
 
     def put_row(self, row: dict[str, Any]) -> None:
@@ -1364,6 +1358,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--gpu", default=None, help="nvidia-smi -i for the memory polls (default: CUDA_VISIBLE_DEVICES[0] or 0)")
     ap.add_argument("--python", default=sys.executable, help="python that runs sglang.launch_server")
     ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap.add_argument("--log-dir", default=None, help="directory of the server logs (default: --out's)")
     ap.add_argument("--merge", action="store_true",
                     help="keep what an existing result file has and this run does not measure")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the server commands, start nothing")

@@ -350,7 +350,6 @@ def fake_sglang(tmp_path):
 def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake_sglang), str(ROOT)]))
     monkeypatch.setenv("FAKE_SGLANG_TOKENS", "6000")
-    monkeypatch.setenv("OUT", str(tmp_path / "logs"))
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
@@ -358,7 +357,7 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
     argv = ["--model-dir", str(model), "--contexts", "1000,2000", "--new-tokens", "100", "--ramp-step", "20",
             "--held-new-tokens", "100", "--held-settle-s", "0.3", "--held-measure-s", "0.3",
             "--min-window-steps", "8", "--check-len", "300", "--check-new", "16", "--out", str(out),
-            "--poll-s", "0.1", "--min-host-avail-gib", "0"]
+            "--poll-s", "0.1", "--min-host-avail-gib", "0", "--log-dir", str(tmp_path / "logs")]
     t0 = time.time()
     res = bench.main(argv)
     assert time.time() - t0 < 120
@@ -366,7 +365,8 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
     assert bench.check_schema(res) == []
     saved = json.loads((out / bench.RESULT_NAME).read_text())
     assert saved["rows"] == res["rows"]
-    assert json.loads((tmp_path / "logs" / bench.RESULT_NAME).read_text())["rows"] == res["rows"]
+    assert sorted(p.name for p in (tmp_path / "logs").glob("server_*.log")) == [
+        f"server_{s['tag']}.log" for s in sorted(bench.plan_servers(bench.parse_args(argv)), key=lambda s: s["tag"])]
     assert [(r["context"], r["plugin"]) for r in res["rows"]] == [(1000, False), (1000, True), (2000, False),
                                                                  (2000, True)]
     for r in res["rows"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", ".venv-sglang", "__pycache__", "outputs", "runs", "build", "dist", ".hypothesis", ".pytest_cache",
-             ".anchor", ".scratch", ".whl", ".gl"}  # local, git-ignored: third-party builds, scratch files
+             ".anchor", ".scratch", ".whl", ".gl", ".sglang-gpu"}  # local, git-ignored: third-party builds, scratch files
 SUFFIXES = {".py", ".md", ".json", ".txt", ".sh", ".toml"}
 
 # patterns are assembled from pieces so that this file does not match them itself
