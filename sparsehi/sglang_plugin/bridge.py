@@ -357,6 +357,17 @@ class SGLangSparseBridge:
         else:
             self.residency.demote(pages, unpin=True, counted=counted)
 
+    def _map_and_load(self, vids: torch.Tensor, missing: torch.Tensor, upper: int) -> None:
+        """Give the virtual pages of ``vids`` ([N] int64 token slots) GPU pages (at most
+        ``upper`` new ones) and load from host the tokens whose page was not on the GPU
+        (``missing`` [N] bool)."""
+        self.residency.map(self._vpages(vids), upper=upper)
+        self.residency.ready()
+        phys = self.residency.physical_slots(vids, self.sgl_ps)
+        host = torch.where(missing & (phys >= 0), vids, -1)
+        with self.residency.ordered():
+            self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
+
     def _bring_back(self, rows: np.ndarray, prefix: np.ndarray) -> None:
         """Prefix hits: the prefix pages of ``rows`` that are only in host memory get GPU
         pages and their KV, before the extend forward reads them."""
@@ -371,12 +382,7 @@ class SGLangSparseBridge:
         with self.residency.ordered():
             vids = self._vids(r, p)
             missing = self.residency.v2p[self._vpages(vids)] == 0
-        self.residency.map(self._vpages(vids), upper=pages)
-        self.residency.ready()
-        phys = self.residency.physical_slots(vids, self.sgl_ps)
-        host = torch.where(missing & (phys >= 0), vids, -1)
-        with self.residency.ordered():
-            self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
+        self._map_and_load(vids, missing, upper=pages)
 
     # ------------------------------------------------------------------ forwards
     def begin_forward(self, fb: Any) -> Any:
@@ -759,12 +765,7 @@ class SGLangSparseBridge:
             missing = (self.residency.v2p[self._vpages(vids)] == 0) & (vids > 0)
             if self.residency.free_pages_lower_bound() < need:
                 need = int(torch.unique(self._vpages(vids[missing])).numel())
-        self.residency.map(self._vpages(vids), upper=need)
-        self.residency.ready()
-        phys = self.residency.physical_slots(vids, self.sgl_ps)
-        host = torch.where(missing & (phys >= 0), vids, -1)
-        with self.residency.ordered():
-            self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
+        self._map_and_load(vids, missing, upper=need)
         opens = torch.from_numpy((pos % self.sgl_ps == 0) | (pos == start)).to(vids.device)
         self.residency.pin(torch.where(changed & opens, self._vpages(vids), 0))
 
