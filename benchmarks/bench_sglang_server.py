@@ -104,9 +104,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import hashlib
 import ctypes
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform

@@ -395,6 +395,7 @@ class SparseKVCacheManager(SwapInMixin):
         t = self.table
         kv = self.device_pool.kv_data  # [bufs, layers, slots, H, D]
         off = self._offsets
+        off_cpu = torch.arange(ps, dtype=torch.int64)  # host-side slot lists: no read-back of ``off``
         for i, (r, n) in enumerate(zip(rows, seq_lens)):
             P = _cdiv(n, ps)
             pages = got_buf[i]
@@ -409,8 +410,8 @@ class SparseKVCacheManager(SwapInMixin):
             logical = list(range(min(sink, P))) + list(range(max(sink, P - R), P))
             dst_pages = [int(sink_pages[p]) for p in logical[:min(sink, P)]] + \
                         [int(ring_pages[p % R]) for p in logical[min(sink, P):]]
-            pos = (torch.tensor(logical, dtype=torch.int64)[:, None] * ps + off.cpu()[None, :]).reshape(-1)
-            dst = (torch.tensor(dst_pages, dtype=torch.int64)[:, None] * ps + off.cpu()[None, :]).reshape(-1)
+            pos = (torch.tensor(logical, dtype=torch.int64)[:, None] * ps + off_cpu[None, :]).reshape(-1)
+            dst = (torch.tensor(dst_pages, dtype=torch.int64)[:, None] * ps + off_cpu[None, :]).reshape(-1)
             live = pos < n
             pos, dst = pos[live].to(dev), dst[live].to(dev)
             self._fill_from_engine(kv, token_slots[i].to(dev)[pos], host_slots[i].to(dev)[pos], dst, None)

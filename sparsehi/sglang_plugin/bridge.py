@@ -632,11 +632,12 @@ class SGLangSparseBridge:
                 self.coord.forward_end(batch)
         finally:
             if isinstance(inner, DecodeState) and inner.host_rows is not None:
-                rows = [int(r) for r in inner.host_rows[inner.host_ours]]
-                for r in rows:
+                ours = inner.host_ours
+                rows = [int(r) for r in inner.host_rows[ours]]
+                for r, seq in zip(rows, inner.host_seq[ours]):
                     self._end_slot(r)
                     self.declined[r] = True
-                    self._repin_whole(r, int(inner.host_seq[list(inner.host_rows).index(r)]))
+                    self._repin_whole(r, int(seq))
                 if rows:
                     logger.warning("sparsehi: a decode forward raised; rows %s leave the sparse path and decode "
                                    "on SGLang's own attention", rows)

@@ -119,27 +119,22 @@ def around_forward_raw(original: Callable[..., Any], runner: Any, forward_batch:
     if bridge is None:
         return original(runner, forward_batch, *args, **kwargs)
     state = bridge.begin_forward(forward_batch)
-    if not isinstance(state, DecodeState):
-        try:
-            out = original(runner, forward_batch, *args, **kwargs)
-        except BaseException:
-            bridge.abort_forward(state)
-            raise
-        bridge.end_forward(state)
-        return out
-    lengths = bridge.sglang_lengths(forward_batch, state)
+    decode = isinstance(state, DecodeState)  # the layer hooks take part only in these
+    lengths = bridge.sglang_lengths(forward_batch, state) if decode else {}
     saved = {name: getattr(forward_batch, name) for name in lengths}
     for name, value in lengths.items():
         setattr(forward_batch, name, value)
     entry = (forward_batch, bridge, state)
-    _ACTIVE.append(entry)
+    if decode:
+        _ACTIVE.append(entry)
     try:
         out = original(runner, forward_batch, *args, **kwargs)
     except BaseException:
         bridge.abort_forward(state)
         raise
     finally:
-        _ACTIVE[:] = [e for e in _ACTIVE if e is not entry]
+        if decode:
+            _ACTIVE[:] = [e for e in _ACTIVE if e is not entry]
         for name, value in saved.items():
             setattr(forward_batch, name, value)
     bridge.end_forward(state)
@@ -191,8 +186,8 @@ def around_radix_attention(original: Callable[..., Any], layer: Any, q: Any, k: 
 
 
 def before_free_rows(pool: Any, indices: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE ``ReqToTokenPool.free_rows``: a request whose row SGLang frees ends in the
-    coordinator (its host pages are given back)."""
+    """BEFORE ``ReqToTokenPool.free_rows``: the rows SGLang frees drop their GPU-page pins
+    and, if they decoded sparsely, end in the coordinator (``SGLangSparseBridge.release_rows``)."""
     bridge = _BY_REQ_POOL.get(id(pool))
     if bridge is not None:
         bridge.release_rows([int(i) for i in indices])

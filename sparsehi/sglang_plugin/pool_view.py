@@ -11,7 +11,8 @@ become views of its first rows. Those rows are the GPU pages SGLang's kernels ad
 after them hold the sparse requests' buffers, handed out by the pool's allocator.
 
 Nothing here imports SGLang: the pool is duck-typed by the attributes read below
-(``sglang_api`` owns the writes into SGLang's objects).
+(``sglang_api`` owns the attributes that tell the pool's kind, and the writes into
+SGLang's objects).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from hicache.kv_spec import KVCacheSpec
+from sparsehi.sglang_plugin import sglang_api
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,6 @@ class PoolLayout:
                            self.page_size, kv_lora_rank=self.kv_lora_rank)
 
 
-def _is_mla(kv_pool: Any) -> bool:
-    return hasattr(kv_pool, "kv_buffer") and hasattr(kv_pool, "kv_lora_rank")
-
-
 def describe_kv_pool(kv_pool: Any) -> PoolLayout:
     """The layout of SGLang's ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
 
@@ -68,7 +66,7 @@ def describe_kv_pool(kv_pool: Any) -> PoolLayout:
                          f"{kv_pool.start_layer}, allowed 0)")
     ps = int(kv_pool.page_size)
     rows = -(-(int(kv_pool.size) + ps) // ps) * ps
-    if _is_mla(kv_pool):
+    if sglang_api.is_mla_pool(kv_pool):
         buf = kv_pool.kv_buffer[0]
         if buf.dim() != 3 or buf.shape[1] != 1:
             raise ValueError(f"{name}: kv_buffer[0] must be [slots, 1, dim], got {tuple(buf.shape)}")
@@ -100,7 +98,6 @@ def adopt_kv_pool(kv_pool: Any, *, sel_page_size: int, reserve_tokens: int,
     only pages after them. Returns ``(pool, rows)``. Raises ValueError when the reserve
     leaves SGLang fewer than two pages.
     """
-    from sparsehi.sglang_plugin import sglang_api
 
     if not isinstance(reserve_tokens, int) or reserve_tokens < 0:
         raise ValueError(f"reserve_tokens must be an int >= 0, got {reserve_tokens!r}")

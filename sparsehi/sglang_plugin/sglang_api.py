@@ -118,10 +118,9 @@ def allocator_class_args(allocator: Any, size: int) -> tuple[type, tuple, dict]:
     """How to build another allocator of ``allocator``'s SGLang class with ``size`` slots:
     ``(class, args, kwargs)``. Raises ValueError for allocator classes not supported."""
     cls = type(allocator)
-    names = [c.__name__ for c in cls.__mro__]
     common = dict(dtype=allocator.dtype, device=allocator.device, kvcache=allocator.get_kvcache(),
                   need_sort=allocator.need_sort)
-    if "PagedTokenToKVPoolAllocator" in names and cls.__name__ == "PagedTokenToKVPoolAllocator":
+    if cls.__name__ == "PagedTokenToKVPoolAllocator":
         return cls, (size, allocator.page_size), common
     if cls.__name__ == "TokenToKVPoolAllocator":
         return cls, (size,), common
@@ -148,16 +147,22 @@ def make_translating(translator: Any, allocator: Any) -> None:
 
 
 # ---------------------------------------------------------------------- KV pools
+def is_mla_pool(kv_pool: Any) -> bool:
+    """Whether an SGLang KV pool is MLA's (one latent tensor per layer, ``kv_buffer``)
+    rather than MHA's (``k_buffer`` / ``v_buffer``)."""
+    return hasattr(kv_pool, "kv_buffer") and hasattr(kv_pool, "kv_lora_rank")
+
+
 def pool_buffers(kv_pool: Any) -> list[torch.Tensor]:
     """SGLang's per-layer KV tensors of ``kv_pool`` (MHA: k then v; MLA: the latent rows)."""
-    if hasattr(kv_pool, "kv_buffer") and hasattr(kv_pool, "kv_lora_rank"):
+    if is_mla_pool(kv_pool):
         return list(kv_pool.kv_buffer)
     return list(kv_pool.k_buffer) + list(kv_pool.v_buffer)
 
 
 def drop_pool_buffers(kv_pool: Any) -> None:
     """Release SGLang's own KV tensors (before the plugin's one allocation takes their place)."""
-    if hasattr(kv_pool, "kv_buffer") and hasattr(kv_pool, "kv_lora_rank"):
+    if is_mla_pool(kv_pool):
         kv_pool.kv_buffer = []
     else:
         kv_pool.k_buffer, kv_pool.v_buffer = [], []
@@ -171,7 +176,7 @@ def swap_pool_buffers(kv_pool: Any, per_layer: list[tuple[torch.Tensor, ...]], r
     ``(kv,)``, each ``[rows, heads, dim]``) and set its ``size`` to ``rows - page_size``;
     the pool's pointer tables are rebuilt."""
     kv_pool.size = int(rows) - int(kv_pool.page_size)
-    if hasattr(kv_pool, "kv_buffer") and hasattr(kv_pool, "kv_lora_rank"):
+    if is_mla_pool(kv_pool):
         kv_pool.kv_buffer = [bufs[0] for bufs in per_layer]
         kv_pool.data_ptrs = torch.tensor([x.data_ptr() for x in kv_pool.kv_buffer], dtype=torch.uint64,
                                          device=kv_pool.device)
