@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of batch sizes (default 1,2)")
     bench.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=16,
                        help="decode steps per point (default 16)")
+    bench.add_argument("--cache-salt", type=_salt, default=None,
+                       help="cache salt of every request, as in sparsehi run; the sweep runs without the prefix "
+                            "tree and L3, so no request reuses KV with or without one")
     _add_common(bench)
     bench.set_defaults(subparser=bench)
     return parser
@@ -482,7 +485,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _check_host_size(args, args.subparser, sc, device, dtype, max(args.batches),
                          max(args.contexts) + args.decode_tokens + 1)
         run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
-                              contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))
+                              contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens,
+                              cache_salt=args.cache_salt))
         return 0
     except CheckpointError as e:  # found only while loading the tensors, after the up-front header check
         _fail(args.subparser, f"--model-path {e}")
