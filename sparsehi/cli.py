@@ -318,6 +318,17 @@ def _check_hicache_modes(args: argparse.Namespace, parser: argparse.ArgumentPars
                          f"writes L3); --modes {','.join(modes)} does not run it")
 
 
+def _check_checkpoint_identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """``--l3-checkpoint-identity`` (default metadata); given, it must have a checkpoint to
+    name and an L3 backend to name it in."""
+    mode = args.l3_checkpoint_identity
+    if mode is not None and (args.model_path is None or args.hicache_storage_backend is None):
+        missing = "--model-path" if args.model_path is None else "--hicache-storage-backend"
+        parser.error(f"--l3-checkpoint-identity {mode} names a --model-path checkpoint in an L3 backend's "
+                     f"namespace; without {missing} there is none (built-in models have a fixed name)")
+    return mode or "metadata"
+
+
 def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, sc: SparseConfig,
                      device: str, dtype: torch.dtype, batch: int, max_context_len: int) -> None:
     """``--hicache-size`` must hold the live requests' KV and the algorithm's per-token state
@@ -385,6 +396,8 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparsehi.runtime.checkpoint_identity import IDENTITY_MODES
+
     parser = argparse.ArgumentParser(
         prog="sparsehi",
         description="Hierarchical sparse attention: full KV in host memory, a per-request LRU buffer of Top-k "
@@ -407,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-salt", type=_salt, default=None,
                      help="cache salt of every request (tenant isolation, as vLLM's cache_salt): cached KV, "
                           "also in an L3 backend, is shared only with requests of the same salt")
+    run.add_argument("--l3-checkpoint-identity", choices=IDENTITY_MODES, default=None,
+                     help="how a --model-path checkpoint is named in the L3 namespace, so that checkpoints "
+                          "sharing a store never read each other's KV: metadata = digest of config.json and "
+                          "the weight files' safetensors headers, sizes and modification times (no weights "
+                          "read; a copy with other time stamps misses), content = digest of config.json and "
+                          "every weight byte (reads the checkpoint once more; identical copies share KV) "
+                          "(default metadata; needs --model-path and --hicache-storage-backend)")
     _add_common(run)
     run.set_defaults(subparser=run)
     bench = sub.add_parser("bench", help="sweep contexts x batches x modes; JSON of tokens/s, hit rate, memory",
@@ -418,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of batch sizes (default 1,2)")
     bench.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=16,
                        help="decode steps per point (default 16)")
+    bench.add_argument("--cache-salt", type=_salt, default=None,
+                       help="cache salt of every request, as in sparsehi run; the sweep runs without the prefix "
+                            "tree and L3, so no request reuses KV with or without one")
     _add_common(bench)
     bench.set_defaults(subparser=bench)
     return parser
@@ -448,10 +471,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             device, dtype, sc = _resolve(args, args.subparser, "--context", args.context,
                                          args.context + args.decode_tokens, RUN_FILES)
             _check_host_size(args, args.subparser, sc, device, dtype, args.batch, args.context + args.decode_tokens + 1)
+            identity = _check_checkpoint_identity(args, args.subparser)
             run_demo(DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
                                 context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
                                 shared_prefix=args.shared_prefix, forced=not args.no_forced,
-                                cache_salt=args.cache_salt,
+                                cache_salt=args.cache_salt, l3_checkpoint_identity=identity,
                                 progress=not args.no_progress))
             return 0
         from sparsehi.runtime.bench import BENCH_FILES, BenchConfig, run_bench
@@ -461,7 +485,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _check_host_size(args, args.subparser, sc, device, dtype, max(args.batches),
                          max(args.contexts) + args.decode_tokens + 1)
         run_bench(BenchConfig(**_setup_kwargs(args, modes, sc, device, dtype),
-                              contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens))
+                              contexts=args.contexts, batches=args.batches, decode_tokens=args.decode_tokens,
+                              cache_salt=args.cache_salt))
         return 0
     except CheckpointError as e:  # found only while loading the tensors, after the up-front header check
         _fail(args.subparser, f"--model-path {e}")

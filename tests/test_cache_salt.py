@@ -230,3 +230,39 @@ def test_cli_cache_salt_isolates_runs_sharing_a_file_store(tmp_path, one_thread,
     with pytest.raises(SystemExit) as e:
         main(["run", "--cache-salt", "", "--output-dir", str(tmp_path / "x")])
     assert e.value.code == 2 and "--cache-salt must be a non-empty string" in capsys.readouterr().err
+
+
+def test_bench_cache_salt_reaches_every_request_and_no_tier_is_shared(tmp_path, one_thread, monkeypatch, capsys):
+    """``sparsehi bench --cache-salt`` salts every request of every point. The sweep builds
+    no prefix tree and no L3 (each point prefills in full), so no request can reach KV
+    another wrote, salted or not: if the bench ever gains a shared tier, this test fails
+    and the isolation test of ``sparsehi run`` above must be repeated for it."""
+    from sparsehi.cli import main
+    from sparsehi.runtime.runner import ModelRunner
+
+    seen = []
+    real_new_requests, real_generate = ModelRunner.new_requests, ModelRunner.generate
+
+    def new_requests(self, prompts, cache_salts=None):
+        reqs = real_new_requests(self, prompts, cache_salts)
+        seen.append((self.rt.mode, [r.cache_salt for r in reqs], getattr(self.backend, "tree", None)))
+        return reqs
+
+    def generate(self, *args, **kwargs):
+        res = real_generate(self, *args, **kwargs)
+        seen[-1] += (res.prefix_hits,)
+        return res
+
+    monkeypatch.setattr(ModelRunner, "new_requests", new_requests)
+    monkeypatch.setattr(ModelRunner, "generate", generate)
+    argv = ["bench", "--contexts", "96", "--batches", "2", "--decode-tokens", "2", "--num-layers", "2",
+            "--modes", "sparse-gpu,sparse-hier", "--top-k", "32", "--sink-tokens", "16", "--recent-tokens", "16",
+            "--device", "cpu"]
+    assert main([*argv, "--cache-salt", "tenant-a", "--output-dir", str(tmp_path / "a")]) == 0
+    assert seen == [(m, ["tenant-a", "tenant-a"], None, [0, 0]) for m in ("sparse-gpu", "sparse-hier")]
+    seen.clear()
+    assert main([*argv, "--output-dir", str(tmp_path / "none")]) == 0
+    assert seen == [(m, [None, None], None, [0, 0]) for m in ("sparse-gpu", "sparse-hier")]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--cache-salt", "", "--output-dir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--cache-salt must be a non-empty string" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -29,6 +29,10 @@ class BenchConfig(RunSetup):
     contexts: list[int] = field(default_factory=lambda: [1024, 2048])
     batches: list[int] = field(default_factory=lambda: [1, 2])
     decode_tokens: int = 16
+    cache_salt: Optional[str] = None
+    """Every request's cache salt (``Request.cache_salt``), as ``sparsehi run --cache-salt``.
+    The sweep runs without the prefix tree and L3 (each point prefills its prompts in full),
+    so its requests share no KV with or without a salt."""
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -57,7 +61,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                                    cuda_graph=cfg.cuda_graph, overlap_schedule=cfg.overlap_schedule,
                                    host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)
                 t0 = time.perf_counter()
-                res = ModelRunner(model, rt).generate(prompts, cfg.decode_tokens)
+                res = ModelRunner(model, rt).generate(prompts, cfg.decode_tokens,
+                                                      cache_salts=[cfg.cache_salt] * len(prompts))
                 hit = res.stats.get("hit_rate") if mode == "sparse-hier" else None
                 row = {"context": ctx, "batch": b, "mode": mode, "tokens_per_s": res.decode_tokens_per_s,
                        "step_ms": 1e3 * res.decode_s / max(1, cfg.decode_tokens), "hit_rate": hit,

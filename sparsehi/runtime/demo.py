@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from sparsehi.runtime.checkpoint_identity import check_identity_mode, load_with_identity
+from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.report import (MIB, forced_agreement, free_running_agreement, plot_run,
                                      prepare_output_dir, summary_table, write_json)
@@ -48,21 +50,47 @@ class DemoConfig(RunSetup):
     cache_salt: Optional[str] = None
     """Every request's cache salt (one tenant): its KV is shared only with requests of the
     same salt, in this run and in an L3 backend shared with other runs."""
+    l3_checkpoint_identity: str = "metadata"
+    """How a ``model_path`` checkpoint is named in the L3 namespace: ``metadata`` or
+    ``content`` (``sparsehi.runtime.checkpoint_identity``)."""
 
 
-def _l3_backend(cfg: DemoConfig, mcfg) -> tuple[Any, Any]:
-    """The ``--hicache-storage-backend`` backend and prefetch policy for sparse-hier, or
-    (None, None). Its keys are namespaced by everything that changes a page's bytes for the
-    same tokens (model, layers, dtype, page size, host layout)."""
-    hc = cfg.hicache
-    if hc is None or hc.hicache_storage_backend is None:
-        return None, None
+def _uses_l3(cfg: DemoConfig) -> bool:
+    return ("sparse-hier" in cfg.modes and cfg.hicache is not None
+            and cfg.hicache.hicache_storage_backend is not None)
+
+
+def l3_model_name(cfg: DemoConfig, mcfg: ModelConfig, checkpoint: Optional[str]) -> str:
+    """The L3 namespace: everything that changes a page's bytes for the same tokens. The
+    model part is a built-in model's fixed name, or a checkpoint's directory name and its
+    digest ``checkpoint`` (``checkpoint_identity.checkpoint_digest``), so two checkpoints
+    never read each other's pages; then layers, dtype, page size and host layout."""
+    model = mcfg.name if checkpoint is None else f"{mcfg.name}-{checkpoint[:32]}"
+    dtype = str(cfg.dtype).replace("torch.", "")
+    return f"{model}-L{mcfg.num_layers}-{dtype}-p{cfg.sparse.page_size}-{cfg.host_layout}"
+
+
+def _l3_backend(cfg: DemoConfig, name: str, is_mla: bool) -> tuple[Any, Any]:
+    """The ``--hicache-storage-backend`` backend (namespace ``name``) and prefetch policy
+    for sparse-hier."""
     from hicache.storage_controller import StoragePolicy
     from hicache.storage_setup import backend_from_config
 
-    dtype = str(cfg.dtype).replace("torch.", "")
-    name = f"{mcfg.name}-L{mcfg.num_layers}-{dtype}-p{cfg.sparse.page_size}-{cfg.host_layout}"
-    return (backend_from_config(hc, is_mla=mcfg.family == "mla", model_name=name), StoragePolicy.from_config(hc))
+    hc = cfg.hicache
+    return backend_from_config(hc, is_mla=is_mla, model_name=name), StoragePolicy.from_config(hc)
+
+
+def _load_model(cfg: DemoConfig) -> tuple[Any, Optional[str]]:
+    """The model and, for a ``model_path`` checkpoint this run stores in L3, its digest."""
+    def load():
+        return build_model(cfg.model, model_path=cfg.model_path, device=cfg.device, dtype=cfg.dtype,
+                           num_layers=cfg.num_layers)
+
+    if cfg.model_path is None or not _uses_l3(cfg):
+        return load(), None
+    if cfg.l3_checkpoint_identity == "content":
+        print(f"reading every weight of {cfg.model_path} for its L3 namespace (--l3-checkpoint-identity content)")
+    return load_with_identity(cfg.model_path, cfg.l3_checkpoint_identity, load)
 
 
 def make_prompts(vocab: int, batch: int, context: int, seed: int, shared_prefix: float = 0.0) -> list[list[int]]:
@@ -106,13 +134,13 @@ def _mode_row(mode: str, res: GenerationResult, spec_token_bytes: int) -> dict[s
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every mode; print the table; write ``run.json`` and ``run.png`` under
     ``cfg.output_dir`` (checked before any work). Returns the JSON payload."""
+    check_identity_mode(cfg.l3_checkpoint_identity)
     out = prepare_output_dir(cfg.output_dir, RUN_FILES)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    model = build_model(cfg.model, model_path=cfg.model_path, device=cfg.device, dtype=cfg.dtype,
-                        num_layers=cfg.num_layers)
+    model, checkpoint = _load_model(cfg)
     mcfg = model.cfg
     if mcfg.family == "mla" and cfg.sparse.page_size != 1:
         raise ValueError(f"--page-size must be 1 for the MLA/DSA model {mcfg.name} (token-wise selection)")
@@ -133,7 +161,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     per_mode: dict[str, dict[str, Any]] = {}
     token_bytes = None
-    storage, policy = _l3_backend(cfg, mcfg) if "sparse-hier" in order else (None, None)
+    l3_name = l3_model_name(cfg, mcfg, checkpoint) if _uses_l3(cfg) else None
+    storage, policy = _l3_backend(cfg, l3_name, mcfg.family == "mla") if l3_name else (None, None)
     for mode in order:
         l3 = mode == "sparse-hier" and storage is not None
         rt = RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
@@ -198,7 +227,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         notes.append(f"L3 ({cfg.hicache.hicache_storage_backend}, {cfg.hicache.hicache_storage_prefetch_policy}): "
                      f"sparse-hier prefetched {hier['l3_hit_tokens']} prompt tokens "
                      f"({hier['l3_bytes_fetched'] / MIB:.2f} MiB) from L3 instead of recomputing them and wrote "
-                     f"{hier['l3_pages_written']} new pages ({hier['l3_bytes_written'] / MIB:.2f} MiB) to it")
+                     f"{hier['l3_pages_written']} new pages ({hier['l3_bytes_written'] / MIB:.2f} MiB) to it, "
+                     f"namespace {l3_name}")
     if "sparse-hier" in results and cfg.shared_prefix > 0 and cfg.batch > 1:
         notes.append(f"prefix reuse: requests 1.. share {cfg.shared_prefix:.0%} of request 0's prompt; sparse-hier "
                      f"matched {sum(results['sparse-hier'].prefix_hits)} prompt tokens in the HiRadixTree and loaded "
@@ -220,6 +250,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "kernel_path": path_note, "rows": rows, "notes": notes,
         "per_step": {m: d.get("per_step") for m, d in per_mode.items() if d.get("per_step")},
         "tokens": {m: r.tokens for m, r in results.items()},
+        "l3_model_name": l3_name,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     jp = write_json(out / "run.json", payload)

@@ -102,8 +102,9 @@ def hf_config_to_model_config(hf: dict, name: str, source: str = "config.json") 
     return cfg, mtype == "qwen2"
 
 
-def _checkpoint_files(root: Path) -> tuple[Path, list[Path]]:
-    """``config.json`` and the ``model*.safetensors`` files of a checkpoint directory."""
+def checkpoint_files(root: Path) -> tuple[Path, list[Path]]:
+    """``config.json`` and the ``model*.safetensors`` files (sorted) of a checkpoint directory:
+    what the loader reads."""
     cfg_path = root / "config.json"
     files = sorted(root.glob("model*.safetensors")) if root.is_dir() else []
     if not cfg_path.is_file() or not files:
@@ -115,7 +116,7 @@ def _checkpoint_files(root: Path) -> tuple[Path, list[Path]]:
 def read_hf_config(path: Union[str, Path]) -> tuple[ModelConfig, bool]:
     """(ModelConfig, qkv_bias) of the checkpoint directory ``path`` from its ``config.json``."""
     root = Path(path)
-    cfg_path, _ = _checkpoint_files(root)
+    cfg_path, _ = checkpoint_files(root)
     try:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
@@ -152,7 +153,7 @@ def check_hf_checkpoint(path: Union[str, Path]) -> ModelConfig:
 def _checked(root: Path) -> tuple[ModelConfig, bool, list[Path]]:
     """(ModelConfig, qkv_bias, safetensors files) of a checkpoint that passed every check."""
     cfg, bias = read_hf_config(root)
-    _, files = _checkpoint_files(root)
+    _, files = checkpoint_files(root)
     shapes = _tensor_shapes(files)
     if cfg.tie_word_embeddings and "lm_head.weight" not in shapes and "embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["embed_tokens.weight"]

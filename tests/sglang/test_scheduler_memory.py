@@ -190,11 +190,12 @@ class Server:
             setattr(self, name, MethodType(fn, self))
 
     # -------------------------------------------------------------- requests
-    def submit(self, rid: str, ids: list[int], max_new: int = 4) -> Req:
+    def submit(self, rid: str, ids: list[int], max_new: int = 4, cache_salt: Optional[str] = None) -> Req:
         sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
         sp.verify(VOCAB)
         sp.normalize(None)  # what the tokenizer manager does before the scheduler sees it
-        req = Req(rid, "", array("q", ids), sp, vocab_size=VOCAB)
+        # the scheduler hands a request's cache_salt (GenerateReqInput.cache_salt) to its Req
+        req = Req(rid, "", array("q", ids), sp, vocab_size=VOCAB, cache_salt=cache_salt)
         self.reqs[rid] = req
         self.waiting_queue.append(req)
         return req
@@ -456,9 +457,9 @@ class Server:
         assert not b.registered.any() and (b.pinned_len == 0).all() and len(b.free_slots) == b.max_sparse
         self.audit()
 
-    def cached_slots(self, ids) -> torch.Tensor:
-        """The virtual slots the tree's own ``match_prefix`` gives for ``ids``."""
-        res = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids))))
+    def cached_slots(self, ids, cache_salt: Optional[str] = None) -> torch.Tensor:
+        """The virtual slots the tree's own ``match_prefix`` gives for ``ids`` (under ``cache_salt``)."""
+        res = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), cache_salt=cache_salt)))
         return self.tree.path_device_indices(res.last_device_node)[:res.device_prefix_len]
 
 
