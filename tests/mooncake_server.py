@@ -4,6 +4,8 @@
 until its RPC and metadata ports accept connections, and stops it. ``kill`` / ``start``
 again on the same ports are the fault test's "master killed mid-run, then restarted".
 ``missing_reason()`` says why the tests cannot run here (no client package, or no binary).
+``MooncakeSegmentHolder`` runs Mooncake's standalone store client, whose memory holds objects
+that outlive the processes that put them.
 """
 from __future__ import annotations
 
@@ -19,16 +21,26 @@ from pathlib import Path
 from typing import Optional
 
 
-def master_binary() -> Optional[str]:
-    """The ``mooncake_master`` executable: the one inside the installed ``mooncake`` package
-    (the wheel ships it there), else one on PATH."""
+def _package_binary(name: str) -> Optional[str]:
+    """The executable ``name`` inside the installed ``mooncake`` package (the wheel ships its
+    binaries there), else one on PATH."""
     spec = importlib.util.find_spec("mooncake")
     if spec is not None and spec.submodule_search_locations:
         for d in spec.submodule_search_locations:
-            p = Path(d, "mooncake_master")
+            p = Path(d, name)
             if p.is_file():
                 return str(p)
-    return shutil.which("mooncake_master")
+    return shutil.which(name)
+
+
+def master_binary() -> Optional[str]:
+    """The ``mooncake_master`` executable."""
+    return _package_binary("mooncake_master")
+
+
+def store_client_binary() -> Optional[str]:
+    """``mooncake_client``: Mooncake's standalone store client (its "real client")."""
+    return _package_binary("mooncake_client")
 
 
 def missing_reason() -> Optional[str]:
@@ -142,6 +154,64 @@ class MooncakeMaster:
             return ""
 
     def __enter__(self) -> "MooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+class MooncakeSegmentHolder:
+    """Mooncake's standalone store client (``mooncake_client``) mounting ``segment_size`` of
+    its memory into ``master``'s pool until stopped. A client that contributes no memory
+    (``global_segment_size`` 0) puts its objects there, so they outlive it; memory a client
+    contributes itself is unmounted, with its objects, when that client exits."""
+
+    def __init__(self, master: MooncakeMaster, segment_size: str = "64MB") -> None:
+        binary = store_client_binary()
+        if binary is None:
+            raise RuntimeError("mooncake_client binary not found")
+        self.port = free_port()
+        self.cmd = [binary, f"--master_server_address={master.address}",
+                    f"--metadata_server={master.metadata_server}", "--protocol=tcp", "--host=127.0.0.1",
+                    f"--port={self.port}", f"--global_segment_size={segment_size}"]
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = Path(tempfile.mkstemp(prefix="mooncake_client_", suffix=".log")[1])
+
+    def start(self, timeout: float = 20.0) -> "MooncakeSegmentHolder":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        log.close()
+        # it serves its port only after the segment is mounted
+        deadline = time.monotonic() + timeout
+        while not _listening(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_client did not serve within {timeout:g} s: {self.log_tail()}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "MooncakeSegmentHolder":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -193,6 +193,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         row["prefix_reused_tokens"] = sum(res.prefix_hits)
         if l3_stats:
             row.update(l3_stats)
+            # the backend's own counters over the command (gets, hits, faults, corrupt pages
+            # served as misses, ...): what a later process reads to tell a torn store from a clean one
+            row["l3_storage_stats"] = storage.stats.as_dict()
         if "dense" in results:
             row["agree_dense_free"] = free_running_agreement(res.tokens, results["dense"].tokens)
             row["agree_dense_forced"] = (forced_agreement(forced[mode].tokens, results["dense"].tokens)
