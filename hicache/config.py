@@ -170,10 +170,11 @@ class HiCacheConfig:
 
     def prefetch_options(self) -> dict[str, Any]:
         """prefetch_threshold (tokens), prefetch_timeout_base (s), prefetch_timeout_per_ki_token (s),
-        and, when given, prefetch_capacity_limit (host tokens) / prefetch_capacity_fraction."""
+        and, when given, prefetch_capacity_limit (host tokens) / prefetch_capacity_fraction and
+        backend_call_timeout_s (s)."""
         extra = self.storage_extra_config()
         out = {k: extra.get(k, v) for k, v in PREFETCH_DEFAULTS.items()}
-        for k in ("prefetch_capacity_limit", "prefetch_capacity_fraction"):
+        for k in ("prefetch_capacity_limit", "prefetch_capacity_fraction", "backend_call_timeout_s"):
             if k in extra:
                 out[k] = extra[k]
         return out

@@ -9,19 +9,26 @@ threads, for the HiRadixTree's storage paths (``hicache.radix_storage``).
   stops the operation there: a prefix cannot have holes). The scheduler only enqueues and
   later polls: no backend call runs on its thread.
 * A **backup thread** writes host pages of backed-up nodes to L3: it asks ``batch_exists``
-  first and writes only the pages the backend lacks (``set_pages``); ranks that do not
-  write (MLA pages on ``tp_rank != 0``) complete their operation without I/O, so every
-  rank's tree retires the same operations.
+  first and writes only the pages the backend lacks, in batches of ``io_batch_pages``
+  copied into a staging buffer (``batch_set``); ranks that do not write (MLA pages on
+  ``tp_rank != 0``) complete their operation without I/O, so every rank's tree retires the
+  same operations.
+
+Every backend call runs under ``backend_call_timeout_s`` (``hicache.storage_calls``): a call
+past it is abandoned and served as a miss (``l3_call_timeouts``), so no operation waits on a
+hung backend for longer, and what a late answer could touch is kept apart (the module
+docstring of ``hicache.storage_calls`` says how).
 
 Only the scheduler thread touches the tree, the host allocator and the operations'
 reservations; the threads touch only page *contents* and the operation's progress fields
 (under ``self._cv``). An operation is ``done`` once its thread will never touch its pages
-again: that is the moment its unused reservation may be released.
+again: that is the moment its unused reservation may be released, but for the pages lent to
+a read that overran its deadline (``PrefetchOp.lent``), which wait for that read to return.
 
-Backend faults (an exception out of a backend, a page that comes back missing or corrupt)
-end the operation early and are counted; the first of each kind is logged, later ones at
-debug level. They surface as a shorter prefetched prefix (a cache miss) or an unwritten
-page, never as an exception on the scheduler thread.
+Backend faults (an exception out of a backend, a call past its deadline, a page that comes
+back missing or corrupt) end the operation early and are counted; the first of each kind is
+logged, later ones at debug level. They surface as a shorter prefetched prefix (a cache
+miss) or an unwritten page, never as an exception on the scheduler thread.
 """
 from __future__ import annotations
 
@@ -32,11 +39,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
 
 import torch
 
 from hicache.config import PREFETCH_CAPACITY_FRACTION, PREFETCH_DEFAULTS, PREFETCH_POLICIES
+from hicache.storage_calls import (DEFAULT_BACKEND_CALL_TIMEOUT_S, LentPages, StorageCalls, StorageCallSkipped,
+                                   StorageCallTimeout)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.config import HiCacheConfig
@@ -51,10 +60,11 @@ class StoragePolicy:
     """How the tree uses L3 (``--hicache-storage-prefetch-policy`` and the prefetch keys of
     ``--hicache-storage-backend-extra-config``, SGLang's names and defaults).
 
-    ``best_effort``: the scheduler takes whatever pages have arrived when it checks;
-    ``wait_complete``: it waits for the whole fetch; ``timeout``: it waits until the fetch
-    completes or ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024``
-    seconds have passed since it was issued (``tokens``: what the prefetch thread's
+    ``best_effort``: the scheduler takes whatever pages have arrived when it checks, and
+    never waits for more; ``wait_complete``: it waits for the whole fetch (which ends: every
+    backend call is bounded by ``backend_call_timeout_s``); ``timeout``: it waits until the
+    fetch completes or ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens /
+    1024`` seconds have passed since it was issued (``tokens``: what the prefetch thread's
     existence check found to fetch; until that check returns, the base alone).
     """
 
@@ -64,7 +74,11 @@ class StoragePolicy:
     prefetch_timeout_base: float = PREFETCH_DEFAULTS["prefetch_timeout_base"]
     prefetch_timeout_per_ki_token: float = PREFETCH_DEFAULTS["prefetch_timeout_per_ki_token"]
     io_batch_pages: int = 8
-    """Pages per backend call of a prefetch: the granularity at which progress shows."""
+    """Pages per backend read or write call: the granularity at which a prefetch's progress
+    shows, and what one abandoned call can hold (see ``hicache.storage_calls``)."""
+    backend_call_timeout_s: float = DEFAULT_BACKEND_CALL_TIMEOUT_S
+    """The longest one backend call of the L3 threads (an existence check, a batch of reads
+    or of writes) may take; past it the call is abandoned and served as a miss."""
     write_through: bool = True
     """Write host-backed pages to L3 after their host backup completes."""
     prefetch_capacity_limit: Optional[int] = None
@@ -93,11 +107,16 @@ class StoragePolicy:
                 # NaN would compare False against every elapsed time: the timeout policy
                 # would wait forever
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
+        v = self.backend_call_timeout_s
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"backend_call_timeout_s must be a finite number of seconds > 0, got {v!r}")
 
     @classmethod
     def from_config(cls, config: "HiCacheConfig") -> "StoragePolicy":
         """Policy from ``--hicache-storage-prefetch-policy`` and the extra config's
-        ``prefetch_threshold`` / ``prefetch_timeout_base`` / ``prefetch_timeout_per_ki_token``."""
+        ``prefetch_threshold`` / ``prefetch_timeout_base`` / ``prefetch_timeout_per_ki_token``,
+        ``prefetch_capacity_limit`` / ``prefetch_capacity_fraction`` and
+        ``backend_call_timeout_s``."""
         opts = config.prefetch_options()
         try:
             return cls(prefetch_policy=config.hicache_storage_prefetch_policy, **opts)
@@ -149,10 +168,25 @@ class PrefetchOp:
     error: Optional[str] = None
     released: bool = False
     """The tree has settled the reservation (its single release path ran)."""
+    lent: Optional[LentPages] = None
+    """The pages of a read that overran its deadline: not to be released before it returns."""
 
     @property
     def num_pages(self) -> int:
         return len(self.keys)
+
+    def lent_range(self) -> tuple[int, int]:
+        """Pages ``[first, end)`` an abandoned read may still write; ``(num_pages, 0)`` when
+        there is none or it has returned. Final once ``done``."""
+        lent = self.lent
+        if lent is None or lent.returned.is_set():
+            return self.num_pages, 0
+        return lent.first, lent.end
+
+    def lent_returned(self) -> bool:
+        """Whether no abandoned read holds pages of this operation any more."""
+        lent = self.lent
+        return lent is None or lent.returned.is_set()
 
 
 @dataclass(eq=False)
@@ -195,8 +229,10 @@ class StorageController:
         self.counters = {
             "l3_pages_fetched": 0, "l3_bytes_fetched": 0, "l3_fetch_miss_pages": 0, "l3_fetch_faults": 0,
             "l3_pages_written": 0, "l3_bytes_written": 0, "l3_write_skipped_existing": 0, "l3_write_faults": 0,
-            "l3_write_incomplete_ops": 0, "l3_exists_faults": 0,
+            "l3_write_incomplete_ops": 0, "l3_exists_faults": 0, "l3_call_timeouts": 0, "l3_calls_skipped": 0,
         }
+        self.calls = StorageCalls(policy.backend_call_timeout_s)
+        self._write_stage: Optional[torch.Tensor] = None  # the backup thread's; dropped when a write is abandoned
         self.backup_acks: "queue.Queue[BackupOp]" = queue.Queue()
         self._prefetch_q: "queue.Queue[Optional[PrefetchOp]]" = queue.Queue()
         self._backup_q: "queue.Queue[Optional[BackupOp]]" = queue.Queue()
@@ -222,9 +258,9 @@ class StorageController:
         if not keys:
             return 0
         try:
-            found = list(self.storage.batch_exists(keys))
+            found = self._call("batch_exists", lambda: list(self.storage.batch_exists(keys)))
         except Exception as e:  # the contract says misses, not exceptions: degrade anyway
-            self._fault("l3_exists_faults", f"batch_exists raised {e!r}")
+            self._fault("l3_exists_faults", f"batch_exists: {_describe(e)}")
             return 0
         if len(found) != len(keys):
             self._fault("l3_exists_faults", f"batch_exists returned {len(found)} results for {len(keys)} keys")
@@ -300,6 +336,20 @@ class StorageController:
                     self._pending -= 1
                     self._cv.notify_all()
 
+    def _call(self, what: str, fn: Callable[[], Any], on_return: Optional[Callable[[], None]] = None) -> Any:
+        """``fn()`` under the deadline (``StorageCalls.run``); an overrun or a skipped call is
+        counted here and raised."""
+        try:
+            return self.calls.run(what, fn, on_return)
+        except StorageCallTimeout:
+            with self._cv:
+                self.counters["l3_call_timeouts"] += 1
+            raise
+        except StorageCallSkipped:
+            with self._cv:
+                self.counters["l3_calls_skipped"] += 1
+            raise
+
     def _fault(self, counter: str, message: str) -> None:
         with self._cv:
             self.counters[counter] += 1
@@ -334,13 +384,8 @@ class StorageController:
                 if op.cancel:
                     return
             j = min(planned, i + step)
-            try:
-                ok = list(self.storage.get_pages(op.keys[i:j], pages[i:j]))
-                if len(ok) != j - i:
-                    raise RuntimeError(f"get_pages returned {len(ok)} results for {j - i} keys")
-            except Exception as e:
-                op.error = repr(e)
-                self._fault("l3_fetch_faults", f"get_pages raised {e!r}")
+            ok = self._read_batch(op, i, j, pages[i:j])
+            if ok is None:
                 return
             good = 0
             while good < len(ok) and bool(ok[good]):
@@ -355,6 +400,25 @@ class StorageController:
                 return
             i = j
 
+    def _read_batch(self, op: PrefetchOp, i: int, j: int, host_pages: list[int]) -> Optional[list]:
+        """Read pages ``[i, j)`` of ``op`` into ``host_pages`` under the deadline: one result
+        per page, or None after a fault (counted; ``op.lent`` set when the call overran)."""
+        keys = op.keys[i:j]
+        lent = LentPages(i, j)
+        try:
+            ok = self._call("get_pages", lambda: list(self.storage.get_pages(keys, host_pages)),
+                            on_return=lent.returned.set)
+            if len(ok) != j - i:
+                raise RuntimeError(f"get_pages returned {len(ok)} results for {j - i} keys")
+            return ok
+        except Exception as e:
+            if isinstance(e, StorageCallTimeout):
+                with self._cv:
+                    op.lent = lent  # the late read may still write these pages
+            op.error = _describe(e)
+            self._fault("l3_fetch_faults", f"get_pages: {op.error}")
+            return None
+
     def _run_backup(self, op: BackupOp) -> None:
         if not self.writes_pages:  # MLA pages: rank 0 writes them for every rank
             op.ok = True
@@ -363,26 +427,49 @@ class StorageController:
             if op.cancel:
                 return
         try:
-            have = list(self.storage.batch_exists(op.keys))
+            have = self._call("batch_exists", lambda: list(self.storage.batch_exists(op.keys)))
             if len(have) != len(op.keys):
                 raise RuntimeError(f"batch_exists returned {len(have)} results for {len(op.keys)} keys")
             todo = [i for i, h in enumerate(have) if not h]
             op.skipped = len(op.keys) - len(todo)
-            res = list(self.storage.set_pages([op.keys[i] for i in todo], [op.host_pages[i] for i in todo])) \
-                if todo else []
-            if len(res) != len(todo):
-                raise RuntimeError(f"set_pages returned {len(res)} results for {len(todo)} keys")
+            with self._cv:
+                self.counters["l3_write_skipped_existing"] += op.skipped
+            step = self.policy.io_batch_pages
+            for c in range(0, len(todo), step):
+                part = todo[c:c + step]
+                stored = self._write_batch([op.keys[i] for i in part], [op.host_pages[i] for i in part])
+                op.written += stored
+                with self._cv:
+                    self.counters["l3_pages_written"] += stored
+                    self.counters["l3_bytes_written"] += stored * self.page_bytes
         except Exception as e:
-            self._fault("l3_write_faults", f"writing {len(op.keys)} page(s) raised {e!r}")
+            self._fault("l3_write_faults", f"writing {len(op.keys)} page(s): {_describe(e)}")
             return
-        op.written = sum(1 for r in res if r)
-        op.ok = op.written == len(res)
-        with self._cv:
-            self.counters["l3_pages_written"] += op.written
-            self.counters["l3_bytes_written"] += op.written * self.page_bytes
-            self.counters["l3_write_skipped_existing"] += op.skipped
+        op.ok = op.written == len(todo)
         if not op.ok:
-            self._fault("l3_write_incomplete_ops", f"{len(res) - op.written} of {len(res)} page(s) not stored")
+            self._fault("l3_write_incomplete_ops", f"{len(todo) - op.written} of {len(todo)} page(s) not stored")
+
+    def _write_batch(self, keys: list[str], host_pages: list[int]) -> int:
+        """Store ``host_pages`` under ``keys`` from a private copy (``batch_set``) under the
+        deadline; returns pages stored. The copy is made while the tree's host lock keeps the
+        pages valid; an abandoned call keeps its staging buffer, which is never reused."""
+        pool = self.host_pool
+        nbytes = pool.page_tensor(int(host_pages[0])).view(torch.uint8).numel()
+        stage = self._write_stage
+        if stage is None or stage.numel() < len(keys) * nbytes:
+            stage = torch.empty(self.policy.io_batch_pages * nbytes, dtype=torch.uint8)
+            self._write_stage = stage
+        values = [stage[r * nbytes:(r + 1) * nbytes] for r in range(len(keys))]
+        for v, p in zip(values, host_pages):
+            v.copy_(pool.page_tensor(int(p)).view(torch.uint8).view(-1))
+        try:
+            res = self._call("batch_set", lambda: list(self.storage.batch_set(keys, values)))
+        except StorageCallTimeout:
+            self._write_stage = None  # the late write may still read it
+            raise
+        if len(res) != len(keys):
+            raise RuntimeError(f"batch_set returned {len(res)} results for {len(keys)} keys")
+        return sum(1 for r in res if r)
 
     # ------------------------------------------------------------------ lifecycle
     def wait_idle(self, timeout: Optional[float]) -> bool:
@@ -411,4 +498,10 @@ class StorageController:
         with self._cv:
             out = dict(self.counters)
             out["l3_ops_in_flight"] = self._pending
+        out["l3_calls_abandoned"] = self.calls.abandoned
         return out
+
+
+def _describe(e: BaseException) -> str:
+    """A fault for the log: a deadline's own message, else the exception's repr."""
+    return str(e) if isinstance(e, (StorageCallTimeout, StorageCallSkipped)) else f"raised {e!r}"

@@ -1,6 +1,6 @@
 """The file backend stays inside its directory whatever the keys or the extra config say,
-and a page that fails its checksum is never taken into the host tier (through the real
-prefetch path of the tree)."""
+and a page that fails its length or checksum check is never taken into the host tier
+(through the real prefetch path of the tree)."""
 from __future__ import annotations
 
 import os
@@ -95,7 +95,22 @@ def test_symlinked_objects_are_never_followed(sandbox):
     assert s2.num_objects == 1 and not s2.exists("cd")
 
 
-def test_a_corrupt_page_is_never_taken_into_the_host_tier(tmp_path):
+def _flip_payload_byte(raw: bytearray) -> bytearray:
+    raw[HEADER_BYTES + 5] ^= 0xFF  # length right, checksum wrong: found by the read
+    return raw
+
+
+def _cut_last_byte(raw: bytearray) -> bytearray:
+    return raw[:-1]  # wrong length: found by the existence check
+
+
+def _append_bytes(raw: bytearray) -> bytearray:
+    return raw + b"\0" * 8
+
+
+@pytest.mark.parametrize("damage,read_fails", [(_flip_payload_byte, True), (_cut_last_byte, False),
+                                               (_append_bytes, False)], ids=["checksum", "short", "long"])
+def test_a_corrupt_page_is_never_taken_into_the_host_tier(tmp_path, damage, read_fails):
     toks = list(range(100, 132))  # 8 pages
     s = _backend(tmp_path / "l3")
     tree, dev, host = build(s)
@@ -111,10 +126,9 @@ def test_a_corrupt_page_is_never_taken_into_the_host_tier(tmp_path):
     other_slots = m_other.backed_host_indices.clone()
     other_before = read_host(host, other_slots).clone()
 
-    bad = 3  # flip one payload byte of the 4th page: length right, checksum wrong
+    bad = 3  # the 4th page is damaged
     path = s.path_of(keys[bad])
-    raw = bytearray(open(path, "rb").read())
-    raw[HEADER_BYTES + 5] ^= 0xFF
+    raw = damage(bytearray(open(path, "rb").read()))
     open(path, "wb").write(bytes(raw))
 
     m = tree.match_prefix(toks)
@@ -128,7 +142,9 @@ def test_a_corrupt_page_is_never_taken_into_the_host_tier(tmp_path):
     assert len(held) == (bad + 4) * PS  # 3 fetched pages + the other request's 4 pages
     assert torch.equal(read_host(host, other_slots), other_before)
     st = tree.stats()
-    assert st["l3_fetch_miss_pages"] == 1 and s.stats.corrupt == 1
+    # a checksum fails when the page is read; a wrong length already in the existence check
+    assert st["l3_fetch_miss_pages"] == int(read_fails) and s.stats.corrupt == 1
+    assert st["l3_pages_fetched"] == bad and st["prefetch_adopted_pages"] == bad
     assert not os.path.exists(path)  # dropped, so the next write-back can repair it
     no_leaks(tree)
     tree.close()

@@ -70,7 +70,8 @@ def test_prefetch_returns_without_waiting_for_the_existence_check(objects):
     m = tree.match_prefix(TOKS)
     assert m.backed_length == 64 and read_host(host, m.backed_host_indices).equal(expected(TOKS))
     assert tree.stats()["prefetch_tokens_occupied"] == 0
-    assert s.exists_threads == ["hicache-l3-prefetch"]  # never the caller's thread
+    # never the caller's thread: the prefetch thread's bounded call runs it
+    assert s.exists_threads == ["hicache-l3-call"]
     no_leaks(tree)
     tree.close()
 

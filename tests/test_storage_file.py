@@ -107,6 +107,37 @@ def test_corrupt_file_is_removed_so_it_can_be_rewritten(root):
     assert s.set(key, sc.random_page(1)) and torch.equal(s.get(key), sc.random_page(1))
 
 
+@pytest.mark.parametrize("damage", ["short", "long", "header_only"])
+@pytest.mark.parametrize("with_pool", [True, False], ids=["pool", "no_pool"])
+def test_existence_check_refuses_a_file_of_the_wrong_length(root, damage, with_pool):
+    """One lstat per key: a file whose size is not a sealed page's is absent, counted as
+    corrupt and removed. The page size is the registered host pool's; without a pool, any
+    size beyond the header passes (the read checks the rest)."""
+    s = file_factory(root)(sc.fresh_config())
+    nbytes = sc.PAGE_BYTES
+    if with_pool:
+        pool = sc.make_host_pool(seed=3)
+        s.register_host_pool(pool)
+        nbytes = pool.page_tensor(0).numel() * pool.page_tensor(0).element_size()
+    keys = sc.page_keys(2)
+    pages = [sc.random_page(1, nbytes), sc.random_page(2, nbytes)]
+    assert s.batch_set(keys, pages) == [True, True] and s.batch_exists(keys) == [True, True]
+    size = HEADER_BYTES + nbytes
+    with open(s.path_of(keys[0]), "r+b") as f:
+        if damage == "long":
+            f.seek(size)
+            f.write(b"\0" * 8)
+        else:
+            f.truncate(size - 1 if damage == "short" else HEADER_BYTES)
+    before = s.stats.corrupt
+    if not with_pool and damage != "header_only":
+        assert s.batch_exists(keys) == [True, True]  # the read finds it (test_corrupt_file_is_a_counted_miss)
+        return
+    assert s.batch_exists(keys) == [False, True]
+    assert s.stats.corrupt == before + 1 and not os.path.exists(s.path_of(keys[0]))
+    assert s.set(keys[0], pages[0]) and torch.equal(s.get(keys[0]), pages[0])  # repaired by the next write
+
+
 def _replace_directory_with_file(s):
     shutil.rmtree(s.directory)
     with open(s.directory, "w") as f:

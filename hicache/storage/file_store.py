@@ -17,6 +17,11 @@ caller's tensors without an intermediate copy of the payload.
 - Several instances may share a directory (one per TP rank; MLA ranks read rank 0's pages):
   reads and existence checks always ask the file system, the in-memory index only serves
   the size cap.
+- An existence check costs one ``lstat``: a key is present when its file is a regular file
+  of the size a sealed page has (header + one host-pool page once a pool is registered,
+  more than the header before). A file of another size is a corrupt object: a miss, counted
+  in ``stats.corrupt``, and deleted so the next write repairs it. The checksum is verified
+  when the page is read (a failure is handled the same way), never by an existence check.
 
 Extra config keys: ``file_path`` (default: env ``SPARSEHI_HICACHE_FILE_DIR``, else
 ``/tmp/hicache``), ``file_max_bytes`` (int >= 0, 0 = unbounded).
@@ -131,6 +136,7 @@ class FileStorage(HiCacheStorage):
         self._used = 0
         self._writing: set[str] = set()  # keys being written by this instance now
         self._oversize_logged = False
+        self._page_file_bytes: Optional[int] = None  # header + one host-pool page, once a pool is registered
         self._tmp_seq = itertools.count()
         self._rebuild_index()
         if self.options.file_max_bytes:
@@ -156,6 +162,12 @@ class FileStorage(HiCacheStorage):
         return [self.path_of(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
     # -- HiCacheStorage ----------------------------------------------------------------------
+    def register_host_pool(self, host_pool: Any) -> None:
+        """Also fixes the size of a page file, which existence checks then require."""
+        super().register_host_pool(host_pool)
+        page = host_pool.page_tensor(0)
+        self._page_file_bytes = HEADER_BYTES + page.numel() * page.element_size()
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         paths = self._paths(keys)
         return [self._present(k, p) for k, p in zip(keys, paths)]
@@ -336,6 +348,12 @@ class FileStorage(HiCacheStorage):
             self._forget(key)
             return False
         size = st.st_size
+        want = self._page_file_bytes
+        if (size != want) if want is not None else (size <= HEADER_BYTES):
+            what = f"{want} bytes" if want is not None else f"more than the {HEADER_BYTES}-byte header"
+            self._record_fault("corrupt", f"{path}: file is {size} bytes, a page file is {what}", corrupt=True)
+            self._delete([key])  # content-addressed: a bad object would never be rewritten otherwise
+            return False
         with self._lock:
             if key not in self._index:  # written by another instance sharing the directory
                 self._index[key] = size

@@ -29,7 +29,8 @@ _ENV = {
 }
 # keys the generic storage layer reads from the same extra config; not ours, never warned about
 _SHARED_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
-                "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "tp_lcm_size"}
+                "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "tp_lcm_size", "prefetch_capacity_limit",
+                "prefetch_capacity_fraction", "backend_call_timeout_s"}
 
 
 def parse_size(value: Any, name: str) -> int:

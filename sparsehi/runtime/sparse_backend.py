@@ -13,10 +13,14 @@ state is restored into the algorithm at its prefill, layer by layer.
 
 With an L3 backend (``RuntimeConfig.storage``) the tree attaches it: a prompt whose prefix
 continues in L3 beyond the host hit is prefetched into host pages before its prefill, and
-a finished request's pages are written to L3 (only those L3 lacks). This runtime has no
-other requests to schedule while one waits, so it gives a fetch its policy's time budget
-(``wait_complete``: until done; ``best_effort`` / ``timeout``: up to the timeout formula)
-before taking what arrived.
+a finished request's pages are written to L3 (only those L3 lacks). A request is admitted
+once, right after its prefetch is issued, and the prefetch policy decides how long that
+admission waits, as SGLang's scheduler does: ``best_effort`` never waits (it takes what
+has arrived by then, which here is usually nothing: the request computes its prefix, and
+pages that arrive later are released, not adopted); ``timeout`` waits until the fetch is
+done or its deadline (the timeout formula over the pages the existence check found) has
+passed; ``wait_complete`` waits until the fetch is done (each backend call is bounded by
+``backend_call_timeout_s``, so it ends).
 
 The tree caches finished requests in the same host pool the running ones write: when an
 allocation would not fit, the least recently used unlocked host prefixes are evicted first.
@@ -26,7 +30,6 @@ acknowledged L3 write releases its host lock at once rather than when the run en
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 STATE_BUFFER = "sparse_token_state"
 """The host pool's extra per-token buffer of the algorithm's state: ``uint8 [layers, bytes]``."""
+_PREFETCH_POLL_S = 0.005
+"""How often a waiting admission asks the prefetch policy again (the ``timeout`` deadline's
+resolution)."""
 
 
 def adaptor_name(cfg: ModelConfig, sc) -> str:
@@ -183,12 +189,11 @@ class CoordinatorBackend(ModeBackend):
         want = tree.prefetch_from_storage(req.rid, m.last_backed_node, req.prompt[m.backed_length:])
         if not want:
             return 0
-        policy = tree.storage_ctl.policy
         before = tree.storage_stats["l3_hit_tokens"]
-        # want is the reservation (an upper bound: L3 is asked on the prefetch thread)
-        tree.wait_prefetch(req.rid, None if policy.prefetch_policy == "wait_complete" else policy.timeout_for(want))
+        # The policy decides (StorageController.can_terminate); between polls, wake up as
+        # soon as the fetch is done.
         while not tree.check_prefetch_progress(req.rid):
-            time.sleep(0.001)
+            tree.wait_prefetch(req.rid, _PREFETCH_POLL_S)
         return tree.storage_stats["l3_hit_tokens"] - before
 
     def l3_stats(self) -> dict[str, int]:
