@@ -1,10 +1,14 @@
-"""The ``mooncake`` L3 backend against a real ``mooncake_master`` on 127.0.0.1: round trips
-(single, batch, host-pool pages), per-key existence with a hole, only-new writes, corrupt
-and wrong-length objects as misses, the master killed mid-run (misses within a bounded
-time, no exception) and restarted (the store works again), settings validation."""
+"""The ``mooncake`` L3 backend against a real ``mooncake_master`` on 127.0.0.1: the checks
+every backend passes (``storage_conformance``), round trips (single, batch, host-pool
+pages), per-key existence with a hole, only-new writes, corrupt and wrong-length objects as
+misses, a page read while another client writes it, the master killed mid-run (misses
+within a bounded time, no exception) and restarted (the store works again), settings
+validation."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 
 import numpy as np
@@ -19,6 +23,7 @@ from hicache.storage.integrity import HEADER_BYTES, PageDigest
 from hicache.storage.keys import page_hash_chain
 from hicache.storage.mooncake_config import MooncakeSettings, parse_size
 
+import storage_conformance as sc
 from mooncake_server import MooncakeMaster, missing_reason
 
 _MISSING = missing_reason()
@@ -152,9 +157,13 @@ def test_keys_are_namespaced_and_rank_suffixed(master, store):
         assert a0.set(k, v)
         assert a0.object_key(k).endswith("_0") and a1.object_key(k).endswith("_1")
         assert not a1.exists(k) and not b0.exists(k)  # other rank, other model
-        # MLA: rank 0 writes the shared page, rank 1 writes nothing but reads it
-        assert mla1.set(k, v + 1) and not mla1.exists(k)
+        # MLA: rank 0 writes the shared page, rank 1 writes nothing (and says it is not
+        # held) but reads it, and then reports it held
+        assert not mla1.set(k, v + 1) and not mla1.exists(k)
         assert mla0.set(k, v + 2) and torch.equal(mla1.get(k), v + 2)
+        assert mla1.set(k, v + 1) and torch.equal(mla1.get(k), v + 2)
+        mla1.register_host_pool(host_pool())
+        assert mla1.set_pages([k, keys_for(1, salt=43)[0]], [0, 1]) == [True, False]
         # clear removes this namespace (and for MHA this rank) only
         assert a1.set(k, v)
         a0.clear()
@@ -164,6 +173,118 @@ def test_keys_are_namespaced_and_rank_suffixed(master, store):
     finally:
         for s in (a1, b0, mla0, mla1):
             s.close()
+
+
+# -- the checks every backend passes (tests/storage_conformance.py) ---------------------------
+@pytest.fixture
+def conformance_factory(master, shared_store):
+    """``sc.StorageFactory`` over the module's master: clients that contribute no memory
+    (the shared store's segment holds their objects, so a second client of the same config
+    reads what the first wrote), closed after the test."""
+    from hicache.storage.mooncake_store import MooncakeStorage
+    made = []
+
+    def factory(config):
+        st = MooncakeStorage(dataclasses.replace(config, extra=master.extra_config(global_segment_size=0)))
+        made.append(st)
+        return st
+
+    yield factory
+    for st in made:
+        st.close()
+
+
+# check_concurrent_use runs with exact_sets=False: Mooncake answers a put of a key another
+# put has just stored with success (0), not OBJECT_ALREADY_EXISTS, and keeps the first
+# object, so a client cannot tell its write from a lost race and threads racing on one key
+# may each count it in stats.sets. The rest of the check (exact reads, every key held, no
+# fault) holds as for every backend.
+MOONCAKE_CHECKS = tuple(
+    (lambda f, _c=c: _c(f, exact_sets=False)) if c is sc.check_concurrent_use else c for c in sc.BASIC_CHECKS)
+
+
+@needs_mooncake
+@pytest.mark.parametrize("check", MOONCAKE_CHECKS, ids=[c.__name__ for c in sc.BASIC_CHECKS])
+def test_conformance(conformance_factory, check):
+    check(conformance_factory)
+
+
+@needs_mooncake
+@pytest.mark.parametrize("layout, attention", [("page_first_direct", "mha"), ("page_head", "mha"),
+                                               ("page_first", "mla")])
+def test_conformance_page_round_trip_other_layouts(conformance_factory, layout, attention):
+    sc.check_page_round_trip(conformance_factory, layout, attention)
+
+
+def _flip_a_payload_byte(backend, key) -> None:
+    """Replace ``key``'s object with one whose page has one byte flipped (digest kept)."""
+    store, name = backend._client.store, backend.object_key(key)
+    obj = np.frombuffer(store.get(name), np.uint8).copy()
+    obj[0] ^= 0x10
+    assert store.remove(name, True) == 0 and store.put(name, obj.tobytes()) == 0
+
+
+def _cut_short(backend, key) -> None:
+    """Replace ``key``'s object with one 16 bytes shorter (its page's end missing)."""
+    store, name = backend._client.store, backend.object_key(key)
+    obj = np.frombuffer(store.get(name), np.uint8)
+    assert store.remove(name, True) == 0 and store.put(name, obj[16:].tobytes()) == 0
+
+
+@needs_mooncake
+@pytest.mark.parametrize("damage", [_flip_a_payload_byte, _cut_short], ids=["flipped", "short"])
+def test_conformance_corrupt_object_is_miss(conformance_factory, damage):
+    sc.check_corrupt_object_is_miss(conformance_factory, damage)
+
+
+@needs_mooncake
+def test_conformance_fault_is_miss():
+    """The check's broken backend: its master killed (a master of its own)."""
+    from hicache.storage.mooncake_store import MooncakeStorage
+    with MooncakeMaster() as m:
+        made = []
+
+        def factory(config):
+            st = MooncakeStorage(dataclasses.replace(config, extra=m.extra_config(op_timeout_s=1.0)))
+            made.append(st)
+            return st
+
+        try:
+            sc.check_fault_is_miss(factory, lambda backend: m.kill())
+        finally:
+            for st in made:
+                st.close()
+
+
+@needs_mooncake
+def test_page_being_written_by_another_client_is_a_miss_not_a_fault(master, store):
+    """While a put is under way the store answers REPLICA_IS_NOT_READY for the object: a
+    reader sees a plain miss (not a fault, no warning), then the page once it is stored."""
+    from hicache.storage.mooncake_store import REPLICA_IS_NOT_READY
+    writer = make_store(master, model="shared", global_segment_size=0)
+    raw = store._client.store
+    try:
+        for trial in range(20):  # until a read lands inside the put (most trials do)
+            store.clear()
+            key = keys_for(1, salt=4000 + trial)[0]
+            value = sc.random_page(trial, 16 << 20)
+            codes = []
+            t = threading.Thread(target=lambda: writer.set(key, value))
+            t.start()
+            while t.is_alive():
+                codes.append(raw.get_size(store.object_key(key)))
+                got = store.get(key)
+                assert got is None or torch.equal(got, value)
+            t.join()
+            if REPLICA_IS_NOT_READY in codes:
+                break
+        else:
+            pytest.skip("no read landed inside a put in 20 tries")
+        assert store.stats.faults == 0 and store.stats.corrupt == 0, store.stats
+        assert torch.equal(store.get(key), value)
+    finally:
+        writer.close()
+        store.clear()
 
 
 def _put_raw(st, key, payload: np.ndarray, digest: bytes) -> None:

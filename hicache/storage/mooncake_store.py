@@ -50,7 +50,10 @@ logger = logging.getLogger(__name__)
 # return codes of the Mooncake client (mooncake-store/include/types.h)
 NO_AVAILABLE_HANDLE = -200  # the pool has no room for the object
 INVALID_PARAMS = -600  # e.g. a read target smaller than the object
+REPLICA_IS_NOT_READY = -703  # another client's put of the object has not finished
 OBJECT_NOT_FOUND = -704
+# not held (yet): a plain miss, no fault
+ABSENT = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
 OBJECT_ALREADY_EXISTS = -705
 MASTER_FAULTS = (-900, -901)  # RPC_FAIL, RPC_TIMEOUT
 HC_HEALTHY = 0  # health_check(): 1 not initialised / closed, 2 master unreachable
@@ -150,7 +153,7 @@ class MooncakeStorage(HiCacheStorage):
             raise ValueError(f"keys and values must have the same length, got {len(keys)} and {len(values)}")
         bufs = [_byte_view(v, "values") for v in values]
         if not self.config.writes_pages:
-            return [True] * len(keys)  # MLA: rank 0 writes the page every rank shares
+            return self.batch_exists(keys)  # MLA: rank 0 writes the page every rank shares
         return self._put(keys, bufs, zero_copy=False)
 
     def batch_get(self, keys: Sequence[str],
@@ -183,7 +186,7 @@ class MooncakeStorage(HiCacheStorage):
         keys = _check_keys(keys)
         _check_pairs(keys, host_pages, pool.num_pages)
         if not self.config.writes_pages:
-            return [True] * len(keys)
+            return self.batch_exists(keys)  # held or not: rank 0 writes MLA pages
         pages = [pool.page_tensor(int(p)).view(torch.uint8).view(-1) for p in host_pages]
         return self._put(keys, pages, zero_copy=True)
 
@@ -344,7 +347,7 @@ class MooncakeStorage(HiCacheStorage):
         for j, size in enumerate(sizes):
             if 0 <= size <= DIGEST_BYTES:  # too small to be a page object
                 self._bad_object(keys[j], f"object is {size} bytes")
-            elif size < 0 and size != OBJECT_NOT_FOUND:
+            elif size < 0 and size not in ABSENT:
                 self._fault("get", 1, f"get_size returned {size}", size)
         for j, off, code in placed:
             size = sizes[j]
@@ -358,7 +361,7 @@ class MooncakeStorage(HiCacheStorage):
                 sink(idx[j], obj[:size - DIGEST_BYTES])
                 ok[idx[j]] = True
                 self._count(hits=1, bytes_read=size - DIGEST_BYTES)
-            elif code == OBJECT_NOT_FOUND:
+            elif code in ABSENT:
                 pass
             elif code >= 0 or code == INVALID_PARAMS:
                 # stored under this key with another length: short, or longer than expected
