@@ -13,7 +13,7 @@ from sparsehi.adapters import (
     TritonAdaptor,
     create_adaptor,
 )
-from sparsehi.algorithms.base import SparseMode
+from sparsehi.selection import SparseMode
 from sparsehi.kernels.paged_decode import flash_attn_with_kvcache_reference
 from sparsehi.selection import SparseSelection
 

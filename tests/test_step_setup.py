@@ -163,7 +163,7 @@ def test_dense_pages_table_is_the_attention_backends():
     """The page table and lengths built with the pages are what the FlashAttention adapter
     would build from the selection itself."""
     from sparsehi.adapters.flash_attention import build_page_table
-    from sparsehi.algorithms.base import SparseMode
+    from sparsehi.selection import SparseMode
     from sparsehi.selection import SparseSelection
 
     num_pages, safe, table, seq = _dense_case(torch.int32)

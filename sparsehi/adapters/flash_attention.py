@@ -20,13 +20,12 @@ import torch
 
 from hicache.triton_support import announce_path, use_triton
 from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.algorithms.base import SparseMode
 from sparsehi.kernels.paged_decode import (
     check_decode_inputs,
     flash_attn_with_kvcache_triton,
     paged_decode_reference,
 )
-from sparsehi.selection import SparseSelection
+from sparsehi.selection import SparseMode, SparseSelection
 
 IMPLS = ("auto", "flash_attn", "triton", "reference")
 
