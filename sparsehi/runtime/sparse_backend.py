@@ -115,9 +115,9 @@ class CoordinatorBackend(ModeBackend):
             host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
             max_context_len=max_ctx, validate=rt.value_checks,
             dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
+            # the step writes the new pages' table entries itself (runner: DecodeInputs.page_entries)
+            defer_page_entries=True,
         )
-        # the step writes the new pages' table entries itself (runner: DecodeInputs.page_entries)
-        self.coord.manager.defer_page_entries = True
         self.layer_loads = LayerLoadCounter(cfg.num_layers)
         """Reused prefixes loading back while their prefill runs (one producer per request)."""
         self.peak_host_tokens = 0
@@ -131,7 +131,7 @@ class CoordinatorBackend(ModeBackend):
     # -- accounting ---------------------------------------------------------------------
     def sample_memory(self) -> None:
         super().sample_memory()
-        dp = self.coord.manager.dense_pool
+        dp = self.coord.dense_pool
         if dp is not None:
             a = dp.allocator
             self.peak_dense_tokens = max(self.peak_dense_tokens, (a.num_pages - 1 - a.num_free_pages()) * a.page_size)
@@ -144,7 +144,7 @@ class CoordinatorBackend(ModeBackend):
         return super().host_token_bytes() + self.cfg.num_layers * self.state_bytes
 
     def extra_gpu_bytes(self) -> int:
-        dp = self.coord.manager.dense_pool
+        dp = self.coord.dense_pool
         return 0 if dp is None else self.peak_dense_tokens * dp.spec.token_bytes
 
     def memory(self) -> dict[str, float]:
@@ -306,13 +306,13 @@ class CoordinatorBackend(ModeBackend):
         return has_dense, frozenset(self.record_layers)
 
     def decode_variant(self, reqs: list[Request]) -> Hashable:
-        return self.coord.manager.has_dense_rows([r.req_pool_idx for r in reqs]), frozenset(self.record_layers)
+        return self.coord.has_dense_rows([r.req_pool_idx for r in reqs]), frozenset(self.record_layers)
 
     def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
-        return self.coord.manager.page_entry_tables(), 1
+        return self.coord.page_entry_tables(), 1
 
     def take_page_entries(self) -> Optional[np.ndarray]:
-        return self.coord.manager.take_page_entries()
+        return self.coord.take_page_entries()
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
         has_dense, record = variant

@@ -132,7 +132,6 @@ def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed:
             r.device_slots = None
         r.seq_len = context
     if backend.hier:
-        coord.manager.wait_offloads()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         backend.pool.allocator.free(staging)

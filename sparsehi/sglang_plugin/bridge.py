@@ -740,7 +740,7 @@ class SGLangSparseBridge:
             slot = int(self.slot_of_row[row])
             p = int(self.open_pos[row])
             with self.residency.ordered():
-                self.coord.manager.host_token_table[slot, start:end] = rtt[row, start:end]
+                self.coord.rewrite_host_tokens(slot, start, end, rtt[row, start:end])
                 if start <= p < end:  # the page the row pins (its newest token's) may be the tree's now
                     now = rtt[row, p:p + 1].long()
                     moved = torch.where(now != old[p - start:p - start + 1].long(), self._vpages(now), 0)
