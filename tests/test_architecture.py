@@ -19,14 +19,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("sparsehi.kernels",)),
     ("data", ("sparsehi.config", "sparsehi.selection", "sparsehi.forward_batch", "sparsehi.request_table",
               "sparsehi.page_tables", "sparsehi.lru_buffer", "sparsehi.swap_in_stats")),
-    ("policies", ("sparsehi.algorithms", "sparsehi.adapters")),
+    ("policies", ("sparsehi.algorithms", "sparsehi.adaptors")),
     ("sparse state", ("sparsehi.prefill", "sparsehi.kv_manager", "sparsehi.decode")),
     ("door", ("sparsehi.coordinator",)),
     ("engines", ("sparsehi.runtime", "sparsehi.sglang_plugin", "sparsehi.cli", "sparsehi.__main__")),
 ]
 # Within the policies layer: algorithms decide what to attend, adaptors how attention reads
 # it; neither knows the other.
-APART = [("sparsehi.adapters", "sparsehi.algorithms"), ("sparsehi.algorithms", "sparsehi.adapters")]
+APART = [("sparsehi.adaptors", "sparsehi.algorithms"), ("sparsehi.algorithms", "sparsehi.adaptors")]
 
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsehi.adapters import create_adaptor
+from sparsehi.adaptors import create_adaptor
 from sparsehi.selection import SparseMode
 from sparsehi.selection import SparseSelection
 

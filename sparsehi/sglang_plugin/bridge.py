@@ -223,7 +223,7 @@ class SGLangSparseBridge:
         if translator is not None:
             sglang_api.make_translating(translator, self.allocator)
         # the coordinator over compact request slots [0, max_sparse)
-        from sparsehi.adapters import create_adaptor
+        from sparsehi.adaptors import create_adaptor
 
         self.kv_kind = spec.attention
         if self.kv_kind == "mla":
