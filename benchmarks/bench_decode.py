@@ -235,18 +235,18 @@ def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps:
 
 def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tuple[dict[str, float], float]:
     """Time ``steps`` decode steps with sections; returns (mean ms per section, mean step ms)."""
-    import sparsehi.swap_in as swi
+    import sparsehi.decode.decoder as decoder_mod
 
     be = runner.backend
     timer = be.timer
     undo = []
     coord = getattr(be, "coord", None)
-    orig_diff, orig_fused = swi.lru_diff, swi.swap_in_copy_and_table
+    orig_diff, orig_fused = decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table
     if coord is not None:
         undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
-        if coord.manager.hier:
-            undo.append(wrap_method(coord.manager.transfer, "load_layer_now", timer, "io"))
-        undo.append(wrap_method(coord.manager, "backup_token", timer, "io"))
+        if coord.transfer is not None:
+            undo.append(wrap_method(coord.transfer, "load_layer_now", timer, "io"))
+        undo.append(wrap_method(coord.decoder, "backup_token", timer, "io"))
 
         def timed_diff(*a, **kw):
             with timer.section("lru_diff"):
@@ -255,7 +255,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
         def timed_fused(*a, **kw):  # the copy of the misses (and the page table, same launch)
             with timer.section("io"):
                 return orig_fused(*a, **kw)
-        swi.lru_diff, swi.swap_in_copy_and_table = timed_diff, timed_fused
+        decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table = timed_diff, timed_fused
     timer.enabled = True
     graphs_on = runner.graphs.enabled
     runner.graphs.enabled = False  # section events need the eager step (same kernels as the graph)
@@ -283,7 +283,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     finally:
         timer.enabled = False
         runner.graphs.enabled = graphs_on
-        swi.lru_diff, swi.swap_in_copy_and_table = orig_diff, orig_fused
+        decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table = orig_diff, orig_fused
         for u in undo:
             u()
     n = max(1, steps)

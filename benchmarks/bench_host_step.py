@@ -81,7 +81,7 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: i
     runner.rt.overlap_schedule = schedule == "overlap"
     reqs = runner.new_requests([[0]] * batch)
     synth_prefill(runner.backend, reqs, ctx, seed=1)
-    runner.graphs.warm(batch, runner.backend.decode_variant(reqs))
+    runner.graphs.warm(batch, runner.backend.decode_graph_key(reqs))
     for _ in range(2):
         runner.decode_step(reqs)
     ps = sc.page_size

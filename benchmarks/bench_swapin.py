@@ -2,12 +2,12 @@
 
 What is timed: one sparse layer's way from a Top-k selection ``[B, K] int32`` (ascending ids,
 -1 padded) to a ready attention input, as ``SparseCoordinator._sparse_selection`` makes it
-in hierarchical mode: ``SparseKVCacheManager.swap_in_table``: the LRU diff (one launch), then
+in hierarchical mode: ``SparseDecoder.build_table``: the LRU diff (one launch), then
 the copy of the misses from the pinned host pool and the selection table (the page table /
 token indices of sink, selected and recent ids; at page size 1 its physical ids are the
 token indices the DSA adaptor hands to attention) together in one launch, captured in one
 CUDA graph. The step's shared
-tables (``SparseKVCacheManager.begin_step``: write locations, page counts; once per decode
+tables (``SparseDecoder.begin_step``: write locations, page counts; once per decode
 step for all layers, not per layer) are captured in a graph of their own, replayed just
 before and timed apart: ``step_setup_us``. Each step runs ``prepare_decode`` on the host
 first (outside the graphs, as the runtime does), then the replays; the GPU time is taken
@@ -78,6 +78,7 @@ from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff  # noqa: E402
 from sparsehi.kernels.selection_table import SelectionTable, selection_table  # noqa: E402
 from hicache.kernels.kv_copy import word_rows  # noqa: E402
 from sparsehi.kernels.swap_in_copy import DEFAULT_BLOCK_BYTES, DEFAULT_ROW_MAJOR, swap_in_copy  # noqa: E402
+from sparsehi.decode import SparseDecoder  # noqa: E402
 from sparsehi.kv_manager import SparseKVCacheManager  # noqa: E402
 
 LAYER = 0  # the one (sparse) layer of the pools
@@ -232,7 +233,7 @@ def open_requests(pools: ShapePools, mgr: SparseKVCacheManager, batch: int) -> t
     slots ``[batch, context] int64`` (on the manager's device), the truth the checks use."""
     shape, ps, dev = pools.shape, pools.shape.page_size, mgr.device
     n_pages = shape.context // ps
-    fixed = list(range(mgr.sink)) + list(range(n_pages - mgr.R, n_pages))  # pages finish_prefill copies
+    fixed = list(range(mgr.sizes.sink)) + list(range(n_pages - mgr.sizes.recent, n_pages))  # pages finish_prefill copies
     alloc = pools.device_pool.allocator
     scratch = alloc.alloc_pages(1).cpu()
     host_slots, prompt_pages = [], []
@@ -325,6 +326,7 @@ class SwapInStep:
     def __init__(self, mgr: SparseKVCacheManager, batch: int, k_units: int, context: int) -> None:
         dev = mgr.device
         self.mgr = mgr
+        self.dec = SparseDecoder.over(mgr)
         self.batch = batch
         self.rows_l = list(range(batch))
         self.seq_len = context
@@ -341,16 +343,16 @@ class SwapInStep:
         self.topk.copy_(topk)
 
     def table(self, step, slots: torch.Tensor) -> SelectionTable:
-        m = self.mgr
-        return selection_table(self.topk, self.valid, step.num_pages, step.seq_lens, step.safe_rows, sink=m.sink,
-                               recent=m.R, page_size=m.ps, sink_table=m.sink_table, ring_table=m.ring_table,
-                               slot_table=m.buf_pages, topk_phys=slots)
+        z, t = self.mgr.sizes, self.mgr.tables
+        return selection_table(self.topk, self.valid, step.num_pages, step.seq_lens, step.safe_rows, sink=z.sink,
+                               recent=z.recent, page_size=z.page_size, sink_table=t.sink_pages, ring_table=t.ring_pages,
+                               slot_table=t.lru_pages, topk_phys=slots)
 
     def begin(self):
-        return self.mgr.begin_step(self.rows, self.seq)
+        return self.dec.begin_step(self.rows, self.seq, False, self.mgr.step)
 
     def layer(self, step) -> SelectionTable:
-        return self.mgr.swap_in_table(LAYER, step, self.topk, self.valid)
+        return self.dec.build_table(LAYER, step, self.topk, self.valid)
 
     def body(self):
         step = self.begin()
@@ -360,7 +362,7 @@ class SwapInStep:
 class SwapInParts:
     """The swap-in's kernels one by one, on ``SwapInStep``'s static inputs: begin_step, the
     LRU diff, the copy of the misses, the selection table. The diff and the copy are called
-    as ``SparseKVCacheManager.swap_in`` calls them (public kernels over the manager's public
+    as ``SparseDecoder.swap_in`` calls them (public kernels over the manager's public
     tables); the checks after each step hold them to the same results."""
 
     def __init__(self, s: SwapInStep, host_pool: HostKVPool, device_pool: DeviceKVPool) -> None:
@@ -370,13 +372,13 @@ class SwapInParts:
         out = torch.empty(3, b, k, dtype=torch.int32, device=m.device)
         self.res = LruDiffResult(out[0], out[1], out[2], torch.zeros(b, dtype=torch.int32, device=m.device))
         self.views = host_pool.paged_view(), device_pool.paged_view()
-        self.state = m.lru.layer(m.layer_index[LAYER])
+        self.state = s.dec.lru.layer(s.dec.sparse_index[LAYER])
 
     def begin(self, rows: torch.Tensor):
-        return self.mgr.begin_step(rows, self.s.seq)
+        return self.s.dec.begin_step(rows, self.s.seq, False, self.mgr.step)
 
     def diff(self, step) -> None:
-        lru_diff(self.s.topk, self.s.valid, *self.state, self.mgr.step_t, rows=step.rows, out=self.res)
+        lru_diff(self.s.topk, self.s.valid, *self.state, self.mgr.step_counter, rows=step.rows, out=self.res)
 
     def copy(self, step, variant: Optional[tuple[int, bool, Optional[int]]] = None) -> None:
         r, m = self.res, self.mgr
@@ -388,8 +390,8 @@ class SwapInParts:
                 nseg = word_rows(*self.views).nseg * self.views[0].shape[3]
                 kw["programs_per_row"] = max(1, pif * torch.cuda.get_device_properties(m.device).multi_processor_count
                                              // (self.s.batch * nseg))
-        swap_in_copy(*self.views, LAYER, r.load_ids, r.load_slots, r.num_loads, step.rows, m.host_page_table,
-                     m.buf_pages, m.ps, **kw)
+        swap_in_copy(*self.views, LAYER, r.load_ids, r.load_slots, r.num_loads, step.rows, m.tables.host_pages,
+                     m.tables.lru_pages, m.sizes.page_size, **kw)
 
     def table(self, step) -> SelectionTable:
         return self.s.table(step, self.res.device_slots)
@@ -528,7 +530,7 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
         _sync(dev)
         host_us.append((t1 - t0) * 1e6)
         wall_us.append((time.perf_counter() - t0) * 1e6)
-        correct &= selection_holds_host_data(pools, tab, s.topk, host_slots, mgr.sink, mgr.R)
+        correct &= selection_holds_host_data(pools, tab, s.topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)
         if peer is not None:
             peer.topk.copy_(s.topk)
             peer.call()
@@ -556,8 +558,8 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
             step, tab = s.body()
             _sync(dev)
             times.append((time.perf_counter() - t0) * 1e6)
-        misses.append(int(step.memo["counts"].loads[mgr.layer_index[LAYER]].sum()))
-        correct &= selection_holds_host_data(pools, tab, s.topk, host_slots, mgr.sink, mgr.R)
+        misses.append(int(step.counts.loads[s.dec.sparse_index[LAYER]].sum()))
+        correct &= selection_holds_host_data(pools, tab, s.topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)
         if peer is not None:
             peer.topk.copy_(s.topk)
             before = peer.dbuf_tokens.clone()
@@ -576,7 +578,7 @@ def run_configuration(pools: ShapePools, batch: int, overlap: float, *, timed: i
             s.prepare(trace.next())
             t = parts.replay(v)
             (got if v is None else by_variant[v]).append(t)
-            correct &= selection_holds_host_data(pools, parts.tab, s.topk, host_slots, mgr.sink, mgr.R)
+            correct &= selection_holds_host_data(pools, parts.tab, s.topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)
         split = {key: round(statistics.median(g[key] for g in got), 1) for key in got[0]}
         variant_us = {variant_name(v): round(statistics.median(t["copy"] for t in ts), 1) for v, ts in by_variant.items()}
         del parts
@@ -703,7 +705,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         gc.collect()
     targets = [judge(r) for r in rows]
     payload = {
-        "what": "per-layer swap-in (swap_in_table: LRU diff, then copy + selection table in one launch; the step's "
+        "what": "per-layer swap-in (SparseDecoder.build_table: LRU diff, then copy + selection table in one launch; the step's "
                 "begin_step apart as step_setup_us) as "
                 "the runtime runs it, beside SGLang HiSparse's fused kernel on the same traces and the pinned "
                 "host->device IO limit",

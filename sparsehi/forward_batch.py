@@ -7,9 +7,12 @@ object to every coordinator hook of that forward; ``forward_begin`` fills
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from sparsehi.decode.state import DecodeState
 
 FORWARD_MODES = ("prefill", "decode")
 
@@ -44,6 +47,8 @@ class ForwardBatch:
                       with ``req_pool_indices == -1`` are padding (they do nothing).
     has_dense_rows:   prepared decode only: what ``prepare_decode`` returned (a row of the
                       batch is decoded densely).
+    decode_state:     decode only: the step's state, set by ``SparseCoordinator.forward_begin``
+                      and read by every hook of the step (pass the same batch object to all).
     """
 
     mode: str
@@ -57,6 +62,7 @@ class ForwardBatch:
     prefix_lens_cpu: Optional[list[int]] = None
     prepared: bool = False
     has_dense_rows: bool = False
+    decode_state: Optional["DecodeState"] = None
     extra: dict = field(default_factory=dict)
     """Free-form per-forward data for algorithms or the runtime (the coordinator ignores it)."""
 

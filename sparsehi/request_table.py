@@ -39,6 +39,10 @@ class RequestTable:
             t[row] = -1
         self.seq[row], self.dense[row], self.state[row] = 0, False, FREE
 
+    def mark_prefilled(self, row: int, seq_len: int, dense: bool) -> None:
+        """``row``'s prompt is in place: ``seq_len`` tokens, decoded densely or not."""
+        self.seq[row], self.dense[row], self.state[row] = seq_len, dense, PREFILLED
+
     def num_pages(self, row: int, page_size: int) -> int:
         return -(-int(self.seq[row]) // page_size)
 

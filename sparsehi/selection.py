@@ -1,14 +1,21 @@
-"""SparseSelection: what one decode layer attends to, handed from the KV manager to a
-backend adaptor. Pure data, no policy.
+"""SparseSelection: what one decode layer attends to, handed from the decode path to an
+attention-backend adaptor. Pure data, no policy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional
 
 import torch
 
-from sparsehi.algorithms.base import SparseMode
+
+class SparseMode(Enum):
+    """Granularity of selection: logical ids are pages (``PAGE_WISE``) or tokens
+    (``TOKEN_WISE``, ``page_size == 1``)."""
+
+    PAGE_WISE = "page_wise"
+    TOKEN_WISE = "token_wise"
 
 
 @dataclass

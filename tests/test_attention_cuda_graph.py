@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsehi.adapters import create_adaptor
+from sparsehi.adaptors import create_adaptor
 from sparsehi.selection import SparseSelection
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ def _write(dst: SparseSelection, src: SparseSelection) -> None:
 
 @pytest.mark.parametrize("name,ps", [("flashattention", 16), ("flashattention", 64), ("triton", 16), ("dsa", 1), ("dsa", 16)])
 def test_decode_layer_graph_replay(name, ps):
-    from test_adapters import make_selection, sdpa_truth
+    from test_adaptors import make_selection, sdpa_truth
 
     dtype = torch.bfloat16
     B, width = 4, 2048 // ps + 4

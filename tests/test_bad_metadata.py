@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsehi.adapters import create_adaptor
-from sparsehi.algorithms.base import SparseMode
+from sparsehi.adaptors import create_adaptor
+from sparsehi.selection import SparseMode
 from sparsehi.selection import SparseSelection
 
 PS, PAGES, HKV, D = 4, 16, 2, 8

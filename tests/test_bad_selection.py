@@ -78,9 +78,10 @@ def _prompt(seed: int, n: int = 160) -> list[int]:
 
 
 def _state(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    m = runner.backend.coord.manager
-    return {"resident": m.lru.resident.clone(), "last_used": m.lru.last_used.clone(), "slot_of": m.lru.slot_of.clone(),
-            "buf_pages": m.buf_pages.clone(), "host_page_table": m.host_page_table.clone(),
+    coord = runner.backend.coord
+    lru, tables = coord.decoder.lru, coord.kv.tables
+    return {"resident": lru.resident.clone(), "last_used": lru.last_used.clone(), "slot_of": lru.slot_of.clone(),
+            "buf_pages": tables.lru_pages.clone(), "host_page_table": tables.host_pages.clone(),
             "dev_free": torch.tensor(runner.backend.pool.allocator.available_size()),
             "host_free": torch.tensor(runner.backend.host.allocator.available_size())}
 

@@ -72,11 +72,11 @@ def _one_step(shape, batch=2):
 def test_check_catches_a_wrong_row_and_a_wrong_table(kind):
     shape = bs.mla_shape(True) if kind == "mla" else bs.mha_shape("page_first", True)
     pools, mgr, host_slots, s, tab = _one_step(shape)
-    check = lambda t, topk: bs.selection_holds_host_data(pools, t, topk, host_slots, mgr.sink, mgr.R)  # noqa: E731
+    check = lambda t, topk: bs.selection_holds_host_data(pools, t, topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)  # noqa: E731
     assert check(tab, s.topk)
     # one selected id's device row loses the end of its last head
     ps = shape.page_size
-    slot = int(tab.physical[1, mgr.sink + 3]) * ps + ps - 1
+    slot = int(tab.physical[1, mgr.sizes.sink + 3]) * ps + ps - 1
     kv32 = pools.device_pool.kv_data.view(torch.int32)
     saved = kv32[-1, bs.LAYER, slot, -1, -1].clone()
     kv32[-1, bs.LAYER, slot, -1, -1] += 1
@@ -85,11 +85,11 @@ def test_check_catches_a_wrong_row_and_a_wrong_table(kind):
     assert check(tab, s.topk)
     # a table pointing a selected id at another id's page
     bad = bs.SelectionTable(tab.logical, tab.physical.clone(), tab.page_table, tab.num_valid, tab.attended)
-    bad.physical[0, mgr.sink], bad.physical[0, mgr.sink + 1] = tab.physical[0, mgr.sink + 1], tab.physical[0, mgr.sink]
+    bad.physical[0, mgr.sizes.sink], bad.physical[0, mgr.sizes.sink + 1] = tab.physical[0, mgr.sizes.sink + 1], tab.physical[0, mgr.sizes.sink]
     assert not check(bad, s.topk)
     # a table that lists another selection
     other = s.topk.clone()
-    other[0, 0] -= 1 if int(other[0, 0]) > mgr.sink else -1
+    other[0, 0] -= 1 if int(other[0, 0]) > mgr.sizes.sink else -1
     assert not check(tab, other)
 
 
@@ -110,17 +110,17 @@ def test_split_parts_do_what_swap_in_does(kind):
         b[3].prepare(topk)
         _, tab_a = a[3].body()
         tab_b = parts.run()
-        assert bs.selection_holds_host_data(b[0], tab_b, b[3].topk, b[2], b[1].sink, b[1].R)
+        assert bs.selection_holds_host_data(b[0], tab_b, b[3].topk, b[2], b[1].sizes.sink, b[1].sizes.recent)
         assert torch.equal(tab_a.physical, tab_b.physical) and torch.equal(tab_a.logical, tab_b.logical)
-        for x, y in zip(a[1].lru.layer(0), b[1].lru.layer(0)):
+        for x, y in zip(a[3].dec.lru.layer(0), b[3].dec.lru.layer(0)):
             assert torch.equal(x, y)
     # padding rows (the warm-up before capture) change nothing, even on a selection that
     # would miss
     b[3].topk.copy_(trace.next())
     kv = b[0].device_pool.kv_data.view(torch.int16)  # the pattern words read as bf16 hold NaNs
-    before = [t.clone() for t in b[1].lru.layer(0)] + [kv.clone()]
+    before = [t.clone() for t in b[3].dec.lru.layer(0)] + [kv.clone()]
     parts.run(torch.full((2,), -1, dtype=torch.int64))
-    after = list(b[1].lru.layer(0)) + [kv]
+    after = list(b[3].dec.lru.layer(0)) + [kv]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 

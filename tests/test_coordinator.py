@@ -237,7 +237,7 @@ def test_request_end_returns_host_kv_and_frees_buffers():
     out = coord.on_request_end(0)
     assert out.host_slots.shape == (53,)
     assert pool.allocator.num_free_pages() == free_before + cfg.sink_units + cfg.recent_units + cfg.buffer_units
-    host = coord.manager.host_pool
+    host = coord.host_pool
     for layer in range(L):
         k, v = host.read_tokens(layer, out.host_slots)
         torch.testing.assert_close(k, kv.k[layer, 0, :53])
@@ -311,7 +311,7 @@ def test_failed_backup_leaves_representations_unchanged(monkeypatch):
     def failing_backup(*a, **kw):
         raise RuntimeError("host backup failed")
 
-    monkeypatch.setattr(coord.manager.transfer, "backup_layer_now", failing_backup)
+    monkeypatch.setattr(coord.transfer, "backup_layer_now", failing_backup)
     with pytest.raises(RuntimeError, match="host backup failed"):
         coord.attention_end(layer, batch, k=k, v=v)
     after = _tensor_state(coord.algorithm)

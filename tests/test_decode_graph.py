@@ -105,7 +105,7 @@ def test_captured_step_replays_its_eager_step(mode, name, kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["sparse-gpu", "sparse-hier"])
 def test_captured_step_with_a_dense_row(mode):
-    """A short prompt (< min_sparse_prompt_len) in the batch: the dense-row variant of the
+    """A short prompt (< min_sparse_prompt_len) in the batch: the dense-row graph key of the
     graph, replayed against its eager step."""
     sc = SparseConfig(min_sparse_prompt_len=200, **GQA)
     prompts = _prompts((300, 120, 333), seed=3)
@@ -125,12 +125,12 @@ def test_replay_makes_no_host_sync(mode):
     runner.decode_step(reqs)  # captures the bucket
     be = runner.backend
     for _ in range(20):  # crosses a page boundary (page 16)
-        variant = be.prepare_decode(reqs)
+        graph_key = be.prepare_decode(reqs)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             toks, outputs = runner.graphs.run([r.output[-1] for r in reqs], [r.seq_len for r in reqs],
-                                              [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], variant,
+                                              [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], graph_key,
                                               be.take_page_entries())
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -169,7 +169,7 @@ def test_generate_captures_before_timing(monkeypatch):
     runner = _runner("tiny-gqa", "sparse-hier", sc, prompts, True)
     captures = []
     real = runner.graphs._capture
-    monkeypatch.setattr(runner.graphs, "_capture", lambda nb, v: captures.append(runner.backend.decode_variant([])) or real(nb, v))
+    monkeypatch.setattr(runner.graphs, "_capture", lambda nb, v: captures.append(runner.backend.decode_graph_key([])) or real(nb, v))
     real_step = runner.launch_decode
     in_loop = []
     monkeypatch.setattr(runner, "launch_decode",

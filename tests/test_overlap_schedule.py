@@ -1,6 +1,6 @@
 """The overlap schedule (SGLang's overlap scheduler): ``generate`` issues decode step t+1
 before it reads step t's tokens, which then feed step t+1 on the device. The tokens, the
-consumed tokens (``Request.fed``, which the prefix tree caches) and the mode's counters
+consumed tokens (``Request.consumed``, which the prefix tree caches) and the mode's counters
 must equal those of the schedule that waits for every step; on a GPU, issuing a step must
 not wait for the device."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _run_both(name, mode, kw, prompts, steps, device="cpu", force=None):
         runner = _runner(name, mode, kw, prompts, steps, device, overlap)
         reqs_seen = []
         real_end = runner.backend.end_request
-        runner.backend.end_request = lambda r, _real=real_end: reqs_seen.append((list(r.fed), r.seq_len - len(r.prompt))) or _real(r)
+        runner.backend.end_request = lambda r, _real=real_end: reqs_seen.append((list(r.consumed), r.seq_len - len(r.prompt))) or _real(r)
         res = runner.generate(prompts, steps, force_tokens=force)
         out[overlap] = (res, reqs_seen)
     return out
@@ -92,7 +92,7 @@ def test_launch_decode_with_other_rows_finishes_the_previous_step_first():
     assert first.finished and not first.feeds_next
     runner.finish_decode(second)
     for r in reqs:
-        assert len(r.output) == 3 and r.fed == r.output[:2]
+        assert len(r.output) == 3 and r.consumed == r.output[:2]
     with pytest.raises(ValueError, match="already finished"):
         runner.finish_decode(second)
 
@@ -147,4 +147,4 @@ def test_issuing_a_step_never_waits_for_the_device(mode):
         runner.finish_decode(pending)
         pending = nxt
     runner.finish_decode(pending)
-    assert all(r.fed == r.output[:-1] for r in reqs)
+    assert all(r.consumed == r.output[:-1] for r in reqs)

@@ -312,22 +312,22 @@ def test_llama3_rope_scaling_slows_only_long_wavelengths():
 
 
 def test_sparse_config_backend_chooses_the_adaptor():
-    from sparsehi.adapters import DSAAdaptor, FlashAttentionAdaptor, TritonAdaptor
+    from sparsehi.adaptors import DSAAdaptor, FlashAttentionAdaptor, TritonAdaptor
     from sparsehi.config import SparseConfig
     from sparsehi.runtime.model_config import get_model_config
     from sparsehi.runtime.modes import RuntimeConfig
-    from sparsehi.runtime.sparse_backend import CoordinatorBackend
+    from sparsehi.runtime.sparse_backend import SparseCoordinatorMode
 
     gqa, mla = get_model_config("tiny-gqa", num_layers=2), get_model_config("tiny-dsa", num_layers=2)
     for backend, cls in (("flashattention", FlashAttentionAdaptor), ("triton", TritonAdaptor)):
         sc = SparseConfig(page_size=16, top_k=64, device_buffer_size=128, backend=backend)
-        be = CoordinatorBackend(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
+        be = SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
         assert type(be.coord.adaptor) is cls
     sc = SparseConfig(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=128, backend="flashattention")
-    be = CoordinatorBackend(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
+    be = SparseCoordinatorMode(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
     assert type(be.coord.adaptor) is DSAAdaptor  # the latent cache always goes through dsa
     with pytest.raises(ValueError, match="backend='dsa' needs an MLA model"):
-        CoordinatorBackend(gqa, RuntimeConfig(mode="sparse-gpu", sparse=SparseConfig(page_size=16, top_k=64,
+        SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=SparseConfig(page_size=16, top_k=64,
                            device_buffer_size=128, backend="dsa"), adaptor="auto", max_context_len=256))
 
 

@@ -24,6 +24,7 @@ from sparsehi.algorithms.quest import QuestAlgorithm
 from sparsehi.config import SparseConfig
 from sparsehi.kernels.quest_score import quest_score
 from sparsehi.kernels.topk import masked_topk
+from sparsehi.decode import SparseDecoder
 from sparsehi.kv_manager import SparseKVCacheManager
 
 aten = torch.ops.aten
@@ -235,8 +236,9 @@ def _manager(dev):
                        recent_tokens=8, min_sparse_prompt_len=0)
     pool = DeviceKVPool(KVCacheSpec("mha", 3, 2, 8, torch.float32, 4), 4 * 64, dev)
     host = HostKVPool(pool, hicache_ratio=2.0, pin_memory=dev.type == "cuda")
-    return SparseKVCacheManager(cfg, pool, mode="hierarchical", host_pool=host, sparse_layers=(1, 2), max_num_reqs=4,
-                                max_context_len=64, validate=False)
+    kv = SparseKVCacheManager(cfg, pool, mode="hierarchical", host_pool=host, sparse_layers=(1, 2), max_num_reqs=4,
+                              max_context_len=64, validate=False)
+    return SparseDecoder.over(kv)
 
 
 STEP_ROWS, STEP_SEQ = [2, 0, -1, -1], [9, 30, 1, 1]  # two requests, two padding rows
@@ -249,15 +251,15 @@ def test_decode_step_tables_and_counters_are_one_launch_each(dev):
     m = _manager(dev)
     rows = torch.tensor(STEP_ROWS, device=dev)
     seq = torch.tensor(STEP_SEQ, dtype=torch.int32, device=dev)
-    m.begin_step(rows, seq, True)  # warm-up
+    m.begin_step(rows, seq, True, 0)  # warm-up
     m.end_step()
     with counting_launches() as c:
-        step = m.begin_step(rows, seq, True)
+        step = m.begin_step(rows, seq, True, 0)
     assert c.launches == ["triton:_step_setup_kernel"]
-    assert step.num_pages.tolist() == [3, 8, 0, 0] and step.memo["sparse_tables"].ncand.tolist() == [0, 5, 0, 0]
-    m.own_pages(0, step, with_table=True)  # warm-up
+    assert step.num_pages.tolist() == [3, 8, 0, 0] and step.candidates.num_candidates.tolist() == [0, 5, 0, 0]
+    m.all_pages(0, step, with_table=True)  # warm-up
     with counting_launches() as c:  # the dense layers' pages, with the attention backend's page table
-        d = m.own_pages(0, step, with_table=True)
+        d = m.all_pages(0, step, with_table=True)
     assert c.launches == ["triton:_dense_pages_kernel"]
     assert d.logical[0, :4].tolist() == [0, 1, 2, -1] and d.attended.tolist() == [9, 30, 0, 0]
     with counting_launches() as c:
@@ -273,8 +275,8 @@ def test_the_counter_sees_the_torch_step_setup(dev, monkeypatch):
     rows = torch.tensor(STEP_ROWS, device=dev)
     seq = torch.tensor(STEP_SEQ, dtype=torch.int32, device=dev)
     with counting_launches() as c:
-        step = m.begin_step(rows, seq, True)
-        m.own_pages(0, step, with_table=True)
+        step = m.begin_step(rows, seq, True, 0)
+        m.all_pages(0, step, with_table=True)
         m.end_step()
     assert not any(x.startswith("triton:") for x in c.launches) and len(c.launches) > 60, c.launches
 

@@ -160,10 +160,10 @@ def test_dense_pages_kernel_matches_reference(dtype, with_table):
 
 
 def test_dense_pages_table_is_the_attention_backends():
-    """The page table and lengths built with the pages are what the FlashAttention adapter
+    """The page table and lengths built with the pages are what the FlashAttention adaptor
     would build from the selection itself."""
-    from sparsehi.adapters.flash_attention import build_page_table
-    from sparsehi.algorithms.base import SparseMode
+    from sparsehi.adaptors.flash_attention import build_page_table
+    from sparsehi.selection import SparseMode
     from sparsehi.selection import SparseSelection
 
     num_pages, safe, table, seq = _dense_case(torch.int32)

@@ -21,20 +21,14 @@ them once, for ``max_num_reqs`` request slots of up to ``max_context_len`` token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from sparsehi.selection import SparseMode
+
 if TYPE_CHECKING:
     from sparsehi.config import SparseConfig
-
-
-class SparseMode(Enum):
-    """Granularity of selection."""
-
-    PAGE_WISE = "page_wise"
-    TOKEN_WISE = "token_wise"
 
 
 class BaseSparseAlgorithm(ABC):

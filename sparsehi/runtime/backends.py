@@ -1,5 +1,5 @@
 """KV management + attention of one runtime mode, behind one small interface the runner
-drives (see :class:`ModeBackend`). Prefill is dense in every mode: the prompt's KV is
+drives (see :class:`RuntimeMode`). Prefill is dense in every mode: the prompt's KV is
 written to the device pool and attended with plain causal attention; the modes differ in
 where that KV goes afterwards and what decode attends.
 """
@@ -37,7 +37,7 @@ class Request:
     req_pool_idx: int = -1
     output: list[int] = field(default_factory=list)
     """Predicted tokens (greedy argmax): the first from prefill, then one per decode step."""
-    fed: list[int] = field(default_factory=list)
+    consumed: list[int] = field(default_factory=list)
     """Tokens consumed by decode steps (= output[:-1] unless teacher-forced)."""
     seq_len: int = 0
     """Tokens whose KV is cached (the prompt, then +1 per decode step)."""
@@ -60,7 +60,7 @@ class Request:
 
     def all_tokens(self) -> list[int]:
         """Prompt + the tokens whose KV was computed by decode steps."""
-        return self.prompt + self.fed
+        return self.prompt + self.consumed
 
 
 def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
@@ -82,7 +82,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class ModeBackend:
+class RuntimeMode:
     """Base: owns the device pool and the request slots; subclasses add the mode."""
 
     def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
@@ -183,10 +183,10 @@ class ModeBackend:
     def prepare_decode(self, reqs: list[Request]) -> Hashable:
         """Host part of a decode step, before the device part runs: checks and new pages
         for rows that open a page (vectorised over the batch). Returns the step's graph
-        variant: a hashable fact the device part's shapes depend on (None for most modes)."""
+        graph_key: a hashable fact the device part's shapes depend on (None for most modes)."""
         raise NotImplementedError
 
-    def decode_variant(self, reqs: list[Request]) -> Hashable:
+    def decode_graph_key(self, reqs: list[Request]) -> Hashable:
         """What ``prepare_decode`` would return for ``reqs``, without doing anything (the
         runner captures the step's graph before it times decode steps)."""
         return None
@@ -203,7 +203,7 @@ class ModeBackend:
         return ents
 
     def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor,
-                      variant: Hashable) -> tuple[Callable, Callable[[], dict]]:
+                      graph_key: Hashable) -> tuple[Callable, Callable[[], dict]]:
         """Device part (CUDA-graph safe: no host sync, fixed shapes): from ``rows [B] int64``
         (``-1`` padding) and ``seq_lens [B] int32`` (new token included; padding rows 1),
         the model's AttentionFn for the step and a closer run after the model (returns
@@ -259,7 +259,7 @@ class ModeBackend:
 
 
 # ============================================================================== dense
-class DenseBackend(ModeBackend):
+class DenseMode(RuntimeMode):
     """All KV in the device pool; decode attends every token with the paged decode kernel
     (Triton on CUDA, its torch reference on CPU)."""
 
@@ -294,7 +294,7 @@ class DenseBackend(ModeBackend):
     def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
         return [self.req_pool.req_to_token], self.rt.page_size
 
-    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, graph_key: Hashable):
         from sparsehi.kernels.paged_decode import paged_decode
         from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode
 

@@ -7,7 +7,7 @@ sequence lengths) are copied into static buffers with one host->device copy; eve
 from them to the next tokens — the mode's per-step tables, selection, LRU diff, host loads,
 page tables, attention, the new token's backup, representation updates, logits, argmax —
 is one graph replay. Outside the graph stays only what must: the mode's host bookkeeping
-(``ModeBackend.prepare_decode``: new pages at page boundaries) and the input copy.
+(``RuntimeMode.prepare_decode``: new pages at page boundaries) and the input copy.
 
 The eager path (``cuda_graph=False``, and every CPU run) executes the very same body with
 the same padding, so a captured step reproduces its eager step bit for bit.
@@ -40,7 +40,7 @@ ENTRY_ROWS = 12
 """Packed-input rows holding page entries: 3 entries of 4 int64 per batch row."""
 
 DecodeBody = Callable[["DecodeInputs", int, Hashable], dict]
-"""``body(inputs, nb, variant) -> outputs``: one decode step over the first ``nb`` rows of
+"""``body(inputs, nb, graph_key) -> outputs``: one decode step over the first ``nb`` rows of
 the static inputs; writes ``inputs.next_tokens[:nb]``; returns other static outputs."""
 
 
@@ -142,9 +142,9 @@ class DecodeInputs:
 
 
 class DecodeGraphRunner:
-    """Captures ``body`` per (bucket, variant) on first use and replays it.
+    """Captures ``body`` per (bucket, graph key) on first use and replays it.
 
-    ``variant`` is a hashable host fact the body's shapes depend on (e.g. whether a batch
+    ``graph_key`` is a hashable host fact the body's shapes depend on (e.g. whether a batch
     holds a densely decoded row); most modes have one. ``enabled`` False runs the body
     eagerly (same padding, same kernels).
     """
@@ -171,7 +171,7 @@ class DecodeGraphRunner:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
     def run(self, ids: Optional[list[int]], positions: list[int], rows: list[int], seq_lens: list[int],
-            variant: Hashable = None, page_entries: Optional[np.ndarray] = None,
+            graph_key: Hashable = None, page_entries: Optional[np.ndarray] = None,
             ids_on_device: bool = False) -> tuple[torch.Tensor, dict]:
         """One step: returns ``(next_tokens [nb] int64, outputs)`` (device, static when
         graphed: read them before the next step). ``page_entries``: the step's new
@@ -181,11 +181,11 @@ class DecodeGraphRunner:
         start = self._mark()
         if not self.enabled:
             self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries, ids_on_device)
-            out = self.body(self.inputs, nb, variant)
+            out = self.body(self.inputs, nb, graph_key)
         else:
-            key = (nb, variant)
+            key = (nb, graph_key)
             if key not in self._graphs:
-                self._graphs[key] = self._capture(nb, variant)
+                self._graphs[key] = self._capture(nb, graph_key)
             graph, out = self._graphs[key]
             self.inputs.fill(ids, positions, rows, seq_lens, nb, page_entries, ids_on_device)
             graph.replay()
@@ -224,24 +224,24 @@ class DecodeGraphRunner:
         self._marks.clear()
         return gaps
 
-    def warm(self, batch: int, variant: Hashable = None) -> None:
+    def warm(self, batch: int, graph_key: Hashable = None) -> None:
         """Capture the graph ``run`` will replay for a batch of ``batch`` rows and this
-        variant now (as SGLang captures at start-up): capture is seconds of work that must
+        graph_key now (as SGLang captures at start-up): capture is seconds of work that must
         not land in a timed decode step. A no-op when graphs are off or already captured."""
         if not self.enabled:
             return
-        key = (self.bucket(batch), variant)
+        key = (self.bucket(batch), graph_key)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
 
-    def _capture(self, nb: int, variant: Hashable) -> tuple[torch.cuda.CUDAGraph, dict]:
+    def _capture(self, nb: int, graph_key: Hashable) -> tuple[torch.cuda.CUDAGraph, dict]:
         self.inputs.fill_padding(nb)
         torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_runs):
-                self.body(self.inputs, nb, variant)
+                self.body(self.inputs, nb, graph_key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         # An unreachable graph (a dropped runner's, freed only by the cycle collector) must
@@ -252,13 +252,13 @@ class DecodeGraphRunner:
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self.body(self.inputs, nb, variant)
+                out = self.body(self.inputs, nb, graph_key)
         finally:
             if gc_was_on:
                 gc.enable()
         self._pool = graph.pool()
         torch.cuda.synchronize(self.device)
-        logger.info("decode step captured in a CUDA graph: batch bucket %d, variant %r", nb, variant)
+        logger.info("decode step captured in a CUDA graph: batch bucket %d, graph key %r", nb, graph_key)
         return graph, out
 
     @property

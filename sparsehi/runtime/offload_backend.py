@@ -14,12 +14,12 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kernels.kv_copy import kv_copy
 from hicache.transfer import KVTransferEngine
-from sparsehi.runtime.backends import ModeBackend, Request
+from sparsehi.runtime.backends import Request, RuntimeMode
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
 
 
-class OffloadFullBackend(ModeBackend):
+class OffloadFullMode(RuntimeMode):
     def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
         super().__init__(cfg, rt)
         ps = rt.page_size
@@ -91,7 +91,7 @@ class OffloadFullBackend(ModeBackend):
     def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
         return [self.host_page_table], 1
 
-    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, graph_key: Hashable):
         from sparsehi.kernels.paged_decode import paged_decode
         from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode
 

@@ -1,5 +1,5 @@
 """Model runner: a batch of requests through prefix match, prefill and greedy decode in
-one runtime mode. The mode's KV handling lives in a :class:`ModeBackend`; the runner only
+one runtime mode. The mode's KV handling lives in a :class:`RuntimeMode`; the runner only
 sequences the model calls and times them.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from sparsehi.kernels.table_scatter import table_scatter
-from sparsehi.runtime.backends import ModeBackend, Request, _sync
+from sparsehi.runtime.backends import Request, RuntimeMode, _sync
 from sparsehi.runtime.decode_graph import DecodeGraphRunner, DecodeInputs
 from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.weights import Model
@@ -33,19 +33,19 @@ def _check_salts(cache_salts: Optional[list[Optional[str]]], n: int) -> list[Opt
     return [s or None for s in cache_salts]
 
 
-def make_backend(model: Model, rt: RuntimeConfig) -> ModeBackend:
-    """The ModeBackend of ``rt.mode``."""
+def make_mode(model: Model, rt: RuntimeConfig) -> RuntimeMode:
+    """The RuntimeMode of ``rt.mode``."""
     from sparsehi.runtime import backends
 
     if rt.mode == "dense":
-        return backends.DenseBackend(model.cfg, rt)
+        return backends.DenseMode(model.cfg, rt)
     if rt.mode in ("sparse-gpu", "sparse-hier"):
-        from sparsehi.runtime.sparse_backend import CoordinatorBackend
+        from sparsehi.runtime.sparse_backend import SparseCoordinatorMode
 
-        return CoordinatorBackend(model.cfg, rt)
-    from sparsehi.runtime.offload_backend import OffloadFullBackend
+        return SparseCoordinatorMode(model.cfg, rt)
+    from sparsehi.runtime.offload_backend import OffloadFullMode
 
-    return OffloadFullBackend(model.cfg, rt)
+    return OffloadFullMode(model.cfg, rt)
 
 
 @dataclass
@@ -63,7 +63,7 @@ class PendingStep:
     """``host_ms`` by part: ``prepare`` (the backend's host part), ``launch`` (inputs,
     replay, read-back start, ``end_decode``), ``after`` (recording the tokens)."""
     feeds_next: bool = False
-    """The next step consumed these tokens on the device (their ``Request.fed`` entries are
+    """The next step consumed these tokens on the device (their ``Request.consumed`` entries are
     added when they are read)."""
     finished: bool = False
 
@@ -98,7 +98,7 @@ class ModelRunner:
     def __init__(self, model: Model, rt: RuntimeConfig) -> None:
         self.model = model
         self.rt = rt
-        self.backend = make_backend(model, rt)
+        self.backend = make_mode(model, rt)
         self._next_rid = 0
         if rt.cuda_graph and torch.device(rt.device).type == "cuda" and not rt.uses_cuda_graph:
             logger.info("%s: decode runs eagerly (io_backend='direct' reads indices on the host; "
@@ -129,14 +129,14 @@ class ModelRunner:
         return tok
 
     @torch.no_grad()
-    def _decode_body(self, inputs: DecodeInputs, nb: int, variant: Hashable) -> dict:
+    def _decode_body(self, inputs: DecodeInputs, nb: int, graph_key: Hashable) -> dict:
         """The device part of a decode step over ``nb`` (padded) rows: what a graph holds."""
         rows = inputs.req_pool_indices[:nb]
         seq = inputs.seq_lens[:nb].to(torch.int32)
         tables = self.backend.page_entry_tables()
         if tables is not None:  # the pages this step's rows opened (prepare_decode)
             table_scatter(inputs.page_entries, tables[0], tables[1])
-        attn, close = self.backend.decode_device(rows, seq, variant)
+        attn, close = self.backend.decode_device(rows, seq, graph_key)
         hidden = self.model(inputs.input_ids[:nb], inputs.positions[:nb], attn)
         outputs = close()
         torch.argmax(self.model.logits(hidden), dim=-1, out=inputs.next_tokens[:nb])
@@ -168,11 +168,11 @@ class ModelRunner:
         if not on_device:
             last = [int(t) for t in (feed if feed is not None else [r.output[-1] for r in reqs])]
             for r, t in zip(reqs, last):
-                r.fed.append(t)
-        variant = be.prepare_decode(reqs)
+                r.consumed.append(t)
+        graph_key = be.prepare_decode(reqs)
         tp = time.perf_counter()
         _, outputs = self.graphs.run(last, [r.seq_len for r in reqs], [r.req_pool_idx for r in reqs],
-                                     [r.seq_len + 1 for r in reqs], variant, be.take_page_entries(),
+                                     [r.seq_len + 1 for r in reqs], graph_key, be.take_page_entries(),
                                      ids_on_device=on_device)
         host, event = self.graphs.read_tokens(len(reqs))
         if on_device:
@@ -223,7 +223,7 @@ class ModelRunner:
         for r, t in zip(pending.reqs, toks):
             r.output.append(t)
             if pending.feeds_next:
-                r.fed.append(t)
+                r.consumed.append(t)
         pending.split["after"] = 1e3 * (time.perf_counter() - t2)
         pending.host_ms += pending.split["after"]
         self.last_host_ms = pending.host_ms
@@ -304,7 +304,7 @@ class ModelRunner:
                 if progress:
                     progress("prefill", 1)
             if decode_steps:
-                self.graphs.warm(len(reqs), be.decode_variant(reqs))  # capture outside the timed steps
+                self.graphs.warm(len(reqs), be.decode_graph_key(reqs))  # capture outside the timed steps
             _sync(be.device)
             t1 = time.perf_counter()
             self.decode_steps(reqs, decode_steps, force_tokens,

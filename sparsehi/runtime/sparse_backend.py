@@ -30,6 +30,7 @@ acknowledged L3 write releases its host lock at once rather than when the run en
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
@@ -40,7 +41,7 @@ from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch
-from sparsehi.runtime.backends import ModeBackend, Request
+from sparsehi.runtime.backends import Request, RuntimeMode
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up
 
@@ -51,6 +52,18 @@ STATE_BUFFER = "sparse_token_state"
 _PREFETCH_POLL_S = 0.005
 """How often a waiting admission asks the prefetch policy again (the ``timeout`` deadline's
 resolution)."""
+
+
+@dataclass(frozen=True)
+class SparseGraphKey:
+    """The host facts a sparse decode step's CUDA graph depends on (one graph per value).
+
+    has_dense_rows:  a row of the batch decodes densely (``SparseCoordinator.prepare_decode``).
+    recorded_layers: layers whose selection the step keeps (``record_layers``).
+    """
+
+    has_dense_rows: bool
+    recorded_layers: frozenset
 
 
 def adaptor_name(cfg: ModelConfig, sc) -> str:
@@ -68,10 +81,10 @@ def adaptor_name(cfg: ModelConfig, sc) -> str:
     return sc.backend
 
 
-class CoordinatorBackend(ModeBackend):
+class SparseCoordinatorMode(RuntimeMode):
     def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
         super().__init__(cfg, rt)
-        self.hier = rt.mode == "sparse-hier"
+        self.hierarchical = rt.mode == "sparse-hier"
         ps = rt.page_size
         sc = rt.sparse
         extra = dict(sc.sparse_extra_config)
@@ -87,15 +100,15 @@ class CoordinatorBackend(ModeBackend):
         self.is_dsa = cfg.family == "mla"
         adaptor = None
         if rt.adaptor != "none":
-            from sparsehi.adapters import create_adaptor
+            from sparsehi.adaptors import create_adaptor
 
             name = adaptor_name(cfg, sc) if rt.adaptor == "auto" else rt.adaptor
             kw = {"kv_lora_rank": cfg.kv_lora_rank} if name == "dsa" else {}
             adaptor = create_adaptor(name, validate=rt.value_checks, **kw)
         self.host = self.transfer = self.tree = None
         max_ctx = round_up(rt.max_context_len, ps)
-        self.state_bytes = self.algorithm.token_state_bytes() if self.hier and rt.prefix_cache else 0
-        if self.hier:
+        self.state_bytes = self.algorithm.token_state_bytes() if self.hierarchical and rt.prefix_cache else 0
+        if self.hierarchical:
             n_host = rt.host_tokens(self.host_token_bytes(), cfg.name)
             extra = {STATE_BUFFER: ((cfg.num_layers, self.state_bytes), torch.uint8)} if self.state_bytes else None
             self.host = self._host_pool(n_host, extra)
@@ -117,13 +130,13 @@ class CoordinatorBackend(ModeBackend):
         """Prompts are matched in the tree (an algorithm with per-token state needs the
         host pool's state buffer for that)."""
         self.coord = SparseCoordinator(
-            sc, self.algorithm, self.pool, mode="hierarchical" if self.hier else "gpu_only",
+            sc, self.algorithm, self.pool, mode="hierarchical" if self.hierarchical else "gpu_only",
             host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
             max_context_len=max_ctx, validate=rt.value_checks,
             dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
+            # the step writes the new pages' table entries itself (runner: DecodeInputs.page_entries)
+            defer_page_entries=True,
         )
-        # the step writes the new pages' table entries itself (runner: DecodeInputs.page_entries)
-        self.coord.manager.defer_page_entries = True
         self.layer_loads = LayerLoadCounter(cfg.num_layers)
         """Reused prefixes loading back while their prefill runs (one producer per request)."""
         self.peak_host_tokens = 0
@@ -137,7 +150,7 @@ class CoordinatorBackend(ModeBackend):
     # -- accounting ---------------------------------------------------------------------
     def sample_memory(self) -> None:
         super().sample_memory()
-        dp = self.coord.manager.dense_pool
+        dp = self.coord.dense_pool
         if dp is not None:
             a = dp.allocator
             self.peak_dense_tokens = max(self.peak_dense_tokens, (a.num_pages - 1 - a.num_free_pages()) * a.page_size)
@@ -150,7 +163,7 @@ class CoordinatorBackend(ModeBackend):
         return super().host_token_bytes() + self.cfg.num_layers * self.state_bytes
 
     def extra_gpu_bytes(self) -> int:
-        dp = self.coord.manager.dense_pool
+        dp = self.coord.dense_pool
         return 0 if dp is None else self.peak_dense_tokens * dp.spec.token_bytes
 
     def memory(self) -> dict[str, float]:
@@ -269,7 +282,7 @@ class CoordinatorBackend(ModeBackend):
             req.prefix_load = None
         n = len(req.prompt)
         ps = self.rt.page_size
-        if self.hier:
+        if self.hierarchical:
             self._make_host_room(n - prefix_len)
             new = self.host.alloc(n - prefix_len)
             if new is None:
@@ -300,27 +313,27 @@ class CoordinatorBackend(ModeBackend):
         req.seq_len = n
 
     def prepare_decode(self, reqs: list[Request]) -> Hashable:
-        """Coordinator host part; the variant: whether a row decodes densely, and the layers
+        """Coordinator host part; the graph key: whether a row decodes densely, and the layers
         whose selections are recorded (both change what a graph holds)."""
         self._check_decode_lengths(reqs)
-        if self.hier:
+        if self.hierarchical:
             self.step_events()
             ps = self.rt.page_size
             self._make_host_room(ps * sum(1 for r in reqs if r.seq_len % ps == 0))  # pages this step opens
         has_dense = self.coord.prepare_decode([r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs])
-        return has_dense, frozenset(self.record_layers)
+        return SparseGraphKey(has_dense, frozenset(self.record_layers))
 
-    def decode_variant(self, reqs: list[Request]) -> Hashable:
-        return self.coord.manager.has_dense_rows([r.req_pool_idx for r in reqs]), frozenset(self.record_layers)
+    def decode_graph_key(self, reqs: list[Request]) -> Hashable:
+        return SparseGraphKey(self.coord.has_dense_rows([r.req_pool_idx for r in reqs]), frozenset(self.record_layers))
 
     def page_entry_tables(self) -> Optional[tuple[list[torch.Tensor], int]]:
-        return self.coord.manager.page_entry_tables(), 1
+        return self.coord.page_entry_tables(), 1
 
     def take_page_entries(self) -> Optional[np.ndarray]:
-        return self.coord.manager.take_page_entries()
+        return self.coord.take_page_entries()
 
-    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, variant: Hashable):
-        has_dense, record = variant
+    def decode_device(self, rows: torch.Tensor, seq_lens: torch.Tensor, graph_key: SparseGraphKey):
+        has_dense, record = graph_key.has_dense_rows, graph_key.recorded_layers
         batch = ForwardBatch.decode(rows, seq_lens, prepared=True, has_dense_rows=has_dense)
         coord = self.coord
         coord.forward_begin(batch)
@@ -373,7 +386,7 @@ class CoordinatorBackend(ModeBackend):
             decoded_state = self._export_state(req.req_pool_idx, n_prompt, req.seq_len)
         kv = self.coord.on_request_end(req.req_pool_idx)
         ps = self.rt.page_size
-        if self.hier:
+        if self.hierarchical:
             hs = kv.host_slots
             pages = kv.host_pages
             keep = 0

@@ -15,7 +15,7 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from sparsehi.forward_batch import ForwardBatch
-from sparsehi.runtime.backends import DenseBackend, ModeBackend, Request
+from sparsehi.runtime.backends import DenseMode, Request, RuntimeMode
 
 
 def fill_random(pool: DeviceKVPool, slots: torch.Tensor, gen: torch.Generator) -> None:
@@ -52,10 +52,10 @@ def _index_keys(backend, ctx: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn((1, ctx, di), generator=gen, device=backend.device, dtype=torch.float32)
 
 
-def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed: int = 0) -> None:
+def synth_prefill(backend: RuntimeMode, reqs: list[Request], context: int, seed: int = 0) -> None:
     """Prefill every request of ``reqs`` (prompts of ``context`` tokens) with random KV."""
-    from sparsehi.runtime.offload_backend import OffloadFullBackend
-    from sparsehi.runtime.sparse_backend import CoordinatorBackend
+    from sparsehi.runtime.offload_backend import OffloadFullMode
+    from sparsehi.runtime.sparse_backend import SparseCoordinatorMode
 
     ps = backend.rt.page_size
     if context % ps:
@@ -76,13 +76,13 @@ def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed:
             fill_random(backend.pool, slots[:context], gen)
             first.append(slots[:context])
 
-    if isinstance(backend, DenseBackend):
+    if isinstance(backend, DenseMode):
         for r in reqs:
             backend.begin_request(r)
             fill(backend.prefill_slots(r, 0))
             r.seq_len = context
         return
-    if isinstance(backend, OffloadFullBackend):
+    if isinstance(backend, OffloadFullMode):
         staging = backend._alloc_device(context)
         fill(staging)
         shared = backend.host.alloc(context)
@@ -97,14 +97,14 @@ def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed:
             backend.set_host_slots(r, shared)  # shared by the batch: the benchmark never ends these requests
             r.seq_len = context
         return
-    if not isinstance(backend, CoordinatorBackend):
+    if not isinstance(backend, SparseCoordinatorMode):
         raise ValueError(f"synth_prefill: unsupported backend {type(backend).__name__}")
     coord = backend.coord
     L = backend.cfg.num_layers
     staging = shared = None
     # index keys first: the random stream then matches in both coordinator modes
     ik = _index_keys(backend, context, gen) if backend.is_dsa else None
-    if backend.hier:
+    if backend.hierarchical:
         staging = backend._alloc_device(context)
         fill(staging)
         shared = backend.host.alloc(context)
@@ -112,7 +112,7 @@ def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed:
             raise ValueError("host KV pool cannot hold the synthesised prompt")
     for i, r in enumerate(reqs):
         backend.begin_request(r)
-        if backend.hier:
+        if backend.hierarchical:
             slots, prefix = staging, (0 if i == 0 else context - ps)
         else:
             slots, prefix = backend._alloc_device(context), 0
@@ -124,15 +124,14 @@ def synth_prefill(backend: ModeBackend, reqs: list[Request], context: int, seed:
         for layer in range(L):
             kw = {"index_keys": ik} if ik is not None else {}
             coord.attention_end(layer, batch, **kw)
-        if backend.hier:
+        if backend.hierarchical:
             coord.forward_end(batch, host_slots=[shared], free_device_kv=False)
             r.host_slots = shared
         else:
             coord.forward_end(batch)
             r.device_slots = None
         r.seq_len = context
-    if backend.hier:
-        coord.manager.wait_offloads()
+    if backend.hierarchical:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         backend.pool.allocator.free(staging)

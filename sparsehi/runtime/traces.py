@@ -26,7 +26,7 @@ gets cycles through all of them)."""
 
 
 class QueryTrace:
-    """Per-layer AR(1) query drift; call as a ModeBackend ``query_hook``.
+    """Per-layer AR(1) query drift; call as a RuntimeMode ``query_hook``.
 
     CUDA-graph safe: the noise comes from a bank of ``NOISE_BANK`` draws made eagerly (on
     the first call, the capture's warm-up), picked by a device counter; the state is updated

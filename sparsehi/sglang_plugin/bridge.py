@@ -223,7 +223,7 @@ class SGLangSparseBridge:
         if translator is not None:
             sglang_api.make_translating(translator, self.allocator)
         # the coordinator over compact request slots [0, max_sparse)
-        from sparsehi.adapters import create_adaptor
+        from sparsehi.adaptors import create_adaptor
 
         self.kv_kind = spec.attention
         if self.kv_kind == "mla":
@@ -740,7 +740,7 @@ class SGLangSparseBridge:
             slot = int(self.slot_of_row[row])
             p = int(self.open_pos[row])
             with self.residency.ordered():
-                self.coord.manager.host_token_table[slot, start:end] = rtt[row, start:end]
+                self.coord.rewrite_host_tokens(slot, start, end, rtt[row, start:end])
                 if start <= p < end:  # the page the row pins (its newest token's) may be the tree's now
                     now = rtt[row, p:p + 1].long()
                     moved = torch.where(now != old[p - start:p - start + 1].long(), self._vpages(now), 0)

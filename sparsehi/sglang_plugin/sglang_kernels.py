@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsehi.adapters.triton_backend import TritonMetadata
+from sparsehi.adaptors.triton_backend import TritonMetadata
 
 NUM_KV_SPLITS = 8
 """Split-K factor of the decode kernel (static: the partial-result buffers' shape)."""

@@ -40,7 +40,7 @@ from sglang.srt.runtime_context import get_parallel
 from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
-from sparsehi.adapters import create_adaptor
+from sparsehi.adaptors import create_adaptor
 from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 from sparsehi.config import SparseConfig
 from sparsehi.coordinator import SparseCoordinator

@@ -387,7 +387,7 @@ def test_a_failed_registration_leaves_the_row_on_sglangs_path():
             torch.testing.assert_close(got[i], want[i], rtol=1e-6, atol=1e-6)
     coord.adopt_prompts = real
     assert not b.registered[1] and b.declined[1] and b.registrations == 0
-    assert coord.manager.table.live_rows() == [] and len(b.free_slots) == b.max_sparse
+    assert coord.live_rows() == [] and len(b.free_slots) == b.max_sparse
     assert b.residency.counts()["pinned"] == 52  # SGLang decodes it: its whole context stays on the GPU
 
 
@@ -457,7 +457,7 @@ def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
         world.run(fb, step)
     coord.attention_end = real
     assert not world.bridge.registered[1] and world.bridge.declined[1]
-    assert 1 not in coord.manager.table.live_rows() and len(world.bridge.free_slots) == world.bridge.max_sparse
+    assert 1 not in coord.live_rows() and len(world.bridge.free_slots) == world.bridge.max_sparse
     assert world.bridge.residency.counts()["pinned"] == 52  # brought back to the GPU for SGLang's path
     for n in (52, 53):  # SGLang's retry of the step, then the next one
         layers = step if n == 52 else qkv(1, gen)

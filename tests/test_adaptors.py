@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsehi.adapters import (
+from sparsehi.adaptors import (
     DSAAdaptor,
     FlashAttentionAdaptor,
     FlashAttentionMetadata,
     TritonAdaptor,
     create_adaptor,
 )
-from sparsehi.algorithms.base import SparseMode
+from sparsehi.selection import SparseMode
 from sparsehi.kernels.paged_decode import flash_attn_with_kvcache_reference
 from sparsehi.selection import SparseSelection
 
@@ -209,7 +209,7 @@ def test_errors_name_the_parameter():
 def test_selection_checker_has_its_own_name():
     """The adaptors' SparseSelection checker is ``check_sparse_selection``; the name
     ``check_selection`` belongs to sparsehi.algorithms.base (retrieve_topk results) only."""
-    import sparsehi.adapters.flash_attention as fa_mod
+    import sparsehi.adaptors.flash_attention as fa_mod
     from sparsehi.algorithms import base
 
     assert not hasattr(fa_mod, "check_selection")

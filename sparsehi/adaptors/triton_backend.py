@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.adapters.flash_attention import (_bad, build_page_table, check_sparse_selection, cumulative_lengths,
+from sparsehi.adaptors.base import BackendAdaptor
+from sparsehi.adaptors.flash_attention import (_bad, build_page_table, check_sparse_selection, cumulative_lengths,
                                                split_mha_cache)
 from sparsehi.kernels.paged_decode import check_decode_inputs
 from sparsehi.kernels.ragged_decode import ragged_decode, ragged_decode_reference, ragged_decode_triton
@@ -91,7 +91,7 @@ class TritonAdaptor(BackendAdaptor):
         if metadata.kv_indptr.shape[0] != B + 1:
             _bad("q", f"with batch {metadata.kv_indptr.shape[0] - 1} (the metadata's)", B)
         if self._value_checks():
-            from sparsehi.adapters.checks import check_pool_range
+            from sparsehi.adaptors.checks import check_pool_range
 
             check_pool_range("metadata.kv_indices", metadata.kv_indices[None], k_buffer.shape[0], "slot")
         fn = {"auto": ragged_decode, "triton": ragged_decode_triton, "reference": ragged_decode_reference}[self.impl]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.adapters.dsa import DSAAdaptor, DSAMetadata
-from sparsehi.adapters.flash_attention import FlashAttentionAdaptor, FlashAttentionMetadata
-from sparsehi.adapters.triton_backend import TritonAdaptor, TritonMetadata
+from sparsehi.adaptors.base import BackendAdaptor
+from sparsehi.adaptors.dsa import DSAAdaptor, DSAMetadata
+from sparsehi.adaptors.flash_attention import FlashAttentionAdaptor, FlashAttentionMetadata
+from sparsehi.adaptors.triton_backend import TritonAdaptor, TritonMetadata
 
 ADAPTORS: dict[str, type[BackendAdaptor]] = {
     "flashattention": FlashAttentionAdaptor,

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.adapters.flash_attention import _bad, check_sparse_selection
-from sparsehi.adapters.triton_backend import expand_to_token_slots
+from sparsehi.adaptors.base import BackendAdaptor
+from sparsehi.adaptors.flash_attention import _bad, check_sparse_selection
+from sparsehi.adaptors.triton_backend import expand_to_token_slots
 from sparsehi.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
@@ -72,7 +72,7 @@ class DSAAdaptor(BackendAdaptor):
             n = len(layer_cache) if isinstance(layer_cache, (tuple, list)) else type(layer_cache)
             _bad("layer_cache", "(kv_buffer,) of an MLA layer (MHA caches go to 'flashattention' or 'triton')", n)
         if self._value_checks():
-            from sparsehi.adapters.checks import check_pool_range
+            from sparsehi.adaptors.checks import check_pool_range
 
             check_pool_range("metadata.indices", metadata.indices, layer_cache[0].shape[0], "slot")
         fn = {"auto": sparse_mla_decode, "triton": sparse_mla_decode_triton,

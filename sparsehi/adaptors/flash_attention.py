@@ -19,14 +19,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from hicache.triton_support import announce_path, use_triton
-from sparsehi.adapters.base import BackendAdaptor
-from sparsehi.algorithms.base import SparseMode
+from sparsehi.adaptors.base import BackendAdaptor
 from sparsehi.kernels.paged_decode import (
     check_decode_inputs,
     flash_attn_with_kvcache_triton,
     paged_decode_reference,
 )
-from sparsehi.selection import SparseSelection
+from sparsehi.selection import SparseMode, SparseSelection
 
 IMPLS = ("auto", "flash_attn", "triton", "reference")
 
@@ -207,7 +206,7 @@ class FlashAttentionAdaptor(BackendAdaptor):
             _bad("metadata", f"on q's device {q.device}", metadata.page_table.device)
         num_pages = k_buffer.shape[0] // ps
         if self._value_checks():
-            from sparsehi.adapters.checks import check_pool_range
+            from sparsehi.adaptors.checks import check_pool_range
 
             check_pool_range("metadata.page_table", metadata.page_table, num_pages, "page")
         k_cache = k_buffer.view(num_pages, ps, Hkv, D)

@@ -17,7 +17,7 @@ class BackendAdaptor(ABC):
     name: str = "base"
     validate: bool = False
     """Debug mode: value checks of the selection and the tables against the pool
-    (``sparsehi.adapters.checks``; host reads, skipped while a CUDA graph is captured)."""
+    (``sparsehi.adaptors.checks``; host reads, skipped while a CUDA graph is captured)."""
 
     def _value_checks(self) -> bool:
         from sparsehi.kernels.topk import host_checks_enabled
@@ -27,7 +27,7 @@ class BackendAdaptor(ABC):
     def check_values(self, selection: SparseSelection) -> None:
         """``selection``'s values when this adaptor validates (see ``validate``)."""
         if self._value_checks():
-            from sparsehi.adapters.checks import check_selection_values
+            from sparsehi.adaptors.checks import check_selection_values
 
             check_selection_values(selection)
 

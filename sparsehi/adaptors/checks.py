@@ -22,7 +22,7 @@ def check_selection_values(selection: SparseSelection) -> None:
     """``num_valid`` in ``[0, N]``; per row ``num_valid`` logical ids, strictly ascending and
     >= 0, then -1 padding; their physical ids >= 0; ``seq_lens`` inside the last selected
     page (the recent window always holds the token being decoded). Shapes and dtypes are
-    :func:`sparsehi.adapters.flash_attention.check_sparse_selection`'s."""
+    :func:`sparsehi.adaptors.flash_attention.check_sparse_selection`'s."""
     lid = selection.logical_ids.long()
     pid = selection.physical_ids.long()
     b, n = lid.shape
