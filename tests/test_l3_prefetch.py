@@ -296,7 +296,8 @@ def test_backend_faults_are_shorter_prefixes_never_wrong_kv(cold_store, fault, c
         return
     assert n == 64
     op = tree.ongoing_prefetch["r"]
-    wait_until(lambda: op.completed_pages == 2)  # page 3 waits at the gate
+    # page 2 read, page 3 waiting at the gate (the batch's call runs on a thread of its own)
+    wait_until(lambda: op.completed_pages == 2 and s.pages_read == 3)
     if fault == "raise_inside":
         s.fail_get = True
     elif fault == "raise_out":
