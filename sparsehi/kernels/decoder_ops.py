@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -63,27 +63,29 @@ def rope_inplace_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
         return x
     half = dim // 2
     block_h = min(16, triton.next_power_of_2(H))
-    _rope_kernel[(T, triton.cdiv(H, block_h))](
+    _rope_kernel[(T, cdiv(H, block_h))](
         x, cos, sin, H, x.stride(0), x.stride(1), cos.stride(0),
         HALF=half, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), num_warps=4,
     )
     return x
 
 
+def rope_inplace_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`rope_inplace_triton`: ``x`` rotated in place, returned."""
+    _check_rope(x, cos, sin)
+    return x.copy_(rope_reference(x, cos, sin))
+
+
 def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, dim]`` in place by cos/sin ``[T, dim]`` float32; returns ``x``."""
-    if use_triton(x):
-        announce_path("rope", "triton")
-        return rope_inplace_triton(x, cos, sin)
-    announce_path("rope", "reference")
-    _check_rope(x, cos, sin)
-    x.copy_(rope_reference(x, cos, sin))
-    return x
+    return dispatch("rope", x, rope_inplace_triton, rope_inplace_reference)(x, cos, sin)
 
 
 # ----------------------------------------------------------------------------- SwiGLU
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """``gate_up [T, 2I]`` (gate then up) -> ``silu(gate) * up`` ``[T, I]`` in its dtype."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
     g, u = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
 
@@ -108,20 +110,14 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return out
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                       BLOCK=block, num_warps=4)
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [T, 2I]`` (the gate and up projections side by side)."""
-    if use_triton(gate_up):
-        announce_path("silu_mul", "triton")
-        return silu_mul_triton(gate_up)
-    announce_path("silu_mul", "reference")
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
-    return silu_mul_reference(gate_up)
+    return dispatch("silu_mul", gate_up, silu_mul_triton, silu_mul_reference)(gate_up)
 
 
 # ----------------------------------------------------------------------------- residual + RMSNorm
@@ -171,11 +167,7 @@ def add_rms_norm_triton(residual: torch.Tensor, delta: torch.Tensor, weight: tor
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch for a decoder's ``h = residual + delta; x = RMSNorm(h)``; returns (h, x)."""
-    if use_triton(residual):
-        announce_path("add_rms_norm", "triton")
-        return add_rms_norm_triton(residual, delta, weight, eps)
-    announce_path("add_rms_norm", "reference")
-    return add_rms_norm_reference(residual, delta, weight, eps)
+    return dispatch("add_rms_norm", residual, add_rms_norm_triton, add_rms_norm_reference)(residual, delta, weight, eps)
 
 
 # ----------------------------------------------------------------------------- KV store
@@ -234,9 +226,4 @@ def store_kv_triton(caches: tuple[torch.Tensor, ...], loc: torch.Tensor, values:
 def store_kv(caches: tuple[torch.Tensor, ...], loc: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
     """Write one new token per row into the KV cache(s) in one launch: ``caches`` (k, v) or
     (kv,) ``[slots, H, D]``, ``loc [T] int64`` slots (negative: skipped), ``values`` ``[T, H, D]``."""
-    if use_triton(loc):
-        announce_path("store_kv", "triton")
-        store_kv_triton(caches, loc, values)
-    else:
-        announce_path("store_kv", "reference")
-        store_kv_reference(caches, loc, values)
+    dispatch("store_kv", loc, store_kv_triton, store_kv_reference)(caches, loc, values)

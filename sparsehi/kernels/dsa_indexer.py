@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, interpreter_enabled, use_triton
+from hicache.triton_support import cdiv, dispatch, interpreter_enabled
 from sparsehi.kernels.store_rounding import as_stored
 
 FP8_E4M3_MAX = 448.0
@@ -192,7 +192,7 @@ def dsa_indexer_triton(
     scales = key_scales if key_scales is not None else out  # dummy pointer when unused
     counts = indexed.to(dev) if indexed is not None else req  # dummy pointer when unused
     w = weights.to(dev)
-    grid = (b, triton.cdiv(t, block_t))
+    grid = (b, cdiv(t, block_t))
     _dsa_indexer_kernel[grid](
         q, w, index_keys, scales, req, ntok, counts, out,
         r, t, h, d,
@@ -219,11 +219,8 @@ def dsa_indexer(
 ) -> torch.Tensor:
     """Indexer scores ``[B, T] float32`` (Triton on CUDA, reference on CPU); arguments as
     :func:`dsa_indexer_reference`."""
-    if use_triton(q):
-        announce_path("dsa_indexer", "triton")
-        return dsa_indexer_triton(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
-    announce_path("dsa_indexer", "reference")
-    return dsa_indexer_reference(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+    impl = dispatch("dsa_indexer", q, dsa_indexer_triton, dsa_indexer_reference)
+    return impl(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
 
 
 # ----------------------------------------------------------------------------- decode store
@@ -377,10 +374,7 @@ def dsa_store_index_keys(
     """Store and count one decoded index key per row, in place (Triton on CUDA, reference
     on CPU and for FP8 keys on GPUs below compute capability 8.9); arguments as
     :func:`dsa_store_index_keys_reference`."""
-    args = (keys_flat, scales_flat, indexed, req_pool_indices, positions, index_keys)
-    kw = dict(max_num_reqs=max_num_reqs, max_context_len=max_context_len)
-    if use_triton(keys_flat) and (scales_flat is None or _triton_fp8_ok(keys_flat.device)):
-        announce_path("dsa_store_index_keys", "triton")
-        return dsa_store_index_keys_triton(*args, **kw)
-    announce_path("dsa_store_index_keys", "reference")
-    return dsa_store_index_keys_reference(*args, **kw)
+    impl = dispatch("dsa_store_index_keys", keys_flat, dsa_store_index_keys_triton, dsa_store_index_keys_reference,
+                    triton_ok=scales_flat is None or _triton_fp8_ok(keys_flat.device))
+    return impl(keys_flat, scales_flat, indexed, req_pool_indices, positions, index_keys,
+                max_num_reqs=max_num_reqs, max_context_len=max_context_len)

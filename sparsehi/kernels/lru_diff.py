@@ -99,14 +99,13 @@ memory; slot counts travel in 16-bit fields), ``0 <= step <= 2**31 - 3``, ``B <=
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import INT32_MAX, dispatch, sm_count
 from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _step_tensor,
                                                  check_lru_diff_values, lru_diff_reference)
 from sparsehi.kernels.row_choice import RowChoice
@@ -114,8 +113,8 @@ from sparsehi.kernels.row_choice import RowChoice
 __all__ = ["LruDiffResult", "MAX_SLOTS", "MAX_STEP", "check_lru_diff_values", "lru_diff", "lru_diff_reference",
            "lru_diff_triton"]
 
-INT_MAX = tl.constexpr(2147483647)
-INT_MIN = tl.constexpr(-2147483648)
+INT_MAX = tl.constexpr(INT32_MAX)
+INT_MIN = tl.constexpr(-INT32_MAX - 1)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -534,19 +533,13 @@ def default_miss_side(block_k: int, block_s: int) -> bool:
     return block_s >= 4 * block_k
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_helpers(batch: int, device: torch.device) -> int:
     """Helper programs per row: one while every row's two programs get an SM of their own
     (a helper sharing an SM with a main program slows both down), else none. (Runs per
     layer per step: the SM count is looked up once per device.)"""
     if device.type != "cuda":
         return 1  # the interpreter runs programs one by one; exercise the helper path
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 1 if 2 * batch <= _sm_count(index) else 0
+    return 1 if 2 * batch <= sm_count(device) else 0
 
 
 def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
@@ -618,16 +611,7 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
 def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
              slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
              out: Optional[LruDiffResult] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
-    """Dispatch: Triton on CUDA (or CPU under the interpreter when forced), torch otherwise."""
-    if use_triton(topk):
-        announce_path("lru_diff", "triton")
-        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out, choice=choice)
-    announce_path("lru_diff", "reference")
-    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows, choice=choice)
-    if out is not None:
-        out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
-        out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
-        if out.num_valid is not None:
-            out.num_valid.copy_(res.num_valid)
-        return out
-    return res
+    """The LRU diff of one layer's batch (module docstring); Triton on CUDA, the torch
+    reference elsewhere."""
+    impl = dispatch("lru_diff", topk, lru_diff_triton, lru_diff_reference)
+    return impl(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out, choice=choice)

@@ -9,6 +9,7 @@ from typing import Optional, Union
 
 import torch
 
+from hicache.triton_support import INT32_MAX
 from sparsehi.kernels.row_choice import RowChoice, resolve
 
 MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
@@ -96,7 +97,7 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
             raise ValueError(f"rows must lie in [0, {num_rows}) (or be -1: padding)")
 
 
-MAX_STEP = 2**31 - 3  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
+MAX_STEP = INT32_MAX - 2  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
 
 
 def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -112,10 +113,11 @@ def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.
 # --------------------------------------------------------------------------- reference
 def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                        slot_of: torch.Tensor, step: Union[int, torch.Tensor], *,
-                       rows: Optional[torch.Tensor] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
-    """Plain-torch LRU diff (same contract and results as the kernel). ``choice``: rows
-    that do not use ``topk`` / ``valid`` take ``choice.ids`` / ``choice.count``
-    (sparsehi/kernels/row_choice.py)."""
+                       rows: Optional[torch.Tensor] = None, out: Optional[LruDiffResult] = None,
+                       choice: Optional[RowChoice] = None) -> LruDiffResult:
+    """Plain-torch LRU diff (same contract and results as the kernel). ``out``: result
+    buffers written in place and returned. ``choice``: rows that do not use ``topk`` /
+    ``valid`` take ``choice.ids`` / ``choice.count`` (sparsehi/kernels/row_choice.py)."""
     _check_args(topk, valid, resident, last_used, slot_of, rows)
     topk, valid = resolve(topk, valid, choice)
     dev = topk.device
@@ -173,5 +175,12 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
         last_used[ridx[live]] = lu_ext[live, :s].to(torch.int32)
         slot_of[ridx[live]] = so_ext[live, :m].to(torch.int32)
     num_valid = torch.where(pad, 0, valid.long().clamp(0, k)).to(torch.int32)
-    return LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
-                         nmiss.to(torch.int32), num_valid)
+    res = LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
+                        nmiss.to(torch.int32), num_valid)
+    if out is None:
+        return res
+    out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
+    out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
+    if out.num_valid is not None:
+        out.num_valid.copy_(res.num_valid)
+    return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, interpreter_enabled, use_triton
+from hicache.triton_support import INT32_MAX, dispatch, interpreter_enabled
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 64
@@ -336,7 +336,7 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
         part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0, part.stride(2) if splits > 1 else 0,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         tps, k_buffer.shape[0],
-        2**31 - 1 if row_units is None else int(row_units),
+        INT32_MAX if row_units is None else int(row_units),
         table.numel() if table_len is None else int(table_len),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, V_DIM=Dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -443,14 +443,11 @@ def paged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
                  page_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
                  page_size: int, sm_scale: float,
                  config: Optional[DecodeLaunchConfig] = None) -> torch.Tensor:
-    """Paged GQA decode; Triton on CUDA, torch reference on CPU (see module docstring)."""
-    if use_triton(q):
-        announce_path("paged_decode", "triton")
-        return paged_decode_triton(q, k_buffer, v_buffer, page_table, cache_seqlens,
-                                   page_size=page_size, sm_scale=sm_scale, config=config)
-    announce_path("paged_decode", "reference")
-    return paged_decode_reference(q, k_buffer, v_buffer, page_table, cache_seqlens,
-                                  page_size=page_size, sm_scale=sm_scale)
+    """Paged GQA decode (see the module docstring); Triton on CUDA, the torch reference
+    elsewhere."""
+    impl = dispatch("paged_decode", q, paged_decode_triton, paged_decode_reference)
+    return impl(q, k_buffer, v_buffer, page_table, cache_seqlens, page_size=page_size, sm_scale=sm_scale,
+                config=config)
 
 
 # ----------------------------------------------------------------------------- FA contract

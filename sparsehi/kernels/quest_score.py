@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
 from sparsehi.kernels.store_rounding import as_stored
 
 HEAD_REDUCE = ("max", "sum")
@@ -218,7 +218,7 @@ def quest_score_triton(
     out = torch.empty(b, p, dtype=torch.float32, device=q.device)
     if b == 0 or p == 0:
         return out
-    grid = (b, triton.cdiv(p, block_p))
+    grid = (b, cdiv(p, block_p))
     block_d = triton.next_power_of_2(d)
     _quest_score_kernel[grid](
         q, kmin, kmax, req, lens, out,
@@ -244,11 +244,8 @@ def quest_score(
 ) -> torch.Tensor:
     """Quest page upper bounds ``[B, P] float32`` (Triton on CUDA, reference on CPU);
     arguments as :func:`quest_score_reference`."""
-    if use_triton(q):
-        announce_path("quest_score", "triton")
-        return quest_score_triton(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
-    announce_path("quest_score", "reference")
-    return quest_score_reference(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
+    impl = dispatch("quest_score", q, quest_score_triton, quest_score_reference)
+    return impl(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
 
 
 # ----------------------------------------------------------------------------- bound updates
@@ -385,9 +382,6 @@ def quest_update_bounds(
 ) -> None:
     """Fold one decoded key per row into its page's min / max, in place (Triton on CUDA,
     reference on CPU); arguments as :func:`quest_update_bounds_reference`."""
-    kw = dict(max_num_reqs=max_num_reqs, max_pages=max_pages, page_size=page_size)
-    if use_triton(kmin_flat):
-        announce_path("quest_update_bounds", "triton")
-        return quest_update_bounds_triton(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, **kw)
-    announce_path("quest_update_bounds", "reference")
-    return quest_update_bounds_reference(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, **kw)
+    impl = dispatch("quest_update_bounds", kmin_flat, quest_update_bounds_triton, quest_update_bounds_reference)
+    return impl(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, max_num_reqs=max_num_reqs,
+                max_pages=max_pages, page_size=page_size)

@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import announce_path, cdiv, sm_count, use_triton
 from sparsehi.kernels.quest_score import _check, _row_pages, _score_pages, quest_score
 from sparsehi.kernels.radix_select import _order_keys
-from sparsehi.kernels.topk import _check_select_args, _sm_count, topk_select
+from sparsehi.kernels.topk import _check_select_args, topk_select
 from sparsehi.kernels.topk_split import (_chunk_bounds, _shortlist_to_work, check_plan, merge_shortlists,
                                          select_outputs, split_plan, split_work)
 
@@ -179,11 +179,11 @@ def quest_retrieve(
     """
     if use_triton(q) and fused:
         n, hkv, d = kmin.shape[1:]
-        sms = _sm_count(q.device)
+        sms = sm_count(q.device)
         plan = quest_select_plan(q.shape[0], n, top_k, sms, 2 * hkv * d * kmin.element_size())
         if plan is None:
             # two chunks when there is no GPU to size a plan by
-            plan = split_plan(q.shape[0], n, top_k, sms) or (2, triton.next_power_of_2(triton.cdiv(max(n, 2), 2)))
+            plan = split_plan(q.shape[0], n, top_k, sms) or (2, triton.next_power_of_2(cdiv(max(n, 2), 2)))
         if plan is not None:
             announce_path("quest_select", "triton-fused")
             return quest_select_split(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size, top_k,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import dispatch
 from sparsehi.kernels.paged_decode import (
     DecodeLaunchConfig,
     _fail,
@@ -81,11 +81,7 @@ def ragged_decode_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
 def ragged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                   kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *, max_kv_len: int,
                   sm_scale: float, config: Optional[DecodeLaunchConfig] = None) -> torch.Tensor:
-    """Ragged GQA decode; Triton on CUDA, torch reference on CPU."""
-    if use_triton(q):
-        announce_path("ragged_decode", "triton")
-        return ragged_decode_triton(q, k_buffer, v_buffer, kv_indptr, kv_indices,
-                                    max_kv_len=max_kv_len, sm_scale=sm_scale, config=config)
-    announce_path("ragged_decode", "reference")
-    return ragged_decode_reference(q, k_buffer, v_buffer, kv_indptr, kv_indices,
-                                   max_kv_len=max_kv_len, sm_scale=sm_scale)
+    """Ragged GQA decode; Triton on CUDA, the torch reference elsewhere."""
+    impl = dispatch("ragged_decode", q, ragged_decode_triton, ragged_decode_reference)
+    return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, max_kv_len=max_kv_len, sm_scale=sm_scale,
+                config=config)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
 from sparsehi.kernels.row_choice import RowChoice, resolve
 
 
@@ -246,7 +246,7 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
     dummy = topk
     own = own_table if own_table is not None else dummy
     block_w = min(512, triton.next_power_of_2(w))
-    _selection_table_kernel[(b, triton.cdiv(w, block_w))](
+    _selection_table_kernel[(b, cdiv(w, block_w))](
         topk, valid, num_pages, seq_lens, rows,
         own, sink_table if hier else dummy, ring_table if hier else dummy, topk_phys if topk_phys is not None else dummy,
         slot_table if slot_table is not None else dummy,
@@ -266,11 +266,9 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
 def selection_table(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,
                     sink_table=None, ring_table=None, topk_phys=None, slot_table=None,
                     choice: Optional[RowChoice] = None) -> SelectionTable:
-    """Dispatch: Triton on CUDA, torch otherwise (see the module docstring)."""
-    kw = dict(sink=sink, recent=recent, page_size=page_size, own_table=own_table, sink_table=sink_table,
-              ring_table=ring_table, topk_phys=topk_phys, slot_table=slot_table, choice=choice)
-    if use_triton(topk):
-        announce_path("selection_table", "triton")
-        return selection_table_triton(topk, valid, num_pages, seq_lens, rows, **kw)
-    announce_path("selection_table", "reference")
-    return selection_table_reference(topk, valid, num_pages, seq_lens, rows, **kw)
+    """The selection table (see the module docstring); Triton on CUDA, the torch reference
+    elsewhere."""
+    impl = dispatch("selection_table", topk, selection_table_triton, selection_table_reference)
+    return impl(topk, valid, num_pages, seq_lens, rows, sink=sink, recent=recent, page_size=page_size,
+                own_table=own_table, sink_table=sink_table, ring_table=ring_table, topk_phys=topk_phys,
+                slot_table=slot_table, choice=choice)

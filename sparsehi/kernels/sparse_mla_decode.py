@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, interpreter_enabled, use_triton
+from hicache.triton_support import announce_path, dispatch, interpreter_enabled
 from sparsehi.kernels.paged_decode import (_FLOAT_DTYPES, _MAX_SPLITS, _fail, _store_split_result, dot_in_fp32,
                                            merge_splits, sm_count)
 
@@ -713,10 +713,6 @@ def sparse_mla_decode_reference(q: torch.Tensor, kv_buffer: torch.Tensor, indice
 def sparse_mla_decode(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, *,
                       kv_lora_rank: int, sm_scale: float,
                       config: Optional[MlaLaunchConfig | MlaGluonConfig | MlaTwoPassConfig] = None) -> torch.Tensor:
-    """Sparse MLA decode; Triton on CUDA, torch reference on CPU."""
-    if use_triton(q):
-        announce_path("sparse_mla_decode", "triton")
-        return sparse_mla_decode_triton(q, kv_buffer, indices, kv_lora_rank=kv_lora_rank,
-                                        sm_scale=sm_scale, config=config)
-    announce_path("sparse_mla_decode", "reference")
-    return sparse_mla_decode_reference(q, kv_buffer, indices, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale)
+    """Sparse MLA decode; Triton on CUDA, the torch reference elsewhere."""
+    impl = dispatch("sparse_mla_decode", q, sparse_mla_decode_triton, sparse_mla_decode_reference)
+    return impl(q, kv_buffer, indices, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, config=config)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
 
 
 @dataclass
@@ -268,12 +268,10 @@ def step_setup(rows: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Ten
     ``[*, M] int64``, dense_pool_table ``[*, M] int32`` or None; dense_rows_t ``[*] bool``
     (None: no row of the batch is dense); zero_cols ``[N, B] int32`` zeroed, or None.
     """
-    path = "triton" if use_triton(rows) else "reference"
-    announce_path("step_setup", path)
-    fn = step_setup_triton if path == "triton" else step_setup_reference
-    return fn(rows, seq_lens, page_table, page_size=page_size, top_k=top_k, sink=sink, recent=recent,
-              sink_table=sink_table, ring_table=ring_table, host_page_table=host_page_table,
-              dense_pool_table=dense_pool_table, dense_rows_t=dense_rows_t, zero_cols=zero_cols)
+    impl = dispatch("step_setup", rows, step_setup_triton, step_setup_reference)
+    return impl(rows, seq_lens, page_table, page_size=page_size, top_k=top_k, sink=sink, recent=recent,
+                sink_table=sink_table, ring_table=ring_table, host_page_table=host_page_table,
+                dense_pool_table=dense_pool_table, dense_rows_t=dense_rows_t, zero_cols=zero_cols)
 
 
 # ---------------------------------------------------------------------- dense selection
@@ -367,7 +365,7 @@ def dense_pages_triton(num_pages: torch.Tensor, safe_rows: torch.Tensor, table: 
         torch.empty(B, dtype=torch.int32, device=table.device) if full else None)
     if B and M:
         block = min(1024, triton.next_power_of_2(M))
-        _dense_pages_kernel[(B, triton.cdiv(M, block))](
+        _dense_pages_kernel[(B, cdiv(M, block))](
             num_pages, safe_rows, seq_lens if full else num_pages, table, table.stride(0), out, att if full else out,
             B * M, M, page_size if full else 1, WITH_TABLE=full, BLOCK_M=block, num_warps=4)
     return DensePages(out[0], out[1], out[2] if full else None, att)
@@ -384,7 +382,5 @@ def dense_pages(num_pages: torch.Tensor, safe_rows: torch.Tensor, table: torch.T
     ``num_pages == 0``); table ``[*, M] int32/int64`` (``M`` columns: the static page bound);
     seq_lens ``[B] int32`` or None.
     """
-    path = "triton" if use_triton(num_pages) else "reference"
-    announce_path("dense_pages", path)
-    fn = dense_pages_triton if path == "triton" else dense_pages_reference
-    return fn(num_pages, safe_rows, table, seq_lens, page_size)
+    impl = dispatch("dense_pages", num_pages, dense_pages_triton, dense_pages_reference)
+    return impl(num_pages, safe_rows, table, seq_lens, page_size)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import dispatch, sm_count
 from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
@@ -286,20 +286,6 @@ def _topk_select_kernel(
     tl.store(valid_ptr + b, n_out)
 
 
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 elsewhere: the interpreter never splits
-    unless asked)."""
-    if device.type != "cuda":
-        return 0
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
-
-
 def topk_select_triton(
     scores: torch.Tensor,
     top_k: int,
@@ -332,7 +318,7 @@ def topk_select_triton(
     bsz, n = scores.shape
     dev = scores.device
     if split is not False:
-        plan = split_plan(bsz, n, top_k, _sm_count(dev))
+        plan = split_plan(bsz, n, top_k, sm_count(dev))
         if plan is not None:
             return topk_select_split(scores, top_k, candidate_start, candidate_end, row_mask, plan)
     scores, ids, valid = select_outputs(scores, top_k)
@@ -370,11 +356,8 @@ def topk_select(
     ``valid [B] int32 = min(top_k, selectable ids))``. Among equal scores the lower id is
     taken. Triton on CUDA (one launch; no host sync, fixed shapes), the torch reference on CPU.
     """
-    if use_triton(scores):
-        announce_path("topk_select", "triton")
-        return topk_select_triton(scores, top_k, candidate_start, candidate_end, row_mask)
-    announce_path("topk_select", "reference")
-    return topk_select_reference(scores, top_k, candidate_start, candidate_end, row_mask)
+    impl = dispatch("topk_select", scores, topk_select_triton, topk_select_reference)
+    return impl(scores, top_k, candidate_start, candidate_end, row_mask)
 
 
 def as_row_mask(sparse_mask: torch.Tensor, device: torch.device) -> torch.Tensor:

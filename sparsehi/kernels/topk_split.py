@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.triton_support import cdiv
 from sparsehi.kernels.radix_select import _emit, _order_keys, _select_threshold
 
 MAX_CHUNK = 4096
@@ -51,7 +52,7 @@ def split_plan(batch: int, n: int, top_k: int, sms: int) -> Optional[tuple[int, 
     p = triton.next_power_of_2(math.ceil(math.sqrt(n / kp)))
     while p > 1 and (p * kp > MAX_MERGE or batch * p > 2 * sms):
         p //= 2
-    chunk = triton.next_power_of_2(triton.cdiv(n, p))
+    chunk = triton.next_power_of_2(cdiv(n, p))
     if p < 2 or chunk > MAX_CHUNK or chunk <= kp:
         return None
     return p, chunk
