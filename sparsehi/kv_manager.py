@@ -47,7 +47,8 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from sparsehi.config import SparseConfig
 from sparsehi.decode_step import DecodeStep, StepTables
-from sparsehi.kernels.step_setup import DensePages, dense_pages, step_setup
+from sparsehi.kernels.dense_pages import DensePages, dense_pages
+from sparsehi.kernels.step_setup import step_setup
 from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 from sparsehi.lru_buffer import LruState
 from sparsehi.prefill_offload import finish_prefill_hierarchical

@@ -12,28 +12,24 @@ from typing import Optional
 import torch
 
 from hicache.triton_support import dispatch
-from sparsehi.kernels.paged_decode import (
-    DecodeLaunchConfig,
-    _fail,
-    check_decode_inputs,
-    decode_over_table,
-    gathered_decode_reference,
-)
+from sparsehi.kernels.flash_decoding import fail
+from sparsehi.kernels.paged_decode import (DecodeLaunchConfig, check_decode_inputs, decode_over_table,
+                                           gathered_decode_reference)
 
 
 def _check_ragged(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, B: int, max_kv_len: int,
                   device: torch.device) -> None:
     if not isinstance(kv_indptr, torch.Tensor) or tuple(kv_indptr.shape) != (B + 1,):
-        _fail("kv_indptr", f"a [B+1={B + 1}] tensor", getattr(kv_indptr, "shape", type(kv_indptr)))
+        fail("kv_indptr", f"a [B+1={B + 1}] tensor", getattr(kv_indptr, "shape", type(kv_indptr)))
     if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
-        _fail("kv_indices", "a 1-D [nnz] tensor", getattr(kv_indices, "shape", type(kv_indices)))
+        fail("kv_indices", "a 1-D [nnz] tensor", getattr(kv_indices, "shape", type(kv_indices)))
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
         if t.dtype not in (torch.int32, torch.int64):
-            _fail(name, "int32 or int64", t.dtype)
+            fail(name, "int32 or int64", t.dtype)
         if t.device != device:
-            _fail(name, f"on q's device {device}", t.device)
+            fail(name, f"on q's device {device}", t.device)
     if not isinstance(max_kv_len, int) or max_kv_len < 0:
-        _fail("max_kv_len", "an int >= 0 bounding every row's length", max_kv_len)
+        fail("max_kv_len", "an int >= 0 bounding every row's length", max_kv_len)
 
 
 def ragged_decode_triton(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
