@@ -17,10 +17,10 @@ from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_sele
 from sparsehi.config import SparseConfig
 from sparsehi.decode_step import StepTables
 from sparsehi.forward_batch import ForwardBatch
-from sparsehi.kernels.store_kv import store_kv
-from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import selection_table
+from sparsehi.kernels.store_kv import store_kv
 from sparsehi.kv_manager import COORDINATOR_MODES, DecodeStep, RequestKV, SparseKVCacheManager
+from sparsehi.row_choice import RowChoice
 from sparsehi.selection import SparseSelection
 
 __all__ = ["SparseCoordinator", "LayerPlan", "RequestKV", "COORDINATOR_MODES", "gathered_attention"]

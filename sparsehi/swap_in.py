@@ -14,10 +14,10 @@ import torch
 
 from sparsehi.decode_step import DecodeStep
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
-from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import SelectionTable, selection_table
 from sparsehi.kernels.swap_in_copy import swap_in_copy
 from sparsehi.kernels.swap_in_fused import swap_in_copy_and_table
+from sparsehi.row_choice import RowChoice
 from sparsehi.swap_in_stats import StepCounts
 
 

@@ -40,10 +40,11 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
+from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
+                                   raise_if_any, selection_kwargs)
 from sparsehi.kernels.dsa_index_store import dsa_store_index_keys
 from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
-from sparsehi.kernels.topk import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
-                                   raise_if_any, selection_kwargs, topk_select)
+from sparsehi.kernels.topk import topk_select
 
 logger = logging.getLogger(__name__)
 INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")

@@ -38,11 +38,11 @@ import torch
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
+from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
+                                   host_checks_enabled, live_rows, raise_if_any, selection_kwargs)
 from sparsehi.kernels.quest_score import quest_score
-from sparsehi.kernels.quest_update_bounds import quest_update_bounds
 from sparsehi.kernels.quest_select import quest_retrieve
-from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
-                                   as_row_mask, live_rows, raise_if_any, selection_kwargs)
+from sparsehi.kernels.quest_update_bounds import quest_update_bounds
 
 
 @register_algorithm("quest")

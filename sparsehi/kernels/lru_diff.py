@@ -90,7 +90,7 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
               on the host and rejects a second diff in one step.
     rows      ``[B] int64`` state row of each batch row (distinct), optional; ``-1`` marks a
               padding row: it selects nothing (outputs ``-1``, no load) and changes no state
-    choice    ``RowChoice`` (sparsehi/kernels/row_choice.py), optional: rows whose ``use`` is
+    choice    ``sparsehi.row_choice.RowChoice``, optional: rows whose ``use`` is
               False read ``choice.ids`` / ``choice.count`` instead of ``topk`` / ``valid``
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
@@ -99,7 +99,7 @@ memory; slot counts travel in 16-bit fields), ``0 <= step <= 2**31 - 3``, ``B <=
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import triton
@@ -108,7 +108,6 @@ import triton.language as tl
 from hicache.triton_support import INT32_MAX, dispatch, sm_count
 from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _step_tensor,
                                                  check_lru_diff_values, lru_diff_reference)
-from sparsehi.kernels.row_choice import RowChoice
 
 __all__ = ["LruDiffResult", "MAX_SLOTS", "MAX_STEP", "check_lru_diff_values", "lru_diff", "lru_diff_reference",
            "lru_diff_triton"]
@@ -196,7 +195,7 @@ def _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id
 @triton.jit
 def _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, cols, mask, u, HAS_ALT: tl.constexpr):
     """Row ``b`` of the selection at ``cols`` (``other`` 0): ``topk``'s where ``u``, else the
-    row choice's alternative (sparsehi/kernels/row_choice.py; one of the two loads is masked
+    row choice's alternative (sparsehi/row_choice.py; one of the two loads is masked
     off entirely)."""
     b64 = b.to(tl.int64)
     if HAS_ALT:
@@ -546,7 +545,7 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
                     slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
                     out: Optional[LruDiffResult] = None, num_warps: Optional[int] = None,
                     scan_r: Optional[int] = None, helpers: Optional[int] = None,
-                    miss_side: Optional[bool] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
+                    miss_side: Optional[bool] = None, choice: Any = None) -> LruDiffResult:
     """Triton LRU diff: one launch, ``1 + helpers`` programs per batch row. ``out`` reuses
     result buffers (fixed addresses for CUDA graphs). ``K`` and ``S`` are compile-time
     constants: one compile per (top-k width, buffer size), which a deployment fixes (the
@@ -610,7 +609,7 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
 
 def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
              slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
-             out: Optional[LruDiffResult] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
+             out: Optional[LruDiffResult] = None, choice: Any = None) -> LruDiffResult:
     """The LRU diff of one layer's batch (module docstring); Triton on CUDA, the torch
     reference elsewhere."""
     impl = dispatch("lru_diff", topk, lru_diff_triton, lru_diff_reference)

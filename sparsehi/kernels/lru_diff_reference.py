@@ -5,12 +5,11 @@ policy, the shapes and the limits) is tested against. Import these from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from hicache.triton_support import INT32_MAX
-from sparsehi.kernels.row_choice import RowChoice, resolve
 
 MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
 
@@ -114,12 +113,13 @@ def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.
 def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                        slot_of: torch.Tensor, step: Union[int, torch.Tensor], *,
                        rows: Optional[torch.Tensor] = None, out: Optional[LruDiffResult] = None,
-                       choice: Optional[RowChoice] = None) -> LruDiffResult:
+                       choice: Any = None) -> LruDiffResult:
     """Plain-torch LRU diff (same contract and results as the kernel). ``out``: result
     buffers written in place and returned. ``choice``: rows that do not use ``topk`` /
-    ``valid`` take ``choice.ids`` / ``choice.count`` (sparsehi/kernels/row_choice.py)."""
+    ``valid`` take ``choice.ids`` / ``choice.count`` (a ``sparsehi.row_choice.RowChoice``)."""
     _check_args(topk, valid, resident, last_used, slot_of, rows)
-    topk, valid = resolve(topk, valid, choice)
+    if choice is not None:
+        topk, valid = choice.apply(topk, valid)
     dev = topk.device
     b, k = topk.shape
     s = resident.shape[1]

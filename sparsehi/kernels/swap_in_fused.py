@@ -17,7 +17,7 @@ and those of ``selection_table`` in hierarchical form (``topk [B, K] int32`` asc
 ``valid [B]``, ``num_pages [B]``, ``seq_lens [B]``, ``table_rows [B] int64`` (padding mapped to
 row 0), ``sink`` / ``recent`` pages, ``sink_table`` / ``ring_table`` ``[R, *] int32``,
 ``device_slots [B, K] int32`` from the diff, ``slot_table [R, S] int32``; ``choice``, a
-``RowChoice``: rows that do not use ``topk`` / ``valid`` read its ids and count, as the diff
+``sparsehi.row_choice.RowChoice``: rows that do not use ``topk`` / ``valid`` read its ids and count, as the diff
 did). Returns the ``SelectionTable``.
 
 Entry points: ``swap_in_copy_and_table`` (dispatch), ``swap_in_copy_and_table_triton``,
@@ -25,14 +25,13 @@ Entry points: ``swap_in_copy_and_table`` (dispatch), ``swap_in_copy_and_table_tr
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from hicache.triton_support import cdiv, dispatch
-from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
                                               choice_args, selection_table_reference)
 from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _swap_in_copy_block,
@@ -87,7 +86,7 @@ def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_
                                      page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                      sink_table, ring_table, device_slots,
                                      block_bytes: int = DEFAULT_BLOCK_BYTES, out: Optional[SelectionTable] = None,
-                                     choice: Optional[RowChoice] = None,
+                                     choice: Any = None,
                                      host_tokens: Optional[torch.Tensor] = None,
                                      resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
     """Torch reference: ``swap_in_copy_reference`` then ``selection_table_reference``
@@ -108,7 +107,7 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
                                   page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                   sink_table, ring_table, device_slots, block_bytes: int = DEFAULT_BLOCK_BYTES,
                                   out: Optional[SelectionTable] = None,
-                                  choice: Optional[RowChoice] = None,
+                                  choice: Any = None,
                                   host_tokens: Optional[torch.Tensor] = None,
                                   resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
     """One launch (see the module docstring); ``out`` reuses table buffers. No host syncs."""
@@ -159,7 +158,7 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
 def swap_in_copy_and_table(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
                            topk, valid, num_pages, seq_lens, table_rows, *, sink, recent, sink_table, ring_table,
                            device_slots, out: Optional[SelectionTable] = None,
-                           choice: Optional[RowChoice] = None, host_tokens: Optional[torch.Tensor] = None,
+                           choice: Any = None, host_tokens: Optional[torch.Tensor] = None,
                            resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
     """The copy of the misses and the selection table (see the module docstring): Triton
     when the device side is CUDA, the torch references elsewhere."""

@@ -60,7 +60,7 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.graph_safety import CaptureFinding, HostSyncDetector, caller_location
-from sparsehi.kernels.topk import host_checks_enabled
+from sparsehi.input_checks import host_checks_enabled
 
 logger = logging.getLogger(__name__)
 
