@@ -39,27 +39,21 @@ short and ``T`` too high when they reach the candidates; that victim marks the l
 -1 tail). The exact path claims again from a clean slate, stamps every hit, reads the row
 back and bisects the threshold over per-slot hits; it is a device function of its own
 (not inlined) so that it does not raise the register allocation of the common path.
-Expected cost when no id repeats (not yet measured): the misses' claims (fire-and-forget
-atomics, in flight during the search), a gather of the claims and a coalesced load of the
-list tail beside the loads that follow the install barrier, and one K-wide max reduction
-before the installs, about 0.1 us at K = 2048. Registers per thread (ptxas for sm_90,
-compiled offline), with the library's launch defaults: as many as without the repeat
-handling at K = 512, S = 4096 and K = 2048, S = 2048 or 8192; 186-204 instead of 162-194 at
-K = 2048, S = 4096 (8 warps: one block per SM either way, no spill); 48 spilled bytes
-instead of 32 at S = 16384.
+When no id repeats, the repeat handling adds the misses' claims (fire-and-forget atomics,
+in flight during the search), a gather of the claims and a coalesced load of the list tail
+beside the loads that follow the install barrier, and one K-wide max reduction before the
+installs (its cost and register use: docs/kernels.md).
 
 Installs pair the j-th miss with the j-th victim through the row's ``load_*`` outputs in
 global memory (Triton has no shared-memory scatter). Victim side: the misses list their
 ids and columns by rank, each victim reads its miss and writes five S-wide masked passes.
 Miss side (``miss_side``, the default when S >= 4K): the victims list their slots by rank,
-each miss reads its victim and installs in K-wide passes; it wins when S is much larger
-than K and loses a little at S <= 2K (measurements in ``default_miss_side``).
+each miss reads its victim and installs in K-wide passes (``default_miss_side``).
 
-Cost model (H200, benchmarks/results/lru_diff.json): one row's work runs on one SM, and
-what an SM does slowest is random stores (~2.5 cycles each, several times a random load;
-benchmarks/results/lru_primitives.json). The K stamps of the hits are most of them, so
-``helpers`` extra programs per row stamp the hits and write the hits' device slots, while
-the main program selects and installs victims without waiting for them. The races
+Helpers: one row's work runs on one SM, and what an SM does slowest is random stores, of
+which the K stamps of the hits are most (the cost model: docs/kernels.md). So ``helpers``
+extra programs per row stamp the hits and write the hits' device slots, while the main
+program selects and installs victims without waiting for them. The races
 between them are benign, and these orderings keep them so:
 - a helper writes ``last_used = step`` only to slots that hold a selected id, and
   ``device_slots`` only for hit and padding columns; if it already sees this launch's
@@ -106,8 +100,8 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import INT32_MAX, dispatch, sm_count
-from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _step_tensor,
-                                                 check_lru_diff_values, lru_diff_reference)
+from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _check_out,
+                                                 _step_tensor, check_lru_diff_values, lru_diff_reference)
 
 __all__ = ["LruDiffResult", "MAX_SLOTS", "MAX_STEP", "check_lru_diff_values", "lru_diff", "lru_diff_reference",
            "lru_diff_triton"]
@@ -454,7 +448,6 @@ def _lru_diff_kernel(
         cand = lu_row <= T  # (with no misses there is no victim: vrank < nmiss = 0)
         if rel > 0:
             # hits among the eviction candidates: stamp them and read the candidates back
-            # (extracting up to four of them in registers instead measured slower)
             tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=hit & (hk <= T))
             tl.debug_barrier()
             now = tl.load(lu_p + ss, mask=cand & (ss < S), other=0)
@@ -518,17 +511,13 @@ def default_scan_r(block_s: int) -> int:
 def default_num_warps(block_s: int) -> int:
     if block_s in NUM_WARPS_BY_BLOCK_S:
         return NUM_WARPS_BY_BLOCK_S[block_s]
-    # H200 (benchmarks/results/lru_diff.json): 8 warps from S = 2048; 16 from 8192, where
-    # 8 warps run out of registers (the buffer row is held in registers).
+    # 16 warps from S = 8192, where 8 run out of registers (the buffer row is held in registers)
     return 16 if block_s >= 8192 else 8 if block_s >= 2048 else 4
 
 
 def default_miss_side(block_k: int, block_s: int) -> bool:
     """Install from the miss side when the buffer is at least 4x the top-k width: its
-    passes are K wide instead of S wide. H200, B=64 (lru_diff.json ``experiments``
-    ``2026-11-23_split_installs_and_miss_side_installs``, ``miss_side_installs``): K=512
-    with S=4096 0.86x the time, K=2048 with S=8192 0.95x, K=2048 with S=4096 even, S = K
-    2-4 % slower. (K=512 with S=2048 is on the miss side by this rule but was not measured.)"""
+    passes are K wide instead of S wide (measured: docs/kernels.md)."""
     return block_s >= 4 * block_k
 
 
@@ -570,15 +559,7 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, k, dtype=torch.int32, device=dev),
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev),
         )
-    for name in ("load_ids", "load_slots"):
-        o = getattr(out, name)
-        if o.shape != (b, k) or o.stride() != out.device_slots.stride() or o.stride(1) != 1:
-            raise ValueError(f"out.{name} must be [B={b}, K={k}] with device_slots' strides "
-                             f"{out.device_slots.stride()} (contiguous rows), got {tuple(o.shape)} {o.stride()}")
-    if out.num_valid is not None and (out.num_valid.shape != (b,) or out.num_valid.dtype != torch.int32
-                                      or out.num_valid.device != dev):
-        raise ValueError(f"out.num_valid must be [B={b}] int32 on {dev}, got {tuple(out.num_valid.shape)} "
-                         f"{out.num_valid.dtype} on {out.num_valid.device}")
+    _check_out(out, b, k, dev)
     if b == 0 or k == 0:
         out.device_slots.fill_(-1), out.load_ids.fill_(-1), out.load_slots.fill_(-1), out.num_loads.zero_()
         if out.num_valid is not None:

@@ -60,6 +60,20 @@ def _check_args(topk, valid, resident, last_used, slot_of, rows) -> None:
         need(t.device == topk.device, f"{name} is on {t.device}, topk on {topk.device}: all on one device")
 
 
+def _check_out(out: LruDiffResult, b: int, k: int, dev: torch.device) -> None:
+    """Result buffers the kernel can write: ``[B, K]`` lists with one row layout, ``num_valid``
+    ``[B] int32`` on the launch device."""
+    for name in ("load_ids", "load_slots"):
+        o = getattr(out, name)
+        if o.shape != (b, k) or o.stride() != out.device_slots.stride() or o.stride(1) != 1:
+            raise ValueError(f"out.{name} must be [B={b}, K={k}] with device_slots' strides "
+                             f"{out.device_slots.stride()} (contiguous rows), got {tuple(o.shape)} {o.stride()}")
+    if out.num_valid is not None and (out.num_valid.shape != (b,) or out.num_valid.dtype != torch.int32
+                                      or out.num_valid.device != dev):
+        raise ValueError(f"out.num_valid must be [B={b}] int32 on {dev}, got {tuple(out.num_valid.shape)} "
+                         f"{out.num_valid.dtype} on {out.num_valid.device}")
+
+
 def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int | torch.Tensor,
                           rows: Optional[torch.Tensor] = None, num_rows: Optional[int] = None) -> None:
     """Value checks (sync with the host): ``valid`` in ``[0, K]``, ids in ``[0, num_ids)``

@@ -194,14 +194,11 @@ def quest_score_triton(
     """Triton launcher (one launch); same arguments and result as
     :func:`quest_score_reference`. Index tensors are read in their dtype and q through its
     strides: no conversion launches. ``block_p`` pages per program (None: by batch, below;
-    16 x 128-dim tiles fit
-    in registers at 4 warps; 32 spilled)."""
+    16 x 128-dim tiles fit in registers at 4 warps)."""
     _check(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size)
     b, hq, d = q.shape
-    # Measured on one H100 (Llama-8B shape, 4096 pages; 2026-11-25): below a few dozen rows
-    # the grid is short and each program's latency counts, so small tiles with every
-    # group's loads issued up front win (11.1 -> 8.9 us at B = 1); at B = 64 the larger
-    # tiles are as fast or faster.
+    # below a few dozen rows the grid is short and each program's latency counts: small
+    # tiles with every group's loads issued up front (measured: docs/kernels.md)
     small = b < 32
     block_p = block_p if block_p is not None else (4 if small else 16)
     num_warps = num_warps if num_warps is not None else (2 if small else 4)

@@ -1,8 +1,7 @@
 """Top-k selection split over several programs per row, for small batches.
 
 ``topk_select``'s kernel gives each row one program, which at batch 1 leaves one SM busy
-for the whole select (about 25 us for 4096 candidates on an H100). Here a row's candidate
-range is cut into ``P`` chunks:
+for the whole select. Here a row's candidate range is cut into ``P`` chunks:
 
 1. ``_chunk_topk_kernel`` (grid ``P x B``): each program loads one chunk into registers,
    radix-selects the chunk's own top ``min(top_k, selectable)`` and writes those keys and ids,
