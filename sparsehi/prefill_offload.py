@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from hicache.triton_support import cdiv
+
 if TYPE_CHECKING:
     from sparsehi.kv_manager import SparseKVCacheManager
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _slots(pages: torch.Tensor, ps: int) -> torch.Tensor:
@@ -42,7 +40,7 @@ def finish_prefill_hierarchical(mgr: "SparseKVCacheManager", rows: list[int], se
     got_dense: list[torch.Tensor] = []
     try:
         for i, seq in enumerate(seq_lens):
-            P = _cdiv(seq, ps)
+            P = cdiv(seq, ps)
             if host_slots is not None:
                 hs = host_slots[i].detach().to("cpu", torch.int64)
                 if hs.numel() < seq:
@@ -64,10 +62,10 @@ def finish_prefill_hierarchical(mgr: "SparseKVCacheManager", rows: list[int], se
             src_all.append(ts_cpu[i, start:seq])
             dst_all.append(hp[pos // ps] * ps + pos % ps)
         for i, r in enumerate(rows):
-            P = _cdiv(seq_lens[i], ps)
+            P = cdiv(seq_lens[i], ps)
             # a sparse row's buffer; a dense row's copies of the pages the caller keeps
             # (its prefix, or every page when the caller keeps the device KV)
-            n_copy = _cdiv(prefix_lens[i], ps) if free_device_kv else P
+            n_copy = cdiv(prefix_lens[i], ps) if free_device_kv else P
             need = n_copy if dense[i] else sink + R + S
             pages = alloc.alloc_pages(need)
             if pages is None:
@@ -99,7 +97,7 @@ def finish_prefill_hierarchical(mgr: "SparseKVCacheManager", rows: list[int], se
     t = mgr.table
     for i, r in enumerate(rows):
         seq = seq_lens[i]
-        P = _cdiv(seq, ps)
+        P = cdiv(seq, ps)
         pages = got_buf[i]
         t.host[r, :P] = host_lists[i].numpy()
         mgr.host_page_table[r, :P] = host_lists[i].to(mgr.device)
@@ -146,6 +144,6 @@ def finish_prefill_hierarchical(mgr: "SparseKVCacheManager", rows: list[int], se
         for i in range(len(rows)):
             if dense[i]:
                 continue
-            own = dev_pages[i][_cdiv(prefix_lens[i], ps):]
+            own = dev_pages[i][cdiv(prefix_lens[i], ps):]
             if own.numel():
                 alloc.free_pages(own)
