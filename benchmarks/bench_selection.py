@@ -42,7 +42,8 @@ from benchmarks.common import cuda_time_us, write_result  # noqa: E402
 from sparsehi.kernels.dsa_indexer import dsa_indexer, quantize_index_keys  # noqa: E402
 from sparsehi.kernels.quest_score import quest_score, quest_score_triton  # noqa: E402
 from sparsehi.kernels.quest_select import quest_retrieve  # noqa: E402
-from sparsehi.kernels.topk import live_rows, masked_topk, topk_select, topk_select_triton  # noqa: E402
+from sparsehi.input_checks import live_rows  # noqa: E402
+from sparsehi.kernels.topk import masked_topk, topk_select, topk_select_triton  # noqa: E402
 
 SINK, RECENT = 1, 4  # selection units outside the candidates (Quest pages; DSA scaled below)
 

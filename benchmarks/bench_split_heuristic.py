@@ -24,8 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cuda_time_us, write_result  # noqa: E402
+from hicache.triton_support import sm_count  # noqa: E402
 from sparsehi.kernels.paged_decode import (DecodeLaunchConfig, SMALL_READ_BYTES, choose_num_splits,  # noqa: E402
-                                           decode_over_table, sm_count)
+                                           decode_over_table)
 
 # (batch, q heads, kv heads, head dim, tokens): sparse selections (2048 + sink/recent/page),
 # short and long dense contexts

@@ -1,18 +1,43 @@
-"""Where Triton kernels run: on CUDA tensors natively, on CPU tensors only under the
-Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU test suite).
+"""Where a kernel runs, and the launch arithmetic every kernel module shares.
 
-Every kernel module in this project has a ``*_triton`` launcher and a ``*_reference``
-torch implementation; the public entry point picks one with :func:`use_triton`.
+Triton kernels run on CUDA tensors natively and on CPU tensors only under the Triton
+interpreter (``TRITON_INTERPRET=1``, used by the CPU test suite). Every kernel module has a
+``*_triton`` launcher and a ``*_reference`` torch implementation taking the same arguments;
+its entry point runs the one :func:`dispatch` picks.
 """
 from __future__ import annotations
 
 import logging
 import os
+from typing import Callable, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
-_announced: set[str] = set()
+_announced: set[tuple[str, str]] = set()
+
+INT32_MAX = 2**31 - 1
+
+F = TypeVar("F", bound=Callable)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (``b > 0``)."""
+    return -(-a // b)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device, off_cuda: int = 0) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (looked up once per device; no sync);
+    ``off_cuda`` for any other device (the interpreter has no SMs to fill)."""
+    if device.type != "cuda":
+        return off_cuda
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 def interpreter_enabled() -> bool:
@@ -36,7 +61,19 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def announce_path(kernel: str, path: str) -> None:
     """Log once which implementation a kernel entry point runs (triton / reference / library)."""
-    key = f"{kernel}:{path}"
+    key = (kernel, path)
     if key not in _announced:
         _announced.add(key)
         logger.info("sparsehi kernel %s runs on %s", kernel, path)
+
+
+def dispatch(kernel: str, probe: torch.Tensor, triton_impl: F, reference_impl: F, *, triton_ok: bool = True) -> F:
+    """The implementation of ``kernel`` to call for ``probe``'s device: ``triton_impl`` where
+    :func:`use_triton` says so and ``triton_ok`` (a kernel's own limits), else
+    ``reference_impl``. Logs the choice once per kernel and path (:func:`announce_path`).
+    Reads no tensor data and allocates nothing: safe inside CUDA-graph capture."""
+    if triton_ok and use_triton(probe):
+        announce_path(kernel, "triton")
+        return triton_impl
+    announce_path(kernel, "reference")
+    return reference_impl

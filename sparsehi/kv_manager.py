@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from hicache.device_pool import DeviceKVPool
+from hicache.triton_support import cdiv
 from sparsehi.config import SparseConfig
 from sparsehi.page_tables import BufferSizes, PageTables, page_entries
 from sparsehi.prefill import HostPrefill
@@ -63,10 +64,6 @@ class RequestKV:
     device_slots: Optional[torch.Tensor] = None
     host_pages: Optional[torch.Tensor] = None
     device_pages: Optional[torch.Tensor] = None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SparseKVCacheManager:
@@ -181,7 +178,7 @@ class SparseKVCacheManager:
         ps = self.sizes.page_size
         t = self.requests
         n = int(t.seq[row])
-        P = _cdiv(n, ps)
+        P = cdiv(n, ps)
         out = RequestKV(seq_len=n)
         ar = torch.arange(ps)
         if self.hierarchical:

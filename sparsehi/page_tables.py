@@ -16,14 +16,11 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hicache.triton_support import cdiv
 from sparsehi.config import SparseConfig
 from sparsehi.kernels.table_scatter import EntryStager, table_scatter
 
 __all__ = ["BufferSizes", "PageTables", "page_entries"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class BufferSizes:
     @classmethod
     def of(cls, config: SparseConfig, max_context_len: int) -> "BufferSizes":
         sizes = cls(config.page_size, config.top_k_units, config.buffer_units, config.sink_units,
-                    config.recent_units, _cdiv(max_context_len, config.page_size))
+                    config.recent_units, cdiv(max_context_len, config.page_size))
         if sizes.top_k > sizes.lru_slots:
             raise ValueError(f"top_k_units={sizes.top_k} > buffer_units={sizes.lru_slots}: device_buffer_size must be "
                              f">= top_k")

@@ -22,12 +22,9 @@ from typing import Optional
 import torch
 
 from hicache.device_pool import DeviceKVPool
+from hicache.triton_support import cdiv
 from sparsehi.page_tables import BufferSizes, PageTables
 from sparsehi.request_table import RequestTable
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _slots(pages: torch.Tensor, ps: int) -> torch.Tensor:
@@ -91,7 +88,7 @@ class HostPrefill:
             for i in range(len(rows)):
                 if dense[i]:
                     continue
-                own = dev_pages[i][_cdiv(prefix_lens[i], ps):]
+                own = dev_pages[i][cdiv(prefix_lens[i], ps):]
                 if own.numel():
                     alloc.free_pages(own)
 
@@ -104,7 +101,7 @@ class HostPrefill:
         ps = self.sizes.page_size
         host_lists, src_all, dst_all = [], [], []
         for i, seq in enumerate(seq_lens):
-            P = _cdiv(seq, ps)
+            P = cdiv(seq, ps)
             if host_slots is not None:
                 hs = host_slots[i].detach().to("cpu", torch.int64)
                 if hs.numel() < seq:
@@ -135,8 +132,8 @@ class HostPrefill:
         ps = self.sizes.page_size
         alloc = self.device_pool.allocator
         for i, r in enumerate(rows):
-            P = _cdiv(seq_lens[i], ps)
-            n_copy = _cdiv(prefix_lens[i], ps) if free_device_kv else P
+            P = cdiv(seq_lens[i], ps)
+            n_copy = cdiv(prefix_lens[i], ps) if free_device_kv else P
             need = n_copy if dense[i] else self.sizes.buffer_pages
             pages = alloc.alloc_pages(need)
             if pages is None:
@@ -159,7 +156,7 @@ class HostPrefill:
         to device); the dense layers' whole context into the dense-layer pool."""
         z = self.sizes
         ps, sink, recent = z.page_size, z.sink, z.recent
-        P = _cdiv(seq, ps)
+        P = cdiv(seq, ps)
         t = self.requests
         kv = self.device_pool.kv_data  # [bufs, layers, slots, H, D]
         t.host[r, :P] = host_pages.numpy()
@@ -215,7 +212,7 @@ class HostPrefill:
                                        f"{z.buffer_pages} pages, {alloc.num_free_pages()} free")
                 got_buf.append(pages)
                 if self.dense_pool is not None:
-                    dp = self.dense_pool.allocator.alloc_pages(_cdiv(n, ps), on_host=True)
+                    dp = self.dense_pool.allocator.alloc_pages(cdiv(n, ps), on_host=True)
                     if dp is None:
                         raise RuntimeError(f"dense-layer pool is out of space for req_pool_index={r}")
                     got_dense.append(dp)
@@ -231,7 +228,7 @@ class HostPrefill:
         off = torch.arange(ps, dtype=torch.int64, device=dev)
         off_cpu = torch.arange(ps, dtype=torch.int64)  # host-side slot lists: no read-back of ``off``
         for i, (r, n) in enumerate(zip(rows, seq_lens)):
-            P = _cdiv(n, ps)
+            P = cdiv(n, ps)
             pages = got_buf[i]
             sink_pages, ring_pages, lru_pages = pages[:sink], pages[sink:sink + recent], pages[sink + recent:]
             t.sink[r], t.ring[r], t.lru[r] = sink_pages.numpy(), ring_pages.numpy(), lru_pages.numpy()

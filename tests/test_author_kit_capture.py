@@ -12,7 +12,7 @@ from sparsehi.algorithms.graph_safety import CaptureUnsafe, EmulatedReplay, Host
 from sparsehi.algorithms.oracle import OracleAlgorithm
 from sparsehi.algorithms.quest import QuestAlgorithm
 from sparsehi.algorithms.testing import ProjectedIndexerInputs, check_algorithm
-from sparsehi.kernels.topk import host_checks_enabled
+from sparsehi.input_checks import host_checks_enabled
 
 from kit_algorithms import Window
 

@@ -195,7 +195,7 @@ def test_kernels_choosing_rows_match_the_substituted_selection(mode, io_backend,
         from sparsehi.kernels import lru_diff, selection_table, swap_in_fused
 
         for mod in (lru_diff, selection_table, swap_in_fused):  # these kernels interpreted, the rest in torch
-            monkeypatch.setattr(mod, "use_triton", lambda t: True)
+            monkeypatch.setattr(mod, "dispatch", lambda kernel, probe, triton_impl, reference_impl, **kw: triton_impl)
     cfg = _cfg(algorithm="quest", dense_layers=(0,), min_sparse_prompt_len=20)
     kv = ToyKV(3, 256, seed=4)
     prompts = [61, 17, 26]  # sparse; a dense row; 7 pages (4 candidates: all fit in top-k), 8 from step 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsehi.kernels.decoder_ops import (rope_inplace_triton, rope_reference, silu_mul_reference,
-                                          silu_mul_triton)
+from sparsehi.kernels.rope import rope_inplace_triton, rope_reference
+from sparsehi.kernels.silu_mul import silu_mul_reference, silu_mul_triton
 from sparsehi.runtime.layers import rope_cos_sin
 
 DEVS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -45,7 +45,7 @@ def test_silu_mul_matches_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_reference(device, dtype):
-    from sparsehi.kernels.decoder_ops import add_rms_norm_reference, add_rms_norm_triton
+    from sparsehi.kernels.add_rms_norm import add_rms_norm_reference, add_rms_norm_triton
 
     g = torch.Generator().manual_seed(2)
     r = torch.randn(3, 200, generator=g).to(device, dtype)
@@ -68,7 +68,7 @@ def test_add_rms_norm_matches_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVS)
 @pytest.mark.parametrize("two", [True, False])
 def test_store_kv_matches_index_copy(device, two):
-    from sparsehi.kernels.decoder_ops import store_kv_reference, store_kv_triton
+    from sparsehi.kernels.store_kv import store_kv_reference, store_kv_triton
 
     g = torch.Generator().manual_seed(3)
     H, D = (2, 8) if two else (1, 12)

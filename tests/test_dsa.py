@@ -8,9 +8,9 @@ from sparsehi.algorithms.dsa import DSAAlgorithm, choose_index_dtype
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.algorithms.testing import ProjectedIndexerInputs, check_algorithm
 from sparsehi.config import SparseConfig
-from sparsehi.kernels.dsa_indexer import (dsa_indexer, dsa_indexer_reference, dsa_indexer_triton,
-                                          dsa_store_index_keys, dsa_store_index_keys_reference,
-                                          dsa_store_index_keys_triton, quantize_index_keys)
+from sparsehi.kernels.dsa_index_store import (dsa_store_index_keys, dsa_store_index_keys_reference,
+                                              dsa_store_index_keys_triton)
+from sparsehi.kernels.dsa_indexer import dsa_indexer, dsa_indexer_reference, dsa_indexer_triton, quantize_index_keys
 from sparsehi.kernels.topk import masked_topk, topk_select
 
 

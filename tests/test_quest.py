@@ -9,9 +9,9 @@ from sparsehi.algorithms.quest import QuestAlgorithm
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.algorithms.testing import check_algorithm, plant_needles
 from sparsehi.config import SparseConfig
-from sparsehi.kernels.quest_score import (quest_score, quest_score_reference, quest_score_triton,
-                                          quest_update_bounds_reference, quest_update_bounds_triton)
-from sparsehi.kernels.topk import host_checks_enabled
+from sparsehi.input_checks import host_checks_enabled
+from sparsehi.kernels.quest_score import quest_score, quest_score_reference, quest_score_triton
+from sparsehi.kernels.quest_update_bounds import quest_update_bounds_reference, quest_update_bounds_triton
 
 
 def _cfg(page_size=4, top_k_pages=4, **extra):

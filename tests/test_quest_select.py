@@ -102,7 +102,7 @@ def test_dispatch_fuses_only_when_asked_and_equals_the_unfused_path(monkeypatch)
     _assert_same(unfused, _unfused(q, kmin, kmax, req, lengths, "max", 12, cs, ce, mask))
     _assert_same(quest_retrieve(q, kmin, kmax, req, lengths, "max", 16, 12, cs, ce, mask, fused=True), unfused)
     # a GPU-sized plan (as split_plan makes it on CUDA)
-    monkeypatch.setattr("sparsehi.kernels.quest_select._sm_count", lambda dev: 132)
+    monkeypatch.setattr("sparsehi.kernels.quest_select.sm_count", lambda dev: 132)
     assert quest_select_plan(3, 100, 12, 132, 2 * 2 * 16 * 4) == split_plan(3, 100, 12, 132) == (4, 32)
     _assert_same(quest_retrieve(q, kmin, kmax, req, lengths, "max", 16, 12, cs, ce, mask, fused=True), unfused)
     # the default scores apart (measured faster on the GPU): no fused launch

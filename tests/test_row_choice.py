@@ -12,9 +12,9 @@ import torch
 
 from hicache.config import HOST_LAYOUTS
 from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff_reference, lru_diff_triton
-from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import selection_table_reference, selection_table_triton
 from sparsehi.kernels.swap_in_fused import swap_in_copy_and_table_reference, swap_in_copy_and_table_triton
+from sparsehi.row_choice import RowChoice
 from test_selection_table import _case
 from test_swap_in_copy import DEV, _lists, _pools
 from test_swap_in_fused import _table_inputs

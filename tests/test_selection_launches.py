@@ -160,7 +160,7 @@ def test_quest_retrieve_is_at_most_three_launches(dev):
 def small_gpu(monkeypatch):
     """The split plans of a GPU of 132 SMs, on any device (the 4-row batch here splits)."""
     for mod in ("sparsehi.kernels.quest_select", "sparsehi.kernels.topk"):
-        monkeypatch.setattr(f"{mod}._sm_count", lambda device: 132)
+        monkeypatch.setattr(f"{mod}.sm_count", lambda device: 132)
 
 
 def test_quest_split_retrieve_is_three_launches(dev, small_gpu):

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from sparsehi.kernels.step_setup import (dense_pages, dense_pages_reference, dense_pages_triton, step_setup,
-                                         step_setup_reference, step_setup_triton)
+from sparsehi.kernels.dense_pages import dense_pages, dense_pages_reference, dense_pages_triton
+from sparsehi.kernels.step_setup import step_setup, step_setup_reference, step_setup_triton
 
 needs_interp = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                   reason="interpreted Triton kernels need TRITON_INTERPRET=1")

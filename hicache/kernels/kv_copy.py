@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
 
 
 @triton.jit
@@ -180,11 +180,11 @@ def kv_copy_triton(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor
         cfg = KVCopyConfig(*(getattr(config, f) if getattr(config, f) is not None else getattr(cfg, f)
                              for f in ("rows", "block_c", "num_warps", "flat")))
     if cfg.flat:
-        grid0 = triton.cdiv(n * chunk, cfg.rows * cfg.block_c)
+        grid0 = cdiv(n * chunk, cfg.rows * cfg.block_c)
     else:
         if cfg.block_c < chunk:
             raise ValueError(f"config.block_c must be >= the row chunk ({chunk} words) for 2-D tiling")
-        grid0 = triton.cdiv(n, cfg.rows)
+        grid0 = cdiv(n, cfg.rows)
     grid = (grid0, num_layers * nbuf * nseg)
 
     def geo(t: torch.Tensor, pages_slots: int) -> tuple[int, ...]:
@@ -254,12 +254,7 @@ def kv_copy_reference(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Ten
 
 def kv_copy(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
             layer_start: int = 0, num_layers: int | None = None) -> None:
-    """Dispatch: Triton when the GPU side is CUDA (or under the interpreter with
-    ``SPARSEHI_FORCE_TRITON=1``), else the torch reference."""
-    probe = dst if dst.is_cuda else src
-    if use_triton(probe):
-        announce_path("kv_copy", "triton")
-        kv_copy_triton(src, dst, src_slots, dst_slots, layer_start, num_layers)
-    else:
-        announce_path("kv_copy", "reference")
-        kv_copy_reference(src, dst, src_slots, dst_slots, layer_start, num_layers)
+    """The row copy (see the module docstring): Triton when the GPU side is CUDA, the torch
+    reference elsewhere."""
+    impl = dispatch("kv_copy", dst if dst.is_cuda else src, kv_copy_triton, kv_copy_reference)
+    impl(src, dst, src_slots, dst_slots, layer_start, num_layers)

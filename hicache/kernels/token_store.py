@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import dispatch
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -110,11 +110,8 @@ def token_store_triton(dst: torch.Tensor, layer: int, slots: torch.Tensor, sourc
 
 
 def token_store(dst: torch.Tensor, layer: int, slots: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
-    """Dispatch: Triton when the sources are on CUDA (or under the interpreter with
-    ``SPARSEHI_FORCE_TRITON=1``), else the torch reference."""
-    if len(sources) in (1, 2) and use_triton(sources[0] if sources else slots):
-        announce_path("token_store", "triton")
-        token_store_triton(dst, layer, slots, sources)
-    else:
-        announce_path("token_store", "reference")
-        token_store_reference(dst, layer, slots, sources)
+    """Store the rows (see the module docstring): Triton for one or two sources on CUDA, the
+    torch reference otherwise."""
+    impl = dispatch("token_store", sources[0] if sources else slots, token_store_triton, token_store_reference,
+                    triton_ok=len(sources) in (1, 2))
+    impl(dst, layer, slots, sources)

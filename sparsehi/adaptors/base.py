@@ -20,7 +20,7 @@ class BackendAdaptor(ABC):
     (``sparsehi.adaptors.checks``; host reads, skipped while a CUDA graph is captured)."""
 
     def _value_checks(self) -> bool:
-        from sparsehi.kernels.topk import host_checks_enabled
+        from sparsehi.input_checks import host_checks_enabled
 
         return host_checks_enabled(self.validate)
 

@@ -16,7 +16,7 @@ weights=[B, H])``. Score ``Σ_h w_h ReLU(q_h · k_t)``; top ``top_k`` tokens (de
 Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels (the indexer,
 which reads each slot's indexed count itself, then ``topk_select``);
 ``update_representations`` one (quantise, store and count:
-:func:`sparsehi.kernels.dsa_indexer.dsa_store_index_keys`).
+:func:`sparsehi.kernels.dsa_index_store.dsa_store_index_keys`).
 
 Invariant from upstream bugs: the index must cover every selectable token. Each layer
 tracks how many tokens of each request it indexed; selecting past that is a ValueError.
@@ -40,9 +40,11 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.dsa_indexer import dsa_indexer, dsa_store_index_keys, fp8_dtype, quantize_index_keys
-from sparsehi.kernels.topk import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
-                                   raise_if_any, selection_kwargs, topk_select)
+from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
+                                   raise_if_any, selection_kwargs)
+from sparsehi.kernels.dsa_index_store import dsa_store_index_keys
+from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
+from sparsehi.kernels.topk import topk_select
 
 logger = logging.getLogger(__name__)
 INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")

@@ -207,7 +207,7 @@ def _hashable(x: Any) -> bool:
 def simulated_capture() -> Iterator[None]:
     """``torch.cuda.is_current_stream_capturing()`` reports True (and, without CUDA,
     ``torch.cuda.is_initialized()`` too), so a hook takes the path it takes under capture
-    (e.g. skips its host-side value checks, as ``sparsehi.kernels.topk.host_checks_enabled``
+    (e.g. skips its host-side value checks, as ``sparsehi.input_checks.host_checks_enabled``
     does). A hook that calls other ``torch.cuda`` functions on that path needs a GPU."""
     cuda = torch.cuda
     saved = cuda.is_current_stream_capturing, cuda.is_initialized

@@ -25,8 +25,9 @@ import torch
 
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.topk import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
-                                   host_checks_enabled, live_rows, raise_if_any, selection_kwargs, topk_select)
+from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
+                                   host_checks_enabled, live_rows, raise_if_any, selection_kwargs)
+from sparsehi.kernels.topk import topk_select
 
 HEAD_REDUCE = ("max", "sum")
 

@@ -19,7 +19,7 @@ counted from ``seq_lens`` inside the kernel), then :func:`sparsehi.kernels.topk.
 (one launch, or two when it splits a small batch: chunk shortlists, then the merge). A
 fused kernel of the bounds and the chunk shortlists exists (``fused=True``) but measured
 slower on an H100. ``update_representations`` is one
-(:func:`sparsehi.kernels.quest_score.quest_update_bounds`).
+(:func:`sparsehi.kernels.quest_update_bounds.quest_update_bounds`).
 
 Padding rows (``req_pool_index < 0``, e.g. the unused rows of a CUDA-graph batch) are
 ignored: ``update_representations`` changes nothing for them (the torch path on CPU sends
@@ -38,10 +38,11 @@ import torch
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
-from sparsehi.kernels.quest_score import quest_score, quest_update_bounds
+from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
+                                   host_checks_enabled, live_rows, raise_if_any, selection_kwargs)
+from sparsehi.kernels.quest_score import quest_score
 from sparsehi.kernels.quest_select import quest_retrieve
-from sparsehi.kernels.topk import (check_batch_rows, check_float_tensor, check_int_vector, host_checks_enabled,
-                                   as_row_mask, live_rows, raise_if_any, selection_kwargs)
+from sparsehi.kernels.quest_update_bounds import quest_update_bounds
 
 
 @register_algorithm("quest")

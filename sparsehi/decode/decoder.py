@@ -25,25 +25,24 @@ from typing import Any, Optional
 
 import torch
 
+from hicache.triton_support import INT32_MAX
 from sparsehi.algorithms.base import check_selection
 from sparsehi.config import SparseConfig
 from sparsehi.decode.state import CandidateTables, DecodeState
-from sparsehi.kernels.decoder_ops import store_kv
+from sparsehi.kernels.dense_pages import DensePages, dense_pages
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
-from sparsehi.kernels.row_choice import RowChoice
 from sparsehi.kernels.selection_table import SelectionTable, selection_table
-from sparsehi.kernels.step_setup import DensePages, dense_pages, step_setup
+from sparsehi.kernels.step_setup import step_setup
+from sparsehi.kernels.store_kv import store_kv
 from sparsehi.kernels.swap_in_copy import swap_in_copy
 from sparsehi.kernels.swap_in_fused import swap_in_copy_and_table
 from sparsehi.lru_buffer import LruState
 from sparsehi.page_tables import BufferSizes, PageTables
+from sparsehi.row_choice import RowChoice
 from sparsehi.selection import SparseMode, SparseSelection
 from sparsehi.swap_in_stats import StepCounts, SwapInCounters
 
 __all__ = ["SparseDecoder", "LayerPlan", "gathered_attention"]
-
-_INT32_MAX = 2**31 - 1
-
 
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
@@ -304,9 +303,9 @@ class SparseDecoder:
         if not self.algorithm.selects_ascending:
             # ascending ids, -1 padding last: the selection table needs that order (the
             # valid ids of a row are distinct, so the order is unique)
-            key = torch.where(c.columns < valid[:, None], topk, _INT32_MAX)
+            key = torch.where(c.columns < valid[:, None], topk, INT32_MAX)
             key = torch.sort(key, dim=1).values
-            topk = key.masked_fill_(key == _INT32_MAX, -1).contiguous()
+            topk = key.masked_fill_(key == INT32_MAX, -1).contiguous()
             choice = None
         self.check_topk(state, topk, valid, c.candidate_end)
         if choice is not None:  # the kernels read the algorithm's selection and choose per row

@@ -39,27 +39,21 @@ short and ``T`` too high when they reach the candidates; that victim marks the l
 -1 tail). The exact path claims again from a clean slate, stamps every hit, reads the row
 back and bisects the threshold over per-slot hits; it is a device function of its own
 (not inlined) so that it does not raise the register allocation of the common path.
-Expected cost when no id repeats (not yet measured): the misses' claims (fire-and-forget
-atomics, in flight during the search), a gather of the claims and a coalesced load of the
-list tail beside the loads that follow the install barrier, and one K-wide max reduction
-before the installs, about 0.1 us at K = 2048. Registers per thread (ptxas for sm_90,
-compiled offline), with the library's launch defaults: as many as without the repeat
-handling at K = 512, S = 4096 and K = 2048, S = 2048 or 8192; 186-204 instead of 162-194 at
-K = 2048, S = 4096 (8 warps: one block per SM either way, no spill); 48 spilled bytes
-instead of 32 at S = 16384.
+When no id repeats, the repeat handling adds the misses' claims (fire-and-forget atomics,
+in flight during the search), a gather of the claims and a coalesced load of the list tail
+beside the loads that follow the install barrier, and one K-wide max reduction before the
+installs (its cost and register use: docs/kernels.md).
 
 Installs pair the j-th miss with the j-th victim through the row's ``load_*`` outputs in
 global memory (Triton has no shared-memory scatter). Victim side: the misses list their
 ids and columns by rank, each victim reads its miss and writes five S-wide masked passes.
 Miss side (``miss_side``, the default when S >= 4K): the victims list their slots by rank,
-each miss reads its victim and installs in K-wide passes; it wins when S is much larger
-than K and loses a little at S <= 2K (measurements in ``default_miss_side``).
+each miss reads its victim and installs in K-wide passes (``default_miss_side``).
 
-Cost model (H200, benchmarks/results/lru_diff.json): one row's work runs on one SM, and
-what an SM does slowest is random stores (~2.5 cycles each, several times a random load;
-benchmarks/results/lru_primitives.json). The K stamps of the hits are most of them, so
-``helpers`` extra programs per row stamp the hits and write the hits' device slots, while
-the main program selects and installs victims without waiting for them. The races
+Helpers: one row's work runs on one SM, and what an SM does slowest is random stores, of
+which the K stamps of the hits are most (the cost model: docs/kernels.md). So ``helpers``
+extra programs per row stamp the hits and write the hits' device slots, while the main
+program selects and installs victims without waiting for them. The races
 between them are benign, and these orderings keep them so:
 - a helper writes ``last_used = step`` only to slots that hold a selected id, and
   ``device_slots`` only for hit and padding columns; if it already sees this launch's
@@ -90,7 +84,7 @@ request; ``R`` state rows, ``R = B`` unless ``rows`` maps batch rows to state ro
               on the host and rejects a second diff in one step.
     rows      ``[B] int64`` state row of each batch row (distinct), optional; ``-1`` marks a
               padding row: it selects nothing (outputs ``-1``, no load) and changes no state
-    choice    ``RowChoice`` (sparsehi/kernels/row_choice.py), optional: rows whose ``use`` is
+    choice    ``sparsehi.row_choice.RowChoice``, optional: rows whose ``use`` is
               False read ``choice.ids`` / ``choice.count`` instead of ``topk`` / ``valid``
 Out: ``device_slots [B, K] int32`` (slot of each selected id, -1 pad), ``load_ids [B, K]``
 (missed ids, compacted, -1 pad), ``load_slots [B, K]`` (their slots), ``num_loads [B]``.
@@ -99,23 +93,21 @@ memory; slot counts travel in 16-bit fields), ``0 <= step <= 2**31 - 3``, ``B <=
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
-from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _step_tensor,
-                                                 check_lru_diff_values, lru_diff_reference)
-from sparsehi.kernels.row_choice import RowChoice
+from hicache.triton_support import INT32_MAX, dispatch, sm_count
+from sparsehi.kernels.lru_diff_reference import (MAX_SLOTS, MAX_STEP, LruDiffResult, _check_args, _check_out,
+                                                 _step_tensor, check_lru_diff_values, lru_diff_reference)
 
 __all__ = ["LruDiffResult", "MAX_SLOTS", "MAX_STEP", "check_lru_diff_values", "lru_diff", "lru_diff_reference",
            "lru_diff_triton"]
 
-INT_MAX = tl.constexpr(2147483647)
-INT_MIN = tl.constexpr(-2147483648)
+INT_MAX = tl.constexpr(INT32_MAX)
+INT_MIN = tl.constexpr(-INT32_MAX - 1)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -197,7 +189,7 @@ def _install_by_victims(ds_p, so_p, res_p, lu_p, ls_p, ss, victim, vrank, new_id
 @triton.jit
 def _row_ids(topk_ptr, alt_ptr, b, stride_topk, stride_alt, cols, mask, u, HAS_ALT: tl.constexpr):
     """Row ``b`` of the selection at ``cols`` (``other`` 0): ``topk``'s where ``u``, else the
-    row choice's alternative (sparsehi/kernels/row_choice.py; one of the two loads is masked
+    row choice's alternative (sparsehi/row_choice.py; one of the two loads is masked
     off entirely)."""
     b64 = b.to(tl.int64)
     if HAS_ALT:
@@ -456,7 +448,6 @@ def _lru_diff_kernel(
         cand = lu_row <= T  # (with no misses there is no victim: vrank < nmiss = 0)
         if rel > 0:
             # hits among the eviction candidates: stamp them and read the candidates back
-            # (extracting up to four of them in registers instead measured slower)
             tl.store(lu_p + slot, tl.zeros_like(slot) + step, mask=hit & (hk <= T))
             tl.debug_barrier()
             now = tl.load(lu_p + ss, mask=cand & (ss < S), other=0)
@@ -520,23 +511,14 @@ def default_scan_r(block_s: int) -> int:
 def default_num_warps(block_s: int) -> int:
     if block_s in NUM_WARPS_BY_BLOCK_S:
         return NUM_WARPS_BY_BLOCK_S[block_s]
-    # H200 (benchmarks/results/lru_diff.json): 8 warps from S = 2048; 16 from 8192, where
-    # 8 warps run out of registers (the buffer row is held in registers).
+    # 16 warps from S = 8192, where 8 run out of registers (the buffer row is held in registers)
     return 16 if block_s >= 8192 else 8 if block_s >= 2048 else 4
 
 
 def default_miss_side(block_k: int, block_s: int) -> bool:
     """Install from the miss side when the buffer is at least 4x the top-k width: its
-    passes are K wide instead of S wide. H200, B=64 (lru_diff.json ``experiments``
-    ``2026-11-23_split_installs_and_miss_side_installs``, ``miss_side_installs``): K=512
-    with S=4096 0.86x the time, K=2048 with S=8192 0.95x, K=2048 with S=4096 even, S = K
-    2-4 % slower. (K=512 with S=2048 is on the miss side by this rule but was not measured.)"""
+    passes are K wide instead of S wide (measured: docs/kernels.md)."""
     return block_s >= 4 * block_k
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_helpers(batch: int, device: torch.device) -> int:
@@ -545,15 +527,14 @@ def default_helpers(batch: int, device: torch.device) -> int:
     layer per step: the SM count is looked up once per device.)"""
     if device.type != "cuda":
         return 1  # the interpreter runs programs one by one; exercise the helper path
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 1 if 2 * batch <= _sm_count(index) else 0
+    return 1 if 2 * batch <= sm_count(device) else 0
 
 
 def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                     slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
                     out: Optional[LruDiffResult] = None, num_warps: Optional[int] = None,
                     scan_r: Optional[int] = None, helpers: Optional[int] = None,
-                    miss_side: Optional[bool] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
+                    miss_side: Optional[bool] = None, choice: Any = None) -> LruDiffResult:
     """Triton LRU diff: one launch, ``1 + helpers`` programs per batch row. ``out`` reuses
     result buffers (fixed addresses for CUDA graphs). ``K`` and ``S`` are compile-time
     constants: one compile per (top-k width, buffer size), which a deployment fixes (the
@@ -578,15 +559,7 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, k, dtype=torch.int32, device=dev),
             torch.empty(b, k, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev),
         )
-    for name in ("load_ids", "load_slots"):
-        o = getattr(out, name)
-        if o.shape != (b, k) or o.stride() != out.device_slots.stride() or o.stride(1) != 1:
-            raise ValueError(f"out.{name} must be [B={b}, K={k}] with device_slots' strides "
-                             f"{out.device_slots.stride()} (contiguous rows), got {tuple(o.shape)} {o.stride()}")
-    if out.num_valid is not None and (out.num_valid.shape != (b,) or out.num_valid.dtype != torch.int32
-                                      or out.num_valid.device != dev):
-        raise ValueError(f"out.num_valid must be [B={b}] int32 on {dev}, got {tuple(out.num_valid.shape)} "
-                         f"{out.num_valid.dtype} on {out.num_valid.device}")
+    _check_out(out, b, k, dev)
     if b == 0 or k == 0:
         out.device_slots.fill_(-1), out.load_ids.fill_(-1), out.load_slots.fill_(-1), out.num_loads.zero_()
         if out.num_valid is not None:
@@ -617,17 +590,8 @@ def lru_diff_triton(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Ten
 
 def lru_diff(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
              slot_of: torch.Tensor, step: Union[int, torch.Tensor], *, rows: Optional[torch.Tensor] = None,
-             out: Optional[LruDiffResult] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
-    """Dispatch: Triton on CUDA (or CPU under the interpreter when forced), torch otherwise."""
-    if use_triton(topk):
-        announce_path("lru_diff", "triton")
-        return lru_diff_triton(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out, choice=choice)
-    announce_path("lru_diff", "reference")
-    res = lru_diff_reference(topk, valid, resident, last_used, slot_of, step, rows=rows, choice=choice)
-    if out is not None:
-        out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
-        out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
-        if out.num_valid is not None:
-            out.num_valid.copy_(res.num_valid)
-        return out
-    return res
+             out: Optional[LruDiffResult] = None, choice: Any = None) -> LruDiffResult:
+    """The LRU diff of one layer's batch (module docstring); Triton on CUDA, the torch
+    reference elsewhere."""
+    impl = dispatch("lru_diff", topk, lru_diff_triton, lru_diff_reference)
+    return impl(topk, valid, resident, last_used, slot_of, step, rows=rows, out=out, choice=choice)

@@ -5,11 +5,11 @@ policy, the shapes and the limits) is tested against. Import these from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from sparsehi.kernels.row_choice import RowChoice, resolve
+from hicache.triton_support import INT32_MAX
 
 MAX_SLOTS = 16384  # the buffer row lives in registers and one shared-memory gather
 
@@ -60,6 +60,20 @@ def _check_args(topk, valid, resident, last_used, slot_of, rows) -> None:
         need(t.device == topk.device, f"{name} is on {t.device}, topk on {topk.device}: all on one device")
 
 
+def _check_out(out: LruDiffResult, b: int, k: int, dev: torch.device) -> None:
+    """Result buffers the kernel can write: ``[B, K]`` lists with one row layout, ``num_valid``
+    ``[B] int32`` on the launch device."""
+    for name in ("load_ids", "load_slots"):
+        o = getattr(out, name)
+        if o.shape != (b, k) or o.stride() != out.device_slots.stride() or o.stride(1) != 1:
+            raise ValueError(f"out.{name} must be [B={b}, K={k}] with device_slots' strides "
+                             f"{out.device_slots.stride()} (contiguous rows), got {tuple(o.shape)} {o.stride()}")
+    if out.num_valid is not None and (out.num_valid.shape != (b,) or out.num_valid.dtype != torch.int32
+                                      or out.num_valid.device != dev):
+        raise ValueError(f"out.num_valid must be [B={b}] int32 on {dev}, got {tuple(out.num_valid.shape)} "
+                         f"{out.num_valid.dtype} on {out.num_valid.device}")
+
+
 def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int | torch.Tensor,
                           rows: Optional[torch.Tensor] = None, num_rows: Optional[int] = None) -> None:
     """Value checks (sync with the host): ``valid`` in ``[0, K]``, ids in ``[0, num_ids)``
@@ -96,7 +110,7 @@ def check_lru_diff_values(topk: torch.Tensor, valid: torch.Tensor, num_ids: int 
             raise ValueError(f"rows must lie in [0, {num_rows}) (or be -1: padding)")
 
 
-MAX_STEP = 2**31 - 3  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
+MAX_STEP = INT32_MAX - 2  # stamps stay below the kernel's INT_MAX - 1 threshold sentinel
 
 
 def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -112,12 +126,14 @@ def _step_tensor(step: Union[int, torch.Tensor], device: torch.device) -> torch.
 # --------------------------------------------------------------------------- reference
 def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.Tensor, last_used: torch.Tensor,
                        slot_of: torch.Tensor, step: Union[int, torch.Tensor], *,
-                       rows: Optional[torch.Tensor] = None, choice: Optional[RowChoice] = None) -> LruDiffResult:
-    """Plain-torch LRU diff (same contract and results as the kernel). ``choice``: rows
-    that do not use ``topk`` / ``valid`` take ``choice.ids`` / ``choice.count``
-    (sparsehi/kernels/row_choice.py)."""
+                       rows: Optional[torch.Tensor] = None, out: Optional[LruDiffResult] = None,
+                       choice: Any = None) -> LruDiffResult:
+    """Plain-torch LRU diff (same contract and results as the kernel). ``out``: result
+    buffers written in place and returned. ``choice``: rows that do not use ``topk`` /
+    ``valid`` take ``choice.ids`` / ``choice.count`` (a ``sparsehi.row_choice.RowChoice``)."""
     _check_args(topk, valid, resident, last_used, slot_of, rows)
-    topk, valid = resolve(topk, valid, choice)
+    if choice is not None:
+        topk, valid = choice.apply(topk, valid)
     dev = topk.device
     b, k = topk.shape
     s = resident.shape[1]
@@ -173,5 +189,12 @@ def lru_diff_reference(topk: torch.Tensor, valid: torch.Tensor, resident: torch.
         last_used[ridx[live]] = lu_ext[live, :s].to(torch.int32)
         slot_of[ridx[live]] = so_ext[live, :m].to(torch.int32)
     num_valid = torch.where(pad, 0, valid.long().clamp(0, k)).to(torch.int32)
-    return LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
-                         nmiss.to(torch.int32), num_valid)
+    res = LruDiffResult(device_slots.to(torch.int32), load_ids.to(torch.int32), load_slots.to(torch.int32),
+                        nmiss.to(torch.int32), num_valid)
+    if out is None:
+        return res
+    out.device_slots.copy_(res.device_slots), out.load_ids.copy_(res.load_ids)
+    out.load_slots.copy_(res.load_slots), out.num_loads.copy_(res.num_loads)
+    if out.num_valid is not None:
+        out.num_valid.copy_(res.num_valid)
+    return out

@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, interpreter_enabled, use_triton
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_SPLITS = 64
+from hicache.triton_support import INT32_MAX, cdiv, dispatch, sm_count
+from sparsehi.kernels.flash_decoding import (FLOAT_DTYPES, INTERPRETER_SMS, MAX_SPLITS, dot_in_fp32, fail,
+                                             merge_splits, split_buffers, split_tokens, store_split_result)
 
 
 # ----------------------------------------------------------------------------- config
@@ -44,19 +43,6 @@ class DecodeLaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: Optional[int] = None
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (CPU / interpreter: 4), cached."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 SMALL_READ_BYTES = 40 << 20
@@ -72,31 +58,21 @@ def choose_num_splits(work_items: int, max_tokens: int, block_n: int, num_sms: i
 
     ``kv_bytes`` (the K and V bytes the call may read, from static shapes): at most
     ``SMALL_READ_BYTES`` the call is latency-bound (a sparse selection, a short context,
-    a small model), and splits down to one tile each filling 4 waves are faster: on an
-    H100 (2026-11-25, ``benchmarks/bench_split_heuristic.py``) 2192 tokens of Llama-8B
-    KV heads at batch 1 took 9.4 us instead of 11.6, and of 2 x 32 heads 5.5 instead of
-    8.3. Larger reads stream at close to the HBM bandwidth with the default, and more
-    splits only add partial results to merge (10-25 % slower at batch 10-16)."""
+    a small model), and splits down to one tile each filling 4 waves (measured faster:
+    docs/kernels.md); larger reads stream at close to the HBM bandwidth with the default,
+    where more splits only add partial results to merge."""
     if max_tokens <= 0:
         return 1
     if kv_bytes is not None and kv_bytes <= SMALL_READ_BYTES:
         min_tokens_per_split, waves = block_n, 4
-    want = -(-waves * num_sms // max(1, work_items))
-    cap = max(1, -(-max_tokens // max(block_n, min_tokens_per_split)))
-    return int(max(1, min(want, cap, _MAX_SPLITS)))
-
-
-def dot_in_fp32(t: torch.Tensor) -> bool:
-    """Run ``tl.dot`` on fp32 operands? Only under the CPU interpreter, whose bf16 dot
-    returns garbage (Triton 3.9); on GPU the dots take the native 16-bit operands."""
-    return (not t.is_cuda) and interpreter_enabled()
+    want = cdiv(waves * num_sms, max(1, work_items))
+    cap = max(1, cdiv(max_tokens, max(block_n, min_tokens_per_split)))
+    return int(max(1, min(want, cap, MAX_SPLITS)))
 
 
 def default_config(device: torch.device, head_dim: int) -> DecodeLaunchConfig:
-    """Block sizes from the H200 sweep (benchmarks/results/attention.json, sweep_history):
-    64-token tiles, 4 warps, 2 stages won at B=64 (98 % of the copy roofline); 8 warps or 3
-    stages lost 10-45 %. Head dims above 128 halve the tile to stay in shared memory
-    (not measured)."""
+    """Block sizes by head dim: 64-token tiles, 4 warps, 2 stages (the H200 sweep's best:
+    docs/kernels.md); head dims above 128 halve the tile to stay in shared memory."""
     if device.type != "cuda":
         return DecodeLaunchConfig(block_n=16, num_warps=4, num_stages=1)
     if head_dim > 128:
@@ -178,110 +154,56 @@ def _decode_stage1(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    _store_split_result(acc, l_i, m_i, Out, OutPartial, LsePartial, b, split, q_heads, offs_dv, h_mask, dv_mask, h_mask,
-                        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, SPLIT)
-
-
-@triton.jit
-def _store_split_result(acc, l_i, m_log2, Out, OutPartial, LsePartial, b, split, offs_h, offs_d, h_mask, d_mask, lse_mask,
-                        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                        SPLIT: tl.constexpr):
-    """Epilogue of a flash-decoding program: ``acc / l`` (``[H, D]``; rows with ``l = 0``
-    give zeros) into ``Out``, or with ``SPLIT`` the fp32 partial into ``OutPartial`` and
-    its natural-log LSE (from the base-2 running max ``m_log2``; -inf marks an empty
-    split) into ``LsePartial`` where ``lse_mask``, for :func:`_merge_splits`."""
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if not SPLIT:
-        tl.store(Out + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
-    else:
-        lse = tl.where(has, (m_log2 + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(OutPartial + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
-                 + split * stride_ps + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
-        tl.store(LsePartial + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=lse_mask)
-
-
-@triton.jit
-def _merge_splits(
-    OutPartial, LsePartial, Out,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    num_splits,
-    V_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    s_mask = offs_s < num_splits
-    dv_mask = offs_dv < V_DIM
-    lse = tl.load(LsePartial + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
-                  mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)
-    w_sum = tl.sum(w, 0)
-    w = w / tl.where(w_sum > 0, w_sum, 1.0)
-    part = tl.load(OutPartial + b.to(tl.int64) * stride_pb + h * stride_ph
-                   + offs_s[:, None] * stride_ps + offs_dv[None, :],
-                   mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0)
-    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
+    store_split_result(acc, l_i, m_i, Out, OutPartial, LsePartial, b, split, q_heads, offs_dv, h_mask, dv_mask, h_mask,
+                       stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, SPLIT)
 
 
 # ----------------------------------------------------------------------------- checks
-def _fail(name: str, allowed: str, got: object) -> None:
-    raise ValueError(f"{name} must be {allowed}; got {got}")
-
-
 def check_decode_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                         page_size: int) -> tuple[int, int, int, int, int]:
     """Validate q / pool buffers; returns (B, Hq, Hkv, D, Dv)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        _fail("q", "a [B, Hq, D] tensor", getattr(q, "shape", type(q)))
-    if q.dtype not in _FLOAT_DTYPES:
-        _fail("q", f"of dtype in {_FLOAT_DTYPES}", q.dtype)
+        fail("q", "a [B, Hq, D] tensor", getattr(q, "shape", type(q)))
+    if q.dtype not in FLOAT_DTYPES:
+        fail("q", f"of dtype in {FLOAT_DTYPES}", q.dtype)
     for name, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         if not isinstance(buf, torch.Tensor) or buf.dim() != 3:
-            _fail(name, "a [num_slots, Hkv, D] tensor", getattr(buf, "shape", type(buf)))
+            fail(name, "a [num_slots, Hkv, D] tensor", getattr(buf, "shape", type(buf)))
         if buf.dtype != q.dtype:
-            _fail(name, f"of q's dtype {q.dtype}", buf.dtype)
+            fail(name, f"of q's dtype {q.dtype}", buf.dtype)
         if buf.device != q.device:
-            _fail(name, f"on q's device {q.device}", buf.device)
+            fail(name, f"on q's device {q.device}", buf.device)
         if buf.stride(-1) != 1:
-            _fail(name, "contiguous in its last dim", buf.stride())
+            fail(name, "contiguous in its last dim", buf.stride())
     if q.stride(-1) != 1:
-        _fail("q", "contiguous in its last dim", q.stride())
+        fail("q", "contiguous in its last dim", q.stride())
     B, Hq, D = q.shape
     if k_buffer.shape[0] != v_buffer.shape[0] or k_buffer.shape[1] != v_buffer.shape[1]:
-        _fail("v_buffer", f"[num_slots={k_buffer.shape[0]}, Hkv={k_buffer.shape[1]}, Dv]", tuple(v_buffer.shape))
+        fail("v_buffer", f"[num_slots={k_buffer.shape[0]}, Hkv={k_buffer.shape[1]}, Dv]", tuple(v_buffer.shape))
     Hkv = k_buffer.shape[1]
     if k_buffer.shape[2] != D:
-        _fail("k_buffer", f"of head dim {D} (q's)", k_buffer.shape[2])
+        fail("k_buffer", f"of head dim {D} (q's)", k_buffer.shape[2])
     if Hkv <= 0 or Hq % Hkv != 0:
-        _fail("q", f"with Hq a multiple of Hkv={Hkv}", Hq)
+        fail("q", f"with Hq a multiple of Hkv={Hkv}", Hq)
     if not isinstance(page_size, int) or page_size < 1:
-        _fail("page_size", "an integer >= 1", page_size)
+        fail("page_size", "an integer >= 1", page_size)
     if k_buffer.shape[0] % page_size != 0:
-        _fail("k_buffer", f"with num_slots a multiple of page_size={page_size}", k_buffer.shape[0])
+        fail("k_buffer", f"with num_slots a multiple of page_size={page_size}", k_buffer.shape[0])
     return B, Hq, Hkv, D, v_buffer.shape[2]
 
 
 def _check_table(page_table: torch.Tensor, cache_seqlens: torch.Tensor, B: int, device: torch.device) -> None:
     if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != B:
-        _fail("page_table", f"a [B={B}, max_pages] tensor", getattr(page_table, "shape", type(page_table)))
+        fail("page_table", f"a [B={B}, max_pages] tensor", getattr(page_table, "shape", type(page_table)))
     if page_table.dtype not in (torch.int32, torch.int64):
-        _fail("page_table", "int32 or int64", page_table.dtype)
+        fail("page_table", "int32 or int64", page_table.dtype)
     if not isinstance(cache_seqlens, torch.Tensor) or tuple(cache_seqlens.shape) != (B,):
-        _fail("cache_seqlens", f"a [B={B}] tensor", getattr(cache_seqlens, "shape", type(cache_seqlens)))
+        fail("cache_seqlens", f"a [B={B}] tensor", getattr(cache_seqlens, "shape", type(cache_seqlens)))
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        _fail("cache_seqlens", "int32 or int64", cache_seqlens.dtype)
+        fail("cache_seqlens", "int32 or int64", cache_seqlens.dtype)
     for name, t in (("page_table", page_table), ("cache_seqlens", cache_seqlens)):
         if t.device != device:
-            _fail(name, f"on q's device {device}", t.device)
+            fail(name, f"on q's device {device}", t.device)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -311,20 +233,12 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
     cfg = config or default_config(q.device, D)
     block_n = cfg.block_n
     kv_bytes = B * max(0, max_tokens) * Hkv * (D * k_buffer.element_size() + Dv * v_buffer.element_size())
-    splits = cfg.num_splits or choose_num_splits(B * Hkv, max_tokens, block_n, sm_count(q.device), kv_bytes=kv_bytes)
-    splits = max(1, min(int(splits), _MAX_SPLITS))
-    tps = -(-max(1, max_tokens) // splits)
-    tps = -(-tps // block_n) * block_n
-    splits = max(1, -(-max(1, max_tokens) // tps))
+    splits, tps = split_tokens(max_tokens, cfg.num_splits or choose_num_splits(
+        B * Hkv, max_tokens, block_n, sm_count(q.device, off_cuda=INTERPRETER_SMS), kv_bytes=kv_bytes), block_n)
     block_h = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(Dv))
-    if splits > 1:
-        part = torch.empty((B, Hq, splits, Dv), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        part = out  # unused by the kernel when SPLIT is False
-        lse = out
+    part, lse, part_strides = split_buffers(out, splits)
     qk_scale_log2 = float(sm_scale) * 1.4426950408889634
     _decode_stage1[(B, Hkv, splits)](
         q, k_buffer, v_buffer, table, row_start, seqlens, out, part, lse,
@@ -333,10 +247,9 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1),
-        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0, part.stride(2) if splits > 1 else 0,
-        lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        *part_strides,
         tps, k_buffer.shape[0],
-        2**31 - 1 if row_units is None else int(row_units),
+        INT32_MAX if row_units is None else int(row_units),
         table.numel() if table_len is None else int(table_len),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, V_DIM=Dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -346,21 +259,6 @@ def decode_over_table(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.T
     if splits > 1:
         merge_splits(part, lse, out, block_dv)
     return out
-
-
-def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_dv: int) -> None:
-    """Log-sum-exp merge of split-K partials ``part [B, H, splits, Dv] float32`` with their
-    ``lse [B, H, splits]`` into ``out [B, H, Dv]`` (one program per (request, head))."""
-    B, H, splits, Dv = part.shape
-    _merge_splits[(B, H)](
-        part, lse, out,
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        splits,
-        V_DIM=Dv, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dv,
-        num_warps=4,
-    )
 
 
 # ----------------------------------------------------------------------------- paged form
@@ -443,25 +341,22 @@ def paged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
                  page_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
                  page_size: int, sm_scale: float,
                  config: Optional[DecodeLaunchConfig] = None) -> torch.Tensor:
-    """Paged GQA decode; Triton on CUDA, torch reference on CPU (see module docstring)."""
-    if use_triton(q):
-        announce_path("paged_decode", "triton")
-        return paged_decode_triton(q, k_buffer, v_buffer, page_table, cache_seqlens,
-                                   page_size=page_size, sm_scale=sm_scale, config=config)
-    announce_path("paged_decode", "reference")
-    return paged_decode_reference(q, k_buffer, v_buffer, page_table, cache_seqlens,
-                                  page_size=page_size, sm_scale=sm_scale)
+    """Paged GQA decode (see the module docstring); Triton on CUDA, the torch reference
+    elsewhere."""
+    impl = dispatch("paged_decode", q, paged_decode_triton, paged_decode_reference)
+    return impl(q, k_buffer, v_buffer, page_table, cache_seqlens, page_size=page_size, sm_scale=sm_scale,
+                config=config)
 
 
 # ----------------------------------------------------------------------------- FA contract
 def _check_fa_inputs(q, k_cache, v_cache, cache_seqlens, page_table, causal):
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != 1:
-        _fail("q", "a [B, 1, Hq, D] tensor (one decode token per row)", getattr(q, "shape", type(q)))
+        fail("q", "a [B, 1, Hq, D] tensor (one decode token per row)", getattr(q, "shape", type(q)))
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.dim() != 4:
-            _fail(name, "a [num_pages, page_size, Hkv, D] tensor", getattr(c, "shape", type(c)))
+            fail(name, "a [num_pages, page_size, Hkv, D] tensor", getattr(c, "shape", type(c)))
     if k_cache.shape[:3] != v_cache.shape[:3]:
-        _fail("v_cache", f"[{k_cache.shape[0]}, {k_cache.shape[1]}, {k_cache.shape[2]}, Dv]", tuple(v_cache.shape))
+        fail("v_cache", f"[{k_cache.shape[0]}, {k_cache.shape[1]}, {k_cache.shape[2]}, Dv]", tuple(v_cache.shape))
 
 
 def flash_attn_with_kvcache_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -485,7 +380,7 @@ def flash_attn_with_kvcache_reference(q: torch.Tensor, k_cache: torch.Tensor, v_
         n = int(cache_seqlens[b])
         if n == 0:
             continue
-        pages = page_table[b, : -(-n // ps)].long()
+        pages = page_table[b, : cdiv(n, ps)].long()
         k = k_cache[pages].reshape(-1, Hkv, D)[:n].float()          # [n, Hkv, D]
         v = v_cache[pages].reshape(-1, Hkv, v_cache.shape[-1])[:n].float()
         k = k.repeat_interleave(Hq // Hkv, dim=1)                   # [n, Hq, D]
@@ -505,7 +400,7 @@ def flash_attn_with_kvcache_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     B, _, Hq, D = q.shape
     num_pages, ps, Hkv = k_cache.shape[:3]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        _fail("k_cache/v_cache", "contiguous (a view of the flat slot pool)", "non-contiguous")
+        fail("k_cache/v_cache", "contiguous (a view of the flat slot pool)", "non-contiguous")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     out = paged_decode_triton(q[:, 0], k_cache.view(num_pages * ps, Hkv, D),
                               v_cache.view(num_pages * ps, Hkv, v_cache.shape[-1]),

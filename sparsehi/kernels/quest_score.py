@@ -11,9 +11,8 @@ Pages per row come from the row's length (tokens, ``page_size``) inside the kern
 rows whose request slot is negative (padding) or past the pool score ``-inf``: the decode
 path scores a layer in one launch, with no per-step derivations around it.
 
-Entry points: ``quest_score`` (dispatch), ``quest_score_triton``, ``quest_score_reference``;
-``quest_update_bounds`` (dispatch), ``quest_update_bounds_triton``,
-``quest_update_bounds_reference``: fold one decoded key per row into its page's min/max.
+Entry points: ``quest_score`` (dispatch), ``quest_score_triton``, ``quest_score_reference``.
+The bounds are kept up to date by ``quest_update_bounds``.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
-from sparsehi.kernels.store_rounding import as_stored
+from hicache.triton_support import cdiv, dispatch
 
 HEAD_REDUCE = ("max", "sum")
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -196,14 +194,11 @@ def quest_score_triton(
     """Triton launcher (one launch); same arguments and result as
     :func:`quest_score_reference`. Index tensors are read in their dtype and q through its
     strides: no conversion launches. ``block_p`` pages per program (None: by batch, below;
-    16 x 128-dim tiles fit
-    in registers at 4 warps; 32 spilled)."""
+    16 x 128-dim tiles fit in registers at 4 warps)."""
     _check(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size)
     b, hq, d = q.shape
-    # Measured on one H100 (Llama-8B shape, 4096 pages; 2026-11-25): below a few dozen rows
-    # the grid is short and each program's latency counts, so small tiles with every
-    # group's loads issued up front win (11.1 -> 8.9 us at B = 1); at B = 64 the larger
-    # tiles are as fast or faster.
+    # below a few dozen rows the grid is short and each program's latency counts: small
+    # tiles with every group's loads issued up front (measured: docs/kernels.md)
     small = b < 32
     block_p = block_p if block_p is not None else (4 if small else 16)
     num_warps = num_warps if num_warps is not None else (2 if small else 4)
@@ -218,7 +213,7 @@ def quest_score_triton(
     out = torch.empty(b, p, dtype=torch.float32, device=q.device)
     if b == 0 or p == 0:
         return out
-    grid = (b, triton.cdiv(p, block_p))
+    grid = (b, cdiv(p, block_p))
     block_d = triton.next_power_of_2(d)
     _quest_score_kernel[grid](
         q, kmin, kmax, req, lens, out,
@@ -244,150 +239,5 @@ def quest_score(
 ) -> torch.Tensor:
     """Quest page upper bounds ``[B, P] float32`` (Triton on CUDA, reference on CPU);
     arguments as :func:`quest_score_reference`."""
-    if use_triton(q):
-        announce_path("quest_score", "triton")
-        return quest_score_triton(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
-    announce_path("quest_score", "reference")
-    return quest_score_reference(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
-
-
-# ----------------------------------------------------------------------------- bound updates
-def _check_update(kmin_flat: torch.Tensor, kmax_flat: torch.Tensor, req_pool_indices: torch.Tensor,
-                  positions: torch.Tensor, new_keys: torch.Tensor, max_num_reqs: int, max_pages: int,
-                  page_size: int) -> None:
-    if kmin_flat.dim() != 3 or kmin_flat.shape != kmax_flat.shape or kmin_flat.dtype != kmax_flat.dtype:
-        raise ValueError(f"kmin_flat/kmax_flat must both be [R * P + 1, Hkv, D] of one dtype, got "
-                         f"{tuple(kmin_flat.shape)} {kmin_flat.dtype} and {tuple(kmax_flat.shape)} {kmax_flat.dtype}")
-    if kmin_flat.shape[0] != max_num_reqs * max_pages + 1:
-        raise ValueError(f"kmin_flat has {kmin_flat.shape[0]} entries, expected max_num_reqs * max_pages + 1 = "
-                         f"{max_num_reqs * max_pages + 1}")
-    b = req_pool_indices.shape[0]
-    if new_keys.shape != (b,) + tuple(kmin_flat.shape[1:]) or not new_keys.is_floating_point():
-        raise ValueError(f"new_keys must be a floating [B={b}, Hkv, D]={(b,) + tuple(kmin_flat.shape[1:])}, "
-                         f"got {tuple(new_keys.shape)} {new_keys.dtype}")
-    if positions.shape != (b,) or req_pool_indices.dim() != 1:
-        raise ValueError(f"req_pool_indices and positions must be [B], got {tuple(req_pool_indices.shape)}, "
-                         f"{tuple(positions.shape)}")
-    if req_pool_indices.dtype not in _INT_DTYPES or positions.dtype not in _INT_DTYPES:
-        raise ValueError(f"req_pool_indices and positions must be int32/int64, got {req_pool_indices.dtype}, {positions.dtype}")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size={page_size!r} is invalid: an integer >= 1")
-
-
-def quest_update_bounds_reference(
-    kmin_flat: torch.Tensor,
-    kmax_flat: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    positions: torch.Tensor,
-    new_keys: torch.Tensor,
-    *,
-    max_num_reqs: int,
-    max_pages: int,
-    page_size: int,
-) -> None:
-    """Torch reference, in place.
-
-    kmin_flat, kmax_flat: ``[max_num_reqs * max_pages + 1, Hkv, D]`` running key min / max
-                          of page ``p`` of request slot ``r`` at entry ``r * max_pages + p``;
-                          the last entry is scratch (this reference dumps the writes of
-                          padding rows there, the kernel writes nothing for them).
-    req_pool_indices:     ``[B]`` int32/int64 request slot per row (negative or
-                          ``>= max_num_reqs``: padding, nothing changes).
-    positions:            ``[B]`` int32/int64 token position of the new key (outside
-                          ``[0, max_pages * page_size)``: nothing changes).
-    new_keys:             ``[B, Hkv, D]`` float, folded into the page's min / max in the
-                          pools' dtype; a page's first token (``position % page_size == 0``)
-                          resets them (the slot may hold an old request's bounds).
-    """
-    _check_update(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, max_num_reqs, max_pages, page_size)
-    dev = kmin_flat.device
-    pos = positions.to(dev).long()
-    req = req_pool_indices.to(dev).long()
-    ok = (req >= 0) & (req < max_num_reqs) & (pos >= 0) & (pos < max_pages * page_size)
-    flat = torch.where(ok, req * max_pages + pos // page_size, kmin_flat.shape[0] - 1)
-    first = (pos % page_size == 0)[:, None, None]
-    k = new_keys.to(dev, kmin_flat.dtype)
-    old_min, old_max = kmin_flat.index_select(0, flat), kmax_flat.index_select(0, flat)
-    kmin_flat.index_copy_(0, flat, torch.where(first, k, torch.minimum(old_min, k)))
-    kmax_flat.index_copy_(0, flat, torch.where(first, k, torch.maximum(old_max, k)))
-
-
-@triton.jit
-def _quest_update_kernel(
-    kmin_ptr, kmax_ptr, req_ptr, pos_ptr, k_ptr,
-    R, P, PAGE_SIZE, HD, D,
-    stride_e, stride_kb, stride_kh,
-    BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    req = tl.load(req_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b).to(tl.int64)
-    ok = (req >= 0) & (req < R) & (pos >= 0) & (pos < P * PAGE_SIZE)
-    entry = req * P + pos // PAGE_SIZE
-    first = (pos % PAGE_SIZE) == 0
-    offs = tl.arange(0, BLOCK)
-    m = offs < tl.where(ok, HD, 0)  # padding / out-of-range rows: nothing
-    k = tl.load(k_ptr + b * stride_kb + (offs // D) * stride_kh + offs % D, mask=m, other=0.0)
-    k = as_stored(k.to(tl.float32), kmin_ptr.dtype.element_ty)  # rounded to the pools' dtype first, as torch does
-    at = entry * stride_e + offs
-    # a page's first token does not read the old bounds
-    fold = offs < tl.where(ok & ((pos % PAGE_SIZE) != 0), HD, 0)
-    old_min = tl.load(kmin_ptr + at, mask=fold, other=0.0).to(tl.float32)
-    old_max = tl.load(kmax_ptr + at, mask=fold, other=0.0).to(tl.float32)
-    new_min = tl.where(first, k, tl.minimum(old_min, k, propagate_nan=tl.PropagateNan.ALL))
-    new_max = tl.where(first, k, tl.maximum(old_max, k, propagate_nan=tl.PropagateNan.ALL))
-    tl.store(kmin_ptr + at, new_min.to(kmin_ptr.dtype.element_ty), mask=m)
-    tl.store(kmax_ptr + at, new_max.to(kmax_ptr.dtype.element_ty), mask=m)
-
-
-def quest_update_bounds_triton(
-    kmin_flat: torch.Tensor,
-    kmax_flat: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    positions: torch.Tensor,
-    new_keys: torch.Tensor,
-    *,
-    max_num_reqs: int,
-    max_pages: int,
-    page_size: int,
-) -> None:
-    """Triton launcher (one launch, one program per row); same arguments and effect on
-    the real entries as :func:`quest_update_bounds_reference`."""
-    _check_update(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, max_num_reqs, max_pages, page_size)
-    b = req_pool_indices.shape[0]
-    hkv, d = kmin_flat.shape[1:]
-    if kmin_flat.stride()[1:] != (d, 1) or kmax_flat.stride() != kmin_flat.stride():
-        raise ValueError("kmin_flat/kmax_flat must share a layout with contiguous [Hkv, D] entries")
-    if b == 0:
-        return
-    dev = kmin_flat.device
-    k = new_keys.to(dev)
-    if k.stride(2) != 1:
-        k = k.contiguous()
-    _quest_update_kernel[(b,)](
-        kmin_flat, kmax_flat, req_pool_indices.to(dev), positions.to(dev), k,
-        max_num_reqs, max_pages, page_size, hkv * d, d,
-        kmin_flat.stride(0), k.stride(0), k.stride(1),
-        BLOCK=triton.next_power_of_2(hkv * d),
-    )
-
-
-def quest_update_bounds(
-    kmin_flat: torch.Tensor,
-    kmax_flat: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    positions: torch.Tensor,
-    new_keys: torch.Tensor,
-    *,
-    max_num_reqs: int,
-    max_pages: int,
-    page_size: int,
-) -> None:
-    """Fold one decoded key per row into its page's min / max, in place (Triton on CUDA,
-    reference on CPU); arguments as :func:`quest_update_bounds_reference`."""
-    kw = dict(max_num_reqs=max_num_reqs, max_pages=max_pages, page_size=page_size)
-    if use_triton(kmin_flat):
-        announce_path("quest_update_bounds", "triton")
-        return quest_update_bounds_triton(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, **kw)
-    announce_path("quest_update_bounds", "reference")
-    return quest_update_bounds_reference(kmin_flat, kmax_flat, req_pool_indices, positions, new_keys, **kw)
+    impl = dispatch("quest_score", q, quest_score_triton, quest_score_reference)
+    return impl(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)

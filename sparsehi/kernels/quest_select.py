@@ -1,13 +1,17 @@
-"""Quest page selection in two launches at small batch: the page bounds and the chunk
-shortlists in one kernel, then the merge. Measured slower than scoring apart, so
-``quest_retrieve`` takes it only when asked (``fused=True``; see "When" below).
+"""Quest page selection, and an optional fused path for small batches.
 
-Unfused, a small batch selects in three launches: ``quest_score`` writes ``[B, P]``
-scores, ``topk_split._chunk_topk_kernel`` shortlists every chunk of the row, and
-``_merge_topk_kernel`` merges. Here ``_quest_chunk_topk_kernel`` (grid ``P x B``, one
-program per chunk of a row's candidate range) scores its chunk's pages, tile by tile, into
-a scratch row, reads them back and writes the chunk's shortlist to the same work buffers
-stage 1 of the split select fills; the unchanged merge follows.
+``quest_retrieve`` scores the pages (``quest_score``) and selects among them
+(``topk_select``; at a small batch that is the chunk shortlists of ``topk_split`` and the
+merge). With ``fused=True`` it runs two launches instead: ``_quest_chunk_topk_kernel``
+(grid ``P x B``, one program per chunk of a row's candidate range) scores its chunk's
+pages, tile by tile, into a scratch row, reads them back and writes the chunk's shortlist
+to the work buffers of the split select, and the merge follows.
+
+The fused path is an option, off by default: it measured slower on an H100 (18.5 us
+against 12.3 us per call at a 2048-page, 2 KV-head x 32 shape at B = 2, 193 us against
+20 us at the Llama-8B shape; docs/kernels.md), because the score kernel spreads the bound
+loads over ``B x P / 4`` programs and the fused one over ``B x P_chunks``. Its plan is
+``topk_split.split_plan``'s, capped at ``FUSED_MAX_CHUNK_BYTES`` of bounds per program.
 
 Exactness: a page's bound is computed by the same helper as ``quest_score``'s
 (``quest_score._score_pages``: heads in order, a fixed pairwise sum over D that no tiling
@@ -15,17 +19,8 @@ or layout changes), so the fused scores are ``quest_score``'s float32 bits, and 
 shortlist and merge are the split select's: ids, valid lengths and tie-breaks (lower id)
 equal ``quest_score`` + ``topk_select``.
 
-When: only with ``quest_retrieve(fused=True)`` (tests, ``benchmarks/bench_selection.py``).
-On an H100 (2026-11-25, ``benchmarks/results/selection.json``, CUDA-graph replays) the
-fused pair took 18.5 us per call at the tiny-gqa shape (2048 pages of 2 KV heads x 32,
-B = 2, top 128) against 12.3 us for the score kernel, the chunk shortlists and the merge,
-and 193 us against 20 us at the Llama-8B shape (8 KiB of bounds per page): the score
-kernel spreads the bound loads over ``B x P / 4`` programs, the fused one over
-``B x P_chunks``, each reading its chunk's bounds tile after tile. The plan it uses is
-``topk_split.split_plan``'s, capped at ``FUSED_MAX_CHUNK_BYTES`` of bounds per program.
-
-Entry points: ``quest_retrieve`` (dispatch: fused, or score then ``topk_select``),
-``quest_select_plan``, ``quest_select_split`` (the two launches).
+Entry points: ``quest_retrieve`` (dispatch), ``quest_select_plan``, ``quest_select_split``
+(the fused path's two launches).
 """
 from __future__ import annotations
 
@@ -35,17 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import announce_path, cdiv, sm_count, use_triton
 from sparsehi.kernels.quest_score import _check, _row_pages, _score_pages, quest_score
 from sparsehi.kernels.radix_select import _order_keys
-from sparsehi.kernels.topk import _check_select_args, _sm_count, topk_select
+from sparsehi.kernels.topk import _check_select_args, topk_select
 from sparsehi.kernels.topk_split import (_chunk_bounds, _shortlist_to_work, check_plan, merge_shortlists,
                                          select_outputs, split_plan, split_work)
 
-# Bounds one fused program may read (its chunk's pages x 2 x Hkv x D x element size). A
-# page read at the tiny-gqa shape (2 KV heads x 32, bf16) is 256 B, so a 512-page chunk is
-# 128 KiB; the Llama-8B shape's 8 KiB per page puts a chunk at megabytes, which one SM
-# reads several times slower than the score kernel's full grid does.
+# Bounds one fused program may read (its chunk's pages x 2 x Hkv x D x element size): a
+# chunk of megabytes on one SM reads several times slower than the score kernel's full grid.
 FUSED_MAX_CHUNK_BYTES = 256 * 1024
 # [pages, D] elements per score tile and group; every group's tile is loaded up front when
 # the groups' tiles together stay under UNROLL_ELEMS (registers at 4 warps)
@@ -170,23 +163,22 @@ def quest_retrieve(
     ``ceil(lengths / page_size)`` and padding rows are never selected).
     top_k, candidate_start, candidate_end, row_mask: as
     :func:`sparsehi.kernels.topk.topk_select` over the ``[B, P]`` page scores.
-    fused: None / False score and select apart (faster on the GPU: module docstring);
-    True fuses (Triton only) with ``quest_select_plan``'s plan, else ``split_plan``'s, or
-    two chunks when that has none (tests, benchmarks).
+    fused: None / False score and select apart (the default: faster on the GPU, module
+    docstring); True fuses (Triton only) with ``quest_select_plan``'s plan, else
+    ``split_plan``'s, or two chunks when that has none.
 
     Returns ``(ids [B, top_k] int32`` ascending, ``-1`` padded, ``valid [B] int32)``, equal
     to ``topk_select(quest_score(...), ...)`` on every path.
     """
     if use_triton(q) and fused:
         n, hkv, d = kmin.shape[1:]
-        sms = _sm_count(q.device)
+        sms = sm_count(q.device)
         plan = quest_select_plan(q.shape[0], n, top_k, sms, 2 * hkv * d * kmin.element_size())
         if plan is None:
             # two chunks when there is no GPU to size a plan by
-            plan = split_plan(q.shape[0], n, top_k, sms) or (2, triton.next_power_of_2(triton.cdiv(max(n, 2), 2)))
-        if plan is not None:
-            announce_path("quest_select", "triton-fused")
-            return quest_select_split(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size, top_k,
-                                      candidate_start, candidate_end, row_mask, plan)
+            plan = split_plan(q.shape[0], n, top_k, sms) or (2, triton.next_power_of_2(cdiv(max(n, 2), 2)))
+        announce_path("quest_select", "triton-fused")
+        return quest_select_split(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size, top_k,
+                                  candidate_start, candidate_end, row_mask, plan)
     scores = quest_score(q, kmin, kmax, req_pool_indices, lengths, head_reduce, page_size=page_size)
     return topk_select(scores, top_k, candidate_start, candidate_end, row_mask)

@@ -11,29 +11,25 @@ from typing import Optional
 
 import torch
 
-from hicache.triton_support import announce_path, use_triton
-from sparsehi.kernels.paged_decode import (
-    DecodeLaunchConfig,
-    _fail,
-    check_decode_inputs,
-    decode_over_table,
-    gathered_decode_reference,
-)
+from hicache.triton_support import dispatch
+from sparsehi.kernels.flash_decoding import fail
+from sparsehi.kernels.paged_decode import (DecodeLaunchConfig, check_decode_inputs, decode_over_table,
+                                           gathered_decode_reference)
 
 
 def _check_ragged(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, B: int, max_kv_len: int,
                   device: torch.device) -> None:
     if not isinstance(kv_indptr, torch.Tensor) or tuple(kv_indptr.shape) != (B + 1,):
-        _fail("kv_indptr", f"a [B+1={B + 1}] tensor", getattr(kv_indptr, "shape", type(kv_indptr)))
+        fail("kv_indptr", f"a [B+1={B + 1}] tensor", getattr(kv_indptr, "shape", type(kv_indptr)))
     if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
-        _fail("kv_indices", "a 1-D [nnz] tensor", getattr(kv_indices, "shape", type(kv_indices)))
+        fail("kv_indices", "a 1-D [nnz] tensor", getattr(kv_indices, "shape", type(kv_indices)))
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
         if t.dtype not in (torch.int32, torch.int64):
-            _fail(name, "int32 or int64", t.dtype)
+            fail(name, "int32 or int64", t.dtype)
         if t.device != device:
-            _fail(name, f"on q's device {device}", t.device)
+            fail(name, f"on q's device {device}", t.device)
     if not isinstance(max_kv_len, int) or max_kv_len < 0:
-        _fail("max_kv_len", "an int >= 0 bounding every row's length", max_kv_len)
+        fail("max_kv_len", "an int >= 0 bounding every row's length", max_kv_len)
 
 
 def ragged_decode_triton(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -81,11 +77,7 @@ def ragged_decode_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
 def ragged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                   kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *, max_kv_len: int,
                   sm_scale: float, config: Optional[DecodeLaunchConfig] = None) -> torch.Tensor:
-    """Ragged GQA decode; Triton on CUDA, torch reference on CPU."""
-    if use_triton(q):
-        announce_path("ragged_decode", "triton")
-        return ragged_decode_triton(q, k_buffer, v_buffer, kv_indptr, kv_indices,
-                                    max_kv_len=max_kv_len, sm_scale=sm_scale, config=config)
-    announce_path("ragged_decode", "reference")
-    return ragged_decode_reference(q, k_buffer, v_buffer, kv_indptr, kv_indices,
-                                   max_kv_len=max_kv_len, sm_scale=sm_scale)
+    """Ragged GQA decode; Triton on CUDA, the torch reference elsewhere."""
+    impl = dispatch("ragged_decode", q, ragged_decode_triton, ragged_decode_reference)
+    return impl(q, k_buffer, v_buffer, kv_indptr, kv_indices, max_kv_len=max_kv_len, sm_scale=sm_scale,
+                config=config)

@@ -16,7 +16,7 @@ first / last pages, selected ids ascending in ``[n_sink, recent_start)``):
 This replaces a concatenation, a sort by id, two gathers and the adaptor's page-table
 build (a dozen small launches per layer) when the selected ids already come ascending.
 
-``choice`` (a ``RowChoice``, sparsehi/kernels/row_choice.py): rows that do not use
+``choice`` (a ``sparsehi.row_choice.RowChoice``): rows that do not use
 ``topk`` / ``valid`` read ``choice.ids`` / ``choice.count`` instead (the plain candidate
 list of rows that are not sparse), so the caller need not materialise the substitution.
 
@@ -26,14 +26,13 @@ Entry points: ``selection_table`` (dispatch), ``selection_table_triton``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
-from sparsehi.kernels.row_choice import RowChoice, resolve
+from hicache.triton_support import cdiv, dispatch
 
 
 @dataclass
@@ -76,14 +75,15 @@ def selection_table_reference(topk: torch.Tensor, valid: torch.Tensor, num_pages
                               sink_table: Optional[torch.Tensor] = None, ring_table: Optional[torch.Tensor] = None,
                               topk_phys: Optional[torch.Tensor] = None,
                               slot_table: Optional[torch.Tensor] = None,
-                              choice: Optional[RowChoice] = None) -> SelectionTable:
+                              choice: Any = None) -> SelectionTable:
     """Torch reference (see the module docstring). ``topk [B, K] int32`` ascending valid
     ids then -1; ``rows [B] int64`` table rows (>= 0; padding rows have num_pages 0);
     tables ``[R, *] int32``; with ``slot_table [R, S]`` the entries of ``topk_phys`` are
     buffer slots and their pages are ``slot_table[row, slot]``."""
     _check(topk, valid, num_pages, seq_lens, rows, own_table, sink_table, ring_table, topk_phys, sink, recent,
            slot_table)
-    topk, valid = resolve(topk, valid, choice)
+    if choice is not None:
+        topk, valid = choice.apply(topk, valid)
     dev = topk.device
     b, k = topk.shape
     w = sink + k + recent
@@ -138,7 +138,7 @@ def _selection_table_block(
 ):
     """Column block ``cb`` of batch row ``b`` (int64); the row's scalars are recomputed by
     each block. ``HAS_ALT``: the row reads ``alt`` / ``alt_valid`` where ``use`` is False
-    (a ``RowChoice``)."""
+    (a ``sparsehi.row_choice.RowChoice``)."""
     P = tl.load(npages_ptr + b).to(tl.int32)
     n_sink = tl.minimum(P, SINK)
     rs = tl.maximum(n_sink, P - RECENT)
@@ -198,7 +198,7 @@ def _selection_table_block(
         tl.store(att_out + b, tl.where(nv > 0, last * PAGE + tail, 0))
 
 
-def choice_args(choice: Optional[RowChoice], topk: torch.Tensor, valid: torch.Tensor) -> tuple:
+def choice_args(choice: Any, topk: torch.Tensor, valid: torch.Tensor) -> tuple:
     """``(use, alt, alt_valid, stride_alt)`` kernel arguments of a row choice (placeholders,
     never read, without one)."""
     if choice is None:
@@ -227,7 +227,7 @@ def _selection_table_kernel(
 
 def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,
                            sink_table=None, ring_table=None, topk_phys=None, slot_table=None,
-                           out: Optional[SelectionTable] = None, choice: Optional[RowChoice] = None) -> SelectionTable:
+                           out: Optional[SelectionTable] = None, choice: Any = None) -> SelectionTable:
     """Triton launcher; same arguments and results as the reference (``out`` reuses buffers)."""
     _check(topk, valid, num_pages, seq_lens, rows, own_table, sink_table, ring_table, topk_phys, sink, recent,
            slot_table)
@@ -246,7 +246,7 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
     dummy = topk
     own = own_table if own_table is not None else dummy
     block_w = min(512, triton.next_power_of_2(w))
-    _selection_table_kernel[(b, triton.cdiv(w, block_w))](
+    _selection_table_kernel[(b, cdiv(w, block_w))](
         topk, valid, num_pages, seq_lens, rows,
         own, sink_table if hier else dummy, ring_table if hier else dummy, topk_phys if topk_phys is not None else dummy,
         slot_table if slot_table is not None else dummy,
@@ -265,12 +265,10 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
 
 def selection_table(topk, valid, num_pages, seq_lens, rows, *, sink, recent, page_size, own_table=None,
                     sink_table=None, ring_table=None, topk_phys=None, slot_table=None,
-                    choice: Optional[RowChoice] = None) -> SelectionTable:
-    """Dispatch: Triton on CUDA, torch otherwise (see the module docstring)."""
-    kw = dict(sink=sink, recent=recent, page_size=page_size, own_table=own_table, sink_table=sink_table,
-              ring_table=ring_table, topk_phys=topk_phys, slot_table=slot_table, choice=choice)
-    if use_triton(topk):
-        announce_path("selection_table", "triton")
-        return selection_table_triton(topk, valid, num_pages, seq_lens, rows, **kw)
-    announce_path("selection_table", "reference")
-    return selection_table_reference(topk, valid, num_pages, seq_lens, rows, **kw)
+                    choice: Any = None) -> SelectionTable:
+    """The selection table (see the module docstring); Triton on CUDA, the torch reference
+    elsewhere."""
+    impl = dispatch("selection_table", topk, selection_table_triton, selection_table_reference)
+    return impl(topk, valid, num_pages, seq_lens, rows, sink=sink, recent=recent, page_size=page_size,
+                own_table=own_table, sink_table=sink_table, ring_table=ring_table, topk_phys=topk_phys,
+                slot_table=slot_table, choice=choice)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import dispatch
 
 
 def _check(counts, step_t, live, layer_slot, totals, ring, ring_step, steps_closed) -> None:
@@ -130,7 +130,5 @@ def close_step_counts(counts: torch.Tensor, step_t: torch.Tensor, live: torch.Te
     at most once); totals ``[2, L]``, ring ``[H, 2, L]``, ring_step ``[H]``, steps_closed
     ``[1]``: int64, updated in place.
     """
-    path = "triton" if use_triton(counts) else "reference"
-    announce_path("close_step_counts", path)
-    fn = close_step_counts_triton if path == "triton" else close_step_counts_reference
-    fn(counts, step_t, live, layer_slot, totals, ring, ring_step, steps_closed)
+    impl = dispatch("close_step_counts", counts, close_step_counts_triton, close_step_counts_reference)
+    impl(counts, step_t, live, layer_slot, totals, ring, ring_step, steps_closed)

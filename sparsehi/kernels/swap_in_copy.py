@@ -42,7 +42,12 @@ import triton
 import triton.language as tl
 
 from hicache.kernels.kv_copy import kv_copy_reference, word_rows
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
+
+# Launch shape (measurements: docs/kernels.md): 4 KiB of rows per program, a row's programs
+# adjacent in launch order, one program per run.
+DEFAULT_BLOCK_BYTES = 4096
+DEFAULT_ROW_MAJOR = True
 
 
 def _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
@@ -136,10 +141,12 @@ def swap_in_slots(src, load_ids, load_slots, num_loads, rows, host_pages, slot_p
 
 
 def swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
-                           page_size, *, host_tokens: Optional[torch.Tensor] = None,
+                           page_size, block_bytes: int = DEFAULT_BLOCK_BYTES, row_major: bool = DEFAULT_ROW_MAJOR,
+                           programs_per_row: Optional[int] = None, *, host_tokens: Optional[torch.Tensor] = None,
                            resident: Optional[tuple[torch.Tensor, int]] = None) -> None:
     """Torch reference: the same copy through per-token slot lists (``swap_in_slots``) and
-    ``kv_copy_reference``; resident tokens are read (from ``dst``) before anything is written."""
+    ``kv_copy_reference``; resident tokens are read (from ``dst``) before anything is written.
+    ``block_bytes``, ``row_major`` and ``programs_per_row`` shape the Triton launch only."""
     _check(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, host_tokens,
            resident)
     h, d, rs = swap_in_slots(src, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
@@ -265,16 +272,6 @@ def _piece_words(chunk: int, cap: int = 64) -> int:
     return seg
 
 
-# Measured on one H100 (benchmarks/results/swapin.json, copy_variant_us, 2026-11-25): a row's
-# programs adjacent in launch order read its ascending host pages together and take 7-18 %
-# off the MLA copy at B = 64..128 (fewer host-page translations in flight), the same at
-# small batch; 4 KiB blocks are as fast as or faster than 2, 8 and 16 KiB there. One program
-# per run (the full grid): bounding it to 4-64 programs per SM, each looping over its row's
-# runs, was never faster and up to 20 % slower at B = 128 (fewer reads in flight).
-DEFAULT_BLOCK_BYTES = 4096
-DEFAULT_ROW_MAJOR = True
-
-
 @dataclass
 class CopyGeometry:
     """How the copy kernel walks one layer's rows: word views, segments per row (``nseg``),
@@ -345,7 +342,7 @@ def swap_in_copy_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, 
     g = copy_geometry(src, dst, load_ids, load_slots, block_bytes)
     ws, wd, nseg, li, ls = g.src, g.dst, g.nseg, g.load_ids, g.load_slots
     seg, parts, toks, tile = g.seg, g.parts, g.toks, g.tile
-    runs = triton.cdiv(k * ps, toks)  # the most a row can need
+    runs = cdiv(k * ps, toks)  # the most a row can need
     gpr = runs if programs_per_row is None else max(1, min(runs, programs_per_row))
     (hp, hp_cols, stride_hp), extra, flags = source_args(host_pages, slot_pages, host_tokens, resident)
     _swap_in_copy_kernel[(gpr, b, nbuf * nseg) if row_major else (b, gpr, nbuf * nseg)](
@@ -377,12 +374,6 @@ def swap_in_copy(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pa
     block_bytes: bytes of rows per run, row_major: launch order (a row's programs
     adjacent), programs_per_row: programs looping over a row's runs (None: one per run);
     Triton path."""
-    probe = dst if dst.is_cuda else src
-    args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size)
-    if use_triton(probe):
-        announce_path("swap_in_copy", "triton")
-        swap_in_copy_triton(*args, block_bytes=block_bytes, row_major=row_major, programs_per_row=programs_per_row,
-                            host_tokens=host_tokens, resident=resident)
-    else:
-        announce_path("swap_in_copy", "reference")
-        swap_in_copy_reference(*args, host_tokens=host_tokens, resident=resident)
+    impl = dispatch("swap_in_copy", dst if dst.is_cuda else src, swap_in_copy_triton, swap_in_copy_reference)
+    impl(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, block_bytes,
+         row_major, programs_per_row, host_tokens=host_tokens, resident=resident)

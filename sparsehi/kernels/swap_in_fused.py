@@ -17,7 +17,7 @@ and those of ``selection_table`` in hierarchical form (``topk [B, K] int32`` asc
 ``valid [B]``, ``num_pages [B]``, ``seq_lens [B]``, ``table_rows [B] int64`` (padding mapped to
 row 0), ``sink`` / ``recent`` pages, ``sink_table`` / ``ring_table`` ``[R, *] int32``,
 ``device_slots [B, K] int32`` from the diff, ``slot_table [R, S] int32``; ``choice``, a
-``RowChoice``: rows that do not use ``topk`` / ``valid`` read its ids and count, as the diff
+``sparsehi.row_choice.RowChoice``: rows that do not use ``topk`` / ``valid`` read its ids and count, as the diff
 did). Returns the ``SelectionTable``.
 
 Entry points: ``swap_in_copy_and_table`` (dispatch), ``swap_in_copy_and_table_triton``,
@@ -25,14 +25,13 @@ Entry points: ``swap_in_copy_and_table`` (dispatch), ``swap_in_copy_and_table_tr
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
-from sparsehi.kernels.row_choice import RowChoice
+from hicache.triton_support import cdiv, dispatch
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
                                               choice_args, selection_table_reference)
 from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _swap_in_copy_block,
@@ -86,22 +85,29 @@ def _empty_table(b: int, w: int, dev: torch.device) -> SelectionTable:
 def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                                      page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                      sink_table, ring_table, device_slots,
-                                     choice: Optional[RowChoice] = None,
+                                     block_bytes: int = DEFAULT_BLOCK_BYTES, out: Optional[SelectionTable] = None,
+                                     choice: Any = None,
                                      host_tokens: Optional[torch.Tensor] = None,
                                      resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
-    """Torch reference: ``swap_in_copy_reference`` then ``selection_table_reference``."""
+    """Torch reference: ``swap_in_copy_reference`` then ``selection_table_reference``
+    (``block_bytes`` shapes the Triton launch only; ``out`` is filled and returned)."""
     swap_in_copy_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
                            host_tokens=host_tokens, resident=resident)
-    return selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
-                                     page_size=page_size, sink_table=sink_table, ring_table=ring_table,
-                                     topk_phys=device_slots, slot_table=slot_pages, choice=choice)
+    table = selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
+                                      page_size=page_size, sink_table=sink_table, ring_table=ring_table,
+                                      topk_phys=device_slots, slot_table=slot_pages, choice=choice)
+    if out is None:
+        return table
+    for name in ("logical", "physical", "page_table", "num_valid", "attended"):
+        getattr(out, name).copy_(getattr(table, name))
+    return out
 
 
 def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                                   page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                   sink_table, ring_table, device_slots, block_bytes: int = DEFAULT_BLOCK_BYTES,
                                   out: Optional[SelectionTable] = None,
-                                  choice: Optional[RowChoice] = None,
+                                  choice: Any = None,
                                   host_tokens: Optional[torch.Tensor] = None,
                                   resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
     """One launch (see the module docstring); ``out`` reuses table buffers. No host syncs."""
@@ -124,9 +130,9 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
     g = copy_geometry(src, dst, load_ids, load_slots, block_bytes)
     ws, wd, nseg, li, ls = g.src, g.dst, g.nseg, g.load_ids, g.load_slots
     seg, parts, toks, tile = g.seg, g.parts, g.toks, g.tile
-    runs = max(1, triton.cdiv(kl * page_size, toks))
+    runs = max(1, cdiv(kl * page_size, toks))
     block_w = min(512, triton.next_power_of_2(w))
-    wblocks = triton.cdiv(w, block_w)
+    wblocks = cdiv(w, block_w)
     nsegs = src.shape[3] * nseg
     (hp, hp_cols, stride_hp), extra, flags = source_args(host_pages, slot_pages, host_tokens, resident)
     _swap_in_and_table_kernel[(max(runs, wblocks), b, nsegs + 1)](
@@ -152,17 +158,13 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
 def swap_in_copy_and_table(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size,
                            topk, valid, num_pages, seq_lens, table_rows, *, sink, recent, sink_table, ring_table,
                            device_slots, out: Optional[SelectionTable] = None,
-                           choice: Optional[RowChoice] = None, host_tokens: Optional[torch.Tensor] = None,
+                           choice: Any = None, host_tokens: Optional[torch.Tensor] = None,
                            resident: Optional[tuple[torch.Tensor, int]] = None) -> SelectionTable:
-    """Dispatch (see the module docstring): Triton when the device side is CUDA (or the
-    interpreter is forced), the torch references otherwise."""
-    probe = dst if dst.is_cuda else src
-    args = (src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, topk, valid,
-            num_pages, seq_lens, table_rows)
-    kw = dict(sink=sink, recent=recent, sink_table=sink_table, ring_table=ring_table, device_slots=device_slots,
-              choice=choice, host_tokens=host_tokens, resident=resident)
-    if use_triton(probe):
-        announce_path("swap_in_copy_and_table", "triton")
-        return swap_in_copy_and_table_triton(*args, **kw, out=out)
-    announce_path("swap_in_copy_and_table", "reference")
-    return swap_in_copy_and_table_reference(*args, **kw)
+    """The copy of the misses and the selection table (see the module docstring): Triton
+    when the device side is CUDA, the torch references elsewhere."""
+    impl = dispatch("swap_in_copy_and_table", dst if dst.is_cuda else src, swap_in_copy_and_table_triton,
+                    swap_in_copy_and_table_reference)
+    return impl(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, page_size, topk, valid,
+                num_pages, seq_lens, table_rows, sink=sink, recent=recent, sink_table=sink_table,
+                ring_table=ring_table, device_slots=device_slots, out=out, choice=choice, host_tokens=host_tokens,
+                resident=resident)

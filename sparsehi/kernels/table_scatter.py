@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import cdiv, dispatch
 
 MAX_TABLES = 3
 
@@ -141,7 +141,7 @@ def table_scatter_triton(entries: torch.Tensor, tables: Sequence[torch.Tensor], 
     ts = list(tables) + [tables[0]] * (MAX_TABLES - len(tables))
     rows = [t.shape[0] if i < len(tables) else 0 for i, t in enumerate(ts)]  # aliases: no row matches
     block_e = min(128, triton.next_power_of_2(e))
-    _table_scatter_kernel[(triton.cdiv(e, block_e),)](
+    _table_scatter_kernel[(cdiv(e, block_e),)](
         entries, e, ts[0], ts[1], ts[2], ts[0].stride(0), ts[1].stride(0), ts[2].stride(0),
         rows[0], rows[1], rows[2], ts[0].shape[1], ts[1].shape[1], ts[2].shape[1],
         SPAN=span, BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(span), num_warps=4,
@@ -151,9 +151,4 @@ def table_scatter_triton(entries: torch.Tensor, tables: Sequence[torch.Tensor], 
 def table_scatter(entries: torch.Tensor, tables: Sequence[torch.Tensor], span: int = 1) -> None:
     """Write the entries into the tables (see the module docstring): Triton on CUDA, the
     torch reference otherwise."""
-    if use_triton(entries):
-        announce_path("table_scatter", "triton")
-        table_scatter_triton(entries, tables, span)
-    else:
-        announce_path("table_scatter", "reference")
-        table_scatter_reference(entries, tables, span)
+    dispatch("table_scatter", entries, table_scatter_triton, table_scatter_reference)(entries, tables, span)

@@ -3,11 +3,10 @@
 ``topk_select`` is the decode path: one Triton launch (one program per row) that finds the
 exact top ``top_k`` candidates of every row by radix select on the scores' bits and writes
 them in ascending id order (``topk_select_triton``; ``topk_select_reference`` is the torch
-twin with identical results). ``masked_topk`` is the earlier torch formulation (a stable
-sort of the masked scores, ids by descending score), kept for scripts that compare the two.
-
-Also here: the argument checks the algorithms share (``selection_kwargs``,
-``check_int_vector``, ...) and ``IdentityMemo``.
+twin with identical results); a batch too small to fill the GPU splits each row over
+several programs (``topk_split``). ``masked_topk`` is a torch top-k of another output
+order (a stable sort of the masked scores, ids by descending score), which benchmarks and
+tests compare against; ``IdentityMemo`` caches its candidate mask across layers.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import announce_path, use_triton
+from hicache.triton_support import dispatch, sm_count
 from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
@@ -147,8 +146,10 @@ def _check_select_args(scores: object, top_k: object, candidate_start: object, c
         got = (tuple(scores.shape), scores.dtype) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"scores must be a floating [B, N] tensor, got {got}")
     b = scores.shape[0]
-    check_int_vector("candidate_start", candidate_start, b)
-    check_int_vector("candidate_end", candidate_end, b)
+    for name, t in (("candidate_start", candidate_start), ("candidate_end", candidate_end)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,) or t.dtype not in (torch.int32, torch.int64):
+            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a [B={b}] int32/int64 tensor, got {got}")
     if row_mask is not None and (not isinstance(row_mask, torch.Tensor) or tuple(row_mask.shape) != (b,)
                                  or row_mask.dtype != torch.bool):
         got = (tuple(row_mask.shape), row_mask.dtype) if isinstance(row_mask, torch.Tensor) else type(row_mask).__name__
@@ -286,20 +287,6 @@ def _topk_select_kernel(
     tl.store(valid_ptr + b, n_out)
 
 
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 elsewhere: the interpreter never splits
-    unless asked)."""
-    if device.type != "cuda":
-        return 0
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
-
-
 def topk_select_triton(
     scores: torch.Tensor,
     top_k: int,
@@ -332,7 +319,7 @@ def topk_select_triton(
     bsz, n = scores.shape
     dev = scores.device
     if split is not False:
-        plan = split_plan(bsz, n, top_k, _sm_count(dev))
+        plan = split_plan(bsz, n, top_k, sm_count(dev))
         if plan is not None:
             return topk_select_split(scores, top_k, candidate_start, candidate_end, row_mask, plan)
     scores, ids, valid = select_outputs(scores, top_k)
@@ -370,112 +357,5 @@ def topk_select(
     ``valid [B] int32 = min(top_k, selectable ids))``. Among equal scores the lower id is
     taken. Triton on CUDA (one launch; no host sync, fixed shapes), the torch reference on CPU.
     """
-    if use_triton(scores):
-        announce_path("topk_select", "triton")
-        return topk_select_triton(scores, top_k, candidate_start, candidate_end, row_mask)
-    announce_path("topk_select", "reference")
-    return topk_select_reference(scores, top_k, candidate_start, candidate_end, row_mask)
-
-
-def as_row_mask(sparse_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``sparse_mask [B]`` as the ``bool`` row mask :func:`topk_select` takes, on ``device``
-    (no launch when it already is one)."""
-    m = sparse_mask if sparse_mask.device == torch.device(device) else sparse_mask.to(device)
-    return m if m.dtype == torch.bool else m != 0
-
-
-def selection_kwargs(
-    kwargs: dict, batch: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Validate the keyword arguments the coordinator passes to ``retrieve_topk``.
-
-    Returns ``(seq_lens, candidate_start, candidate_end)``, each ``[B]`` int32 or int64 as
-    given (moved to ``device`` only when elsewhere: the kernels read either dtype, so the
-    decode path needs no conversion launch), and ``top_k`` int; raises ValueError naming a
-    missing or malformed one.
-    """
-    ts = []
-    for name in ("seq_lens", "candidate_start", "candidate_end"):
-        t = kwargs.get(name)
-        if not isinstance(t, torch.Tensor) or t.shape != (batch,) or t.dtype not in _INT_DTYPES:
-            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"retrieve_topk needs {name}: a [B={batch}] int32/int64 tensor, got {got}")
-        ts.append(t if t.device == torch.device(device) else t.to(device))
-    top_k = kwargs.get("top_k")
-    if isinstance(top_k, torch.Tensor) and top_k.numel() == 1:
-        top_k = int(top_k)
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
-        raise ValueError(f"retrieve_topk needs top_k: an integer > 0 (selection units), got {top_k!r}")
-    return ts[0], ts[1], ts[2], top_k
-
-
-# ----------------------------------------------------------------------------- input guards
-def host_checks_enabled(validate: bool) -> bool:
-    """Run the value checks that read tensors back to the host?
-
-    ``validate`` (``sparse_extra_config["validate"]``, default True) asks for them, but
-    never while a CUDA graph is being captured: a host read-back would break the capture,
-    and a captured graph replays with values the checks never saw anyway. Shape and dtype
-    checks (metadata only) always run.
-    """
-    if not validate:
-        return False
-    # CUDA not initialised -> nothing can be capturing (and the query itself would fail
-    # on a CPU-only torch)
-    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
-
-
-_INT_DTYPES = (torch.int32, torch.int64)
-
-
-def check_int_vector(name: str, t: object, batch: int) -> torch.Tensor:
-    """``t`` as a ``[batch]`` int32/int64 tensor, else ValueError naming ``name``."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != batch:
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be a [B={batch}] int32/int64 tensor, got shape {got}")
-    if t.dtype not in _INT_DTYPES:
-        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    return t
-
-
-def check_float_tensor(name: str, t: object, shape: tuple[int, ...], desc: str) -> torch.Tensor:
-    """``t`` as a floating tensor of exactly ``shape``, else ValueError naming ``name``
-    (``desc`` spells the shape, e.g. ``"[B, Hkv, D]"``)."""
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be {desc}={tuple(shape)}, got {got}")
-    if not t.is_floating_point():
-        raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
-    return t
-
-
-def check_batch_rows(req_pool_indices: object, sparse_mask: object = None) -> int:
-    """Validate ``req_pool_indices [B]`` (and ``sparse_mask [B]`` when given); returns B."""
-    if not isinstance(req_pool_indices, torch.Tensor) or req_pool_indices.dim() != 1:
-        got = tuple(req_pool_indices.shape) if isinstance(req_pool_indices, torch.Tensor) else type(req_pool_indices).__name__
-        raise ValueError(f"req_pool_indices must be a [B] int32/int64 tensor, got shape {got}")
-    b = req_pool_indices.shape[0]
-    check_int_vector("req_pool_indices", req_pool_indices, b)
-    if sparse_mask is not None:
-        if not isinstance(sparse_mask, torch.Tensor) or tuple(sparse_mask.shape) != (b,):
-            got = tuple(sparse_mask.shape) if isinstance(sparse_mask, torch.Tensor) else type(sparse_mask).__name__
-            raise ValueError(f"sparse_mask must be a [B={b}] bool tensor, got shape {got}")
-    return b
-
-
-def live_rows(req_pool_indices: torch.Tensor, max_num_reqs: int) -> torch.Tensor:
-    """``[B] bool``: rows naming a real request slot. Negative ids are padding rows (e.g. of
-    a CUDA-graph batch); ids ``>= max_num_reqs`` (rejected by the checks when they run)
-    are treated as padding too, so an unchecked call never writes out of its pool."""
-    return (req_pool_indices >= 0) & (req_pool_indices < max_num_reqs)
-
-
-def raise_if_any(flags: list[tuple[torch.Tensor, str]]) -> None:
-    """One host read-back for several checks: raise ValueError with the message of the
-    first ``(bool tensor, message)`` whose tensor has a True element."""
-    if not flags:
-        return
-    hits = torch.stack([f.any() for f, _ in flags]).tolist()
-    for hit, (_, msg) in zip(hits, flags):
-        if hit:
-            raise ValueError(msg)
+    impl = dispatch("topk_select", scores, topk_select_triton, topk_select_reference)
+    return impl(scores, top_k, candidate_start, candidate_end, row_mask)

@@ -1,8 +1,7 @@
 """Top-k selection split over several programs per row, for small batches.
 
 ``topk_select``'s kernel gives each row one program, which at batch 1 leaves one SM busy
-for the whole select (about 25 us for 4096 candidates on an H100). Here a row's candidate
-range is cut into ``P`` chunks:
+for the whole select. Here a row's candidate range is cut into ``P`` chunks:
 
 1. ``_chunk_topk_kernel`` (grid ``P x B``): each program loads one chunk into registers,
    radix-selects the chunk's own top ``min(top_k, selectable)`` and writes those keys and ids,
@@ -34,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.triton_support import cdiv
 from sparsehi.kernels.radix_select import _emit, _order_keys, _select_threshold
 
 MAX_CHUNK = 4096
@@ -51,7 +51,7 @@ def split_plan(batch: int, n: int, top_k: int, sms: int) -> Optional[tuple[int, 
     p = triton.next_power_of_2(math.ceil(math.sqrt(n / kp)))
     while p > 1 and (p * kp > MAX_MERGE or batch * p > 2 * sms):
         p //= 2
-    chunk = triton.next_power_of_2(triton.cdiv(n, p))
+    chunk = triton.next_power_of_2(cdiv(n, p))
     if p < 2 or chunk > MAX_CHUNK or chunk <= kp:
         return None
     return p, chunk

@@ -1,8 +1,7 @@
-"""Plain-torch attention used by the runtime's dense paths (prefill in every mode, dense
-decode on CPU) and as the fallback sparse decode when no backend adaptor is present.
+"""Plain-torch prefill attention used by the runtime (every mode).
 
-Both functions take the cache rows a query may see; GQA groups are expanded here, MLA
-passes ``k = kv [S, 1, r + rope]`` and ``v = kv[..., :r]``.
+It takes the cache rows a query may see; GQA groups are expanded here, MLA passes
+``k = kv [S, 1, r + rope]`` and ``v = kv[..., :r]``.
 """
 from __future__ import annotations
 
@@ -37,25 +36,3 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale
             qh[None], kh[None], vh[None], attn_mask=mask[None, None], scale=sm_scale)[0]
     return o.transpose(0, 1).to(q.dtype)
 
-
-def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slots: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Decode attention over explicit cache rows.
-
-    q: ``[B, Hq, D]``; k_cache ``[N, Hkv, D]``, v_cache ``[N, Hkv, Dv]``;
-    slots: ``[B, L] int64`` cache rows per request, ``-1`` padded. Returns ``[B, Hq, Dv]``.
-    """
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    group = Hq // Hkv
-    valid = slots >= 0
-    idx = slots.clamp_min(0)
-    cdt = torch.float32 if q.device.type == "cpu" else q.dtype
-    kg = k_cache[idx].to(cdt)                                       # [B, L, Hkv, D]
-    vg = v_cache[idx].to(cdt)
-    qg = q.to(cdt).view(B, Hkv, group, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, kg) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores.float(), dim=-1).to(cdt)
-    o = torch.einsum("bhgl,blhd->bhgd", p, vg)
-    return o.reshape(B, Hq, -1).to(q.dtype)

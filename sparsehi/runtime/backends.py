@@ -15,7 +15,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
-from sparsehi.kernels.decoder_ops import store_kv
+from sparsehi.kernels.store_kv import store_kv
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.modes import RuntimeConfig, round_up

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsehi.kernels.decoder_ops import add_rms_norm, rope_inplace
+from sparsehi.kernels.add_rms_norm import add_rms_norm
+from sparsehi.kernels.rope import rope_inplace
 from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, rope_cos_sin, seeded_normal_,
                                     tie_rows)
 from sparsehi.runtime.model_config import ModelConfig

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from sparsehi.kernels.decoder_ops import silu_mul
+from sparsehi.kernels.silu_mul import silu_mul
 
 
 class AttentionFn(Protocol):

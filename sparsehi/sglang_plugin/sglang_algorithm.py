@@ -58,14 +58,14 @@ from typing import Any, Optional
 
 import torch
 
+from hicache.triton_support import INT32_MAX
 from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
 from sparsehi.algorithms.graph_safety import CaptureFinding, HostSyncDetector, caller_location
-from sparsehi.kernels.topk import host_checks_enabled
+from sparsehi.input_checks import host_checks_enabled
 
 logger = logging.getLogger(__name__)
 
 _SGLANG_BASE = "sglang.srt.mem_cache.sparsity.algorithms.base_algorithm"
-_INT32_MAX = 2**31 - 1
 _logged: set[tuple[str, str]] = set()
 _THIS_NAME = os.path.basename(__file__)
 
@@ -268,7 +268,7 @@ class SGLangAlgorithm(BaseSparseAlgorithm):
         if self.req_to_token_pool is None:
             # stable ids r * M + position: a real ReqToTokenPool the adaptor fills itself
             m = -(-max_context_len // ps) * ps
-            if max_num_reqs * m >= _INT32_MAX:
+            if max_num_reqs * m >= INT32_MAX:
                 raise ValueError(f"max_num_reqs={max_num_reqs} x max_context_len={max_context_len} exceeds the int32 "
                                  "slot ids of SGLang's ReqToTokenPool")
             pool = ReqToTokenPool(size=max_num_reqs, max_context_len=m, device=str(self.device),
@@ -463,8 +463,8 @@ class SGLangAlgorithm(BaseSparseAlgorithm):
         key = torch.sort(key, dim=1, descending=True).values[:, :top_k]
         n = count.clamp(max=top_k)
         colk = torch.arange(top_k, device=dev)[None, :]
-        asc = torch.sort(torch.where(colk < n[:, None], key, _INT32_MAX), dim=1).values
-        out = torch.where(asc == _INT32_MAX, -1, asc).to(torch.int32)
+        asc = torch.sort(torch.where(colk < n[:, None], key, INT32_MAX), dim=1).values
+        out = torch.where(asc == INT32_MAX, -1, asc).to(torch.int32)
         return out, n.to(torch.int32)
 
     # ------------------------------------------------------------------ lifecycle

@@ -5,14 +5,14 @@ are sparse and live) or the row's plain candidate list (rows whose candidates fi
 top-k, dense rows, padding rows). Materialising that choice costs two element-wise
 launches per sparse layer (a ``torch.where`` over ``[B, K]`` and one over ``[B]``); the
 kernels that read the selection next (the LRU diff, the selection table, the fused copy
-and table) take a ``RowChoice`` instead and read each row from the side it chose. What they
-compute is what they compute on ``RowChoice.apply``'s output, which is also the torch
-reference of the substitution.
+and table: ``sparsehi.kernels.lru_diff``, ``selection_table``, ``swap_in_fused``) take a
+``RowChoice`` as their ``choice`` argument instead and read each row from the side it
+chose. What they compute is what they compute on ``RowChoice.apply``'s output, which is
+also the torch reference of the substitution (their references call it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -54,8 +54,3 @@ class RowChoice:
         self.check(topk, valid)
         return torch.where(self.use[:, None], topk, self.ids), torch.where(self.use, valid, self.count)
 
-
-def resolve(topk: torch.Tensor, valid: torch.Tensor,
-            choice: Optional[RowChoice]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``choice.apply(topk, valid)``, or the selection itself without a choice (references)."""
-    return (topk, valid) if choice is None else choice.apply(topk, valid)

@@ -1,0 +1,229 @@
+"""Sparse MLA decode on Hopper in Gluon (:class:`MlaGluonConfig`; the rows and indices as
+``sparse_mla_decode``, which runs this kernel by default for large launches on Hopper).
+
+:func:`_mla_gluon_kernel` sets its layouts explicitly: one 64-head block on 8 warps (two
+warpgroups) splits both the score MMA's tokens and the value MMA's latent columns over the
+warpgroups (``warps [4, 2]``), passes ``P`` to the value MMA through shared memory, gathers
+KV rows by ``cp.async`` into a ``NUM_BUF``-deep shared ring and reads the index tiles one
+iteration ahead. Split-K as the fused kernel (``sparse_mla_common.launch_split``).
+``gluon_ok`` says where it runs (Triton with this Gluon API, a Hopper GPU, 16-bit inputs).
+Its measurements and the variants tried: docs/kernels.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hicache.triton_support import cdiv, interpreter_enabled, sm_count
+from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, fail, split_tokens
+from sparsehi.kernels.sparse_mla_common import launch_split, mla_num_splits
+
+
+@dataclass(frozen=True)
+class MlaGluonConfig:
+    """Hopper Gluon kernel :func:`_mla_gluon_kernel` (64-head blocks, 8 warps): ``block_n``
+    tokens per tile, a ``num_buf``-deep cp.async ring (64 x 2 fills the shared memory; 32-token
+    tiles take up to 4). ``late_issue``: issue the next tile's gather after
+    the loop-top barrier instead of behind a trailing one. Falls back to the Triton kernel
+    (logged once) where Gluon or a Hopper GPU is unavailable."""
+
+    block_n: int = 64
+    num_buf: int = 2
+    late_issue: bool = False
+    num_splits: Optional[int] = None
+
+
+try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    @gluon.jit
+    def _gl_rows(idx_row, start, end, t, num_slots, offs_n, BLOCK_N: gl.constexpr):
+        """Slots of tile ``t``, -1 where masked (padding, past the split, out of the pool)."""
+        offs = start + t * BLOCK_N + offs_n
+        in_row = offs < end
+        idx = gl.load(idx_row + offs, mask=in_row, other=-1)
+        return gl.where(in_row & (idx < num_slots), idx, -1)
+
+    @gluon.jit
+    def _gl_copy(KV, rows, stride_kvn, col0, buf, offs_d):
+        """cp.async gather ``KV[rows, col0 + offs_d]`` into ``buf`` (zero fill where rows < 0)."""
+        valid = rows >= 0
+        base = gl.maximum(rows, 0).to(gl.int64) * stride_kvn + col0
+        async_copy.async_copy_global_to_shared(buf, KV + base[:, None] + offs_d[None, :], mask=valid[:, None])
+
+    @gluon.jit
+    def _mla_gluon_kernel(
+        Q, KV, Idx, Out, OutPartial, LsePartial,
+        qk_scale_log2,
+        stride_qb, stride_qh, stride_kvn, stride_ib,
+        stride_ob, stride_oh,
+        stride_pb, stride_ph, stride_ps,
+        stride_lb, stride_lh,
+        num_heads, num_idx, tokens_per_split, num_slots,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_BUF: gl.constexpr, LATE_ISSUE: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """Hopper sparse MLA decode in Gluon, 8 warps = 2 warpgroups, one 64-head block.
+
+        Explicit layouts: both the score MMA ``S = q kv^T`` (wgmma m64n(N/2)) and the value
+        MMA ``O += P kv_lat`` (m64n256) split over the two warpgroups (``warps [4, 2]``), so no
+        MMA is issued twice; ``P`` goes to the value MMA through shared memory; the gathered
+        KV rows land by ``cp.async`` in a ``NUM_BUF``-deep shared ring (tiles t+1 .. t+NUM_BUF-1
+        in flight while tile t is computed; padding rows zero-filled); the index tiles are
+        read one iteration before their gathers / masks need them; q is loaded (while the
+        first tiles fly) into shared memory once. Row sums are kept per token column (``l2``)
+        and reduced after the loop; the score MMA starts from zero, the value MMA
+        accumulates into the rescaled ``O`` in registers (m64n256 per warpgroup)."""
+        hb = gl.program_id(0)
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        start = split * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, num_idx)
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, BLOCK_N // 2, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, D_LAT // 2, 16])
+        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = KV.dtype.element_ty
+
+        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
+        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
+        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
+        lat_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_LAT], sh)
+        pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
+        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sh_p)
+
+        idx_row = Idx + b.to(gl.int64) * stride_ib
+        offs_n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
+        offs_n_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_pe))
+        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l2 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma_s)
+        zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma_s)
+        o = gl.zeros([BLOCK_H, D_LAT], gl.float32, layout=mma_o)
+
+        for t in gl.static_range(NUM_BUF - 1):
+            rl = _gl_rows(idx_row, start, end, t, num_slots, offs_n_lat, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t, num_slots, offs_n_pe, BLOCK_N)
+            _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(t), offs_d_lat)
+            _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(t), offs_d_pe)
+            async_copy.commit_group()
+        # index tiles are read one iteration ahead of their use (their latency off the loop's path)
+        rl = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n_lat, BLOCK_N)
+        rp = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n_pe, BLOCK_N)
+        vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
+        # q [BLOCK_H, D_LAT] and [BLOCK_H, D_ROPE] -> shared (once), while the first tiles fly
+        q_row = Q + b.to(gl.int64) * stride_qb
+        q_lat = gl.load(q_row + offs_h_lat[:, None] * stride_qh + offs_d_lat[None, :],
+                        mask=(offs_h_lat < num_heads)[:, None], other=0.0)
+        q_pe = gl.load(q_row + offs_h_pe[:, None] * stride_qh + D_LAT + offs_d_pe[None, :],
+                       mask=(offs_h_pe < num_heads)[:, None], other=0.0)
+        q_lat_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LAT], sh, q_lat)
+        q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], sh, q_pe)
+        for t in range(0, n_tiles):
+            cur = t % NUM_BUF
+            # the slot of tile t-1 (its value MMA finished last iteration) gets tile t+NUM_BUF-1
+            nxt = (t + NUM_BUF - 1) % NUM_BUF
+            if LATE_ISSUE:
+                # tile t landed; past this barrier every warpgroup is done with tile t-1
+                async_copy.wait_group(NUM_BUF - 2)
+                fence_async_shared()
+                gl.thread_barrier()
+            _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(nxt), offs_d_lat)
+            _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(nxt), offs_d_pe)
+            async_copy.commit_group()
+            rl = _gl_rows(idx_row, start, end, t + NUM_BUF, num_slots, offs_n_lat, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t + NUM_BUF, num_slots, offs_n_pe, BLOCK_N)
+            valid = vs
+            vs = _gl_valid_s(idx_row, start, end, t + 1, num_slots, offs_n_s, BLOCK_N)
+            if not LATE_ISSUE:
+                async_copy.wait_group(NUM_BUF - 1)      # tile t landed (tile t+NUM_BUF-1 may fly)
+                fence_async_shared()
+                gl.thread_barrier()
+            kl = lat_s.index(cur)
+            s_tok = warpgroup_mma(q_lat_s, kl.permute((1, 0)), zero_s, is_async=True)
+            s_tok = warpgroup_mma(q_pe_s, pe_s.index(cur).permute((1, 0)), s_tok, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            s = s * qk_scale_log2
+            s = gl.where(valid[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l2 = l2 * alpha[:, None] + p
+            m_i = m_new
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            p_s.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            o_tok = warpgroup_mma(p_s, kl, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            if not LATE_ISSUE:
+                gl.thread_barrier()                     # slot `cur` and P free for the next gather
+        async_copy.wait_group(0)
+
+        l_i = gl.convert_layout(gl.sum(l2, axis=1), gl.SliceLayout(1, mma_o))
+        has = l_i > 0
+        l_safe = gl.where(has, l_i, 1.0)
+        out = o / l_safe[:, None]
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma_o))
+        offs_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, mma_o))
+        h_mask = (offs_h < num_heads)[:, None]
+        if not SPLIT:
+            gl.store(Out + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=h_mask)
+        else:
+            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, mma_o))
+            lse = gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            gl.store(OutPartial + b.to(gl.int64) * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
+                     + offs_d[None, :], out, mask=h_mask)
+            gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse,
+                     mask=offs_h < num_heads)
+
+    @gluon.jit
+    def _gl_valid_s(idx_row, start, end, t, num_slots, offs_n_s, BLOCK_N: gl.constexpr):
+        offs = start + t * BLOCK_N + offs_n_s
+        in_row = offs < end
+        idx = gl.load(idx_row + offs, mask=in_row, other=-1)
+        return in_row & (idx >= 0) & (idx < num_slots)
+
+    _HAS_GLUON = True
+except Exception as _e:  # noqa: BLE001 - older/newer Triton without this Gluon API
+    _HAS_GLUON = False
+    _GLUON_ERROR = repr(_e)
+
+
+def gluon_ok(q: torch.Tensor, Dl: int, Dr: int) -> bool:
+    """Gluon kernel usable here: Triton with the Gluon API, a Hopper GPU (not the
+    interpreter), 16-bit inputs, a power-of-two latent of 64..512 and a rope part of 64."""
+    if not (_HAS_GLUON and q.is_cuda and not interpreter_enabled()):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return Dl in (64, 128, 256, 512) and Dr == 64
+
+
+def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+           Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
+    B, H, Dq = q.shape
+    K = indices.shape[1]
+    if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
+        fail("config", "an MlaGluonConfig with block_n in (32, 64), num_buf in 1..4 (>= 2 with late_issue)", cfg)
+    head_blocks = cdiv(H, 64)
+    sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
+    splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
+    return launch_split(_mla_gluon_kernel, (head_blocks, B, splits), q, kv, indices, out, sm_scale, tps, splits,
+                        D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
+                        LATE_ISSUE=cfg.late_issue, num_warps=8)
