@@ -18,7 +18,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tiering", ("hicache",)),
     ("kernels", ("sparsehi.kernels",)),
     ("data", ("sparsehi.config", "sparsehi.selection", "sparsehi.forward_batch", "sparsehi.request_table",
-              "sparsehi.page_tables", "sparsehi.lru_buffer", "sparsehi.swap_in_stats")),
+              "sparsehi.page_tables", "sparsehi.lru_buffer", "sparsehi.swap_in_stats", "sparsehi.row_choice",
+              "sparsehi.input_checks")),
     ("policies", ("sparsehi.algorithms", "sparsehi.adaptors")),
     ("sparse state", ("sparsehi.prefill", "sparsehi.kv_manager", "sparsehi.decode")),
     ("door", ("sparsehi.coordinator",)),
@@ -35,7 +36,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FILES = {
     "sparsehi/sglang_plugin/bridge.py",  # the SGLang bridge: split planned with the plugin work
     "sparsehi/algorithms/testing.py",  # the author kit
-    "sparsehi/kernels/lru_diff.py", "sparsehi/kernels/sparse_mla_decode.py",  # kernels (another change)
 }
 
 
