@@ -4,11 +4,13 @@ Pages of 64 tokens of a Llama-8B-shaped layer stack (32 layers, 8 KV heads, head
 bf16, K and V: 8 MiB per page) are written once from a ``page_first`` host pool, then read
 back ``--repeats`` times through the path a prefetch takes: a ``PrefetchOp`` submitted to
 the ``StorageController``, whose prefetch thread asks ``batch_exists`` once, then calls
-the backend's ``get_pages`` on batches of ``io_batch_pages`` keys into reserved host-pool pages (each page verified: length
-and CRC-32). Reported per backend:
+the backend's ``batch_get`` on batches of ``io_batch_pages`` keys into its staging buffer
+(each page verified: length and CRC-32) and copies each batch into reserved host-pool pages.
+Reported per backend:
 
-- ``gbps``: page bytes / wall time from submitting the op until its thread is done (GB/s, 1e9);
-- ``p50_ms`` / ``p99_ms``: latency of one ``get_pages`` call of the prefetch thread, i.e. per
+- ``gbps``: page bytes / wall time from submitting the op until its thread is done (GB/s,
+  1e9), the staging copies included;
+- ``p50_ms`` / ``p99_ms``: latency of one ``batch_get`` call of the prefetch thread, i.e. per
   batch of ``io_batch_pages`` pages (``latency_unit`` says so; with ``--io-batch-pages 1``
   it is per page);
 - ``write_gbps``: the one ``set_pages`` of all pages (indicative).
@@ -51,17 +53,18 @@ RUN_DATE = "2026-11-25"
 
 
 class _TimedReads:
-    """The backend as the prefetch thread sees it, with the duration of every ``get_pages``
+    """The backend as the prefetch thread sees it, with the duration of every ``batch_get``
     call recorded (a collaborator: every call goes to the real backend)."""
 
     def __init__(self, storage: HiCacheStorage) -> None:
         self._storage = storage
-        self.get_pages_s: list[float] = []
+        self.read_call_s: list[float] = []
 
-    def get_pages(self, keys: Sequence[str], host_pages: Sequence[int]) -> list[bool]:
+    def batch_get(self, keys: Sequence[str],
+                  targets: Optional[Sequence[torch.Tensor]] = None) -> list[Optional[torch.Tensor]]:
         t = time.perf_counter()
-        out = self._storage.get_pages(keys, host_pages)
-        self.get_pages_s.append(time.perf_counter() - t)
+        out = self._storage.batch_get(keys, targets)
+        self.read_call_s.append(time.perf_counter() - t)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -146,7 +149,7 @@ def measure(storage: HiCacheStorage, host: HostKVPool, pages: int, repeats: int,
             raw[dst] = 0
             if before_repeat is not None:
                 before_repeat()
-            n_calls = len(timed.get_pages_s)
+            n_calls = len(timed.read_call_s)
             op = PrefetchOp(req_id=r, keys=keys, host_indices=host_idx, start_node=None, tokens=tuple(tokens),
                             hash_keys=[], timeout_s=0.0)
             t = time.perf_counter()
@@ -159,18 +162,18 @@ def measure(storage: HiCacheStorage, host: HostKVPool, pages: int, repeats: int,
             if not torch.equal(raw[dst], raw[src]):
                 raise RuntimeError("prefetched pages differ from the written ones")
             if r == 0:
-                del timed.get_pages_s[n_calls:]
+                del timed.read_call_s[n_calls:]
             else:
                 walls.append(wall)
     finally:
         ctl.shutdown(join_timeout=5.0)
-    lat_ms = [s * 1e3 for s in timed.get_pages_s]
+    lat_ms = [s * 1e3 for s in timed.read_call_s]
     wall = statistics.median(walls)
     return {
         "pages": pages, "page_bytes": page_bytes, "io_batch_pages": io_batch_pages, "repeats": repeats,
         "gbps": round(pages * page_bytes / wall / 1e9, 3),
         "p50_ms": round(percentile(lat_ms, 0.50), 3), "p99_ms": round(percentile(lat_ms, 0.99), 3),
-        "latency_unit": f"per get_pages call of {io_batch_pages} page(s)",
+        "latency_unit": f"per batch_get call of {io_batch_pages} page(s)",
         "latency_samples": len(lat_ms),
         "prefetch_wall_ms": {"median": round(wall * 1e3, 2), "min": round(min(walls) * 1e3, 2),
                              "max": round(max(walls) * 1e3, 2)},
@@ -281,7 +284,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "hardware": {**cpu_info(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                                                          / 2**30, 1)},
         "shape": {**shape, "dtype": "bf16", "buffers": "k,v", "page_bytes": spec.token_bytes * spec.page_size},
-        "path": "StorageController prefetch thread -> HiCacheStorage.get_pages into page_first host pages",
+        "path": "StorageController prefetch thread -> HiCacheStorage.batch_get into a staging buffer -> "
+                "page_first host pages",
         "results": rows,
         "skipped": skipped,
     }

@@ -21,11 +21,12 @@ Prefetches in flight reserve at most ``prefetch_capacity_limit`` host tokens tog
 the pages that arrived (the TP ranks' minimum) are inserted into the tree as host nodes
 (adopted; duplicates of pages the tree already holds are released), the rest is released
 at once or, when the I/O thread may still be writing into it, as soon as that call
-returns (an *orphan*, released by ``check_storage_events``). The pages of a read that
-overran its deadline (``hicache.storage_calls``) are *lent* to it: they are held back from
-the release until that read returns (on every rank), so a late read never writes into a
-page the pool has given out again. ``stats()`` reports ``prefetch_reserved_pages`` (issued -
-adopted - released); ``storage_leaks()`` compares it with what live operations hold.
+returns (an *orphan*, released by ``check_storage_events``). A backend call is never given
+host pages (reads land in the controller's staging buffers, ``hicache.storage_staging``),
+so a read that overran its deadline holds none: the prefetch's I/O ends at that deadline
+and its whole unused reservation is released. ``stats()`` reports
+``prefetch_reserved_pages`` (issued - adopted - released); ``storage_leaks()`` compares it
+with what live operations hold.
 
 Writes: once a node's host copy is complete (its backup acknowledged, or a caller that
 wrote host pages itself calls ``write_backup_storage``), its pages go to L3 in the
@@ -55,7 +56,7 @@ _STORAGE_COUNTERS = (
     "prefetch_ops", "prefetch_issued_pages", "prefetch_adopted_pages", "prefetch_released_pages",
     "prefetch_below_threshold", "prefetch_alloc_failures", "prefetch_truncated", "prefetch_rate_limited",
     "l3_hit_tokens",
-    "storage_backup_ops", "storage_backup_failed_ops", "storage_orphans_released", "storage_lent_released",
+    "storage_backup_ops", "storage_backup_failed_ops", "storage_orphans_released",
 )
 
 
@@ -69,9 +70,6 @@ class StorageTier:
         # Operations settled by the tree whose I/O had not returned yet: (op, host slots to
         # free or None, node to host-unlock or None), released in FIFO order once done.
         self._orphans: list[tuple[Any, Optional[torch.Tensor], Optional[TreeNode]]] = []
-        # Prefetch pages lent to reads that overran their deadline: (op, host slots), each
-        # released once its read has returned on every rank (in any order).
-        self._lent: list[tuple[PrefetchOp, torch.Tensor]] = []
         self.storage_stats = dict.fromkeys(_STORAGE_COUNTERS, 0)
         # Host tokens reserved by prefetches not yet settled (SGLang's prefetch_tokens_occupied).
         self.prefetch_tokens_occupied = 0
@@ -271,25 +269,10 @@ class StorageTier:
         self.dec_host_lock(op.start_node)
         if tail.numel():
             if io_done:
-                self._release_prefetch_tail(op, tail)
+                self._free_reserved(tail)
             else:
                 self._orphans.append((op, tail, None))
         return n
-
-    def _release_prefetch_tail(self, op: PrefetchOp, tail: torch.Tensor) -> None:
-        """Free ``tail`` (the last pages of ``op``'s reservation; its I/O thread is done with
-        them) except the pages lent to an abandoned read on any rank, which wait in
-        ``_lent`` for it to return."""
-        ps = self.page_size
-        skip = op.num_pages - tail.numel() // ps  # op pages before the tail
-        first, end = op.lent_range()
-        lo, neg_hi = tp_sync.agree_min_many([first, -end], self.controller.tp_group)
-        lo, hi = max(lo, skip) - skip, -neg_hi - skip  # as pages of the tail
-        if hi <= lo:
-            self._free_reserved(tail)
-            return
-        self._free_reserved(torch.cat([tail[:lo * ps], tail[hi * ps:]]))
-        self._lent.append((op, tail[lo * ps:hi * ps]))
 
     def _free_reserved(self, slots: torch.Tensor) -> None:
         if slots.numel():
@@ -391,16 +374,12 @@ class StorageTier:
     # ------------------------------------------------------------------ per step
     def check_storage_events(self) -> None:
         """Per scheduler step: retire acknowledged L3 writes (release their host locks) and
-        release orphaned reservations and lent pages whose backend call has returned."""
+        release orphaned reservations whose backend call has returned."""
         if self.storage_ctl is not None:
             self._retire_backups(self.storage_ctl)
         self._release_orphans()
 
     def _release_orphans(self) -> None:
-        self._release_orphan_ops()
-        self._release_lent()
-
-    def _release_orphan_ops(self) -> None:
         if not self._orphans:  # the same list on every rank (settling agrees on it): no collective
             return
         k = 0
@@ -409,25 +388,11 @@ class StorageTier:
         k = tp_sync.agree_min(k, self.controller.tp_group)
         for op, tail, lock_node in self._orphans[:k]:
             if tail is not None:
-                self._release_prefetch_tail(op, tail)
+                self._free_reserved(tail)
             if lock_node is not None:
                 self.dec_host_lock(lock_node)
             self.storage_stats["storage_orphans_released"] += 1
         del self._orphans[:k]
-
-    def _release_lent(self) -> None:
-        """Free lent pages whose abandoned read has returned on every rank."""
-        if not self._lent:  # the same list on every rank: no collective
-            return
-        ready = tp_sync.agree_min_many([int(op.lent_returned()) for op, _ in self._lent], self.controller.tp_group)
-        keep = []
-        for (op, slots), r in zip(self._lent, ready):
-            if r:
-                self._free_reserved(slots)
-                self.storage_stats["storage_lent_released"] += 1
-            else:
-                keep.append((op, slots))
-        self._lent = keep
 
     def flush_storage(self, timeout: Optional[float] = 60.0) -> None:
         """Block until every L3 write and fetch in flight has finished, then retire the
@@ -451,17 +416,15 @@ class StorageTier:
         st["prefetch_capacity_limit"] = self.prefetch_capacity_limit
         st["ongoing_storage_backups"] = len(self.ongoing_backup)
         st["storage_orphans"] = len(self._orphans)
-        st["storage_lent_pages"] = sum(t.numel() for _, t in self._lent) // self.page_size
         if self.storage_ctl is not None:
             st.update(self.storage_ctl.stats())
         return st
 
     def storage_leaks(self) -> int:
         """Reserved prefetch pages no live operation accounts for (0 unless a release path
-        was skipped): ``prefetch_reserved_pages`` minus the pages of prefetches in flight,
-        of orphaned tails and of pages lent to abandoned reads."""
+        was skipped): ``prefetch_reserved_pages`` minus the pages of prefetches in flight
+        and of orphaned tails."""
         ps = self.page_size
         live = sum(op.num_pages for op in self.ongoing_prefetch.values())
         live += sum(t.numel() // ps for _, t, _ in self._orphans if t is not None)
-        live += sum(t.numel() // ps for _, t in self._lent)
         return self.storage_stats_dict()["prefetch_reserved_pages"] - live

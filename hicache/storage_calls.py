@@ -8,32 +8,30 @@ gets ``StorageCallTimeout`` at once and serves it as a miss; the call finishes (
 on its own thread and its result is dropped.
 
 An abandoned call may still write into, or read from, the memory it was given, so what a call
-is given decides what a late answer can do. The ``StorageController`` keeps to these rules,
-which no late answer can turn into wrong KV:
+is given decides what a late answer can do. The ``StorageController`` gives a call only keys
+and a staging buffer of its own (``hicache.storage_staging``), never host-pool memory, so no
+late answer can turn into wrong KV or hold host pages:
 
 - **Existence checks** are given only keys.
-- **Page reads** (``get_pages``) write straight into the host pages of their prefetch's
-  reservation (no copy on the hot path). When a read is abandoned, the pages of that one call
-  are *lent* to it (``LentPages``): the tree releases the rest of the reservation at once and
-  keeps the lent pages out of the host pool until the call returns, so a late read can only
-  write into pages nobody uses, and nothing it wrote is adopted (the prefetch ended before
-  that batch).
-- **Page writes** never see host-pool memory: the pages are first copied into a staging
-  buffer of the controller, then stored with ``batch_set``. An abandoned write keeps its
-  buffer, which the controller never uses again, so a late write stores the bytes the pages
-  had when the write began (the right bytes for their keys) while the tree's nodes and host
-  pages are released at the deadline.
+- **Page reads** (``batch_get``) land in a staging buffer; once the call has returned within
+  its deadline, the controller copies the pages that arrived intact into the host pages of
+  the prefetch's reservation (a host memcpy on the prefetch thread). An abandoned read keeps
+  its staging buffer, which is not handed out again until the call returns; the prefetch ends
+  at the deadline, so its whole unused reservation goes back to the host pool when it is
+  settled, and whatever the read delivers later is never copied, adopted or seen.
+- **Page writes** (``batch_set``) are given a staging buffer the pages were copied into
+  first. An abandoned write keeps its buffer the same way, so a late write stores the bytes
+  the pages had when the write began (the right bytes for their keys) while the tree's nodes
+  and host pages are released at the deadline.
 
 While ``MAX_ABANDONED_CALLS`` abandoned calls have not returned, no further call is made:
 ``StorageCallSkipped`` is raised at once and served as a miss. A backend that hangs on every
-call therefore costs that many threads, lent pages and staging buffers and one deadline each
-(one more if the other thread's call was already running), not one per request; calls resume
-as soon as an abandoned one returns.
+call therefore costs that many threads and staging buffers and one deadline each (one more
+if the other thread's call was already running), not one per request; calls resume as soon
+as an abandoned one returns.
 """
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from hicache.storage.bounded_call import BoundedCaller, CallTimeout
@@ -55,16 +53,6 @@ class StorageCallSkipped(RuntimeError):
     """The call was not made: too many earlier calls were abandoned and have not returned."""
 
 
-@dataclass(eq=False)
-class LentPages:
-    """Pages ``[first, end)`` of a prefetch (indices into its keys) given to a read that was
-    abandoned: they stay reserved until ``returned`` is set, when the read has returned."""
-
-    first: int
-    end: int
-    returned: threading.Event = field(default_factory=threading.Event)
-
-
 class StorageCalls:
     """Runs one controller's backend calls under ``timeout_s`` (see the module docstring)."""
 
@@ -78,12 +66,15 @@ class StorageCalls:
         return self._caller.stuck
 
     def run(self, what: str, fn: Callable[[], Any], on_return: Optional[Callable[[], None]] = None) -> Any:
-        """``fn()``'s result or exception, on a thread of its own. ``on_return()`` runs on that
-        thread when ``fn`` returns or raises, abandoned or not. Raises ``StorageCallTimeout``
-        after ``timeout_s`` and ``StorageCallSkipped`` (without calling ``fn``) while
-        ``MAX_ABANDONED_CALLS`` abandoned calls are outstanding."""
+        """``fn()``'s result or exception, on a thread of its own. ``on_return()`` runs once
+        ``fn`` will not touch what it was given any more: on ``fn``'s thread when it returns
+        or raises (abandoned or not), or here when the call is skipped. Raises
+        ``StorageCallTimeout`` after ``timeout_s`` and ``StorageCallSkipped`` (without calling
+        ``fn``) while ``MAX_ABANDONED_CALLS`` abandoned calls are outstanding."""
         stuck = self._caller.stuck
         if stuck >= MAX_ABANDONED_CALLS:
+            if on_return is not None:
+                on_return()
             raise StorageCallSkipped(f"{what} not called: {stuck} earlier backend calls overran "
                                      f"{self.timeout_s:g} s and have not returned")
 

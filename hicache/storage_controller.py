@@ -3,11 +3,11 @@ threads, for the HiRadixTree's storage paths (``hicache.radix_storage``).
 
 * A **prefetch thread** first asks the backend which of the operation's pages it holds
   (``batch_exists``; the first hole ends the prefix, and a continuation shorter than the
-  threshold beyond what the tree held is not fetched), then reads those pages into host
-  pages the tree reserved (``HiCacheStorage.get_pages``), in batches of ``io_batch_pages``;
-  after each batch it publishes how many *leading* pages have arrived (a miss or a fault
-  stops the operation there: a prefix cannot have holes). The scheduler only enqueues and
-  later polls: no backend call runs on its thread.
+  threshold beyond what the tree held is not fetched), then reads those pages in batches of
+  ``io_batch_pages`` into a staging buffer (``HiCacheStorage.batch_get``) and copies each
+  batch into host pages the tree reserved; after each batch it publishes how many *leading*
+  pages have arrived (a miss or a fault stops the operation there: a prefix cannot have
+  holes). The scheduler only enqueues and later polls: no backend call runs on its thread.
 * A **backup thread** writes host pages of backed-up nodes to L3: it asks ``batch_exists``
   first and writes only the pages the backend lacks, in batches of ``io_batch_pages``
   copied into a staging buffer (``batch_set``); ranks that do not write (MLA pages on
@@ -16,14 +16,16 @@ threads, for the HiRadixTree's storage paths (``hicache.radix_storage``).
 
 Every backend call runs under ``backend_call_timeout_s`` (``hicache.storage_calls``): a call
 past it is abandoned and served as a miss (``l3_call_timeouts``), so no operation waits on a
-hung backend for longer, and what a late answer could touch is kept apart (the module
-docstring of ``hicache.storage_calls`` says how).
+hung backend for longer. A call is given only keys and a staging buffer of the controller
+(``hicache.storage_staging``), never host-pool memory, so a late answer can touch nothing the
+tree uses (the module docstring of ``hicache.storage_calls`` says how).
 
 Only the scheduler thread touches the tree, the host allocator and the operations'
 reservations; the threads touch only page *contents* and the operation's progress fields
 (under ``self._cv``). An operation is ``done`` once its thread will never touch its pages
-again: that is the moment its unused reservation may be released, but for the pages lent to
-a read that overran its deadline (``PrefetchOp.lent``), which wait for that read to return.
+again: that is the moment its unused reservation may be released. A prefetch whose read
+overran its deadline is done at that deadline (the abandoned read holds only its staging
+buffer).
 
 Backend faults (an exception out of a backend, a call past its deadline, a page that comes
 back missing or corrupt) end the operation early and are counted; the first of each kind is
@@ -44,8 +46,9 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
 import torch
 
 from hicache.config import PREFETCH_CAPACITY_FRACTION, PREFETCH_DEFAULTS, PREFETCH_POLICIES
-from hicache.storage_calls import (DEFAULT_BACKEND_CALL_TIMEOUT_S, LentPages, StorageCalls, StorageCallSkipped,
-                                   StorageCallTimeout)
+from hicache.storage_calls import (DEFAULT_BACKEND_CALL_TIMEOUT_S, MAX_ABANDONED_CALLS, StorageCalls,
+                                   StorageCallSkipped, StorageCallTimeout)
+from hicache.storage_staging import StagingBuffers
 
 if TYPE_CHECKING:  # pragma: no cover
     from hicache.config import HiCacheConfig
@@ -75,7 +78,8 @@ class StoragePolicy:
     prefetch_timeout_per_ki_token: float = PREFETCH_DEFAULTS["prefetch_timeout_per_ki_token"]
     io_batch_pages: int = 8
     """Pages per backend read or write call: the granularity at which a prefetch's progress
-    shows, and what one abandoned call can hold (see ``hicache.storage_calls``)."""
+    shows, and the size of a staging buffer, what one abandoned call holds (see
+    ``hicache.storage_staging``)."""
     backend_call_timeout_s: float = DEFAULT_BACKEND_CALL_TIMEOUT_S
     """The longest one backend call of the L3 threads (an existence check, a batch of reads
     or of writes) may take; past it the call is abandoned and served as a miss."""
@@ -168,25 +172,10 @@ class PrefetchOp:
     error: Optional[str] = None
     released: bool = False
     """The tree has settled the reservation (its single release path ran)."""
-    lent: Optional[LentPages] = None
-    """The pages of a read that overran its deadline: not to be released before it returns."""
 
     @property
     def num_pages(self) -> int:
         return len(self.keys)
-
-    def lent_range(self) -> tuple[int, int]:
-        """Pages ``[first, end)`` an abandoned read may still write; ``(num_pages, 0)`` when
-        there is none or it has returned. Final once ``done``."""
-        lent = self.lent
-        if lent is None or lent.returned.is_set():
-            return self.num_pages, 0
-        return lent.first, lent.end
-
-    def lent_returned(self) -> bool:
-        """Whether no abandoned read holds pages of this operation any more."""
-        lent = self.lent
-        return lent is None or lent.returned.is_set()
 
 
 @dataclass(eq=False)
@@ -232,7 +221,11 @@ class StorageController:
             "l3_write_incomplete_ops": 0, "l3_exists_faults": 0, "l3_call_timeouts": 0, "l3_calls_skipped": 0,
         }
         self.calls = StorageCalls(policy.backend_call_timeout_s)
-        self._write_stage: Optional[torch.Tensor] = None  # the backup thread's; dropped when a write is abandoned
+        # One set per thread (reads: prefetch thread; writes: backup thread), see hicache.storage_staging.
+        page_record = host_pool.page_tensor(0).view(torch.uint8).numel()
+        pinned = bool(getattr(host_pool, "pin_memory", False))
+        self._read_stages, self._write_stages = (
+            StagingBuffers(MAX_ABANDONED_CALLS + 1, policy.io_batch_pages, page_record, pinned) for _ in range(2))
         self.backup_acks: "queue.Queue[BackupOp]" = queue.Queue()
         self._prefetch_q: "queue.Queue[Optional[PrefetchOp]]" = queue.Queue()
         self._backup_q: "queue.Queue[Optional[BackupOp]]" = queue.Queue()
@@ -380,16 +373,10 @@ class StorageController:
         step = self.policy.io_batch_pages
         i = 0
         while i < planned:
-            with self._cv:
-                if op.cancel:
-                    return
             j = min(planned, i + step)
-            ok = self._read_batch(op, i, j, pages[i:j])
-            if ok is None:
+            good = self._read_batch(op, i, j, pages[i:j])
+            if good is None:
                 return
-            good = 0
-            while good < len(ok) and bool(ok[good]):
-                good += 1
             with self._cv:
                 op.completed_pages = i + good
                 self.counters["l3_pages_fetched"] += good
@@ -400,24 +387,35 @@ class StorageController:
                 return
             i = j
 
-    def _read_batch(self, op: PrefetchOp, i: int, j: int, host_pages: list[int]) -> Optional[list]:
-        """Read pages ``[i, j)`` of ``op`` into ``host_pages`` under the deadline: one result
-        per page, or None after a fault (counted; ``op.lent`` set when the call overran)."""
+    def _read_batch(self, op: PrefetchOp, i: int, j: int, host_pages: list[int]) -> Optional[int]:
+        """Read pages ``[i, j)`` of ``op`` into a staging buffer under the deadline, then copy
+        the leading pages that arrived intact into ``host_pages``; returns how many. None
+        when ``op`` was cancelled, or after a fault (counted): an abandoned read keeps its
+        staging buffer, and nothing it delivers is ever copied."""
+        with self._cv:
+            if op.cancel:
+                return None
         keys = op.keys[i:j]
-        lent = LentPages(i, j)
+        lease = None
         try:
-            ok = self._call("get_pages", lambda: list(self.storage.get_pages(keys, host_pages)),
-                            on_return=lent.returned.set)
-            if len(ok) != j - i:
-                raise RuntimeError(f"get_pages returned {len(ok)} results for {j - i} keys")
-            return ok
+            lease = self._read_stages.lease()
+            targets = [lease.page(r) for r in range(j - i)]
+            got = self._call("batch_get", lambda: list(self.storage.batch_get(keys, targets)), lease.give_to_call())
+            if len(got) != j - i:
+                raise RuntimeError(f"batch_get returned {len(got)} results for {j - i} keys")
+            good = 0
+            while good < j - i and _filled_in_place(got[good], targets[good]):
+                good += 1
+            for r in range(good):
+                self.host_pool.page_tensor(host_pages[r]).view(torch.uint8).view(-1).copy_(targets[r])
+            return good
         except Exception as e:
-            if isinstance(e, StorageCallTimeout):
-                with self._cv:
-                    op.lent = lent  # the late read may still write these pages
             op.error = _describe(e)
-            self._fault("l3_fetch_faults", f"get_pages: {op.error}")
+            self._fault("l3_fetch_faults", f"batch_get: {op.error}")
             return None
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _run_backup(self, op: BackupOp) -> None:
         if not self.writes_pages:  # MLA pages: rank 0 writes them for every rank
@@ -450,23 +448,18 @@ class StorageController:
             self._fault("l3_write_incomplete_ops", f"{len(todo) - op.written} of {len(todo)} page(s) not stored")
 
     def _write_batch(self, keys: list[str], host_pages: list[int]) -> int:
-        """Store ``host_pages`` under ``keys`` from a private copy (``batch_set``) under the
+        """Store ``host_pages`` under ``keys`` from a staging copy (``batch_set``) under the
         deadline; returns pages stored. The copy is made while the tree's host lock keeps the
-        pages valid; an abandoned call keeps its staging buffer, which is never reused."""
+        pages valid; an abandoned call keeps its staging buffer until it returns."""
         pool = self.host_pool
-        nbytes = pool.page_tensor(int(host_pages[0])).view(torch.uint8).numel()
-        stage = self._write_stage
-        if stage is None or stage.numel() < len(keys) * nbytes:
-            stage = torch.empty(self.policy.io_batch_pages * nbytes, dtype=torch.uint8)
-            self._write_stage = stage
-        values = [stage[r * nbytes:(r + 1) * nbytes] for r in range(len(keys))]
-        for v, p in zip(values, host_pages):
-            v.copy_(pool.page_tensor(int(p)).view(torch.uint8).view(-1))
+        lease = self._write_stages.lease()
         try:
-            res = self._call("batch_set", lambda: list(self.storage.batch_set(keys, values)))
-        except StorageCallTimeout:
-            self._write_stage = None  # the late write may still read it
-            raise
+            values = [lease.page(r) for r in range(len(keys))]
+            for v, p in zip(values, host_pages):
+                v.copy_(pool.page_tensor(int(p)).view(torch.uint8).view(-1))
+            res = self._call("batch_set", lambda: list(self.storage.batch_set(keys, values)), lease.give_to_call())
+        finally:
+            lease.release()
         if len(res) != len(keys):
             raise RuntimeError(f"batch_set returned {len(res)} results for {len(keys)} keys")
         return sum(1 for r in res if r)
@@ -499,7 +492,15 @@ class StorageController:
             out = dict(self.counters)
             out["l3_ops_in_flight"] = self._pending
         out["l3_calls_abandoned"] = self.calls.abandoned
+        out["l3_stages_retired"] = self._read_stages.retired + self._write_stages.retired
         return out
+
+
+def _filled_in_place(got: Any, target: torch.Tensor) -> bool:
+    """Whether a ``batch_get`` result is ``target`` filled in place (the contract). Anything
+    else (None, a tensor of its own) is a miss: the staging row holds no page then."""
+    return (isinstance(got, torch.Tensor) and got.data_ptr() == target.data_ptr()
+            and got.numel() * got.element_size() == target.numel())
 
 
 def _describe(e: BaseException) -> str:

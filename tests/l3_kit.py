@@ -104,5 +104,5 @@ def no_leaks(tree: HiRadixTree) -> None:
     assert tree.storage_leaks() == 0
     assert s["prefetch_reserved_pages"] == 0, s
     assert s["prefetch_issued_pages"] == s["prefetch_adopted_pages"] + s["prefetch_released_pages"]
-    assert not tree.ongoing_prefetch and not tree._orphans and not tree._lent
+    assert not tree.ongoing_prefetch and not tree._orphans
     tree.check_invariants()

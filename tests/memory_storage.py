@@ -33,8 +33,8 @@ class MemoryStorage(HiCacheStorage):
         self.block_after: Optional[int] = None
         self.set_gate: Optional[threading.Event] = None
         """When set to an Event, every write waits for it (a slow write)."""
-        self.raise_in_get_pages = False
-        """Break the contract: let an exception escape ``get_pages``."""
+        self.raise_in_reads = False
+        """Break the contract: let an exception escape ``batch_get`` (and ``get_pages``)."""
         self.pages_read = 0
         self.set_calls: list[list[str]] = []
         self.set_waiting = 0  # writes that reached set_gate
@@ -47,6 +47,8 @@ class MemoryStorage(HiCacheStorage):
     # -- interface -------------------------------------------------------------------------
     def batch_get(self, keys: Sequence[str],
                   targets: Optional[Sequence[torch.Tensor]] = None) -> list[Optional[torch.Tensor]]:
+        if self.raise_in_reads:
+            raise BackendDown("connection reset")
         out: list[Optional[torch.Tensor]] = []
         for i, k in enumerate(keys):
             gate = self.get_gate
@@ -116,11 +118,6 @@ class MemoryStorage(HiCacheStorage):
                 self.stats.bytes_written += len(obj)
             out.append(True)
         return out
-
-    def get_pages(self, keys: Sequence[str], host_pages: Sequence[int]) -> list[bool]:
-        if self.raise_in_get_pages:
-            raise BackendDown("connection reset")
-        return super().get_pages(keys, host_pages)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         if self.fail_exists:

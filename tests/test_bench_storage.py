@@ -28,7 +28,7 @@ def test_quick_run_writes_fields(tmp_path):
     for r in rows:
         assert r["pages"] == 6 and r["faults"] == 0
         assert r["gbps"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
-        assert r["latency_samples"] == 2 * 2  # two get_pages calls (4 + 2 pages) per repeat
+        assert r["latency_samples"] == 2 * 2  # two batch_get calls (4 + 2 pages) per repeat
         assert "4 page" in r["latency_unit"]
 
 

@@ -1,7 +1,8 @@
 """Backend calls that never return: every call of the L3 threads is bounded by
-``backend_call_timeout_s``. A call past it is a counted miss, the reservation comes back
-(the pages a hung read was given once that read returns, never before), the threads serve
-the next operations, and a late answer changes nothing the cache holds."""
+``backend_call_timeout_s``. A call past it is a counted miss, the whole reservation comes
+back at the deadline (a hung read holds only the controller's staging buffer, never host
+pages), the threads serve the next operations, and a late answer changes nothing the cache
+holds."""
 from __future__ import annotations
 
 import json
@@ -31,7 +32,8 @@ def keys_of(tokens):
 
 class HangingStorage(MemoryStorage):
     """Reads of ``hang_reads`` keys and existence checks while ``hang_exists`` is on block
-    until ``release`` is set (a hung network file system for those calls)."""
+    until ``release`` is set (a hung network file system for those calls). A read of a
+    ``pause_reads`` key fills its targets, sets ``filled`` and returns once ``resume`` is set."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
@@ -39,12 +41,17 @@ class HangingStorage(MemoryStorage):
         self.hang_reads: set[str] = set()
         self.hang_exists = False
         self.late_reads = 0  # reads that returned after they hung
+        self.pause_reads: set[str] = set()
+        self.filled, self.resume = threading.Event(), threading.Event()
 
     def batch_get(self, keys: Sequence[str], targets: Optional[Sequence[torch.Tensor]] = None):
         hung = bool(self.hang_reads.intersection(keys))
         if hung:
             self.release.wait()
         out = super().batch_get(keys, targets)
+        if self.pause_reads.intersection(keys):
+            self.filled.set()
+            self.resume.wait()
         self.late_reads += hung
         return out
 
@@ -83,7 +90,7 @@ def _tree_kv_is_right(tree, host, *seqs) -> None:
         assert torch.equal(read_host(host, m.backed_host_indices), expected(toks[:m.backed_length]))
 
 
-def test_a_hung_read_is_a_miss_at_the_deadline_and_never_writes_a_reused_page(objects):
+def test_a_hung_read_is_a_miss_at_the_deadline_and_holds_no_host_page(objects):
     s = HangingStorage(objects=dict(objects))
     s.hang_reads = {keys_of(TOKS)[2]}  # the second batch (pages 2, 3) never returns
     tree, _, host = build(s, _policy())
@@ -91,40 +98,69 @@ def test_a_hung_read_is_a_miss_at_the_deadline_and_never_writes_a_reused_page(ob
     free0 = alloc.num_free_pages()
 
     prefetch(tree, "a", TOKS)
-    op = tree.ongoing_prefetch["a"]
+    reserved = [int(p) // PS for p in tree.ongoing_prefetch["a"].host_indices[::PS].tolist()]
     waited = _settle_timed(tree, "a")
     assert DEADLINE <= waited < DEADLINE + 3.0  # wait_complete, yet bounded by the deadline
     assert tree.match_prefix(TOKS).backed_length == 2 * PS  # the pages before the hung batch
     st = tree.stats()
     assert st["l3_call_timeouts"] == 1 and st["l3_fetch_faults"] == 1 and st["l3_calls_abandoned"] == 1
-    # the rest of the reservation is back now; the two pages the hung read holds are not
-    lent = tree._lent[0][1]
-    assert st["storage_lent_pages"] == 2 and tree.storage_leaks() == 0
-    assert alloc.num_free_pages() == free0 - 2 - 2
-    assert not alloc.is_free(torch.unique(lent // PS)).any()
+    # the read still hangs, holding one staging buffer; every host page it was meant for is back
+    assert st["l3_stages_retired"] == 1 and s.late_reads == 0
+    assert st["prefetch_reserved_pages"] == 0 and tree.storage_leaks() == 0 and not tree._orphans
+    assert tree.host_tokens() == 2 * PS and alloc.num_free_pages() == free0 - 2
+    assert alloc.is_free(torch.tensor(reserved[2:])).all()
 
-    # the prefetch thread serves the next request, from a healthy key
+    # the prefetch thread serves the next request, from a healthy key, with another buffer
     prefetch(tree, "b", OTHER)
     assert _settle_timed(tree, "b") < 2.0  # not queued behind the hung read
     assert tree.match_prefix(OTHER).backed_length == 64
     _tree_kv_is_right(tree, host, TOKS, OTHER)
 
-    # every free host page goes to someone else and is filled with their data ...
+    # every free host page (the hung read's among them, unless "b" took them) goes to
+    # someone else and is filled with their data ...
     grabbed = alloc.alloc_pages(alloc.num_free_pages())
-    assert not set(grabbed.tolist()) & set((lent // PS).tolist())
+    other_pages = {int(p) // PS for p in tree.match_prefix(OTHER).backed_host_indices.tolist()}
+    assert set(reserved[2:]) <= set(grabbed.tolist()) | other_pages
     for p in grabbed.tolist():
         host.page_tensor(p).fill_(-3.0)
-    # ... then the hung read returns and writes its pages: only the lent ones
+    # ... then the hung read returns with its pages: they go nowhere
     s.release.set()
     wait_until(lambda: s.late_reads == 1 and tree.storage_ctl.calls.abandoned == 0)
+    assert tree.stats()["l3_stages_retired"] == 0  # its buffer is free again
     assert all(bool((host.page_tensor(p) == -3.0).all()) for p in grabbed.tolist())
     _tree_kv_is_right(tree, host, TOKS, OTHER)
     alloc.free_pages(grabbed)
     tree.check_storage_events()
     assert tree.match_prefix(TOKS).backed_length == 2 * PS  # the late pages were not adopted
-    assert tree.stats()["storage_lent_released"] == 1
     no_leaks(tree)
     assert alloc.num_free_pages() == free0 - tree.host_tokens() // PS
+    tree.close()
+
+
+def test_the_staging_buffer_of_a_hung_read_is_not_reused_before_it_returns(objects):
+    deadline = 1.5  # the paused read below must stay within it on a busy machine
+    s = HangingStorage(objects=dict(objects))
+    s.hang_reads = {keys_of(TOKS)[0]}
+    s.pause_reads = {keys_of(OTHER)[0]}
+    tree, _, host = build(s, _policy(backend_call_timeout_s=deadline))
+    prefetch(tree, "hung", TOKS)
+    _settle_timed(tree, "hung")
+    assert tree.match_prefix(TOKS).backed_length == 0 and tree.stats()["l3_stages_retired"] == 1
+    # the next read has filled its staging buffer with OTHER's first pages; the hung read
+    # now returns and writes TOKS's first pages into its own buffer, not into that one
+    prefetch(tree, "next", OTHER)
+    assert s.filled.wait(5.0)
+    s.release.set()
+    wait_until(lambda: s.late_reads == 1)
+    s.resume.set()
+    settle(tree, "next")
+    assert tree.stats()["l3_call_timeouts"] == 1  # the paused read was not abandoned
+    assert tree.match_prefix(OTHER).backed_length == 64
+    _tree_kv_is_right(tree, host, OTHER)
+    assert tree.match_prefix(TOKS).backed_length == 0
+    wait_until(lambda: tree.storage_ctl.calls.abandoned == 0)
+    tree.check_storage_events()
+    no_leaks(tree)
     tree.close()
 
 
@@ -145,6 +181,7 @@ def test_a_hung_write_releases_its_nodes_at_the_deadline_and_stores_the_right_by
     assert node.host_lock_ref == 0 and node.storage_op is None and not node.in_storage
     st = tree.stats()
     assert st["l3_call_timeouts"] == 1 and st["l3_write_faults"] == 1 and st["storage_backup_failed_ops"] == 1
+    assert st["l3_stages_retired"] == 1  # the hung write holds its staging copy
     # the node's pages are evictable, and go to other data
     tree.evict(10 ** 6)
     assert tree.evict_host(10 ** 6) == 16
@@ -153,6 +190,7 @@ def test_a_hung_write_releases_its_nodes_at_the_deadline_and_stores_the_right_by
     s.set_gate.set()  # the late write goes through: with the bytes the pages had when it began
     keys = keys_of(TOKS[:16])
     wait_until(lambda: tree.storage_ctl.calls.abandoned == 0)
+    assert tree.stats()["l3_stages_retired"] == 0
     assert [bytes(unseal(s.objects[k])) for k in keys[:2]] == before[:2]  # the first batch of io_batch_pages
     assert not any(k in s.objects for k in keys[2:])  # later batches were never sent
     tree.check_storage_events()

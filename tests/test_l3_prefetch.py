@@ -296,12 +296,11 @@ def test_backend_faults_are_shorter_prefixes_never_wrong_kv(cold_store, fault, c
         return
     assert n == 64
     op = tree.ongoing_prefetch["r"]
-    # page 2 read, page 3 waiting at the gate (the batch's call runs on a thread of its own)
-    wait_until(lambda: op.completed_pages == 2 and s.pages_read == 3)
+    wait_until(lambda: op.completed_pages == 2 and s.pages_read == 3)  # page 2 read, page 3 waits at the gate
     if fault == "raise_inside":
         s.fail_get = True
     elif fault == "raise_out":
-        s.raise_in_get_pages = True
+        s.raise_in_reads = True
     elif fault == "vanished":
         del s.objects[keys[4]]  # gone between the existence check and the read
     s.get_gate.set()
@@ -317,6 +316,27 @@ def test_backend_faults_are_shorter_prefixes_never_wrong_kv(cold_store, fault, c
         assert st["l3_fetch_miss_pages"] == 1 and s.stats.misses >= 1
     if fault == "corrupt":
         assert s.stats.corrupt == 1
+    no_leaks(tree)
+    tree.close()
+
+
+class ReturnsOwnTensors(MemoryStorage):
+    """Breaks the contract of ``batch_get``: hits come back as tensors of its own, the targets
+    left as they were."""
+
+    def batch_get(self, keys, targets=None):
+        return super().batch_get(keys, None)
+
+
+def test_a_read_that_does_not_fill_its_targets_is_a_miss(cold_store):
+    s = ReturnsOwnTensors(objects=dict(cold_store.objects))
+    tree, _, host = build(s)
+    n, _ = prefetch(tree, "r", TOKS)
+    assert n == 64
+    settle(tree, "r")
+    # the staging buffer holds no page of this read: nothing is adopted from it
+    assert tree.match_prefix(TOKS).total_hit_length == 0 and s.stats.hits == 2
+    assert tree.stats()["l3_fetch_miss_pages"] == 1
     no_leaks(tree)
     tree.close()
 

@@ -1,6 +1,7 @@
 """L3 under tensor parallelism: 2 CPU processes over gloo on 127.0.0.1, each rank with its
 own backend (MHA: rank-suffixed keys). Ranks that see different L3 hits, different fetch
-progress or different write completion still reserve, insert, lock and release alike."""
+progress, a read that hangs on one rank only, or different write completion still reserve,
+insert, lock and release alike."""
 from __future__ import annotations
 
 import os
@@ -127,6 +128,38 @@ def _worker(rank: int, port: int) -> None:
         assert _same_everywhere(_shape(tree))
         tree.check_invariants()
         assert tree.storage_leaks() == 0 and tree.stats()["prefetch_reserved_pages"] == 0
+
+        # a read that hangs on rank 1 only: both ranks end the fetch at its deadline, adopt the
+        # same pages and have every other page of the reservation back while it still hangs
+        assert tree.detach_storage_backend() is s
+        tree.attach_storage_backend(s, StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=8,
+                                                     io_batch_pages=2, backend_call_timeout_s=0.5))
+        empty_tiers(tree)
+        alloc = host.allocator
+        free0 = alloc.num_free_pages()
+        hang = threading.Event()
+        if rank == 1:
+            s.get_gate, s.block_after = hang, s.pages_read + 4  # the third batch never returns
+        m = tree.match_prefix(toks)
+        assert tree.prefetch_from_storage("c", m.last_backed_node, toks) == 64
+        deadline = time.monotonic() + 10
+        while not tree.check_prefetch_progress("c"):
+            assert time.monotonic() < deadline
+        st = tree.stats()
+        assert st["l3_stages_retired"] == (1 if rank == 1 else 0) and st["l3_call_timeouts"] == rank
+        assert tree.match_prefix(toks).backed_length == 16 and alloc.num_free_pages() == free0 - 4
+        assert tree.storage_leaks() == 0 and st["prefetch_reserved_pages"] == 0 and not tree._orphans
+        assert _same_everywhere(_shape(tree))
+        hang.set()  # the late read lands in its staging buffer only
+        wait_until(lambda: tree.storage_ctl.calls.abandoned == 0 and tree.stats()["l3_stages_retired"] == 0)
+        dist.barrier()
+        tree.check_storage_events()
+        m = tree.match_prefix(toks)
+        assert m.backed_length == 16 and alloc.num_free_pages() == free0 - 4
+        assert bool((read_host(host, m.backed_host_indices) == expected(toks[:16])).all())
+        assert _same_everywhere(_shape(tree))
+        tree.check_invariants()
+        assert tree.storage_leaks() == 0
         tree.close()
     finally:
         dist.destroy_process_group()

@@ -94,13 +94,14 @@ def test_the_soak_catches_wrong_kv():
     from memory_storage import MemoryStorage
 
     class LyingStorage(MemoryStorage):
-        def get_pages(self, keys, host_pages):
-            ok = super().get_pages(keys, host_pages)
-            for p, good in zip(host_pages, ok):
-                if good:
-                    page = self.host_pool.page_tensor(int(p))
-                    page.copy_(torch.randn(page.shape, generator=torch.Generator().manual_seed(int(p))) * 4)
-            return ok
+        def batch_get(self, keys, targets=None):
+            out = super().batch_get(keys, targets)
+            like = self.host_pool.page_tensor(0)
+            for i, got in enumerate(out):
+                if got is not None:  # a hit: its bytes replaced by garbage of the page's dtype
+                    page = got.view(like.dtype).view(like.shape)
+                    page.copy_(torch.randn(page.shape, generator=torch.Generator().manual_seed(i)) * 4)
+            return out
 
     register_storage_backend("lying-test", lambda cfg: LyingStorage(cfg), replace=True)
     try:
