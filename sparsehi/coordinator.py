@@ -97,12 +97,6 @@ class SparseCoordinator:
         """The dense-layers-only device pool (hierarchical with dense layers), or None."""
         return self.kv.dense_pool
 
-    @property
-    def manager(self) -> SparseKVCacheManager:
-        """Deprecated alias of ``kv`` (kept for callers not yet moved to the coordinator's
-        own methods: ``dense_pool``, ``host_pool``, ``transfer``, ``live_rows``)."""
-        return self.kv
-
     def live_rows(self) -> list[int]:
         """Rows of the requests between ``on_request_begin`` and ``on_request_end``."""
         return self.kv.requests.live_rows()

@@ -1,13 +1,19 @@
 """One soak run: requests with shared prefixes, random prompt and decode lengths and Poisson
 arrivals, scheduled continuously (admitted while a batch decodes, ended when done) through
 ``ModelRunner`` in ``sparse-hier`` mode with the HiRadixTree and an L3 backend, optionally
-wrapped in ``FaultInjectingStorage``.
+wrapped in ``FaultInjectingStorage``. A request starts only while the host pool can hold it
+next to what the running requests will still write (``admission.HostAdmission``), so the
+pool may be smaller than the running requests' worst case: the tree evicts, and prompts come
+back from L3.
 
 Invariants, checked while it runs:
 
 - every generated token equals the token a reference run of the same prompt alone
   generates at that position: the same mode and settings with no prefix cache and no L3
-  (``RuntimeConfig.prefix_cache=False``), cached per distinct prompt;
+  (``RuntimeConfig.prefix_cache=False``), run once per distinct prompt for the longest
+  decode any request asks of it (greedy decode: a shorter request's tokens are a prefix).
+  The reference keeps each token's top-1 minus top-2 logit gap, so that a mismatch can be
+  told apart from a near-tie that rounding flipped;
 - at every quiescent moment (no request running) and at the end: no device or dense-pool
   page and no request row is held, every host page in use belongs to a tree node or to an
   orphaned prefetch tail, prefetch reservations balance, the tree's invariants hold; after
@@ -37,8 +43,13 @@ from sparsehi.runtime.model_config import get_model_config
 from sparsehi.runtime.modes import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
+from soak.admission import HostAdmission
 
 logger = logging.getLogger("soak")
+
+BURST_GAP = 1e7
+"""Arrival-time gap between bursts (scheduler steps): longer than any burst takes to drain."""
+MAX_MISMATCH_RECORDS = 20
 
 
 @dataclass
@@ -54,14 +65,41 @@ class SoakConfig:
     page_size: int = 4
     max_batch: int = 8
     """Requests decoding together at most (``max_num_reqs``)."""
+    algorithm: str = "quest"
+    top_k_pages: int = 2
+    """Selected pages (tokens for a token-wise algorithm) per step and sparse layer."""
+    buffer_pages: int = 4
+    """GPU LRU buffer per request and sparse layer, in pages."""
+    sink_pages: int = 1
+    recent_pages: int = 1
+    dense_layers: Optional[tuple[int, ...]] = (0,)
+    """Layers that attend densely; None: the algorithm's default."""
+    adaptor: str = "none"
+    """``RuntimeConfig.adaptor``: ``none`` (the coordinator's torch attention) or ``auto``."""
+    single_bucket: bool = False
+    """Pad every decode step, the references' too, to ``max_batch`` rows (one CUDA-graph
+    bucket). GPU kernels pick their split-K and GEMM tiles by batch size, so a row alone
+    rounds differently from the same row in a batch of 64; with one shape the comparison
+    stays exact at any batch. The references then take ``max_batch`` request rows (one used)."""
     num_prefixes: int = 6
     prefix_pages: tuple[int, int] = (1, 4)
-    """Shared-prefix length range, in pages."""
+    """Shared-prefix length range, in pages (drawn per prefix)."""
+    prefix_lengths: tuple[int, ...] = ()
+    """Shared-prefix lengths in tokens, one per prefix (page multiples); when given they
+    replace ``num_prefixes`` and ``prefix_pages``."""
     suffixes_per_prefix: int = 16
     suffix_tokens: tuple[int, int] = (1, 9)
     decode_steps: tuple[int, int] = (0, 4)
+    hot_prefixes: int = 0
+    """Prefixes requests draw from at any one time (weight ``1/(rank+1)``); 0: all of them.
+    A window smaller than all sweeps over the prefixes ``prefix_sweeps`` times during the
+    run, so a prefix goes cold, leaves the host pool and is asked for again later."""
+    prefix_sweeps: float = 1.0
     arrival_rate: float = 3.0
     """Mean arrivals per scheduler step (Poisson); a step is one decode step of the batch."""
+    burst: int = 0
+    """Requests per burst (0: one stream). Arrivals pause after each burst until every
+    request finished, so the run is quiescent (and its accounting checked) once per burst."""
     host_pages: int = 96
     """Host pool pages: small, so the tree evicts and prompts come back from L3."""
     storage: Optional[str] = "file"
@@ -70,16 +108,22 @@ class SoakConfig:
     faults: Optional[FaultPlan] = None
     prefetch_policy: str = "timeout"
     prefetch_timeout_s: float = 0.05
+    prefetch_timeout_per_ki_token: float = 0.0
+    io_batch_pages: int = 2
+    """Pages per L3 backend call of a prefetch."""
     check_every: int = 200
     """Requests between full invariant checks (tree walk) besides the quiescent ones."""
     max_seconds: Optional[float] = None
-    """Stop admitting requests after this long (the result records how many ran)."""
+    """Wall-time budget of ``run()``: no request is admitted once the running ones' remaining
+    decode steps, at the step time measured so far, would end past it (the result records
+    how many ran)."""
     events: dict[int, Callable[[], None]] = field(default_factory=dict)
     """Callbacks run before request ``i`` is admitted (e.g. kill / restart a storage master)."""
 
     @property
     def max_prompt(self) -> int:
-        return self.prefix_pages[1] * self.page_size + self.suffix_tokens[1]
+        longest = max(self.prefix_lengths) if self.prefix_lengths else self.prefix_pages[1] * self.page_size
+        return longest + self.suffix_tokens[1]
 
 
 @dataclass
@@ -97,18 +141,51 @@ class SoakResult:
     tokens_checked: int = 0
     distinct_prompts: int = 0
     reference_s: float = 0.0
+    reference_tokens: int = 0
     prefix_hit_tokens: int = 0
     l3_hit_tokens: int = 0
     l3_pages_written: int = 0
     quiescent_checks: int = 0
     rss_growth_mib: float = 0.0
+    prompts: int = 0
+    """Requests prefilled (``requests`` counts the finished ones)."""
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    check_s: float = 0.0
+    finish_s: float = 0.0
+    setup_capture_s: float = 0.0
+    """CUDA-graph capture of every batch bucket before the run (``Soak.__init__``)."""
+    graph_captures: int = 0
+    capture_s: float = 0.0
+    """Decode steps that captured a CUDA graph during the run (a variant not captured at
+    start-up) and their time (part of ``decode_s``)."""
+    admission_waits: int = 0
+    """Scheduler steps at which an arrived request waited for host room."""
+    host_evicted_tokens: int = 0
+    decode_hit_rate: float = 0.0
+    """Share of the selected pages already in the requests' GPU buffers, over every decode step."""
+    decode_h2d_bytes: int = 0
+    """Bytes decode steps loaded host -> device (the missed pages)."""
+    min_reference_gap: Optional[float] = None
+    """Smallest top-1 minus top-2 logit gap of any reference token."""
     fault_counts: dict[str, int] = field(default_factory=dict)
     storage_counters: dict[str, int] = field(default_factory=dict)
     first_mismatch: Optional[dict[str, Any]] = None
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    """The first mismatch of each mismatched request (up to 20), with the reference's gap."""
     leaks: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def mean_batch(self) -> float:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["mean_batch"] = round(self.mean_batch, 2)
+        return out
 
 
 def rss_mib() -> float:
@@ -126,17 +203,28 @@ class Workload:
     def __init__(self, cfg: SoakConfig, vocab: int) -> None:
         rng = random.Random(cfg.seed)
         ps = cfg.page_size
-        self.prefixes = [[rng.randrange(vocab) for _ in range(ps * rng.randint(*cfg.prefix_pages))]
-                         for _ in range(cfg.num_prefixes)]
+        if cfg.prefix_lengths:
+            bad = [n for n in cfg.prefix_lengths if n <= 0 or n % ps]
+            if bad:
+                raise ValueError(f"SoakConfig.prefix_lengths {bad} are not positive multiples of page_size={ps}")
+            self.prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in cfg.prefix_lengths]
+        else:
+            self.prefixes = [[rng.randrange(vocab) for _ in range(ps * rng.randint(*cfg.prefix_pages))]
+                             for _ in range(cfg.num_prefixes)]
+        n_pre = len(self.prefixes)
         self.suffixes = [[[rng.randrange(vocab) for _ in range(rng.randint(*cfg.suffix_tokens))]
-                          for _ in range(cfg.suffixes_per_prefix)] for _ in range(cfg.num_prefixes)]
+                          for _ in range(cfg.suffixes_per_prefix)] for _ in range(n_pre)]
         # hot prefixes: weight 1/(i+1), as a few system prompts dominate real traffic
-        weights = [1.0 / (i + 1) for i in range(cfg.num_prefixes)]
+        window = cfg.hot_prefixes or n_pre
+        weights = [1.0 / (i + 1) for i in range(window)]
         self.specs: list[tuple[float, tuple[int, int], int]] = []
         t = 0.0
-        for _ in range(cfg.requests):
+        for i in range(cfg.requests):
+            if cfg.burst and i and i % cfg.burst == 0:
+                t += BURST_GAP
             t += rng.expovariate(cfg.arrival_rate)
-            p = rng.choices(range(cfg.num_prefixes), weights)[0]
+            first = 0 if window == n_pre else int(i * cfg.prefix_sweeps * n_pre / cfg.requests)
+            p = (first + rng.choices(range(window), weights)[0]) % n_pre
             self.specs.append((t, (p, rng.randrange(cfg.suffixes_per_prefix)), rng.randint(*cfg.decode_steps)))
 
     def prompt(self, pid: tuple[int, int]) -> list[int]:
@@ -144,28 +232,36 @@ class Workload:
 
 
 def sparse_config(cfg: SoakConfig) -> SparseConfig:
-    """Sparse decode that really selects at these short lengths: Top-k of two pages, one sink
-    and one recent page, layer 0 dense. CUDA uses the kernel io backend (graph-capturable)."""
+    """Sparse decode that really selects: ``top_k_pages`` of the prompt's pages besides the
+    sink and recent pages, from the first prompt length on. CUDA uses the kernel io backend
+    (graph-capturable)."""
     ps = cfg.page_size
-    return SparseConfig(algorithm="quest", page_size=ps, top_k=2 * ps, device_buffer_size=4 * ps, sink_tokens=ps,
-                        recent_tokens=ps, min_sparse_prompt_len=0, dense_layers=(0,),
+    return SparseConfig(algorithm=cfg.algorithm, page_size=ps, top_k=cfg.top_k_pages * ps,
+                        device_buffer_size=cfg.buffer_pages * ps, sink_tokens=cfg.sink_pages * ps,
+                        recent_tokens=cfg.recent_pages * ps, min_sparse_prompt_len=0, dense_layers=cfg.dense_layers,
                         io_backend="kernel" if torch.device(cfg.device).type == "cuda" else "direct")
 
 
 def runtime_config(cfg: SoakConfig, *, cached: bool, storage: Optional[HiCacheStorage] = None) -> RuntimeConfig:
+    """The soak's runtime (``cached``) or the references' (no prefix cache, no L3; one
+    request row, or ``max_batch`` with ``single_bucket`` and then a host pool for one
+    request, which HiCache makes larger than the device pool)."""
     ps = cfg.page_size
     max_ctx = cfg.max_prompt + cfg.decode_steps[1] + 2
+    rows = cfg.max_batch if cached or cfg.single_bucket else 1
+    host = cfg.host_pages * ps if cached else 2 * max_ctx if cfg.single_bucket else None
     return RuntimeConfig(
-        mode="sparse-hier", sparse=sparse_config(cfg), device=cfg.device, max_num_reqs=cfg.max_batch if cached else 1,
-        max_context_len=max_ctx, host_kv_tokens=cfg.host_pages * ps if cached else None,
+        mode="sparse-hier", sparse=sparse_config(cfg), device=cfg.device, max_num_reqs=rows,
+        max_context_len=max_ctx, host_kv_tokens=host, adaptor=cfg.adaptor,
         # page layouts (the L3 page forms read and write host pages in place); CUDA's kernel io
         # backend takes page_first, the direct one page_first_direct
         host_layout="page_first" if torch.device(cfg.device).type == "cuda" else "page_first_direct",
         prefix_cache=cached, validate=True, cuda_graph=cfg.cuda_graph,
         storage=storage if cached else None,
         storage_policy=StoragePolicy(prefetch_policy=cfg.prefetch_policy, prefetch_threshold=ps,
-                                     prefetch_timeout_base=cfg.prefetch_timeout_s, prefetch_timeout_per_ki_token=0.0,
-                                     io_batch_pages=2) if cached and storage is not None else None)
+                                     prefetch_timeout_base=cfg.prefetch_timeout_s,
+                                     prefetch_timeout_per_ki_token=cfg.prefetch_timeout_per_ki_token,
+                                     io_batch_pages=cfg.io_batch_pages) if cached and storage is not None else None)
 
 
 def build_storage(cfg: SoakConfig, model_name: str) -> Optional[HiCacheStorage]:
@@ -187,32 +283,69 @@ def build_storage(cfg: SoakConfig, model_name: str) -> Optional[HiCacheStorage]:
             unregister_storage_backend(name)
 
 
+class GapRecordingModel:
+    """``model`` that also writes the top-1 minus top-2 logit gap of row 0 of each ``logits``
+    call to ``gaps[pos]`` and advances ``pos`` (device tensors, so that graph-captured,
+    overlapped decode steps record theirs without a host sync)."""
+
+    def __init__(self, model, max_calls: int) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        dev = next(model.parameters()).device
+        self.gaps = torch.zeros(max_calls + 1, dtype=torch.float32, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.model.logits(hidden)
+        top = out[:1].topk(2, dim=-1).values
+        self.gaps.index_copy_(0, self.pos.clamp(max=self.gaps.numel() - 1), top[:, 0] - top[:, 1])
+        self.pos.add_(1)
+        return out
+
+
 class ReferenceCache:
     """Tokens a prompt generates alone in a run without prefix cache or L3, computed once per
     distinct prompt for the longest decode any request asks of it (greedy decode: a shorter
-    request's tokens are a prefix)."""
+    request's tokens are a prefix), with each token's logit gap (``GapRecordingModel``).
+    Its decode steps overlap (``ModelRunner.decode_steps``): the tokens are the same."""
 
     def __init__(self, model, cfg: SoakConfig, workload: Workload) -> None:
-        self.runner = ModelRunner(model, runtime_config(cfg, cached=False))
         self.workload = workload
         self.steps: dict[tuple[int, int], int] = {}
         for _, pid, d in workload.specs:
             self.steps[pid] = max(self.steps.get(pid, 0), d)
+        self.model = GapRecordingModel(model, max(self.steps.values(), default=0) + 1)
+        self.runner = ModelRunner(self.model, runtime_config(cfg, cached=False))
+        if cfg.single_bucket:
+            self.runner.graphs.buckets = [cfg.max_batch]
+        # capture the step's graph now: capture runs the step eagerly, which would record gaps
+        self.runner.graphs.warm(1, self.runner.backend.decode_graph_key([]))
         self.tokens: dict[tuple[int, int], list[int]] = {}
+        self.gaps: dict[tuple[int, int], list[float]] = {}
         self.seconds = 0.0
 
     def get(self, pid: tuple[int, int]) -> list[int]:
         if pid not in self.tokens:
             t0 = time.perf_counter()
-            r = self.runner
+            r, steps = self.runner, self.steps[pid]
+            self.model.pos.zero_()
             req = r.new_requests([self.workload.prompt(pid)])[0]
             r.prefill(req)
-            for _ in range(self.steps[pid]):
-                r.decode_step([req])
+            r.decode_steps([req], steps)
             r.backend.end_request(req)
             self.tokens[pid] = req.output
+            self.gaps[pid] = self.model.gaps[: steps + 1].tolist()
             self.seconds += time.perf_counter() - t0
         return self.tokens[pid]
+
+    def mean_seconds(self) -> float:
+        return self.seconds / len(self.tokens) if self.tokens else 0.0
+
+    def min_gap(self) -> Optional[float]:
+        return min((min(g) for g in self.gaps.values()), default=None)
 
 
 class Soak:
@@ -226,17 +359,26 @@ class Soak:
         self.refs = ReferenceCache(self.model, cfg, self.workload)
         self.storage = build_storage(cfg, f"soak-{cfg.model}-{cfg.num_layers}l-seed{cfg.seed}")
         self.runner = ModelRunner(self.model, runtime_config(cfg, cached=True, storage=self.storage))
+        if cfg.single_bucket:
+            self.runner.graphs.buckets = [cfg.max_batch]
         be = self.runner.backend
         self.backend = be
         self.tree = be.tree
+        self.admission = HostAdmission(be)
         self.res = SoakResult()
+        t0 = time.perf_counter()
+        for b in self.runner.graphs.buckets:  # as a server captures at start-up (no-op without graphs)
+            self.runner.graphs.warm(b, be.decode_variant([]))
+        self.res.setup_capture_s = round(time.perf_counter() - t0, 3)
         self._start = self._free_counts()
+        self._step_s = 0.0  # moving average of one decode step's wall time (the drain estimate)
+        self._mismatched: set[int] = set()  # request ids whose first mismatch is recorded
 
     # ------------------------------------------------------------------ accounting
     def _allocators(self) -> dict[str, Any]:
         be = self.backend
         out = {"device": be.pool.allocator, "host": be.host.allocator}
-        dp = be.coord.manager.dense_pool
+        dp = be.coord.dense_pool
         if dp is not None:
             out["dense"] = dp.allocator
         return out
@@ -304,29 +446,117 @@ class Soak:
         self.res.tokens_checked += 1
         if req.output[i] != ref[i]:
             self.res.mismatched_tokens += 1
-            if self.res.first_mismatch is None:
-                self.res.first_mismatch = {"rid": req.rid, "prompt": list(pid), "position": i,
-                                           "prefix_hit": req.prefix_hit, "got": req.output[i], "want": ref[i]}
-                logger.error("soak: token mismatch %s", self.res.first_mismatch)
+            if req.rid not in self._mismatched:
+                self._mismatched.add(req.rid)
+                self._record_mismatch(req, pid, i, ref)
+
+    def _record_mismatch(self, req: Request, pid: tuple[int, int], i: int, ref: list[int]) -> None:
+        rec = {"rid": req.rid, "prompt": list(pid), "prompt_len": len(req.prompt), "position": i,
+               "prefix_hit": req.prefix_hit, "got": req.output[i], "want": ref[i],
+               "reference_gap": round(self.refs.gaps[pid][i], 6)}
+        if self.res.first_mismatch is None:
+            self.res.first_mismatch = rec
+            logger.error("soak: token mismatch %s", rec)
+        if len(self.res.mismatches) < MAX_MISMATCH_RECORDS:
+            self.res.mismatches.append(rec)
 
     def _end(self, req: Request) -> None:
         self.backend.end_request(req)
         self.res.requests += 1
         if self.res.requests % self.cfg.check_every == 0:
+            t0 = time.perf_counter()
             self.tree.check_invariants()
             assert self.tree.storage_leaks() == 0 if self.tree.storage_ctl is not None else True
             self._sample_memory()
+            self.res.check_s += time.perf_counter() - t0
 
     def _quiescent(self) -> None:
+        t0 = time.perf_counter()
         leaks = self.quiescent_leaks()
         self.res.quiescent_checks += 1
+        self.res.check_s += time.perf_counter() - t0
         bad = {k: v for k, v in leaks.items() if v}
         if bad:
             self.res.leaks = bad
             raise AssertionError(f"soak: slots unaccounted for after {self.res.requests} requests: {bad}")
 
-    def run(self) -> SoakResult:
+    def _over_budget(self, deadline: Optional[float], active: list, pid: tuple[int, int], steps: int) -> bool:
+        """Whether admitting the next request (prompt ``pid``, ``steps`` decode steps) could
+        end the run past ``deadline``: its prefill and a reference run when the prompt has
+        none yet, then the longest of its and the running requests' remaining steps, at the
+        times measured so far."""
+        if deadline is None:
+            return False
+        left = max([steps] + [s + 1 - len(r.output) for r, _, s in active])
+        drain = left * self._step_s + self.res.prefill_s / max(1, self.res.prompts)
+        if pid not in self.refs.tokens:
+            drain += self.refs.mean_seconds()
+        return time.perf_counter() + drain > deadline
+
+    def _admit(self, pending: deque, active: list, tick: float, deadline: Optional[float]) -> None:
+        """Start the arrived requests while the batch and the host pool have room."""
         cfg, runner, wl = self.cfg, self.runner, self.workload
+        while pending and pending[0][1][0] <= tick and len(active) < cfg.max_batch:
+            i, (_, pid, steps) = pending[0]
+            if self._over_budget(deadline, active, pid, steps):
+                logger.warning("soak: time budget of %.0f s reached after %d requests; draining", cfg.max_seconds,
+                               self.res.requests)
+                pending.clear()
+                return
+            prompt = wl.prompt(pid)
+            remaining = [s + 1 - len(r.output) for r, _, s in active]
+            if not self.admission.fits(prompt, steps, remaining):
+                if active:
+                    self.res.admission_waits += 1
+                    return
+                self.admission.settle()
+                if not self.admission.fits(prompt, steps, remaining):
+                    raise ValueError(f"soak: the host pool ({cfg.host_pages} pages of {cfg.page_size}) cannot hold a "
+                                     f"{len(prompt)}-token prompt and {steps} decode steps with nothing running: "
+                                     f"raise SoakConfig.host_pages")
+            pending.popleft()
+            if i in cfg.events:
+                cfg.events[i]()
+            self.refs.get(pid)  # the reference first: its time is not the request's
+            t0 = time.perf_counter()
+            req = runner.new_requests([prompt])[0]
+            runner.prefill(req)
+            self.res.prefill_s += time.perf_counter() - t0
+            self.res.prompts += 1
+            self.res.prefix_hit_tokens += req.prefix_hit
+            self.res.prompt_tokens += len(prompt)
+            self._check_token(req, pid, 0)
+            if steps == 0:
+                self._end(req)
+            else:
+                active.append((req, pid, steps))
+
+    def _decode(self, active: list) -> list:
+        """One decode step of the batch; returns the requests still running."""
+        t0 = time.perf_counter()
+        graphs = len(self.runner.graphs.captured)
+        self.runner.decode_step([r for r, _, _ in active])
+        captured = len(self.runner.graphs.captured) > graphs
+        still = []
+        for r, pid, steps in active:
+            self._check_token(r, pid, len(r.output) - 1)
+            if len(r.output) == steps + 1:
+                self._end(r)
+            else:
+                still.append((r, pid, steps))
+        dt = time.perf_counter() - t0
+        if captured:  # not a step's usual time
+            self.res.graph_captures += 1
+            self.res.capture_s += dt
+        else:
+            self._step_s = dt if self._step_s == 0.0 else 0.9 * self._step_s + 0.1 * dt
+        self.res.decode_s += dt
+        self.res.decode_steps += 1
+        self.res.decode_tokens += len(active)
+        return still
+
+    def run(self) -> SoakResult:
+        cfg, wl = self.cfg, self.workload
         t0 = time.perf_counter()
         pending = deque(enumerate(wl.specs))
         active: list[tuple[Request, tuple[int, int], int]] = []
@@ -334,36 +564,13 @@ class Soak:
         warm_rss = None
         deadline = None if cfg.max_seconds is None else t0 + cfg.max_seconds
         while pending or active:
-            if deadline is not None and pending and time.perf_counter() > deadline:
-                logger.warning("soak: time budget of %.0f s spent after %d requests; draining", cfg.max_seconds,
-                               self.res.requests)
-                pending.clear()
             if not active and pending and pending[0][1][0] > tick:
                 tick = pending[0][1][0]  # idle: jump to the next arrival
-            while pending and pending[0][1][0] <= tick and len(active) < cfg.max_batch:
-                i, (_, pid, steps) = pending.popleft()
-                if i in cfg.events:
-                    cfg.events[i]()
-                req = runner.new_requests([wl.prompt(pid)])[0]
-                runner.prefill(req)
-                self.res.prefix_hit_tokens += req.prefix_hit
-                self._check_token(req, pid, 0)
-                if steps == 0:
-                    self._end(req)
-                else:
-                    active.append((req, pid, steps))
-                if warm_rss is None and self.res.requests >= max(1, cfg.requests // 5):
-                    warm_rss = rss_mib()
+            self._admit(pending, active, tick, deadline)
+            if warm_rss is None and self.res.requests >= max(1, cfg.requests // 5):
+                warm_rss = rss_mib()
             if active:
-                runner.decode_step([r for r, _, _ in active])
-                still = []
-                for r, pid, steps in active:
-                    self._check_token(r, pid, len(r.output) - 1)
-                    if len(r.output) == steps + 1:
-                        self._end(r)
-                    else:
-                        still.append((r, pid, steps))
-                active = still
+                active = self._decode(active)
                 if not active:
                     self._quiescent()
             tick += 1.0
@@ -371,6 +578,7 @@ class Soak:
         return self.res
 
     def _finish(self, t0: float, warm_rss: Optional[float]) -> None:
+        t_fin = time.perf_counter()
         tree, res = self.tree, self.res
         if tree.storage_ctl is not None:
             fi = self.storage if isinstance(self.storage, FaultInjectingStorage) else None
@@ -395,6 +603,9 @@ class Soak:
             else:
                 res.faults_injected = self.storage.stats.faults
                 res.faults_reaching_read = served
+        res.host_evicted_tokens = tree.stats()["host_evicted_tokens"]
+        st = self.backend.stats()
+        res.decode_hit_rate, res.decode_h2d_bytes = round(st["hit_rate"], 4), int(st["bytes_loaded"])
         self._sample_memory()
         leaks = self.quiescent_leaks()
         leaks.update(self._backend_leaks())
@@ -406,6 +617,12 @@ class Soak:
         res.leaked_slots = sum(abs(v) for v in leaks.values() if v)
         res.distinct_prompts = len(self.refs.tokens)
         res.reference_s = round(self.refs.seconds, 3)
+        res.reference_tokens = sum(len(t) for t in self.refs.tokens.values())
+        gap = self.refs.min_gap()
+        res.min_reference_gap = None if gap is None else round(gap, 6)
+        for k in ("prefill_s", "decode_s", "check_s", "capture_s"):
+            setattr(res, k, round(getattr(res, k), 3))
+        res.finish_s = round(time.perf_counter() - t_fin, 3)
         res.elapsed_s = round(time.perf_counter() - t0, 3)
         res.peak_host_mib = round(res.peak_host_mib, 1)
         res.rss_growth_mib = round(res.peak_host_mib - warm_rss, 1) if warm_rss is not None else 0.0

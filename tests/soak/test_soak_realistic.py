@@ -1,0 +1,75 @@
+"""The ``gpu-realistic`` soak (``realistic.py``): its full plan has the sizes users run, and
+the same plan at a CPU scale (few requests, prompts and decode lengths scaled down, page
+sizes 16 and 64 kept) runs through the same code path: Quest at both page sizes and DSA,
+8 layers, the attention adaptors, one graph bucket, admission by host room, a hot window
+of prefixes sweeping over more than the host pool holds, bursts, an L3 file store under
+injected faults, every token checked and the accounting checked at every quiescent
+moment."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from soak import realistic
+from soak.harness import runtime_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_full_plan_has_the_sizes_users_run():
+    subs = realistic.plan(device="cuda", l3_root="/nonexistent")
+    cfgs = [s.cfg for s in subs]
+    assert sum(c.requests for c in cfgs) >= 5_000
+    assert {c.page_size for c in cfgs if c.algorithm == "quest"} == {16, 64}
+    assert {c.algorithm for c in cfgs} == {"quest", "dsa"}
+    for c in cfgs:
+        shortest = min(c.prefix_lengths) + c.suffix_tokens[0]
+        longest = max(c.prefix_lengths) + c.suffix_tokens[1]
+        assert 1024 <= shortest < 2048 and 30_000 < longest <= 32768
+        assert c.decode_steps == (64, 512) and c.max_batch == 64 and c.num_layers >= 8
+        assert c.top_k_pages >= 64 and c.cuda_graph and c.single_bucket and c.faults is not None
+        # the prefixes' KV exceeds the host pool, which exceeds the device pool (HiCache's rule)
+        device = runtime_config(c, cached=True).auto_device_tokens()
+        assert device < c.host_pages * c.page_size < sum(c.prefix_lengths)
+        # a bounded set of distinct prompts, each asked for many times
+        assert len(c.prefix_lengths) * c.suffixes_per_prefix * 20 < c.requests
+
+
+def test_plan_at_cpu_scale(tmp_path):
+    subs = realistic.plan(requests=60, scale=0.02, device="cpu", seed=1, l3_root=str(tmp_path), max_batch=4)
+    assert {(s.cfg.algorithm, s.cfg.page_size) for s in subs} == {("quest", 16), ("quest", 64), ("dsa", 1)}
+    records = realistic.run_plan(subs, budget_s=600.0, progress=None)
+    for r in records:
+        res = r.result
+        assert res["requests"] == r.config["requests"], r.name
+        assert res["mismatched_tokens"] == 0, (r.name, res["first_mismatch"])
+        assert res["leaked_slots"] == 0, (r.name, res["leaks"])
+        assert res["tokens_checked"] == res["requests"] + res["decode_tokens"]
+        assert res["quiescent_checks"] >= 2, r.name  # each burst drains
+        assert res["faults_served_as_miss"] == res["faults_reaching_read"]
+        # the host pool ran short: requests waited for room, the tree evicted, L3 was asked
+        assert res["admission_waits"] > 0 and res["host_evicted_tokens"] > 0, r.name
+        assert res["storage_counters"]["prefetch_ops"] > 0 and res["l3_pages_written"] > 0, r.name
+        assert res["min_reference_gap"] is not None and res["min_reference_gap"] >= 0
+        assert r.timings["wall_s"] >= r.timings["run_s"] > 0
+    # cold prefixes came back from L3, and faults were injected
+    assert sum(r.result["l3_hit_tokens"] for r in records) > 0
+    assert sum(r.result["faults_injected"] for r in records) > 0
+    run = realistic.summary(records, "cpu", 600.0, 1.0, 60)
+    assert run["mode"] == "gpu-realistic" and run["requests"] == 60 and len(run["subruns"]) == 3
+    json.dumps(run)  # the results file takes it as is
+
+
+def test_time_budget_ends_the_plan_and_records_what_ran(tmp_path):
+    subs = realistic.plan(requests=600, scale=0.02, device="cpu", seed=2, l3_root=str(tmp_path), max_batch=4)
+    t0 = time.perf_counter()
+    records = realistic.run_plan(subs, budget_s=9.0, progress=None)
+    wall = time.perf_counter() - t0
+    assert len(records) == 3  # every sub-run got its share and ran
+    ran = [r.result["requests"] for r in records]
+    assert all(0 < n < s.cfg.requests for n, s in zip(ran, subs)), ran
+    assert wall < 9.0 + 6.0, wall  # a step or a reference past the estimate at most
+    for r in records:
+        assert r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
