@@ -368,7 +368,7 @@ class Soak:
         self.res = SoakResult()
         t0 = time.perf_counter()
         for b in self.runner.graphs.buckets:  # as a server captures at start-up (no-op without graphs)
-            self.runner.graphs.warm(b, be.decode_variant([]))
+            self.runner.graphs.warm(b, be.decode_graph_key([]))
         self.res.setup_capture_s = round(time.perf_counter() - t0, 3)
         self._start = self._free_counts()
         self._step_s = 0.0  # moving average of one decode step's wall time (the drain estimate)
