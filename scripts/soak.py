@@ -98,11 +98,17 @@ def run_realistic_mode(a, requests: int) -> tuple[dict, bool]:
         for s in subs:
             s.cfg.cuda_graph = not a.no_cuda_graph
         # the budget counts from the process start (imports, CUDA start-up) to the record
-        records = realistic.run_plan(subs, budget - (time.perf_counter() - STARTED) - 5.0, progress=print)
+        left = budget - (time.perf_counter() - STARTED) - 5.0
+        if a.concurrent:
+            records = realistic.run_plan_concurrently(subs, left, threads=a.threads, progress=print)
+        else:
+            records = realistic.run_plan(subs, left, progress=print)
     finally:
         shutil.rmtree(l3_root, ignore_errors=True)
     run = realistic.summary(records, device_name(a.device), budget, time.perf_counter() - STARTED, requests)
     run["scale"] = a.scale
+    run["concurrent"] = a.concurrent
+    run["triton_f32_default"] = os.environ.get("TRITON_F32_DEFAULT")
     run["cuda_graph"] = bool(a.device.startswith("cuda") and not a.no_cuda_graph)
     ok = all(r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
              and r.result["faults_served_as_miss"] == r.result["faults_reaching_read"] for r in records)
@@ -122,6 +128,9 @@ def main(argv=None) -> int:
                          "e.g. 0.03 for a CPU run; page sizes stay")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="gpu-realistic: requests decoding together (default 64 at scale 1)")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="gpu-realistic: run the sub-runs at once, a process each, sharing the device, each with "
+                         "the whole budget (default: one after another, the budget split)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     ap.add_argument("--no-cuda-graph", action="store_true", help="CUDA: decode eagerly instead of graph replays")
     ap.add_argument("--no-faults", action="store_true", help="no fault injection")
