@@ -73,3 +73,14 @@ def test_time_budget_ends_the_plan_and_records_what_ran(tmp_path):
     assert wall < 9.0 + 6.0, wall  # a step or a reference past the estimate at most
     for r in records:
         assert r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
+
+
+def test_concurrent_plan_checks_every_sub_run_in_its_own_process(tmp_path):
+    subs = realistic.plan(requests=12, scale=0.02, device="cpu", seed=3, l3_root=str(tmp_path), max_batch=2)
+    records = realistic.run_plan_concurrently(subs, budget_s=120.0, progress=None)
+    assert [r.name for r in records] == [s.name for s in subs]
+    for r, s in zip(records, subs):
+        assert r.result["requests"] == s.cfg.requests  # the budget was not the limit
+        assert r.result["tokens_checked"] > 0
+        assert r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
+        assert r.result["quiescent_checks"] >= 1
