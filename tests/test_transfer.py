@@ -301,6 +301,38 @@ def test_gpu_per_layer_events_are_independent():
     assert handle.done()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["backup", "load"])
+def test_gpu_caller_slot_lists_outlive_a_slow_engine_stream(direction):
+    """A slot list the caller frees right after ``backup`` / ``load`` returns must not be
+    reused by its next allocation while the engine stream still reads it: lists long enough
+    to be reordered by host slot (page size 1, small rows) go through a gather on the engine
+    stream, delayed here by a sleep kernel queued on that stream first."""
+    dev, host, eng = make("mla", "layer_first", "kernel", page_size=1, layers=2, dev_slots=1 << 14, device="cuda")
+    assert eng.sort_threshold is not None
+    n = max(eng.sort_threshold, 8192)
+    g = torch.Generator().manual_seed(11)
+    d_slots = torch.randperm(dev.num_slots - 1, generator=g)[:n] + 1
+    h_slots = torch.randperm(host.num_slots - 1, generator=g)[:n] + 1
+    before_host = [host_rows(host, layer, h_slots) for layer in range(2)]
+    before_dev = [dev_rows(dev, layer, d_slots) for layer in range(2)]
+    with torch.cuda.stream(eng.stream):
+        torch.cuda._sleep(int(2e8))  # holds the engine stream for a while (~0.1 s)
+    if direction == "backup":
+        handle = eng.backup(d_slots.cuda(), h_slots)  # the device list is a temporary
+    else:
+        handle = eng.load(h_slots, d_slots.cuda())
+    junk = torch.full((n,), 3, dtype=torch.int64, device="cuda")  # the caller's next allocation
+    handle.synchronize()
+    torch.cuda.synchronize()
+    del junk
+    for layer in range(2):
+        if direction == "backup":
+            assert torch.equal(bits(host_rows(host, layer, h_slots)), bits(before_dev[layer]))
+        else:
+            assert torch.equal(bits(dev_rows(dev, layer, d_slots)), bits(before_host[layer]))
+
+
 def test_layouts_take_only_their_io_backends_everywhere():
     """One rule (hicache.config.check_layout_io) for the engine, HiCacheConfig and the CLI:
     page_first / page_head need the kernel backend, page_first_direct the direct one."""
