@@ -250,21 +250,16 @@ class KVTransferEngine:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # indices / KV produced on the caller's stream
         with torch.cuda.stream(self.stream):
-            s_idx, d_idx = self._on_device(src_slots), self._on_device(dst_slots)
+            given = (self._on_device(src_slots), self._on_device(dst_slots))
+            s_idx, d_idx = self._host_ordered(*given, to_device=to_device)
             # The caller's own slot lists (allocated on its stream) are read here on the
-            # engine stream, by the copy or by the reordering gather below: the caching
-            # allocator must not hand their blocks to the caller's next allocation before this
-            # stream is done with them, even when only the reordered copies are used after.
-            for t in (s_idx, d_idx):
+            # engine stream, by the copy or by the reordering gather: the caching allocator
+            # must not hand their blocks to the caller's next allocation before this stream is
+            # done with them, even when only the reordered copies are used after.
+            for t in (*given, s_idx, d_idx):
                 if t.is_cuda:
                     t.record_stream(self.stream)
-            handle.keepalive += [s_idx, d_idx]
-            ordered = self._host_ordered(s_idx, d_idx, to_device=to_device)
-            if ordered[0] is not s_idx:
-                s_idx, d_idx = ordered
-                for t in (s_idx, d_idx):
-                    t.record_stream(self.stream)
-                handle.keepalive += [s_idx, d_idx]
+            handle.keepalive += [*given, s_idx, d_idx]
             if to_device:
                 # One launch per layer so consumers can start on layer n while n+1 loads.
                 for layer in layers:
