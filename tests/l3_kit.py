@@ -13,6 +13,7 @@ from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
 from hicache.radix_tree import HiRadixTree
 from hicache.storage_controller import StoragePolicy
+from memory_storage import MemoryStorage
 
 LAYERS, HEADS, DIM, PS = 2, 2, 4, 4
 
@@ -70,6 +71,16 @@ def store(tree: HiRadixTree, dev: DeviceKVPool, tokens):
     tree.writing_check(block=True)
     tree.flush_storage()
     return res
+
+
+def written_store(*prompts) -> MemoryStorage:
+    """A memory store holding ``prompts``' pages, written through by one tree (then closed)."""
+    s = MemoryStorage()
+    tree, dev, _ = build(s)
+    for tokens in prompts:
+        store(tree, dev, tokens)
+    tree.close()
+    return s
 
 
 def empty_tiers(tree: HiRadixTree) -> None:

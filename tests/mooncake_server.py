@@ -69,7 +69,37 @@ def _listening(port: int) -> bool:
         return False
 
 
-class MooncakeMaster:
+class _ServerProcess:
+    """A server process started in a session of its own, its output in a temporary log file
+    (removed when the context ends)."""
+
+    def __init__(self, log_prefix: str) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
+
+    def _spawn(self, cmd: list[str]) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+class MooncakeMaster(_ServerProcess):
     """One master process; ports stay fixed across ``kill`` / ``start``."""
 
     def __init__(self, lease_ttl_ms: int = 500, extra_flags: tuple[str, ...] = ()) -> None:
@@ -80,8 +110,7 @@ class MooncakeMaster:
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.lease_ttl_ms = lease_ttl_ms
         self.extra_flags = tuple(extra_flags)
-        self.proc: Optional[subprocess.Popen] = None
-        self.log_path = Path(tempfile.mkstemp(prefix="mooncake_master_", suffix=".log")[1])
+        super().__init__("mooncake_master_")
 
     @property
     def address(self) -> str:
@@ -108,10 +137,7 @@ class MooncakeMaster:
                "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
                # short leases, so a full pool can evict and removed objects go at once
                f"--default_kv_lease_ttl={self.lease_ttl_ms}", *self.extra_flags]
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        log.close()
+        self._spawn(cmd)
         deadline = time.monotonic() + timeout
         while not (_listening(self.rpc_port) and _listening(self.http_port)):
             if self.proc.poll() is not None:
@@ -147,24 +173,9 @@ class MooncakeMaster:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def __enter__(self) -> "MooncakeMaster":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        try:
-            os.unlink(self.log_path)
-        except OSError:
-            pass
 
 
-class MooncakeSegmentHolder:
+class MooncakeSegmentHolder(_ServerProcess):
     """Mooncake's standalone store client (``mooncake_client``) mounting ``segment_size`` of
     its memory into ``master``'s pool until stopped. A client that contributes no memory
     (``global_segment_size`` 0) puts its objects there, so they outlive it; memory a client
@@ -178,14 +189,10 @@ class MooncakeSegmentHolder:
         self.cmd = [binary, f"--master_server_address={master.address}",
                     f"--metadata_server={master.metadata_server}", "--protocol=tcp", "--host=127.0.0.1",
                     f"--port={self.port}", f"--global_segment_size={segment_size}"]
-        self.proc: Optional[subprocess.Popen] = None
-        self.log_path = Path(tempfile.mkstemp(prefix="mooncake_client_", suffix=".log")[1])
+        super().__init__("mooncake_client_")
 
     def start(self, timeout: float = 20.0) -> "MooncakeSegmentHolder":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        log.close()
+        self._spawn(self.cmd)
         # it serves its port only after the segment is mounted
         deadline = time.monotonic() + timeout
         while not _listening(self.port):
@@ -204,19 +211,3 @@ class MooncakeSegmentHolder:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def __enter__(self) -> "MooncakeSegmentHolder":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        try:
-            os.unlink(self.log_path)
-        except OSError:
-            pass

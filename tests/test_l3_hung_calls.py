@@ -18,7 +18,7 @@ from hicache.storage.integrity import unseal
 from hicache.storage.keys import page_hash_chain, storage_key
 from hicache.storage_calls import MAX_ABANDONED_CALLS
 from hicache.storage_controller import StoragePolicy
-from l3_kit import PS, build, expected, no_leaks, prefetch, put, read_host, settle, store, wait_until
+from l3_kit import PS, build, expected, no_leaks, prefetch, put, read_host, settle, wait_until, written_store
 from memory_storage import MemoryStorage
 
 TOKS = list(range(7000, 7064))  # 16 pages
@@ -63,12 +63,7 @@ class HangingStorage(MemoryStorage):
 
 @pytest.fixture
 def objects():
-    s = MemoryStorage()
-    tree, dev, _ = build(s)
-    store(tree, dev, TOKS)
-    store(tree, dev, OTHER)
-    tree.close()
-    return s.objects
+    return written_store(TOKS, OTHER).objects
 
 
 def _policy(**kw) -> StoragePolicy:

@@ -12,7 +12,7 @@ import torch
 from hicache.storage.keys import page_hash_chain, storage_key
 from hicache.storage_controller import StoragePolicy
 from l3_kit import (PS, build, empty_tiers, expected, no_leaks, prefetch, put, read_device, read_host, settle,
-                    store, wait_until)
+                    store, wait_until, written_store)
 from memory_storage import MemoryStorage
 
 TOKS = list(range(1000, 1064))  # 16 pages
@@ -30,11 +30,7 @@ def host_free_matches_tree(tree, host):
 @pytest.fixture
 def cold_store():
     """A store holding TOKS's 16 pages, written through by one tree."""
-    s = MemoryStorage()
-    tree, dev, host = build(s)
-    store(tree, dev, TOKS)
-    tree.close()
-    return s
+    return written_store(TOKS)
 
 
 def test_round_trip_cold_match_prefetches_and_hits_with_equal_kv():

@@ -12,7 +12,7 @@ import pytest
 from hicache.config import HiCacheConfig
 from hicache.storage.keys import page_hash_chain, storage_key
 from hicache.storage_controller import StoragePolicy
-from l3_kit import PS, build, expected, no_leaks, prefetch, read_host, settle, store, wait_until
+from l3_kit import PS, build, expected, no_leaks, prefetch, read_host, settle, wait_until, written_store
 from memory_storage import MemoryStorage
 
 TOKS = list(range(3000, 3064))  # 16 pages
@@ -40,12 +40,7 @@ class SlowExists(MemoryStorage):
 
 @pytest.fixture
 def objects():
-    s = MemoryStorage()
-    tree, dev, _ = build(s)
-    store(tree, dev, TOKS)
-    store(tree, dev, OTHER)
-    tree.close()
-    return s.objects
+    return written_store(TOKS, OTHER).objects
 
 
 def _slow(objects, policy: StoragePolicy):
