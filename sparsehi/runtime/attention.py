@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from sparsehi.kernels.prefill_attention import prefill_attention
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                     q_offset: int) -> torch.Tensor:
-    """Prefill attention of one request.
+                     q_offset: int, batch_invariant: bool = False) -> torch.Tensor:
+    """Prefill attention of one request (``batch_invariant``: the row-invariant kernel of
+    ``sparsehi/kernels/prefill_attention.py`` instead of SDPA).
 
     q: ``[T, Hq, D]`` the new tokens at positions ``q_offset .. q_offset+T-1``;
     k: ``[S, Hkv, D]``, v: ``[S, Hkv, Dv]`` the whole context (S = q_offset + T).
@@ -20,6 +23,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale
     S, Hkv, _ = k.shape
     if S != q_offset + T:
         raise ValueError(f"causal_attention: k has {S} rows, expected q_offset + T = {q_offset + T}")
+    if batch_invariant:
+        return prefill_attention(q, k, v, sm_scale, q_offset)
     group = Hq // Hkv
     cdt = torch.float32 if q.device.type == "cpu" else q.dtype
     qh = q.to(cdt).transpose(0, 1)                                  # [Hq, T, D]

@@ -163,7 +163,7 @@ class RuntimeMode:
             self.pool.set_kv(layer, new, k, v)
             kb = self.pool.get_key_buffer(layer)[slots]
             vb = self.pool.get_value_buffer(layer)[slots]
-            o = causal_attention(q, kb, vb, scale, prefix_len)
+            o = causal_attention(q, kb, vb, scale, prefix_len, self.rt.batch_invariant)
             self.after_prefill_layer(req, layer, k, v, extra, prefix_len)
             return o
 

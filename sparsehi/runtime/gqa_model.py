@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparsehi.kernels.add_rms_norm import add_rms_norm
 from sparsehi.kernels.rope import rope_inplace
-from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, rope_cos_sin, seeded_normal_,
-                                    tie_rows)
+from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, project, rope_cos_sin,
+                                    seeded_normal_, tie_rows)
 from sparsehi.runtime.model_config import ModelConfig
 
 
@@ -60,6 +59,14 @@ class GQAModel(nn.Module):
         self.layers = nn.ModuleList(GQALayer(cfg, qkv_bias) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.batch_invariant = False
+        """Row-invariant projections and norms (``use_batch_invariant_ops``)."""
+
+    def use_batch_invariant_ops(self) -> None:
+        """From now on compute every projection and norm with row-invariant kernels
+        (``sparsehi.runtime.layers``): each token's hidden states, hence its KV, depend on
+        its own inputs only, not on the other tokens of the call."""
+        self.batch_invariant = True
 
     @torch.no_grad()
     def random_init(self) -> None:
@@ -90,26 +97,27 @@ class GQAModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: ``[T] int64`` (one decode token per request, or the
         concatenated prefill tokens). Returns hidden ``[T, hidden]`` after the final norm."""
-        cfg = self.cfg
+        cfg, inv = self.cfg, self.batch_invariant
         T = input_ids.shape[0]
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         # residual add and the next norm are one launch: x is the normed input of the next block
-        x = self.layers[0].input_layernorm(h) if len(self.layers) else h
+        x = self.layers[0].input_layernorm(h, inv) if len(self.layers) else h
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             w, b = a.qkv_weight()
-            qkv = F.linear(x, w, b).view(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            qkv = project(x, w, b, inv).view(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
             nqk = cfg.num_heads + cfg.num_kv_heads
             rope_inplace(qkv[:, :nqk], cos, sin)  # q and k rotated in one pass
             q, k, v = qkv[:, : cfg.num_heads], qkv[:, cfg.num_heads:nqk], qkv[:, nqk:]
             o = attn(i, q, k, v, {})
             post = layer.post_attention_layernorm
-            h, x = add_rms_norm(h, a.o_proj(o.reshape(T, -1).to(h.dtype)), post.weight, post.eps)
+            h, x = add_rms_norm(h, project(o.reshape(T, -1).to(h.dtype), a.o_proj.weight, None, inv), post.weight,
+                                post.eps)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, x = add_rms_norm(h, layer.mlp(x), nxt.weight, nxt.eps)
-        return x if len(self.layers) else self.norm(h)
+            h, x = add_rms_norm(h, layer.mlp(x, inv), nxt.weight, nxt.eps)
+        return x if len(self.layers) else self.norm(h, inv)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32."""
-        return self.lm_head(hidden).float()
+        return project(hidden, self.lm_head.weight, None, self.batch_invariant).float()

@@ -1,5 +1,10 @@
 """Small building blocks shared by the two model families: RMSNorm, RoPE, SwiGLU MLP,
-the per-layer attention callback type, and seeded init helpers."""
+projections, the per-layer attention callback type, and seeded init helpers.
+
+``batch_invariant=True`` (a model's ``use_batch_invariant_ops``) computes projections and
+norms with kernels whose rows do not depend on how many rows are computed together
+(``sparsehi/kernels/row_invariant_matmul.py``, ``add_rms_norm``): a token's KV is then
+bitwise the same in a prefill of the whole prompt and in one after a reused prefix."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +15,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from sparsehi.kernels.add_rms_norm import add_rms_norm
+from sparsehi.kernels.row_invariant_matmul import row_invariant_linear
 from sparsehi.kernels.silu_mul import silu_mul
 
 
@@ -33,7 +40,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        if batch_invariant:  # the fused add + norm kernel, one program per row
+            return add_rms_norm(x, torch.zeros_like(x), self.weight.to(x.dtype), self.eps)[1]
         if x.is_cuda:  # one fused kernel (float32 inside) instead of ~7 launches per norm
             return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
         xf = x.float()
@@ -103,10 +112,19 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         # gate and up in one GEMM, then one fused silu * up
         w = fused_weight(self, "_gate_up", [self.gate_proj.weight, self.up_proj.weight])
-        return self.down_proj(silu_mul(F.linear(x, w)))
+        return project(silu_mul(project(x, w, None, batch_invariant)), self.down_proj.weight, None, batch_invariant)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+            batch_invariant: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; with ``batch_invariant`` each row's result depends on
+    that row alone (``row_invariant_linear``)."""
+    if batch_invariant:
+        return row_invariant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def seeded_normal_(t: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tensor:

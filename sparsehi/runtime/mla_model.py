@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsehi.runtime.layers import AttentionFn, RMSNorm, SwiGLU, apply_rope, init_linear, rope_cos_sin, seeded_normal_, tie_rows
+from sparsehi.kernels.row_invariant_matmul import row_invariant_matmul
+from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, apply_rope, init_linear, project, rope_cos_sin,
+                                    seeded_normal_, tie_rows)
 from sparsehi.runtime.model_config import ModelConfig
 
 
@@ -65,6 +67,14 @@ class MLAModel(nn.Module):
         self.layers = nn.ModuleList(MLALayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.batch_invariant = False
+        """Row-invariant projections and norms (``use_batch_invariant_ops``)."""
+
+    def use_batch_invariant_ops(self) -> None:
+        """From now on compute every projection, per-head product and RMSNorm with
+        row-invariant kernels (``sparsehi.runtime.layers``); the indexer's key LayerNorm
+        stays torch's (one program per row)."""
+        self.batch_invariant = True
 
     @torch.no_grad()
     def random_init(self) -> None:
@@ -105,7 +115,7 @@ class MLAModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions ``[T] int64``; returns hidden ``[T, hidden]`` after the final norm."""
-        cfg = self.cfg
+        cfg, inv = self.cfg, self.batch_invariant
         T = input_ids.shape[0]
         H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
@@ -114,27 +124,33 @@ class MLAModel(nn.Module):
         w_scale = (Hi ** -0.5) * (Di ** -0.5)
         for i, layer in enumerate(self.layers):
             a, ix = layer.self_attn, layer.indexer
-            x = layer.input_layernorm(h)
-            cq = a.q_a_layernorm(a.q_a_proj(x))
-            q = a.q_b_proj(cq).view(T, H, dn + dr)
+            x = layer.input_layernorm(h, inv)
+            cq = a.q_a_layernorm(project(x, a.q_a_proj.weight, None, inv), inv)
+            q = project(cq, a.q_b_proj.weight, None, inv).view(T, H, dn + dr)
             q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
-            kv_a = a.kv_a_proj_with_mqa(x)
-            c_kv = a.kv_a_layernorm(kv_a[:, :r])
+            kv_a = project(x, a.kv_a_proj_with_mqa.weight, None, inv)
+            c_kv = a.kv_a_layernorm(kv_a[:, :r], inv)
             k_pe = apply_rope(kv_a[:, None, r:], cos, sin)
             w_kv = a.kv_b_proj.weight.view(H, dn + dv, r)
-            q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
+            if inv:  # per head: [H, T, dn] x [H, r, dn]
+                q_lat = row_invariant_matmul(q_nope.transpose(0, 1), w_kv[:, :dn].transpose(1, 2)).transpose(0, 1)
+            else:
+                q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
             q_full = torch.cat([q_lat, q_pe], dim=-1)
             kv = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
-            iq = ix.wq_b(cq).view(T, Hi, Di)
+            iq = project(cq, ix.wq_b.weight, None, inv).view(T, Hi, Di)
             iq = torch.cat([apply_rope(iq[..., :dr], cos, sin), iq[..., dr:]], dim=-1)
-            ik = ix.k_norm(ix.wk(x))
+            ik = ix.k_norm(project(x, ix.wk.weight, None, inv))
             ik = torch.cat([apply_rope(ik[:, None, :dr], cos, sin)[:, 0], ik[:, dr:]], dim=-1)
-            iw = ix.weights_proj(x).float() * w_scale
+            iw = project(x, ix.weights_proj.weight, None, inv).float() * w_scale
             o_lat = attn(i, q_full, kv, None, {"index_q": iq, "index_k": ik, "index_w": iw})
-            o = torch.einsum("thc,hvc->thv", o_lat.to(h.dtype), w_kv[:, dn:])
-            h = h + a.o_proj(o.reshape(T, H * dv))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            if inv:  # per head: [H, T, r] x [H, dv, r]
+                o = row_invariant_matmul(o_lat.to(h.dtype).transpose(0, 1), w_kv[:, dn:]).transpose(0, 1)
+            else:
+                o = torch.einsum("thc,hvc->thv", o_lat.to(h.dtype), w_kv[:, dn:])
+            h = h + project(o.reshape(T, H * dv), a.o_proj.weight, None, inv)
+            h = h + layer.mlp(layer.post_attention_layernorm(h, inv), inv)
+        return self.norm(h, inv)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return project(hidden, self.lm_head.weight, None, self.batch_invariant).float()

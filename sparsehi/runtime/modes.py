@@ -88,6 +88,13 @@ class RuntimeConfig:
     one, and the tokens feed the next step on the device. False (SGLang's
     ``--disable-overlap-schedule``) waits for every step before preparing the next; the
     tokens are the same either way."""
+    batch_invariant: bool = False
+    """Prefill and decode with kernels whose rows do not depend on the other rows of the
+    call (projections, norms, prefill attention: ``sparsehi/kernels/row_invariant_matmul.py``,
+    ``prefill_attention.py``): a token's KV is then bitwise the same whether its prompt was
+    prefilled whole or after a reused prefix, so reuse cannot change a token even at a
+    near-tie (what SGLang's deterministic inference gives). Slower prefill; the model must
+    offer ``use_batch_invariant_ops``."""
     storage: Optional[Any] = None
     """sparse-hier: an L3 backend (``hicache.storage.base.HiCacheStorage``) the prefix tree
     attaches: prompts are prefetched from it and finished requests written to it. The

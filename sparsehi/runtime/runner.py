@@ -98,6 +98,11 @@ class ModelRunner:
     def __init__(self, model: Model, rt: RuntimeConfig) -> None:
         self.model = model
         self.rt = rt
+        if rt.batch_invariant:
+            if not hasattr(model, "use_batch_invariant_ops"):
+                raise ValueError(f"RuntimeConfig.batch_invariant=True needs a model with use_batch_invariant_ops(); "
+                                 f"{type(model).__name__} has none")
+            model.use_batch_invariant_ops()
         self.backend = make_mode(model, rt)
         self._next_rid = 0
         if rt.cuda_graph and torch.device(rt.device).type == "cuda" and not rt.uses_cuda_graph:

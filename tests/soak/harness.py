@@ -81,6 +81,10 @@ class SoakConfig:
     bucket). GPU kernels pick their split-K and GEMM tiles by batch size, so a row alone
     rounds differently from the same row in a batch of 64; with one shape the comparison
     stays exact at any batch. The references then take ``max_batch`` request rows (one used)."""
+    batch_invariant: bool = False
+    """Row-invariant prefill and decode kernels (``RuntimeConfig.batch_invariant``): a reused
+    prefix's KV is bitwise what a cold prefill of the whole prompt computes, so the tokens
+    can be compared exactly at any prompt length."""
     num_prefixes: int = 6
     prefix_pages: tuple[int, int] = (1, 4)
     """Shared-prefix length range, in pages (drawn per prefix)."""
@@ -256,7 +260,7 @@ def runtime_config(cfg: SoakConfig, *, cached: bool, storage: Optional[HiCacheSt
         # page layouts (the L3 page forms read and write host pages in place); CUDA's kernel io
         # backend takes page_first, the direct one page_first_direct
         host_layout="page_first" if torch.device(cfg.device).type == "cuda" else "page_first_direct",
-        prefix_cache=cached, validate=True, cuda_graph=cfg.cuda_graph,
+        prefix_cache=cached, validate=True, cuda_graph=cfg.cuda_graph, batch_invariant=cfg.batch_invariant,
         storage=storage if cached else None,
         storage_policy=StoragePolicy(prefetch_policy=cfg.prefetch_policy, prefetch_threshold=ps,
                                      prefetch_timeout_base=cfg.prefetch_timeout_s,
@@ -297,6 +301,9 @@ class GapRecordingModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         return self.model(input_ids, positions, attn)
+
+    def use_batch_invariant_ops(self) -> None:
+        self.model.use_batch_invariant_ops()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.model.logits(hidden)

@@ -140,7 +140,7 @@ def subrun_config(shape: SubRunShape, requests: int, scale: float, device: str, 
         sink_pages=-(-_scaled(64, scale) // ps), recent_pages=-(-_scaled(64, scale) // ps), dense_layers=None,
         adaptor="auto", single_bucket=True, prefix_lengths=prefix_lengths(2, ps, scale, seed),
         suffixes_per_prefix=SUFFIXES_PER_PREFIX, suffix_tokens=suffix, decode_steps=decode,
-        hot_prefixes=HOT_PREFIXES, prefix_sweeps=PREFIX_SWEEPS,
+        hot_prefixes=HOT_PREFIXES, prefix_sweeps=PREFIX_SWEEPS, batch_invariant=True,
         arrival_rate=8.0 * batch / (sum(decode) / 2),  # 8x what a full batch finishes: a queue at once
         burst=max(2 * batch, -(-requests // BURSTS)), storage="file",
         storage_extra={"file_path": l3_dir}, prefetch_policy="timeout", prefetch_timeout_s=0.2,
