@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_decode import make_runner  # noqa: E402
+from benchmarks.decode.point import make_runner  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402

@@ -82,8 +82,15 @@ def _modes(text: str) -> list[str]:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    """The flags ``run`` and ``bench`` share, in four groups (their order in --help)."""
+    _add_model_args(p)
+    _add_sparse_args(p)
+    _add_tier_args(p)
+    _add_execution_args(p)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     from sparsehi.runtime.model_config import BUILTIN_CONFIGS
-    from sparsehi.runtime.modes import ADAPTORS, MODE_HELP
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(BUILTIN_CONFIGS), default="tiny-gqa",
@@ -99,6 +106,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompt token ids (default 0); the built-in models' random weights "
                         "have their own fixed seed")
+
+
+def _add_sparse_args(p: argparse.ArgumentParser) -> None:
+    from sparsehi.runtime.modes import ADAPTORS, MODE_HELP
+
     g = p.add_argument_group("sparse attention")
     g.add_argument("--modes", type=_modes, default=None,
                    help="comma list or 'all' (default all): " + "; ".join(f"{k}: {v}" for k, v in MODE_HELP.items()))
@@ -122,6 +134,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="attention backend adaptor for sparse decode: none = the coordinator's torch attention over "
                         "the selected pages; auto = flashattention (GQA) / dsa (MLA) (default: auto on CUDA, none "
                         "on CPU)")
+
+
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("memory tiers")
     g.add_argument("--host-layout", choices=HOST_LAYOUTS, default=None,
                    help="host KV pool layout (default layer_first; SGLang's name: --hicache-mem-layout)")
@@ -134,6 +149,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.set_defaults(hicache_mem_layout=None, hicache_io_backend=None)
     # unset too, so a flag the user gave can be checked against the modes it applies to
     p.set_defaults(hicache_ratio=None, hicache_size=None)
+    _reword_hicache_help(p)
+
+
+def _reword_hicache_help(p: argparse.ArgumentParser) -> None:
+    """HiCacheConfig's flags keep SGLang's names; their help says what each means here."""
     for a in p._actions:
         if a.dest == "hicache_storage_backend":
             a.help = ("L3 storage below the host pool (sparse-hier): prefixes written by one run are prefetched by "
@@ -154,6 +174,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                       "(default 2); host modes")
         elif a.dest == "hicache_size":
             a.help = "host pool size in GB (1e9 bytes); overrides --hicache-ratio (default 0: use the ratio); host modes"
+
+
+def _add_execution_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.bench_decode import read_trace_prompt, record_real_trace, topk_overlap_per_layer
+from benchmarks.decode.traces import read_trace_prompt, record_real_trace, topk_overlap_per_layer
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.traces import topk_overlap

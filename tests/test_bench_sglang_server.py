@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_sglang_server as bench
+from benchmarks.sglang_server import client_rates, machine, result_file, server_plan, sglang_log
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,14 +64,14 @@ def startup_lines():
 
 
 def test_decode_line_fields():
-    d = bench.parse_decode_line(decode_line(12, 393216, 0.97, True, 512.345, 2))
+    d = sglang_log.parse_decode_line(decode_line(12, 393216, 0.97, True, 512.345, 2))
     assert d == {"running": 12, "queue": 2, "gen_tok_s": 512.35, "tokens": 393216, "token_usage": 0.97,
                  "cuda_graph": True, "ts": "2026-11-26 10:00:00"}
 
 
 @pytest.mark.parametrize("kw", [dict(iter_msg=" [4711]"), dict(prefix=" TP0"), dict(ms=".123", prefix=" DP0 TP0")])
 def test_decode_line_variants(kw):
-    d = bench.parse_decode_line(decode_line(3, 100, 0.01, False, 77.0, 0, **kw))
+    d = sglang_log.parse_decode_line(decode_line(3, 100, 0.01, False, 77.0, 0, **kw))
     assert (d["running"], d["queue"], d["gen_tok_s"], d["cuda_graph"]) == (3, 0, 77.0, False)
 
 
@@ -79,22 +80,22 @@ def test_decode_line_with_spec_and_mfu_parts():
     line = ("[2026-11-26 10:00:00] Decode batch, #running-req: 5, #token: 9000, token usage: 0.10, "
             "accept len: 1.50, accept rate: 0.25, cuda graph: True, gen throughput (token/s): 300.00, "
             "#queue-req: 0, est. decode TFLOPS/s (per GPU): 1.00")
-    d = bench.parse_decode_line(line)
+    d = sglang_log.parse_decode_line(line)
     assert (d["running"], d["gen_tok_s"], d["queue"], d["tokens"]) == (5, 300.0, 0, 9000)
 
 
 def test_other_lines_are_not_decode_lines():
     for line in [prefill_line(1, 8192, 0, 0.05, 0, 13), *startup_lines(), "", "Decode batch"]:
-        assert bench.parse_decode_line(line) is None
+        assert sglang_log.parse_decode_line(line) is None
 
 
 def test_prefill_line():
-    p = bench.parse_prefill_line(prefill_line(1, 8192, 64, 0.05, 3, 13, pending=24576))
+    p = sglang_log.parse_prefill_line(prefill_line(1, 8192, 64, 0.05, 3, 13, pending=24576))
     assert p == {"new_seq": 1, "new_token": 8192, "cached": 64, "running": 3, "queue": 13}
 
 
 def test_startup_parse():
-    info = bench.parse_startup(startup_lines())
+    info = sglang_log.parse_startup(startup_lines())
     assert info["max_total_num_tokens"] == 410000 and info["max_running_requests"] == 2048
     assert info["chunked_prefill_size"] == 8192 and info["context_len"] == 69632
     assert info["available_gpu_mem_gb"] == 4.2
@@ -105,9 +106,9 @@ def test_startup_parse():
                                        "mem_gib": 0.71, "avail_gib": 5.1}]
     assert info["plugins_loaded"] == ["sparsehi"] and info["ready"]
     assert info["sparsehi_line_count"] == 2
-    pre = bench.parse_startup(startup_lines()[:4])
+    pre = sglang_log.parse_startup(startup_lines()[:4])
     assert pre["kv_tokens"] == 404000 and pre["kv_gib"] == 49.32
-    skipped = bench.parse_startup(["[t] " + "Skipping plugin %s (not in SGLANG_PLUGINS)" % "sparsehi"])
+    skipped = sglang_log.parse_startup(["[t] " + "Skipping plugin %s (not in SGLANG_PLUGINS)" % "sparsehi"])
     assert skipped["plugins_skipped"] == ["sparsehi"] and skipped["plugins_loaded"] == []
 
 
@@ -116,13 +117,13 @@ def test_held_batch_and_steady_throughput():
     lines += [decode_line(1, 40000, 0.1, True, 90.0, 0)]  # an earlier batch-1 phase
     lines += [decode_line(12, 400000, 0.97, True, g, 2) for g in (150.0, 500.0, 510.0, 505.0)]
     lines += [decode_line(9, 300000, 0.7, True, 450.0, 0), decode_line(2, 70000, 0.2, True, 160.0, 0)]
-    decs = bench.decode_lines(lines)
-    assert bench.held_batch(decs) == 12
-    assert bench.steady_gen_tok_s(decs, 12) == 505.0  # first line at 12 (prefill inside) left out
-    assert bench.steady_gen_tok_s(decs, 9) == 450.0  # a single line counts
-    assert bench.steady_gen_tok_s(decs, 7) is None and bench.steady_gen_tok_s(decs, None) is None
-    assert bench.held_batch([]) is None
-    summ = bench.phase_log_summary(lines + ["[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, "
+    decs = sglang_log.decode_lines(lines)
+    assert sglang_log.held_batch(decs) == 12
+    assert sglang_log.steady_gen_tok_s(decs, 12) == 505.0  # first line at 12 (prefill inside) left out
+    assert sglang_log.steady_gen_tok_s(decs, 9) == 450.0  # a single line counts
+    assert sglang_log.steady_gen_tok_s(decs, 7) is None and sglang_log.steady_gen_tok_s(decs, None) is None
+    assert sglang_log.held_batch([]) is None
+    summ = sglang_log.phase_log_summary(lines + ["[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, "
                                             "#new_tokens_gained: 100"])
     assert summ["held"] == 12 and summ["queue_seen"] and summ["retracted"] == 2 and summ["cuda_graph"] == [True]
 
@@ -140,11 +141,11 @@ def test_window_rates_ramp_down():
     # from 2 s at 10 ms a step; they ask 100, 140, 180 tokens: the batch steps down 3 -> 2 -> 1
     step = 0.01
     streams = [_stream(f, step, n, 2.0) for f, n in ((0.0, 100), (1.0, 140), (2.0, 180))]
-    rates = bench.window_rates(streams, min_steps=16)
+    rates = client_rates.window_rates(streams, min_steps=16)
     assert set(rates) == {1, 2, 3}
     for c, r in rates.items():
         assert r == pytest.approx(c / step, rel=0.04)
-    assert bench.best_rate(rates) == (rates[3], 3)
+    assert client_rates.best_rate(rates) == (rates[3], 3)
 
 
 def test_window_rates_leave_out_prefill_windows():
@@ -153,10 +154,10 @@ def test_window_rates_leave_out_prefill_windows():
     # b's first token at 1.0 s: a decoded alone before it; then both; nothing short counts
     b = _stream(1.0, step, 60, 1.0)
     # a stall (someone prefilling for 1 s) in c's and a's shared window halves that rate
-    rates = bench.window_rates([a, b], min_steps=16)
+    rates = client_rates.window_rates([a, b], min_steps=16)
     assert rates[1] == pytest.approx(100, rel=0.05) and rates[2] == pytest.approx(200, rel=0.05)
-    assert bench.window_rates([a, b], min_steps=1000) == {}
-    assert bench.window_rates([{"chunks": [(0.0, 1)]}, {"chunks": []}]) == {}
+    assert client_rates.window_rates([a, b], min_steps=1000) == {}
+    assert client_rates.window_rates([{"chunks": [(0.0, 1)]}, {"chunks": []}]) == {}
 
 
 def test_window_rates_leave_out_the_first_decode_step():
@@ -164,31 +165,31 @@ def test_window_rates_leave_out_the_first_decode_step():
     # prompts), then 10 ms a step: from token 2 on the rate is the steady one
     step = 0.01
     streams = [{"chunks": [(0.0, 1)] + [(1.0 + k * step, 2 + k) for k in range(n)]} for n in (100, 140)]
-    steady = bench.window_rates(streams, min_steps=16)
+    steady = client_rates.window_rates(streams, min_steps=16)
     assert steady[2] == pytest.approx(200, rel=0.03) and steady[1] == pytest.approx(100, rel=0.03)
-    with_first = bench.window_rates(streams, min_steps=16, start_token=1)
+    with_first = client_rates.window_rates(streams, min_steps=16, start_token=1)
     assert with_first[2] < 0.6 * steady[2]
 
 
 def test_best_rate_and_b1():
-    assert bench.best_rate({}) == (None, None)
-    assert bench.best_rate({1: 50.0, 4: 180.0, 8: 170.0}) == (180.0, 4)
-    assert bench.best_rate({2: 100.0, 4: 100.0}) == (100.0, 4)
-    assert bench.b1_rate(2.0, 4.55, 256) == round(255 / 2.55, 1)
-    assert bench.b1_rate(None, 4.0, 256) is None and bench.b1_rate(2.0, 1.0, 256) is None
-    assert bench.b1_rate(2.0, 3.0, 1) is None
+    assert client_rates.best_rate({}) == (None, None)
+    assert client_rates.best_rate({1: 50.0, 4: 180.0, 8: 170.0}) == (180.0, 4)
+    assert client_rates.best_rate({2: 100.0, 4: 100.0}) == (100.0, 4)
+    assert client_rates.b1_rate(2.0, 4.55, 256) == round(255 / 2.55, 1)
+    assert client_rates.b1_rate(None, 4.0, 256) is None and client_rates.b1_rate(2.0, 1.0, 256) is None
+    assert client_rates.b1_rate(2.0, 3.0, 1) is None
 
 
 def test_held_plan_and_ramp():
-    assert bench.held_plan(410000, 2048, 32768, 2, 64) == 12 + 2
-    assert bench.held_plan(410000, 2048, 65536, 2, 64) == 6 + 2
-    assert bench.held_plan(410000, 4, 32768, 2, 64) == 4 + 2  # max_running_requests binds
-    assert bench.held_plan(410000, 2048, 32768, 2, 8) == 8  # the cap binds
-    assert bench.held_plan(None, None, 32768, 2, 16) == 16
-    assert bench.held_plan(1000, None, 32768, 0, 16) == 1
-    assert bench.ramp_new_tokens(4, 256, 32, 1000) == [256, 288, 320, 352]
-    assert bench.ramp_new_tokens(3, 256, 32, 300) == [256, 288, 300]
-    assert bench.ramp_new_tokens(2, 256, 0, 1000) == [256, 256]
+    assert client_rates.held_plan(410000, 2048, 32768, 2, 64) == 12 + 2
+    assert client_rates.held_plan(410000, 2048, 65536, 2, 64) == 6 + 2
+    assert client_rates.held_plan(410000, 4, 32768, 2, 64) == 4 + 2  # max_running_requests binds
+    assert client_rates.held_plan(410000, 2048, 32768, 2, 8) == 8  # the cap binds
+    assert client_rates.held_plan(None, None, 32768, 2, 16) == 16
+    assert client_rates.held_plan(1000, None, 32768, 0, 16) == 1
+    assert client_rates.ramp_new_tokens(4, 256, 32, 1000) == [256, 288, 320, 352]
+    assert client_rates.ramp_new_tokens(3, 256, 32, 300) == [256, 288, 300]
+    assert client_rates.ramp_new_tokens(2, 256, 0, 1000) == [256, 256]
 
 
 # ---------------------------------------------------------------- result file
@@ -199,52 +200,52 @@ def _payload(rows):
 
 
 def test_schema():
-    row = bench.empty_row(32768, True, "plugin")
-    assert set(bench.ROW_FIELDS) <= set(row)
-    assert bench.check_schema(_payload([row])) == []
+    row = result_file.empty_row(32768, True, "plugin")
+    assert set(result_file.ROW_FIELDS) <= set(row)
+    assert result_file.check_schema(_payload([row])) == []
     row.update(batch_held=12, b1_tok_s=101.5, best_tok_s=900.0, best_batch=12, ttft_s=2.1, peak_gpu_gib=70.1,
                peak_host_gib=20.0)
-    assert bench.check_schema(_payload([row])) == []
+    assert result_file.check_schema(_payload([row])) == []
     bad = dict(row, batch_held=12.5, plugin="yes")
     del bad["ttft_s"]
-    problems = bench.check_schema({**_payload([bad]), "defaults_start": "yes"})
+    problems = result_file.check_schema({**_payload([bad]), "defaults_start": "yes"})
     assert "row 0: missing ttft_s" in problems and "row 0: plugin is not a bool" in problems
     assert "row 0: batch_held is not an int" in problems and "defaults_start is not a bool" in problems
-    assert "missing device" in bench.check_schema({"rows": []})
+    assert "missing device" in result_file.check_schema({"rows": []})
 
 
 def test_merge_results():
-    old = {**_payload([dict(bench.empty_row(32768, False, "sglang"), batch_held=12),
-                       dict(bench.empty_row(65536, False, "sglang"), batch_held=6)]),
+    old = {**_payload([dict(result_file.empty_row(32768, False, "sglang"), batch_held=12),
+                       dict(result_file.empty_row(65536, False, "sglang"), batch_held=6)]),
            "servers": {"sglang": {"start_s": 80}}, "check": {"reference_tokens": [[1, 2]], "seed": 0},
            "tokens_equal_full_topk": None, "extra_old": 1}
-    new = {**_payload([dict(bench.empty_row(32768, True, "plugin"), batch_held=20),
-                       dict(bench.empty_row(65536, False, "sglang"), batch_held=7)]),
+    new = {**_payload([dict(result_file.empty_row(32768, True, "plugin"), batch_held=20),
+                       dict(result_file.empty_row(65536, False, "sglang"), batch_held=7)]),
            "defaults_start": None, "tokens_equal_full_topk": True,
            "servers": {"plugin": {"start_s": 90}}, "check": {"reference_tokens": None, "graphed_first_mismatch": [None]}}
-    m = bench.merge_results(old, new)
+    m = result_file.merge_results(old, new)
     assert [(r["context"], r["plugin"], r["batch_held"]) for r in m["rows"]] == [
         (32768, False, 12), (32768, True, 20), (65536, False, 7)]
     assert m["defaults_start"] is True and m["tokens_equal_full_topk"] is True and m["extra_old"] == 1
     assert set(m["servers"]) == {"sglang", "plugin"}
     assert m["check"]["reference_tokens"] == [[1, 2]] and m["check"]["graphed_first_mismatch"] == [None]
-    assert bench.merge_results(None, new) is new
+    assert result_file.merge_results(None, new) is new
     # other check prompts: the old reference does not carry over
     other = dict(new, check={"prompt_len": 2000, "reference_tokens": None})
-    assert bench.merge_results({**old, "check": {"prompt_len": 3000, "reference_tokens": [[1]]}},
+    assert result_file.merge_results({**old, "check": {"prompt_len": 3000, "reference_tokens": [[1]]}},
                                other)["check"] == {"prompt_len": 2000, "reference_tokens": None}
 
 
 def test_tokens_verdict():
     ref = [[1, 2, 3], [4, 5, 6]]
-    assert bench.tokens_verdict(ref, [[1, 2, 3], [4, 5, 6]]) == {"equal": True, "first_mismatch": [None, None]}
-    assert bench.tokens_verdict(ref, [[1, 2, 3], [4, 9, 6]]) == {"equal": False, "first_mismatch": [None, 1]}
-    assert bench.tokens_verdict(ref, [[1, 2], [4, 5, 6]])["first_mismatch"] == [2, None]
-    assert bench.tokens_verdict(None, ref)["equal"] is None
-    assert bench.tokens_verdict(ref, [[1, 2, 3], None])["equal"] is None
-    assert bench.combine_tokens_equal(True, None) is True
-    assert bench.combine_tokens_equal(True, False) is False
-    assert bench.combine_tokens_equal(None, None) is None
+    assert result_file.tokens_verdict(ref, [[1, 2, 3], [4, 5, 6]]) == {"equal": True, "first_mismatch": [None, None]}
+    assert result_file.tokens_verdict(ref, [[1, 2, 3], [4, 9, 6]]) == {"equal": False, "first_mismatch": [None, 1]}
+    assert result_file.tokens_verdict(ref, [[1, 2], [4, 5, 6]])["first_mismatch"] == [2, None]
+    assert result_file.tokens_verdict(None, ref)["equal"] is None
+    assert result_file.tokens_verdict(ref, [[1, 2, 3], None])["equal"] is None
+    assert result_file.combine_tokens_equal(True, None) is True
+    assert result_file.combine_tokens_equal(True, False) is False
+    assert result_file.combine_tokens_equal(None, None) is None
 
 
 # ---------------------------------------------------------------- plan and commands
@@ -268,29 +269,29 @@ def test_dry_run_commands(capsys):
     assert base[1:3] == ["-m", "sglang.launch_server"]
     assert _flags_after(base, "--model-path") == "/tmp/l8b" and _flags_after(base, "--load-format") == "dummy"
     assert _flags_after(base, "--attention-backend") == "triton"
-    assert _flags_after(base, "--context-length") == str(65536 + bench.CONTEXT_MARGIN)
+    assert _flags_after(base, "--context-length") == str(65536 + server_plan.CONTEXT_MARGIN)
     assert "--page-size" not in base and "--mem-fraction-static" not in base  # SGLang's defaults
     assert not any(f.startswith("--sparsehi") for f in base)
     env, plug = cmds["plugin"]
     assert env == "SGLANG_PLUGINS=sparsehi"
     common = base[:base.index("--host")]
     assert plug[:len(common)] == common  # same flags, the plugin's after them
-    assert plug[len(common):plug.index("--host")] == shlex.split(bench.DEFAULT_PLUGIN_ARGS)
+    assert plug[len(common):plug.index("--host")] == shlex.split(server_plan.DEFAULT_PLUGIN_ARGS)
     _, chk = cmds["check_graphed"]
-    assert chk[len(common):chk.index("--host")] == shlex.split(bench.DEFAULT_CHECK_PLUGIN_ARGS)
+    assert chk[len(common):chk.index("--host")] == shlex.split(server_plan.DEFAULT_CHECK_PLUGIN_ARGS)
     _, eager = cmds["check_eager"]
-    assert eager[len(common):eager.index("--host")] == shlex.split(bench.DEFAULT_CHECK_PLUGIN_ARGS) + list(
-        bench.EAGER_FLAGS)
+    assert eager[len(common):eager.index("--host")] == shlex.split(server_plan.DEFAULT_CHECK_PLUGIN_ARGS) + list(
+        server_plan.EAGER_FLAGS)
     assert "check_graphed: plugin=True tasks=warmup,check" in out[4]
 
 
 def test_plan_options():
     def plan(*argv):
-        return bench.plan_servers(bench.parse_args(["--model-dir", "/m", *argv]))
+        return server_plan.plan_servers(bench.parse_args(["--model-dir", "/m", *argv]))
 
     p = plan("--only", "sglang", "--contexts", "4096")
     assert [(s["tag"], s["tasks"]) for s in p] == [("sglang", ["warmup", "reference", "measure"])]
-    assert _flags_after(p[0]["flags"], "--context-length") == str(4096 + bench.CONTEXT_MARGIN)
+    assert _flags_after(p[0]["flags"], "--context-length") == str(4096 + server_plan.CONTEXT_MARGIN)
     p = plan("--only", "sglang", "--skip-check")
     assert p[0]["tasks"] == ["warmup", "measure"]
     p = plan("--only", "plugin", "--skip-check")
@@ -304,7 +305,7 @@ def test_plan_options():
     assert [s["tag"] for s in p][-1] == "plugin_defaults"
     assert [s["defaults_probe"] for s in p] == [False, False, False, False, True]
     d = p[-1]["flags"]
-    assert not bench.has_defaults_flags(d) and _flags_after(d, "--max-running-requests") == "16"
+    assert not server_plan.has_defaults_flags(d) and _flags_after(d, "--max-running-requests") == "16"
     assert _flags_after(p[0]["flags"], "--page-size") == "64"
     assert all(_flags_after(s["flags"], "--mem-fraction-static") == "0.8" for s in p[:-1])
     p = plan("--server-args", "--page-size=32", "--skip-check")
@@ -317,9 +318,9 @@ def test_plan_options():
 
 
 def test_server_env():
-    assert bench.server_env(True, base={})["SGLANG_PLUGINS"] == "sparsehi"
-    assert bench.server_env(False, base={})["SGLANG_PLUGINS"] == bench.NO_PLUGIN
-    assert bench.server_env(False, True, base={})["SGLANG_PLUGINS"] == "sparsehi"
+    assert server_plan.server_env(True, base={})["SGLANG_PLUGINS"] == "sparsehi"
+    assert server_plan.server_env(False, base={})["SGLANG_PLUGINS"] == server_plan.NO_PLUGIN
+    assert server_plan.server_env(False, True, base={})["SGLANG_PLUGINS"] == "sparsehi"
 
 
 def test_flags_parse_in_sglang():
@@ -330,10 +331,10 @@ def test_flags_parse_in_sglang():
     from sglang.srt.server_args import prepare_server_args
 
     load_plugins()
-    for s in bench.plan_servers(bench.parse_args(["--model-dir", "/tmp/l8b"])):
+    for s in server_plan.plan_servers(bench.parse_args(["--model-dir", "/tmp/l8b"])):
         if not Path("/tmp/l8b/config.json").exists():
             pytest.skip("no /tmp/l8b/config.json")
-        prepare_server_args(bench.server_cmd("python", s["flags"], 30000)[3:])
+        prepare_server_args(server_plan.server_cmd("python", s["flags"], 30000)[3:])
 
 
 # ---------------------------------------------------------------- end to end, against a stand-in
@@ -362,11 +363,11 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
     res = bench.main(argv)
     assert time.time() - t0 < 120
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert bench.check_schema(res) == []
-    saved = json.loads((out / bench.RESULT_NAME).read_text())
+    assert result_file.check_schema(res) == []
+    saved = json.loads((out / result_file.RESULT_NAME).read_text())
     assert saved["rows"] == res["rows"]
     assert sorted(p.name for p in (tmp_path / "logs").glob("server_*.log")) == [
-        f"server_{s['tag']}.log" for s in sorted(bench.plan_servers(bench.parse_args(argv)), key=lambda s: s["tag"])]
+        f"server_{s['tag']}.log" for s in sorted(server_plan.plan_servers(bench.parse_args(argv)), key=lambda s: s["tag"])]
     assert [(r["context"], r["plugin"]) for r in res["rows"]] == [(1000, False), (1000, True), (2000, False),
                                                                  (2000, True)]
     for r in res["rows"]:
@@ -397,7 +398,7 @@ def test_end_to_end_against_fake_server(tmp_path, fake_sglang, monkeypatch, caps
     assert res["servers"]["plugin"]["sparsehi_line_count"] >= 1
     assert any("batch_held" in x for x in lines) and any("ttft_s" in x for x in lines)
     # every server it started is gone
-    assert not [p for p in bench.process_tree(os.getpid())[1:] if _is_fake_server(p)]
+    assert not [p for p in machine.process_tree(os.getpid())[1:] if _is_fake_server(p)]
 
     # a later --merge run that fails to start its plugin server keeps the earlier rows
     monkeypatch.setenv("FAKE_SGLANG_FAIL_IF", "--sparsehi-algorithm")
@@ -427,7 +428,7 @@ def _is_fake_server(pid):
 
 
 def test_first_step_against_the_steady_step():
-    from benchmarks.bench_sglang_server import first_step
+    from benchmarks.sglang_server.client_rates import first_step
 
     chunks = [(0.0, 1), (0.05, 2), (0.06, 3), (0.07, 4), (0.08, 5)]  # first step 50 ms, then 10 ms
     got = first_step(chunks)

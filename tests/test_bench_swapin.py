@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from benchmarks import bench_swapin as bs
+from benchmarks.swapin import hisparse, steps, workload
+from benchmarks.swapin.row import ROW_KEYS, run_configuration
+from sparsehi.kernels.selection_table import SelectionTable
 from sparsehi.kv_manager import SparseKVCacheManager
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -17,19 +20,19 @@ def test_quick_run_writes_every_row_correct(tmp_path):
     bs.main(["--quick", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "swapin.json").read_text())
     assert res["device"] and res["date"]
-    want = {(sh.kind, sh.layout, b, ov) for sh, cfgs in bs.configurations(True, None) for b, ov in cfgs}
+    want = {(sh.kind, sh.layout, b, ov) for sh, cfgs in workload.configurations(True, None) for b, ov in cfgs}
     got = {(r["kind"], r["layout"], r["B"], r["overlap"]) for r in res["rows"]}
     assert got == want and len(res["rows"]) == len(want)
     assert {r["kind"] for r in res["rows"]} == {"mla", "mha"}
     assert {r["layout"] for r in res["rows"] if r["kind"] == "mha"} == {"layer_first", "page_first"}
     for r in res["rows"]:
-        assert set(bs.ROW_KEYS) <= set(r), set(bs.ROW_KEYS) - set(r)
+        assert set(ROW_KEYS) <= set(r), set(ROW_KEYS) - set(r)
         assert r["correct"] is True
         assert r["hisparse_us"] is None  # quick: no HiSparse
         assert r["us"] > 0 and r["eager_host_us"] > 0
         assert r["misses_per_step"] > 0  # steady state still misses at overlap < 1
-        page_bytes = bs.mla_shape(True).spec().page_bytes_per_layer if r["kind"] == "mla" else \
-            bs.mha_shape(r["layout"], True).spec().page_bytes_per_layer
+        page_bytes = workload.mla_shape(True).spec().page_bytes_per_layer if r["kind"] == "mla" else \
+            workload.mha_shape(r["layout"], True).spec().page_bytes_per_layer
         assert abs(r["bytes_per_step"] - r["misses_per_step"] * page_bytes) <= 0.05 * page_bytes + 1
     assert res["hisparse"]["available"] is False and "quick" in res["hisparse"]["why_not"]
     assert len(res["targets"]) == len(res["rows"])
@@ -41,7 +44,7 @@ def test_quick_run_writes_every_row_correct(tmp_path):
 
 def test_trace_keeps_exactly_the_overlap():
     k, lo, hi = 40, 5, 300
-    tr = bs.SelectionTrace(3, k, lo, hi, 0.85, seed=1)
+    tr = workload.SelectionTrace(3, k, lo, hi, 0.85, seed=1)
     prev = tr.next()
     for _ in range(5):
         cur = tr.next()
@@ -54,15 +57,15 @@ def test_trace_keeps_exactly_the_overlap():
 
 
 def _one_step(shape, batch=2):
-    pools = bs.ShapePools(shape, batch, 64, torch.device("cpu"))
+    pools = workload.ShapePools(shape, batch, 64, torch.device("cpu"))
     cfg = shape.sparse_config()
     mgr = SparseKVCacheManager(cfg, pools.device_pool, mode="hierarchical", host_pool=pools.host_pool,
-                               sparse_layers=(bs.LAYER,), max_num_reqs=batch, max_context_len=shape.context + 8,
+                               sparse_layers=(workload.LAYER,), max_num_reqs=batch, max_context_len=shape.context + 8,
                                validate=False)
-    host_slots = bs.open_requests(pools, mgr, batch)
+    host_slots = workload.open_requests(pools, mgr, batch)
     n_prompt = shape.context // shape.page_size
-    trace = bs.SelectionTrace(batch, cfg.top_k_units, cfg.sink_units, n_prompt - cfg.recent_units, 0.85, seed=3)
-    s = bs.SwapInStep(mgr, batch, cfg.top_k_units, shape.context)
+    trace = workload.SelectionTrace(batch, cfg.top_k_units, cfg.sink_units, n_prompt - cfg.recent_units, 0.85, seed=3)
+    s = steps.SwapInStep(mgr, batch, cfg.top_k_units, shape.context)
     s.prepare(trace.next())
     _, tab = s.body()
     return pools, mgr, host_slots, s, tab
@@ -70,21 +73,21 @@ def _one_step(shape, batch=2):
 
 @pytest.mark.parametrize("kind", ["mla", "mha"])
 def test_check_catches_a_wrong_row_and_a_wrong_table(kind):
-    shape = bs.mla_shape(True) if kind == "mla" else bs.mha_shape("page_first", True)
+    shape = workload.mla_shape(True) if kind == "mla" else workload.mha_shape("page_first", True)
     pools, mgr, host_slots, s, tab = _one_step(shape)
-    check = lambda t, topk: bs.selection_holds_host_data(pools, t, topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)  # noqa: E731
+    check = lambda t, topk: workload.selection_holds_host_data(pools, t, topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)  # noqa: E731
     assert check(tab, s.topk)
     # one selected id's device row loses the end of its last head
     ps = shape.page_size
     slot = int(tab.physical[1, mgr.sizes.sink + 3]) * ps + ps - 1
     kv32 = pools.device_pool.kv_data.view(torch.int32)
-    saved = kv32[-1, bs.LAYER, slot, -1, -1].clone()
-    kv32[-1, bs.LAYER, slot, -1, -1] += 1
+    saved = kv32[-1, workload.LAYER, slot, -1, -1].clone()
+    kv32[-1, workload.LAYER, slot, -1, -1] += 1
     assert not check(tab, s.topk)
-    kv32[-1, bs.LAYER, slot, -1, -1] = saved
+    kv32[-1, workload.LAYER, slot, -1, -1] = saved
     assert check(tab, s.topk)
     # a table pointing a selected id at another id's page
-    bad = bs.SelectionTable(tab.logical, tab.physical.clone(), tab.page_table, tab.num_valid, tab.attended)
+    bad = SelectionTable(tab.logical, tab.physical.clone(), tab.page_table, tab.num_valid, tab.attended)
     bad.physical[0, mgr.sizes.sink], bad.physical[0, mgr.sizes.sink + 1] = tab.physical[0, mgr.sizes.sink + 1], tab.physical[0, mgr.sizes.sink]
     assert not check(bad, s.topk)
     # a table that lists another selection
@@ -97,20 +100,20 @@ def test_check_catches_a_wrong_row_and_a_wrong_table(kind):
 def test_split_parts_do_what_swap_in_does(kind):
     """The split times the swap-in's kernels one by one: run that way, each step leaves the
     same buffer state and table as the manager's own swap_in does on a twin manager."""
-    shape = bs.mla_shape(True) if kind == "mla" else bs.mha_shape("layer_first", True)
+    shape = workload.mla_shape(True) if kind == "mla" else workload.mha_shape("layer_first", True)
     a = _one_step(shape)
     b = _one_step(shape)
-    parts = bs.SwapInParts(b[3], b[0].host_pool, b[0].device_pool)
+    parts = steps.SwapInParts(b[3], b[0].host_pool, b[0].device_pool)
     n_prompt = shape.context // shape.page_size
     cfg = shape.sparse_config()
-    trace = bs.SelectionTrace(2, cfg.top_k_units, cfg.sink_units, n_prompt - cfg.recent_units, 0.5, seed=4)
+    trace = workload.SelectionTrace(2, cfg.top_k_units, cfg.sink_units, n_prompt - cfg.recent_units, 0.5, seed=4)
     for _ in range(4):
         topk = trace.next()
         a[3].prepare(topk)
         b[3].prepare(topk)
         _, tab_a = a[3].body()
         tab_b = parts.run()
-        assert bs.selection_holds_host_data(b[0], tab_b, b[3].topk, b[2], b[1].sizes.sink, b[1].sizes.recent)
+        assert workload.selection_holds_host_data(b[0], tab_b, b[3].topk, b[2], b[1].sizes.sink, b[1].sizes.recent)
         assert torch.equal(tab_a.physical, tab_b.physical) and torch.equal(tab_a.logical, tab_b.logical)
         for x, y in zip(a[3].dec.lru.layer(0), b[3].dec.lru.layer(0)):
             assert torch.equal(x, y)
@@ -141,17 +144,17 @@ def test_targets_follow_the_issue_rules():
 
 
 def test_hisparse_absence_says_why():
-    fn, why = bs.load_hisparse()
+    fn, why = hisparse.load_hisparse()
     assert (fn is None) == bool(why)
 
 
 @pytest.mark.gpu
 def test_graph_path_small_rows_are_correct():
     """The GPU path (graph replays, split graphs, HiSparse when present) on quick shapes."""
-    fn, _ = bs.load_hisparse()
-    for shape in (bs.mla_shape(True), bs.mha_shape("layer_first", True)):
-        pools = bs.ShapePools(shape, 2, 64, torch.device("cuda"))
-        row = bs.run_configuration(pools, 2, 0.85, timed=3, split_steps=2, warm_min=2, graphs=True,
+    fn, _ = hisparse.load_hisparse()
+    for shape in (workload.mla_shape(True), workload.mha_shape("layer_first", True)):
+        pools = workload.ShapePools(shape, 2, 64, torch.device("cuda"))
+        row = run_configuration(pools, 2, 0.85, timed=3, split_steps=2, warm_min=2, graphs=True,
                                    hisparse_fn=fn if shape.kind == "mla" else None)
         assert row["correct"] is True and row["us"] > 0
         assert set(row["split_us"]) == {"diff", "copy", "table"}

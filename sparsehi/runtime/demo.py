@@ -131,83 +131,74 @@ def _mode_row(mode: str, res: GenerationResult, spec_token_bytes: int) -> dict[s
     return row
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run every mode; print the table; write ``run.json`` and ``run.png`` under
-    ``cfg.output_dir`` (checked before any work). Returns the JSON payload."""
-    check_identity_mode(cfg.l3_checkpoint_identity)
-    out = prepare_output_dir(cfg.output_dir, RUN_FILES)
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    model, checkpoint = _load_model(cfg)
-    mcfg = model.cfg
-    if mcfg.family == "mla" and cfg.sparse.page_size != 1:
-        raise ValueError(f"--page-size must be 1 for the MLA/DSA model {mcfg.name} (token-wise selection)")
-    prompts = make_prompts(mcfg.vocab_size, cfg.batch, cfg.context, cfg.seed, cfg.shared_prefix)
-    max_ctx = cfg.context + cfg.decode_tokens + 1
-    order = [m for m in ("dense", "sparse-gpu", "sparse-hier", "offload-full") if m in cfg.modes]
-    on_cpu = torch.device(cfg.device).type == "cpu"
-    path_note = ("CPU: kernels run their plain-torch reference implementations (by design; the Triton "
-                 "kernels run on CUDA and are tested under the interpreter)") if on_cpu else \
+def _kernel_path_note(cfg: DemoConfig, on_cpu: bool) -> str:
+    """Which kernels the run's decode steps use, for the header and the JSON."""
+    return ("CPU: kernels run their plain-torch reference implementations (by design; the Triton "
+            "kernels run on CUDA and are tested under the interpreter)") if on_cpu else \
         ("CUDA: Triton kernels (paged decode, LRU diff, swap-in copy, scoring); decode steps "
          + ("replay CUDA graphs (one per batch bucket)" if cfg.cuda_graph else "run eagerly (--no-cuda-graph)"))
-    print(f"sparsehi run: model {mcfg.name} ({mcfg.note}); context {cfg.context}, batch {cfg.batch}, "
-          f"{cfg.decode_tokens} decode steps; algorithm {cfg.sparse.algorithm}, top_k {cfg.sparse.top_k} tokens, "
-          f"buffer {cfg.sparse.device_buffer_size} tokens, page {cfg.sparse.page_size}")
-    print(path_note)
-    results: dict[str, GenerationResult] = {}
-    forced: dict[str, GenerationResult] = {}
-    rows: list[dict[str, Any]] = []
-    per_mode: dict[str, dict[str, Any]] = {}
-    token_bytes = None
-    l3_name = l3_model_name(cfg, mcfg, checkpoint) if _uses_l3(cfg) else None
-    storage, policy = _l3_backend(cfg, l3_name, mcfg.family == "mla") if l3_name else (None, None)
-    for mode in order:
-        l3 = mode == "sparse-hier" and storage is not None
-        rt = RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
-                           max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
-                           host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph,
-                           overlap_schedule=cfg.overlap_schedule,
-                           storage=storage if l3 else None, storage_policy=policy if l3 else None,
-                           host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)
-        do_forced = cfg.forced and mode != "dense" and "dense" in results
-        total = (cfg.batch + cfg.decode_tokens) * (2 if do_forced else 1)
-        bar = tqdm(total=total, desc=f"{mode:>12}", unit="step", leave=True, disable=not cfg.progress) if tqdm else None
-        progress = (lambda phase, n: bar.update(n)) if bar is not None else None
-        runner = ModelRunner(model, rt)
-        token_bytes = runner.backend.spec.token_bytes
-        salts = [cfg.cache_salt] * len(prompts)
-        res = runner.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts)
-        results[mode] = res
-        if do_forced:
-            fr = ModelRunner(model, replace(rt, sparse=replace(cfg.sparse)))
-            forced[mode] = fr.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts,
-                                       force_tokens=[t[:-1] for t in results["dense"].tokens])
-            fr.backend.close()
-        l3_stats = runner.backend.l3_stats() if l3 else {}
-        runner.backend.close()
-        if bar is not None:
-            bar.close()
-        row = _mode_row(mode, res, token_bytes)
-        row["prefix_reused_tokens"] = sum(res.prefix_hits)
-        if l3_stats:
-            row.update(l3_stats)
-            # the backend's own counters over the command (gets, hits, faults, corrupt pages
-            # served as misses, ...): what a later process reads to tell a torn store from a clean one
-            row["l3_storage_stats"] = storage.stats.as_dict()
-        if "dense" in results:
-            row["agree_dense_free"] = free_running_agreement(res.tokens, results["dense"].tokens)
-            row["agree_dense_forced"] = (forced_agreement(forced[mode].tokens, results["dense"].tokens)
-                                         if mode in forced else (1.0 if mode == "dense" else None))
-        if "sparse-gpu" in results:
-            row["agree_sparse_gpu"] = free_running_agreement(res.tokens, results["sparse-gpu"].tokens)
-        rows.append(row)
-        per_mode[mode] = {**row, "per_step": (res.stats or {}).get("per_step")}
-    if storage is not None:
-        storage.close()  # connections only: what this run wrote stays for the next one
-    print()
-    print(summary_table(rows))
+
+
+def _runtime_config(cfg: DemoConfig, mode: str, max_ctx: int, storage: Any, policy: Any) -> RuntimeConfig:
+    """The runner's config for ``mode``; ``storage`` / ``policy`` are the L3 backend and its
+    prefetch policy, or None."""
+    return RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
+                         max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
+                         host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph,
+                         overlap_schedule=cfg.overlap_schedule,
+                         storage=storage, storage_policy=policy,
+                         host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)
+
+
+def _generate_mode(cfg: DemoConfig, model: Any, mode: str, rt: RuntimeConfig, prompts: list[list[int]],
+                   dense_tokens: Optional[list[list[int]]], tqdm: Any, l3: bool
+                   ) -> tuple[GenerationResult, Optional[GenerationResult], dict[str, Any], int]:
+    """``mode``'s free-running generation and, given ``dense_tokens``, its forced one (every
+    step fed dense's token). Returns (result, forced result or None, L3 stats, KV bytes per
+    token)."""
+    do_forced = dense_tokens is not None
+    total = (cfg.batch + cfg.decode_tokens) * (2 if do_forced else 1)
+    bar = tqdm(total=total, desc=f"{mode:>12}", unit="step", leave=True, disable=not cfg.progress) if tqdm else None
+    progress = (lambda phase, n: bar.update(n)) if bar is not None else None
+    runner = ModelRunner(model, rt)
+    token_bytes = runner.backend.spec.token_bytes
+    salts = [cfg.cache_salt] * len(prompts)
+    res = runner.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts)
+    forced_res = None
+    if do_forced:
+        fr = ModelRunner(model, replace(rt, sparse=replace(cfg.sparse)))
+        forced_res = fr.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts,
+                                 force_tokens=[t[:-1] for t in dense_tokens])
+        fr.backend.close()
+    l3_stats = runner.backend.l3_stats() if l3 else {}
+    runner.backend.close()
+    if bar is not None:
+        bar.close()
+    return res, forced_res, l3_stats, token_bytes
+
+
+def _result_row(mode: str, res: GenerationResult, token_bytes: int, l3_stats: dict[str, Any], storage: Any,
+                results: dict[str, GenerationResult], forced: dict[str, GenerationResult]) -> dict[str, Any]:
+    """``mode``'s summary row: its numbers, L3 counters and agreement with the modes run so far."""
+    row = _mode_row(mode, res, token_bytes)
+    row["prefix_reused_tokens"] = sum(res.prefix_hits)
+    if l3_stats:
+        row.update(l3_stats)
+        # the backend's own counters over the command (gets, hits, faults, corrupt pages
+        # served as misses, ...): what a later process reads to tell a torn store from a clean one
+        row["l3_storage_stats"] = storage.stats.as_dict()
+    if "dense" in results:
+        row["agree_dense_free"] = free_running_agreement(res.tokens, results["dense"].tokens)
+        row["agree_dense_forced"] = (forced_agreement(forced[mode].tokens, results["dense"].tokens)
+                                     if mode in forced else (1.0 if mode == "dense" else None))
+    if "sparse-gpu" in results:
+        row["agree_sparse_gpu"] = free_running_agreement(res.tokens, results["sparse-gpu"].tokens)
+    return row
+
+
+def _run_notes(cfg: DemoConfig, mcfg: ModelConfig, rows: list[dict[str, Any]],
+               results: dict[str, GenerationResult], l3_name: Optional[str], on_cpu: bool) -> list[str]:
+    """The notes printed under the table and stored in the JSON."""
     notes = [
         "tok/s: decode tokens per second over the batch (prefill excluded)." + (" " + CPU_THROUGHPUT_NOTE if on_cpu else ""),
         "hit rate: share of Top-k pages already in the request's GPU LRU buffer (sparse-hier only).",
@@ -241,6 +232,54 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                          "full prefill (different GEMM/attention kernel shapes), so late tokens can drift from "
                          "sparse-gpu; --shared-prefix 0 gives bit-identical sparse-hier and sparse-gpu tokens"
                          if not on_cpu and sum(results["sparse-hier"].prefix_hits) else ""))
+    return notes
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run every mode; print the table; write ``run.json`` and ``run.png`` under
+    ``cfg.output_dir`` (checked before any work). Returns the JSON payload."""
+    check_identity_mode(cfg.l3_checkpoint_identity)
+    out = prepare_output_dir(cfg.output_dir, RUN_FILES)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    model, checkpoint = _load_model(cfg)
+    mcfg = model.cfg
+    if mcfg.family == "mla" and cfg.sparse.page_size != 1:
+        raise ValueError(f"--page-size must be 1 for the MLA/DSA model {mcfg.name} (token-wise selection)")
+    prompts = make_prompts(mcfg.vocab_size, cfg.batch, cfg.context, cfg.seed, cfg.shared_prefix)
+    max_ctx = cfg.context + cfg.decode_tokens + 1
+    order = [m for m in ("dense", "sparse-gpu", "sparse-hier", "offload-full") if m in cfg.modes]
+    on_cpu = torch.device(cfg.device).type == "cpu"
+    path_note = _kernel_path_note(cfg, on_cpu)
+    print(f"sparsehi run: model {mcfg.name} ({mcfg.note}); context {cfg.context}, batch {cfg.batch}, "
+          f"{cfg.decode_tokens} decode steps; algorithm {cfg.sparse.algorithm}, top_k {cfg.sparse.top_k} tokens, "
+          f"buffer {cfg.sparse.device_buffer_size} tokens, page {cfg.sparse.page_size}")
+    print(path_note)
+    results: dict[str, GenerationResult] = {}
+    forced: dict[str, GenerationResult] = {}
+    rows: list[dict[str, Any]] = []
+    per_mode: dict[str, dict[str, Any]] = {}
+    l3_name = l3_model_name(cfg, mcfg, checkpoint) if _uses_l3(cfg) else None
+    storage, policy = _l3_backend(cfg, l3_name, mcfg.family == "mla") if l3_name else (None, None)
+    for mode in order:
+        l3 = mode == "sparse-hier" and storage is not None
+        rt = _runtime_config(cfg, mode, max_ctx, storage if l3 else None, policy if l3 else None)
+        do_forced = cfg.forced and mode != "dense" and "dense" in results
+        dense_tokens = results["dense"].tokens if do_forced else None
+        res, forced_res, l3_stats, token_bytes = _generate_mode(cfg, model, mode, rt, prompts, dense_tokens, tqdm, l3)
+        results[mode] = res
+        if forced_res is not None:
+            forced[mode] = forced_res
+        row = _result_row(mode, res, token_bytes, l3_stats, storage, results, forced)
+        rows.append(row)
+        per_mode[mode] = {**row, "per_step": (res.stats or {}).get("per_step")}
+    if storage is not None:
+        storage.close()  # connections only: what this run wrote stays for the next one
+    print()
+    print(summary_table(rows))
+    notes = _run_notes(cfg, mcfg, rows, results, l3_name, on_cpu)
     for n in notes:
         if n:
             print("  * " + n)

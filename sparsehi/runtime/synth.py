@@ -61,7 +61,6 @@ def synth_prefill(backend: RuntimeMode, reqs: list[Request], context: int, seed:
     if context % ps:
         raise ValueError(f"context={context} must be a multiple of page_size={ps} for a synthesised prefill")
     gen = torch.Generator(device=backend.device).manual_seed(seed)
-    dev = backend.device
     for r in reqs:
         r.prompt = [0] * context  # token ids are not used by decode; only the length matters
         if not r.output:
@@ -77,28 +76,46 @@ def synth_prefill(backend: RuntimeMode, reqs: list[Request], context: int, seed:
             first.append(slots[:context])
 
     if isinstance(backend, DenseMode):
-        for r in reqs:
-            backend.begin_request(r)
-            fill(backend.prefill_slots(r, 0))
-            r.seq_len = context
+        _synth_dense(backend, reqs, context, fill)
         return
     if isinstance(backend, OffloadFullMode):
-        staging = backend._alloc_device(context)
-        fill(staging)
-        shared = backend.host.alloc(context)
-        if shared is None:
-            raise ValueError("host KV pool cannot hold the synthesised prompt")
-        backend.transfer.backup(staging, shared.to(staging.device)).wait()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        backend.pool.allocator.free(staging)
-        for r in reqs:
-            backend.begin_request(r)
-            backend.set_host_slots(r, shared)  # shared by the batch: the benchmark never ends these requests
-            r.seq_len = context
+        _synth_offload(backend, reqs, context, fill)
         return
     if not isinstance(backend, SparseCoordinatorMode):
         raise ValueError(f"synth_prefill: unsupported backend {type(backend).__name__}")
+    _synth_coordinator(backend, reqs, context, gen, fill)
+
+
+def _synth_dense(backend, reqs: list[Request], context: int, fill) -> None:
+    for r in reqs:
+        backend.begin_request(r)
+        fill(backend.prefill_slots(r, 0))
+        r.seq_len = context
+
+
+def _synth_offload(backend, reqs: list[Request], context: int, fill) -> None:
+    """One prompt's KV written to the host pool, shared by every request."""
+    dev = backend.device
+    staging = backend._alloc_device(context)
+    fill(staging)
+    shared = backend.host.alloc(context)
+    if shared is None:
+        raise ValueError("host KV pool cannot hold the synthesised prompt")
+    backend.transfer.backup(staging, shared.to(staging.device)).wait()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    backend.pool.allocator.free(staging)
+    for r in reqs:
+        backend.begin_request(r)
+        backend.set_host_slots(r, shared)  # shared by the batch: the benchmark never ends these requests
+        r.seq_len = context
+
+
+def _synth_coordinator(backend, reqs: list[Request], context: int, gen: torch.Generator, fill) -> None:
+    """The sparse modes: each request's prefill goes through the coordinator (which builds
+    its representations); sparse-hier's requests share one host copy of the prompt."""
+    ps = backend.rt.page_size
+    dev = backend.device
     coord = backend.coord
     L = backend.cfg.num_layers
     staging = shared = None

@@ -35,10 +35,8 @@ or back to the allocator): the row's pins are dropped, its sparse state ends.
 """
 from __future__ import annotations
 
-import gc
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -50,6 +48,12 @@ from sparsehi.config import SparseConfig
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch as SparseBatch
 from sparsehi.sglang_plugin import sglang_api
+from sparsehi.sglang_plugin.bridge_attention import DecodeAttention
+from sparsehi.sglang_plugin.bridge_memory import (host_kv_tokens, representation_bytes, round_up,
+                                                  sparse_request_count, table_bytes)
+from sparsehi.sglang_plugin.bridge_pages import GpuPagePins
+from sparsehi.sglang_plugin.bridge_state import (PROMPT_LENS_ATTR, DecodeState, ExtendState, NoRowsOfOurs,
+                                                 host_ints, host_rows)
 from sparsehi.sglang_plugin.host_backed_allocator import host_backed_allocator_class
 from sparsehi.sglang_plugin.pool_view import adopt_kv_pool, describe_kv_pool, req_to_token_rows
 from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
@@ -57,93 +61,20 @@ from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 logger = logging.getLogger(__name__)
 
 ATTEND_WITH = ("adaptor", "sglang_triton")
-ROWS_CPU_ATTR = "sparsehi_req_pool_indices_cpu"
-"""Attribute of a decode ``ForwardBatch``: the scheduler's host copy of its row ids, which
-SGLang's ``ForwardBatch.init_new`` keeps for extend batches only (set by the plugin's hook
-on ``init_new``), so that the forward hook never reads ``req_pool_indices`` back."""
-PROMPT_LENS_ATTR = "sparsehi_prompt_lens"
-"""Attribute of an extend ``ForwardBatch``: each row's full prompt length (set by the hook
-on ``init_new``), which tells at the first chunk whether the request will decode sparsely."""
-
-BUFFER_SHARE = 0.5
-"""Default share of SGLang's KV memory the sparse requests' buffers and representations
-may take (``--sparsehi-max-sparse-requests`` sets the count instead)."""
-
-HOST_SHARE = 0.6
-"""At most this share of the machine's memory (over the TP ranks) becomes pinned host KV."""
-
-_READ_BACKS: set[str] = set()
 
 
-def _host_memory_bytes() -> Optional[int]:
-    """The machine's physical memory (the same on every rank of a host), or None."""
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+def _check_options(config: SparseConfig, attend_with: str) -> None:
+    if config.algorithm == "dsa":
+        raise ValueError("--sparsehi-algorithm dsa needs the DeepSeek indexer's queries and keys, which SGLang's "
+                         "RadixAttention does not hand the plugin: use quest, oracle or package.module:ClassName")
+    if attend_with not in ATTEND_WITH:
+        raise ValueError(f"attend_with must be one of {ATTEND_WITH}, got {attend_with!r}")
+    if attend_with == "sglang_triton" and config.backend != "triton":
+        raise ValueError(f"attend_with='sglang_triton' reads Triton metadata: needs --sparsehi-backend triton, "
+                         f"got {config.backend!r}")
 
 
-def _host_ints(name: str, cpu: Any, dev: Optional[torch.Tensor]) -> np.ndarray:
-    """Host copy of a per-row value: SGLang's CPU copy, else a read-back from the device (a
-    host sync, which takes the host's lead over the device; logged once per value)."""
-    if cpu is not None:
-        return np.asarray(cpu.tolist() if isinstance(cpu, torch.Tensor) else cpu, dtype=np.int64)
-    if dev.device.type != "cpu" and name not in _READ_BACKS:
-        _READ_BACKS.add(name)
-        logger.warning("sparsehi: the forward batch has no host copy of %s; reading it back from the device "
-                       "(a host sync each forward: the host no longer runs ahead of the device)", name)
-    return dev.cpu().numpy().astype(np.int64)
-
-
-def host_rows(fb: Any) -> np.ndarray:
-    """[B] int64: a forward batch's ``ReqToTokenPool`` rows on the host."""
-    cpu = getattr(fb, "req_pool_indices_cpu", None)
-    if cpu is None:
-        cpu = getattr(fb, ROWS_CPU_ATTR, None)
-        if cpu is not None and len(cpu) != len(fb.req_pool_indices):  # padded since (e.g. by SGLang's DP sync)
-            cpu = None
-    return _host_ints("req_pool_indices", cpu, fb.req_pool_indices)
-
-
-@dataclass
-class DecodeState:
-    """One decode forward over B rows, eager or recorded into a CUDA graph: static views
-    of the bridge's row buffers (rows that are not ours are padding rows, -1) and, from its
-    first layer on, the coordinator's step over them."""
-
-    slots: torch.Tensor  # [B] int64: coordinator request slots, -1 where not ours
-    sgl_rows: torch.Tensor  # [B] int64: SGLang rows of our rows (0 where not ours)
-    seq: torch.Tensor  # [B] int32: lengths with the new token (1 where not ours)
-    ours: torch.Tensor  # [B] bool
-    all_ours: bool  # host fact of an eager forward: no row takes SGLang's dense path
-    recorded: bool = False  # a CUDA-graph capture's forward: no host fact holds at replay
-    batch: Optional[SparseBatch] = None  # the coordinator's step, begun at the first layer
-    fb: Any = None  # SGLang's ForwardBatch (eager and replayed forwards)
-    host_rows: Optional[np.ndarray] = None  # [B] SGLang rows
-    host_ours: Optional[np.ndarray] = None  # [B] bool
-    host_seq: Optional[np.ndarray] = None  # [B] lengths with the new token
-    registered_now: Optional[np.ndarray] = None  # SGLang rows registered at this step
-
-
-@dataclass
-class ExtendState:
-    """One extend forward: its rows, and which of them will decode sparsely."""
-
-    fb: Any
-    rows: np.ndarray
-    seq: np.ndarray
-    sparse: np.ndarray  # [B] bool: rows with a coordinator slot (representations built after)
-    prev_pinned: np.ndarray  # [B] pinned lengths before this forward (undone if it raises)
-    new_slots: list[int]  # rows that got their coordinator slot in this forward
-
-
-class SGLangSparseBridge:
+class SGLangSparseBridge(GpuPagePins, DecodeAttention):
     """The plugin inside one SGLang model runner (see the module docstring).
 
     config: the parsed ``--sparsehi-*`` options. runner: SGLang's ``ModelRunner`` right
@@ -158,14 +89,7 @@ class SGLangSparseBridge:
 
     def __init__(self, config: SparseConfig, runner: Any, *, adaptor_impl: str = "auto",
                  attend_with: str = "adaptor", validate: bool = False) -> None:
-        if config.algorithm == "dsa":
-            raise ValueError("--sparsehi-algorithm dsa needs the DeepSeek indexer's queries and keys, which SGLang's "
-                             "RadixAttention does not hand the plugin: use quest, oracle or package.module:ClassName")
-        if attend_with not in ATTEND_WITH:
-            raise ValueError(f"attend_with must be one of {ATTEND_WITH}, got {attend_with!r}")
-        if attend_with == "sglang_triton" and config.backend != "triton":
-            raise ValueError(f"attend_with='sglang_triton' reads Triton metadata: needs --sparsehi-backend triton, "
-                             f"got {config.backend!r}")
+        _check_options(config, attend_with)
         self.attend_with = attend_with
         self.config = config
         req_pool, kv_pool, sgl_alloc = sglang_api.runner_pools(runner)
@@ -175,7 +99,7 @@ class SGLangSparseBridge:
         lay = describe_kv_pool(kv_pool)
         self.sgl_ps = lay.page_size
         ps = config.page_size
-        max_ctx = _round_up(max_ctx, ps)
+        max_ctx = round_up(max_ctx, ps)
         max_running = int(getattr(runner, "max_running_requests", None) or rows - 1)
         sgl_tokens = int(kv_pool.size)
         per_req = (config.sink_units + config.recent_units + config.buffer_units + 1) * ps
@@ -185,32 +109,34 @@ class SGLangSparseBridge:
         self.algorithm = create_plugin_algorithm(config, dev)
         spec = lay.spec()
         token_bytes = spec.token_bytes
-        rep_per_req = self._representation_bytes(spec, max_ctx)
+        rep_per_req = representation_bytes(config, kv_pool.device, spec, max_ctx)
         budget = sgl_tokens * token_bytes
-        max_sparse = config.max_sparse_requests
-        if max_sparse is None:
-            max_sparse = int(BUFFER_SHARE * budget // (per_req * token_bytes + rep_per_req))
-            max_sparse = max(1, min(max_running, max_sparse))
-        self.max_sparse = int(max_sparse)
-        extra = self.max_sparse * rep_per_req + self._table_bytes(max_ctx, spec.num_layers)
+        self.max_sparse = sparse_request_count(config, budget, per_req, token_bytes, rep_per_req, max_running)
+        extra = self.max_sparse * rep_per_req + table_bytes(config, self.max_sparse, kv_pool.size, max_ctx,
+                                                            spec.num_layers)
         self.device_pool, res_rows = adopt_kv_pool(kv_pool, sel_page_size=ps, reserve_tokens=self.max_sparse * per_req,
                                                    extra_bytes=extra)
         self.physical_pages = res_rows // self.sgl_ps - 1
+        self._make_host_tier(runner, sgl_alloc, sgl_tokens, spec, dev)
+        adaptor = self._make_coordinator(spec, adaptor_impl, max_ctx, validate)
+        self._make_row_state(rows)
+        self._make_step_buffers(rows, dev)
+        logger.info("sparsehi: SGLang's %s KV memory (%d tokens) as %d GPU tokens for SGLang's kernels + buffers of %d "
+                    "sparse requests; %d host-backed KV slots (%.1f GB pinned); algorithm %s, adaptor %s",
+                    self.kv_kind.upper(), sgl_tokens, self.physical_pages * self.sgl_ps, self.max_sparse,
+                    self.virtual_tokens, self.host_pool.nbytes() / 1e9, type(self.algorithm).__name__, adaptor.name)
+
+    # ------------------------------------------------------------------ set-up
+    def _make_host_tier(self, runner: Any, sgl_alloc: Any, sgl_tokens: int, spec: Any, dev: torch.device) -> None:
+        """The pinned host pool, its transfer engine, the GPU page residency and the
+        host-backed allocator installed in SGLang's runner."""
+        ps = self.config.page_size
         # host pool: one slot per virtual KV slot (SGLang's allocator hands out 1..V), at
         # most HOST_SHARE of the machine's memory per TP rank (the same on every rank: their
         # schedulers must decide alike)
         unit = max(ps, self.sgl_ps)
-        host_tokens = _round_up(int(sgl_tokens * config.host_to_device_ratio), unit)
         tp = max(1, int(getattr(runner, "tp_size", 1) or 1))
-        total = _host_memory_bytes()
-        if total is not None:
-            cap = int(HOST_SHARE * total / tp // spec.token_bytes) // unit * unit
-            if cap < host_tokens:
-                logger.warning("sparsehi: --sparsehi-host-to-device-ratio %.3g asks for %.1f GB of pinned host KV; "
-                               "%.0f%% of this machine's %.1f GB over %d rank(s) holds %d tokens: using that",
-                               config.host_to_device_ratio, host_tokens * spec.token_bytes / 1e9, 100 * HOST_SHARE,
-                               total / 1e9, tp, cap)
-                host_tokens = max(cap, 2 * unit)
+        host_tokens = host_kv_tokens(self.config, sgl_tokens, unit, spec.token_bytes, tp)
         self.virtual_tokens = host_tokens - self.sgl_ps
         ratio = (host_tokens + ps) / self.device_pool.num_slots
         self.host_pool = HostKVPool(self.device_pool, hicache_ratio=max(ratio, 1.0 + 1e-9))
@@ -222,9 +148,12 @@ class SGLangSparseBridge:
         translator = getattr(runner, "kv_index_translator", None)
         if translator is not None:
             sglang_api.make_translating(translator, self.allocator)
-        # the coordinator over compact request slots [0, max_sparse)
+
+    def _make_coordinator(self, spec: Any, adaptor_impl: str, max_ctx: int, validate: bool) -> Any:
+        """The coordinator over compact request slots [0, max_sparse); returns its adaptor."""
         from sparsehi.adaptors import create_adaptor
 
+        config, ps = self.config, self.config.page_size
         self.kv_kind = spec.attention
         if self.kv_kind == "mla":
             adaptor = create_adaptor("dsa", kv_lora_rank=spec.kv_lora_rank, impl=adaptor_impl)
@@ -241,7 +170,10 @@ class SGLangSparseBridge:
             dense_pool_tokens=(self.max_sparse * (max_ctx + ps) + 2 * ps) if dense_layers else None,
         )
         self.coord.set_residency(self.residency.v2p, self.sgl_ps)
-        # host-side state per SGLang row
+        return adaptor
+
+    def _make_row_state(self, rows: int) -> None:
+        """Host-side state per SGLang row."""
         self.slot_of_row = np.full(rows, -1, dtype=np.int64)
         self.row_of_slot = np.full(self.max_sparse, -1, dtype=np.int64)
         self.free_slots = list(range(self.max_sparse - 1, -1, -1))
@@ -254,6 +186,9 @@ class SGLangSparseBridge:
         """Registered rows: position whose page the row pins (its newest token's)."""
         self.prompt_len = np.zeros(rows, dtype=np.int64)
         self.registrations = 0
+
+    def _make_step_buffers(self, rows: int, dev: torch.device) -> None:
+        """Ordering events and the static per-step row buffers."""
         self._wt_event = torch.cuda.Event() if dev.type == "cuda" else None  # last extend write-through
         self._fwd_event = torch.cuda.Event() if dev.type == "cuda" else None  # end of the last forward
         # static per-step buffers over SGLang's batch positions (never reallocated; the
@@ -270,34 +205,6 @@ class SGLangSparseBridge:
         self._staged = rows
         empty = np.zeros(0, dtype=np.int64)
         self._stage(empty, empty, empty, np.zeros(0, dtype=bool))
-        logger.info("sparsehi: SGLang's %s KV memory (%d tokens) as %d GPU tokens for SGLang's kernels + buffers of %d "
-                    "sparse requests; %d host-backed KV slots (%.1f GB pinned); algorithm %s, adaptor %s",
-                    self.kv_kind.upper(), sgl_tokens, self.physical_pages * self.sgl_ps, self.max_sparse,
-                    self.virtual_tokens, self.host_pool.nbytes() / 1e9, type(self.algorithm).__name__, adaptor.name)
-
-    # ------------------------------------------------------------------ set-up
-    def _representation_bytes(self, spec: Any, max_ctx: int) -> int:
-        """GPU bytes of one request's representations (measured by asking the algorithm for
-        a pool of one request)."""
-        algo = create_plugin_algorithm(self.config, self.kv_pool.device)
-        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        algo.initialize_representation_pool(0, spec.num_layers, 1, max_ctx, kv_heads=spec.kv_heads,
-                                            head_dim=spec.head_dim, dtype=spec.dtype)
-        got = sum(t.numel() * t.element_size() for t in _tensors_of(algo))
-        if torch.cuda.is_available():
-            got = max(got, torch.cuda.memory_allocated() - before)
-        del algo
-        return int(got)
-
-    def _table_bytes(self, max_ctx: int, num_layers: int) -> int:
-        """GPU bytes of the coordinator's and the residency's own tables (an upper estimate)."""
-        ps, n = self.config.page_size, self.max_sparse
-        m = max_ctx // ps
-        s = self.config.buffer_units
-        lru = num_layers * n * (2 * s + m) * 4  # per sparse layer: resident, last_used (S) and slot_of (M)
-        tables = (n + 1) * max_ctx * 4 + n * m * 16 + n * (s + 16) * 8
-        v = int(self.kv_pool.size * self.config.host_to_device_ratio) + 1
-        return lru + tables + v * 24
 
     def _make_allocator(self, sgl_alloc: Any) -> Any:
         cls, args, kwargs = sglang_api.allocator_class_args(sgl_alloc, self.virtual_tokens)
@@ -312,77 +219,6 @@ class SGLangSparseBridge:
         for ev in (self._fwd_event, self._wt_event):
             if ev is not None:
                 torch.cuda.current_stream().wait_event(ev)
-
-    def _row_positions(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                       every_token: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, positions) over ``[start, end)`` of each row: every position with
-        ``every_token``, else the positions that start a page (one per page: a row's pins
-        cover the pages of ``[0, n)`` named by their first positions)."""
-        out_r, out_p = [], []
-        step = 1 if every_token else self.sgl_ps
-        for r, a, b in zip(rows, starts, ends):
-            first = int(a) if every_token else _round_up(int(a), self.sgl_ps)
-            p = np.arange(first, int(b), step, dtype=np.int64)
-            out_r.append(np.full(len(p), r, dtype=np.int64))
-            out_p.append(p)
-        if not out_r:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        return np.concatenate(out_r), np.concatenate(out_p)
-
-    def _page_start(self, pos: np.ndarray) -> np.ndarray:
-        return pos - pos % self.sgl_ps
-
-    def _vids(self, rows: np.ndarray, pos: np.ndarray) -> torch.Tensor:
-        """``req_to_token[rows, pos]`` as int64 on the device (call under ``residency.ordered``)."""
-        rtt = self.req_to_token_pool.req_to_token
-        r = torch.from_numpy(rows).to(rtt.device, non_blocking=True)
-        p = torch.from_numpy(pos).to(rtt.device, non_blocking=True)
-        return rtt[r, p].long()
-
-    def _vpages(self, vids: torch.Tensor) -> torch.Tensor:
-        return vids if self.sgl_ps == 1 else torch.div(vids, self.sgl_ps, rounding_mode="floor")
-
-    def _pin(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, delta: int = 1,
-             counted: bool = False) -> None:
-        """Add (``delta`` 1) or remove (-1: pages left with no pins leave the GPU) one pin on
-        each page of ``[start, end)`` of each row. ``counted``: a give-back SGLang's
-        admission should hear of (``KVResidency.frees_pending``)."""
-        r, p = self._row_positions(rows, starts, ends)
-        if not len(r):
-            return
-        with self.residency.ordered():
-            pages = self._vpages(self._vids(r, p))
-        if delta > 0:
-            self.residency.pin(pages)
-        else:
-            self.residency.demote(pages, unpin=True, counted=counted)
-
-    def _map_and_load(self, vids: torch.Tensor, missing: torch.Tensor, upper: int) -> None:
-        """Give the virtual pages of ``vids`` ([N] int64 token slots) GPU pages (at most
-        ``upper`` new ones) and load from host the tokens whose page was not on the GPU
-        (``missing`` [N] bool)."""
-        self.residency.map(self._vpages(vids), upper=upper)
-        self.residency.ready()
-        phys = self.residency.physical_slots(vids, self.sgl_ps)
-        host = torch.where(missing & (phys >= 0), vids, -1)
-        with self.residency.ordered():
-            self.transfer.load(host, torch.where(host >= 0, phys, -1), allow_padding=True).wait()
-
-    def _bring_back(self, rows: np.ndarray, prefix: np.ndarray) -> None:
-        """Prefix hits: the prefix pages of ``rows`` that are only in host memory get GPU
-        pages and their KV, before the extend forward reads them."""
-        r, p = self._row_positions(rows, np.zeros_like(prefix), prefix, every_token=True)
-        if not len(r):
-            return
-        pages = _round_up(int(prefix.sum()), 1) if self.sgl_ps == 1 else int(sum(-(-int(x) // self.sgl_ps) + 1
-                                                                                  for x in prefix))
-        if self.residency.free_pages_lower_bound() < pages and self.residency.settle(exact=True) < pages:
-            raise RuntimeError(f"sparsehi: {pages} GPU pages needed to bring a prefix hit back, "
-                               f"{self.residency.free_pages_lower_bound()} free (admission should have kept them)")
-        with self.residency.ordered():
-            vids = self._vids(r, p)
-            missing = self.residency.v2p[self._vpages(vids)] == 0
-        self._map_and_load(vids, missing, upper=pages)
 
     # ------------------------------------------------------------------ forwards
     def begin_forward(self, fb: Any) -> Any:
@@ -406,7 +242,7 @@ class SGLangSparseBridge:
 
     def _begin_extend(self, fb: Any) -> ExtendState:
         rows = host_rows(fb)
-        seq = _host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        seq = host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
         pre = np.asarray(getattr(fb, "extend_prefix_lens_cpu", None) or [0] * len(rows), dtype=np.int64)
         prompt = getattr(fb, PROMPT_LENS_ATTR, None)
         prompt = np.asarray(prompt if prompt is not None else seq, dtype=np.int64)
@@ -460,7 +296,7 @@ class SGLangSparseBridge:
 
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
         rows = host_rows(fb)
-        seq = _host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
+        seq = host_ints("seq_lens", getattr(fb, "seq_lens_cpu", None), fb.seq_lens)
         b = len(rows)
         if b > self._slots.shape[0]:
             raise ValueError(f"decode batch of {b} rows exceeds the ReqToTokenPool's {self._slots.shape[0]} rows")
@@ -482,7 +318,7 @@ class SGLangSparseBridge:
         state = DecodeState(self._slots[:b], self._sgl_rows[:b], self._seq[:b], self._ours[:b], bool(ours.all()),
                             fb=fb, host_rows=rows, host_ours=ours, host_seq=seq,
                             registered_now=rows[now] if now.any() else None)
-        return state if ours.any() else _NoOurs(state)
+        return state if ours.any() else NoRowsOfOurs(state)
 
     def _register(self, rows: np.ndarray, lens: np.ndarray) -> None:
         """Rows whose prompts of ``lens`` tokens are complete (their first decode forward):
@@ -555,7 +391,7 @@ class SGLangSparseBridge:
         host, close the decode step, demote what no longer needs the GPU."""
         if isinstance(state, ExtendState):
             self._end_extend(state)
-        elif isinstance(state, (DecodeState, _NoOurs)):
+        elif isinstance(state, (DecodeState, NoRowsOfOurs)):
             self._end_decode(state)
         if self._fwd_event is not None and not (isinstance(state, DecodeState) and state.recorded):
             self._fwd_event.record()
@@ -563,7 +399,7 @@ class SGLangSparseBridge:
             self.residency.snapshot(self.forwards)
 
     def _end_decode(self, state: Any) -> None:
-        inner = state.state if isinstance(state, _NoOurs) else state
+        inner = state.state if isinstance(state, NoRowsOfOurs) else state
         if inner.batch is not None:
             batch, inner.batch = inner.batch, None
             self.coord.forward_end(batch)
@@ -625,7 +461,7 @@ class SGLangSparseBridge:
             self._pin(state.rows, state.prev_pinned, state.seq, delta=-1)
             self.pinned_len[state.rows] = state.prev_pinned
             return
-        inner = state.state if isinstance(state, _NoOurs) else state
+        inner = state.state if isinstance(state, NoRowsOfOurs) else state
         try:
             if isinstance(inner, DecodeState) and inner.batch is not None:
                 batch, inner.batch = inner.batch, None
@@ -648,127 +484,6 @@ class SGLangSparseBridge:
         self._pin(np.array([row]), np.array([0]), np.array([seq]))
         self.pinned_len[row] = seq
         self.open_pos[row] = -1
-
-    # ------------------------------------------------------------------ attention
-    def attention(self, state: DecodeState, layer: Any, q: torch.Tensor, k: Optional[torch.Tensor],
-                  v: Optional[torch.Tensor], fb: Any, save_kv_cache: bool, original: Callable[[], torch.Tensor],
-                  q_rope: Optional[torch.Tensor] = None, k_rope: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One ``RadixAttention.forward`` of a decode forward with rows of ours: k/v written
-        to SGLang's slot (its GPU page) and to the coordinator's buffer, attention over the
-        selection; rows that are not ours keep SGLang's output. MLA's split form (``q_rope``
-        / ``k_rope``) is joined into the latent row. Returns ``[B, Hq * Dv]``."""
-        layer_id = int(layer.layer_id)
-        if k is None or (self.kv_kind == "mha" and v is None):
-            raise ValueError(f"layer {layer_id}: sparsehi decode needs the new token's k and v (MLA: the latent k)")
-        if state.batch is None:  # the first layer: the coordinator's device part of the step
-            state.batch = SparseBatch.decode(state.slots, state.seq, prepared=True, has_dense_rows=False)
-            self.coord.forward_begin(state.batch)
-            rtt = self.req_to_token_pool.req_to_token
-            pos = (state.seq.long() - 1).clamp(min=0)
-            self.coord.record_host_tokens(state.slots, pos, rtt[state.sgl_rows, pos])
-        b = state.batch.batch_size
-        hq, dv = int(layer.tp_q_head_num), int(layer.v_head_dim)
-        d = int(layer.qk_head_dim)
-        if q_rope is not None:
-            if self.kv_kind != "mla":
-                raise ValueError(f"layer {layer_id}: q_rope / k_rope are MLA's split form; this cache is MHA")
-            q = torch.cat([q.reshape(b, hq, -1), q_rope.reshape(b, hq, -1)], dim=-1)
-            k = torch.cat([k.reshape(b, -1), k_rope.reshape(b, -1)], dim=-1)
-            if q.shape[-1] != d:
-                raise ValueError(f"layer {layer_id}: q + q_rope give {q.shape[-1]} dims per head, the layer's "
-                                 f"qk_head_dim is {d}")
-        q3 = q.reshape(b, hq, d)
-        if self.kv_kind == "mla":
-            k3, v3 = k.reshape(b, 1, d), None
-        else:
-            hkv = int(layer.tp_k_head_num)
-            k3, v3 = k.reshape(b, hkv, d), v.reshape(b, hkv, dv)
-        dense = None
-        if state.recorded or not state.all_ours:
-            dense = original()  # SGLang's attention for its rows; writes every row's KV to its slots
-        elif save_kv_cache:
-            self._write_sglang_slot(layer, layer_id, fb.out_cache_loc, k3, v3)
-        plan = self.coord.attention_begin(layer_id, state.batch, q=q3)
-        plan.write_kv(k3, v3)
-        if self.attend_with == "sglang_triton" and plan.is_sparse:
-            from sparsehi.sglang_plugin.sglang_kernels import sglang_triton_decode
-
-            o = sglang_triton_decode(q3, plan.layer_cache[0], plan.layer_cache[1], plan.metadata, float(layer.scaling))
-        else:
-            o = plan.attend(q3, float(layer.scaling))
-        self.coord.attention_end(layer_id, state.batch, k=k3, v=v3)
-        if dense is not None:
-            o = torch.where(state.ours[:, None, None], o, dense.reshape(b, hq, dv).to(o.dtype))
-        return o.reshape(b, hq * dv)
-
-    def _write_sglang_slot(self, layer: Any, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
-                           v: Optional[torch.Tensor]) -> None:
-        """The new token into SGLang's own slot (what its backend would have written; the
-        write-through copies it to host from there)."""
-        if self.kv_kind == "mha":
-            self.kv_pool.set_kv_buffer(layer, loc, k, v)
-        else:
-            buf = self.device_pool.get_key_buffer(layer_id)
-            buf.index_copy_(0, loc.long(), k.to(buf.dtype))
-
-    # ------------------------------------------------------------------ tree checkpoints
-    def before_checkpoint(self, req: Any) -> Optional[tuple[int, int, torch.Tensor]]:
-        """Before SGLang's tree checkpoints ``req``: its stream waits for our reads of the
-        row; returns what ``after_checkpoint`` compares (None: a row of no interest)."""
-        self.residency.ready()
-        row = sglang_api.req_row(req)
-        if row is None or not (self.pinned_len[row] > 0 or self.registered[row]):
-            return None
-        start = sglang_api.req_protected_len(req)
-        with self.residency.ordered():
-            old = self.req_to_token_pool.req_to_token[row, start:].clone()
-        return row, start, old
-
-    def after_checkpoint(self, req: Any, token: Optional[tuple[int, int, torch.Tensor]]) -> None:
-        """After SGLang's tree checkpointed ``req``: positions whose slots it replaced by the
-        tree's own (a prefix another request inserted first, same KV) are followed — pins
-        move to the new slots (brought back to the GPU if needed), a registered row's token
-        table takes them."""
-        if token is None:
-            return
-        row, start, old = token
-        end = sglang_api.req_protected_len(req)
-        if end <= start:
-            return
-        rtt = self.req_to_token_pool.req_to_token
-        if self.registered[row]:
-            slot = int(self.slot_of_row[row])
-            p = int(self.open_pos[row])
-            with self.residency.ordered():
-                self.coord.rewrite_host_tokens(slot, start, end, rtt[row, start:end])
-                if start <= p < end:  # the page the row pins (its newest token's) may be the tree's now
-                    now = rtt[row, p:p + 1].long()
-                    moved = torch.where(now != old[p - start:p - start + 1].long(), self._vpages(now), 0)
-            if start <= p < end:
-                self.residency.pin(moved)  # the old page's pin goes with its slots (freed as a duplicate)
-            return
-        n = min(end, int(self.pinned_len[row]))
-        if n <= start:
-            return
-        pos = np.arange(start, n, dtype=np.int64)
-        with self.residency.ordered():
-            new = rtt[row, start:n].long()
-            changed = new != old[: n - start].long()
-            vids = torch.where(changed, new, 0)
-        # GPU pages the rewrite may take: at most one per page of [start, n), known on the
-        # host; where fewer are free, the pages that really take one (changed positions
-        # whose tree copy is not on the GPU, usually none) are counted instead (a host
-        # read, only when GPU pages are short)
-        need = -(-n // self.sgl_ps) - start // self.sgl_ps
-        if self.residency.free_pages_lower_bound() < need:
-            self.residency.settle(exact=True)
-        with self.residency.ordered():
-            missing = (self.residency.v2p[self._vpages(vids)] == 0) & (vids > 0)
-            if self.residency.free_pages_lower_bound() < need:
-                need = int(torch.unique(self._vpages(vids[missing])).numel())
-        self._map_and_load(vids, missing, upper=need)
-        opens = torch.from_numpy((pos % self.sgl_ps == 0) | (pos == start)).to(vids.device)
-        self.residency.pin(torch.where(changed & opens, self._vpages(vids), 0))
 
     # ------------------------------------------------------------------ requests
     def _end_slot(self, row: int) -> None:
@@ -816,27 +531,3 @@ class SGLangSparseBridge:
         self.release_rows([int(r) for r in np.flatnonzero((self.pinned_len > 0) | (self.slot_of_row >= 0))])
         self.declined[:] = False
 
-
-class _NoOurs:
-    """A decode forward with no row of ours (SGLang's own path runs): what its end still
-    needs (write-through, the pins of SGLang's rows)."""
-
-    def __init__(self, state: DecodeState) -> None:
-        self.state = state
-
-
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Tensors an object holds in its attributes (dicts of tensors included)."""
-    out = []
-    for v in vars(obj).values():
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, dict):
-            out += [x for x in v.values() if isinstance(x, torch.Tensor)]
-    seen, uniq = set(), []
-    for t in out:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            uniq.append(t)
-    return uniq

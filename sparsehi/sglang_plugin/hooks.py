@@ -90,7 +90,7 @@ def after_forward_batch_init_new(result: Any, cls: type, batch: Any = None, mode
     if getattr(model_runner, BRIDGE_ATTR, None) is None:
         return None
     from sparsehi.sglang_plugin import sglang_api
-    from sparsehi.sglang_plugin.bridge import PROMPT_LENS_ATTR, ROWS_CPU_ATTR
+    from sparsehi.sglang_plugin.bridge_state import PROMPT_LENS_ATTR, ROWS_CPU_ATTR
 
     mode = getattr(result, "forward_mode", None)
     if mode is not None and mode.is_extend():
@@ -113,7 +113,7 @@ def around_forward_raw(original: Callable[..., Any], runner: Any, forward_batch:
     While a decode forward with rows of ours runs, SGLang's attention backend sees their
     lengths as one token (``SGLangSparseBridge.sglang_lengths``). Without a bridge:
     SGLang's forward, untouched."""
-    from sparsehi.sglang_plugin.bridge import DecodeState
+    from sparsehi.sglang_plugin.bridge_state import DecodeState
 
     bridge = getattr(runner, BRIDGE_ATTR, None)
     if bridge is None:

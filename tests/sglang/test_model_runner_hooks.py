@@ -477,7 +477,7 @@ def test_decode_batches_carry_the_schedulers_host_rows():
 
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from sparsehi.sglang_plugin.bridge import ROWS_CPU_ATTR, host_rows
+    from sparsehi.sglang_plugin.bridge_state import ROWS_CPU_ATTR, host_rows
 
     assert hasattr(ForwardBatch.init_new, "__wrapped__")
     world, plain = World(sparse_config()), World(None)

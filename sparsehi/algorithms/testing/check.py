@@ -56,17 +56,64 @@ def check_algorithm(
 
     Raises AssertionError (message names the check) on the first failure.
     """
-    from sparsehi.config import SparseConfig
+    _check_arguments(capture_check, replay_check, decode_steps)
+    name = getattr(cls, "__name__", repr(cls))
+    check_api(cls)
+    report_checks = ["api"]
+    config = _small_config(cls, config_overrides)
+    dev = torch.device(device)
+    inputs = inputs or AttentionInputs()
 
+    sparse_layers = _sparse_layers(name, cls(config, dev, **(algorithm_kwargs or {})), num_layers)
+    case = _Case(config, dev, inputs, num_layers=num_layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                 context_len=context_len, decode_steps=decode_steps, needles_per_row=needles_per_row,
+                 sparse_layers=sparse_layers, seed=seed)
+    alg = case.make(cls, name, algorithm_kwargs)
+    case.ascending = bool(getattr(alg, "selects_ascending", False))
+    report = AlgorithmReport(algorithm=name, mode=alg.mode.value, page_size=case.ps, top_k_units=case.k_units,
+                             top_k_tokens=config.top_k)
+
+    case.prefill(alg, case.seq0)
+    report_checks.append("prefill")
+    cur, fills, last = _decode_steps(name, case, alg, decode_steps, report)
+    report_checks += ["shapes/padding", "budget", "candidates", "sparse_mask"]
+
+    _check_determinism(name, case, cls, algorithm_kwargs, alg, cur, last, sparse_layers)
+    report.deterministic = True
+    report_checks.append("determinism")
+
+    _check_padding_row_writes(name, case, alg, cur, last, sparse_layers, inputs)
+    report_checks.append("padding-row writes")
+    _check_padding_row_selections(name, case, alg, cur, last)
+    report_checks.append("padding-row selections")
+
+    report_checks.append(_check_decoded_keys_where_read(name, case, cls, algorithm_kwargs, alg, cur, last, seed,
+                                                        report))
+    if capture_check != "off":
+        _check_capture(name, case, cls, algorithm_kwargs, cur, report, capture_check, replay_check)
+        report_checks.append("capture safety")
+    else:
+        report.capture.append("not checked (capture_check='off')")
+
+    _check_recall(name, case, alg, sparse_layers, last, cur, fills, report, min_needle_recall, min_mass_recall)
+    report_checks.append("recall")
+    report.checks = report_checks
+    return report
+
+
+def _check_arguments(capture_check: str, replay_check: str, decode_steps: Any) -> None:
     for pname, v, allowed in (("capture_check", capture_check, _CHECK_MODES),
                               ("replay_check", replay_check, _CHECK_MODES[:2])):
         if v not in allowed:
             raise ValueError(f"{pname}={v!r} is invalid: one of {allowed}")
     if not isinstance(decode_steps, int) or decode_steps < 1:
         raise ValueError(f"decode_steps={decode_steps!r} is invalid: an integer >= 1")
-    name = getattr(cls, "__name__", repr(cls))
-    check_api(cls)
-    report_checks = ["api"]
+
+
+def _small_config(cls: type, config_overrides: Optional[dict[str, Any]]):
+    """The checks' SparseConfig: small defaults for ``cls``'s mode, then ``config_overrides``."""
+    from sparsehi.config import SparseConfig
+
     token_wise = cls.mode is SparseMode.TOKEN_WISE
     cfg_kw: dict[str, Any] = dict(
         algorithm=f"{cls.__module__}:{cls.__qualname__}", page_size=1 if token_wise else 4,
@@ -74,25 +121,23 @@ def check_algorithm(
         recent_tokens=4, min_sparse_prompt_len=0,
     )
     cfg_kw.update(config_overrides or {})
-    config = SparseConfig(**cfg_kw)
-    dev = torch.device(device)
-    inputs = inputs or AttentionInputs()
+    return SparseConfig(**cfg_kw)
 
-    probe = cls(config, dev, **(algorithm_kwargs or {}))
+
+def _sparse_layers(name: str, probe: Any, num_layers: int) -> list[int]:
+    """The test layers ``probe`` (an instance of the checked class) makes sparse; none fails."""
     sparse_layers = [layer for layer in range(num_layers) if probe.is_sparse_layer(layer)]
     if not sparse_layers:
         _fail(name, f"no sparse layer among the {num_layers} test layers (dense_layers={probe.dense_layers()})")
-    case = _Case(config, dev, inputs, num_layers=num_layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                 context_len=context_len, decode_steps=decode_steps, needles_per_row=needles_per_row,
-                 sparse_layers=sparse_layers, seed=seed)
-    alg = case.make(cls, name, algorithm_kwargs)
-    case.ascending = bool(getattr(alg, "selects_ascending", False))
-    k_units = case.k_units
-    report = AlgorithmReport(algorithm=name, mode=alg.mode.value, page_size=case.ps, top_k_units=k_units,
-                             top_k_tokens=config.top_k)
+    return sparse_layers
 
-    case.prefill(alg, case.seq0)
-    report_checks.append("prefill")
+
+def _decode_steps(name: str, case: _Case, alg: Any, decode_steps: int, report: AlgorithmReport
+                  ) -> tuple[torch.Tensor, list[float], dict[int, tuple]]:
+    """``decode_steps`` plain decode steps, each selection checked. Returns (sequence
+    lengths ``[B]`` after the last step, per-call fill shares, each layer's last
+    (selection, valid counts, candidate starts, candidate ends))."""
+    k_units = case.k_units
     cur = case.seq0.clone()
     fills: list[float] = []
     last: dict[int, tuple] = {}
@@ -108,9 +153,12 @@ def check_algorithm(
             if bool(live.any()):
                 fills.append(float((valid[live].float() / n_cand[live].float()).mean()))
             last[layer] = (sel, valid, x["cs"], x["ce"])
-    report_checks += ["shapes/padding", "budget", "candidates", "sparse_mask"]
+    return cur, fills, last
 
-    # determinism: the same call again, and a fresh instance fed the same history
+
+def _check_determinism(name: str, case: _Case, cls: type, algorithm_kwargs: Optional[dict[str, Any]], alg: Any,
+                       cur: torch.Tensor, last: dict[int, tuple], sparse_layers: list[int]) -> None:
+    """The same call again, and a fresh instance fed the same history, select the same."""
     fresh = case.make(cls, name, algorithm_kwargs)
     case.prefill(fresh, cur)
     x = case.retrieve_inputs(cur)
@@ -124,46 +172,47 @@ def check_algorithm(
         if not _same_selection(other[layer], (s0, v0)):
             _fail(name, f"layer {layer}: prefill of the whole context and prefill + decode steps select differently "
                         "(update_representations disagrees with construct_representations)")
-    report.deterministic = True
-    report_checks.append("determinism")
 
-    # padding rows, writes: strong needle keys written with req_pool_index -1 at the first
-    # position of candidate units of row 0 must change no selection
+
+def _check_padding_row_writes(name: str, case: _Case, alg: Any, cur: torch.Tensor, last: dict[int, tuple],
+                              sparse_layers: list[int], inputs: AttentionInputs) -> None:
+    """Strong needle keys written with req_pool_index -1 at the first position of candidate
+    units of row 0 must change no selection."""
     cs0, ce0 = (int(v[0]) for v in case.candidates(cur))
-    if ce0 > cs0:
-        b, dev_ = case.b, case.dev
-        pad_pos = (cs0 + (torch.arange(b, device=dev_) * (ce0 - cs0)) // b) * case.ps
-        pad_req = torch.full((b,), -1, dtype=torch.int64, device=dev_)
-        for layer in sparse_layers:
-            pad = torch.zeros(b, case.kv_heads, case.head_dim, device=dev_)
-            plant_needles(pad, case.q_layers[layer][0], torch.arange(b, device=dev_), strength=20.0)
-            alg.update_representations(layer, pad_req, pad_pos, pad, **inputs.decode_kwargs(layer, pad))
-        x = case.retrieve_inputs(cur)
-        got = case.checked(name, "after padding-row writes", case.call_retrieve(alg, x), x)
-        for layer in sparse_layers:
-            if not _same_selection(got[layer], last[layer][:2]):
-                _fail(name, f"layer {layer}: update_representations with padding rows (req_pool_indices == -1) "
-                            "changed a live request's selection: padding rows must write nothing")
-    report_checks.append("padding-row writes")
-    _check_padding_row_selections(name, case, alg, cur, last)
-    report_checks.append("padding-row selections")
+    if ce0 <= cs0:
+        return
+    b, dev_ = case.b, case.dev
+    pad_pos = (cs0 + (torch.arange(b, device=dev_) * (ce0 - cs0)) // b) * case.ps
+    pad_req = torch.full((b,), -1, dtype=torch.int64, device=dev_)
+    for layer in sparse_layers:
+        pad = torch.zeros(b, case.kv_heads, case.head_dim, device=dev_)
+        plant_needles(pad, case.q_layers[layer][0], torch.arange(b, device=dev_), strength=20.0)
+        alg.update_representations(layer, pad_req, pad_pos, pad, **inputs.decode_kwargs(layer, pad))
+    x = case.retrieve_inputs(cur)
+    got = case.checked(name, "after padding-row writes", case.call_retrieve(alg, x), x)
+    for layer in sparse_layers:
+        if not _same_selection(got[layer], last[layer][:2]):
+            _fail(name, f"layer {layer}: update_representations with padding rows (req_pool_indices == -1) "
+                        "changed a live request's selection: padding rows must write nothing")
 
-    # decoded keys: only where the selection depends on key content at all (a query-blind
-    # algorithm such as a sliding window needs no representations)
+
+def _check_decoded_keys_where_read(name: str, case: _Case, cls: type, algorithm_kwargs: Optional[dict[str, Any]],
+                                   alg: Any, cur: torch.Tensor, last: dict[int, tuple], seed: int,
+                                   report: AlgorithmReport) -> str:
+    """Decoded keys are checked only where the selection depends on key content at all (a
+    query-blind algorithm such as a sliding window needs no representations). Returns the
+    check's name for the report."""
     report.content_dependent = _probe_content(case, cls, name, algorithm_kwargs, cur, last, seed)
     if report.content_dependent:
         _check_decoded_keys(name, case, alg, cur)
-        report_checks.append("decoded keys")
-    else:
-        report_checks.append("decoded keys (n/a: selection ignores key content)")
+        return "decoded keys"
+    return "decoded keys (n/a: selection ignores key content)"
 
-    if capture_check != "off":
-        _check_capture(name, case, cls, algorithm_kwargs, cur, report, capture_check, replay_check)
-        report_checks.append("capture safety")
-    else:
-        report.capture.append("not checked (capture_check='off')")
 
-    # recall vs the oracle on the planted needles (last plain decode step)
+def _recall(case: _Case, sparse_layers: list[int], last: dict[int, tuple], cur: torch.Tensor
+            ) -> tuple[int, int, list[float]]:
+    """Recall vs the oracle on the planted needles (last plain decode step): (needles
+    selected, needles planted, per-row attention-mass recalls)."""
     masses: list[float] = []
     needle_hits = needle_total = 0
     for layer in sparse_layers:
@@ -175,7 +224,15 @@ def check_algorithm(
             needle_total += len(case.needles[b_i])
             needle_hits += sum(1 for u in case.needles[b_i] if u in chosen)
             m = attention_mass(case.q_layers[layer][b_i], case.keys_logical[layer][b_i], int(cur[b_i]), case.ps)
-            masses.append(mass_recall(m, sel[b_i], int(cs[b_i]), int(ce[b_i]), k_units))
+            masses.append(mass_recall(m, sel[b_i], int(cs[b_i]), int(ce[b_i]), case.k_units))
+    return needle_hits, needle_total, masses
+
+
+def _check_recall(name: str, case: _Case, alg: Any, sparse_layers: list[int], last: dict[int, tuple],
+                  cur: torch.Tensor, fills: list[float], report: AlgorithmReport,
+                  min_needle_recall: Optional[float], min_mass_recall: Optional[float]) -> None:
+    """Fill the report's recall, fill and size numbers; fail a recall below its threshold."""
+    needle_hits, needle_total, masses = _recall(case, sparse_layers, last, cur)
     report.needle_recall = needle_hits / needle_total if needle_total else 1.0
     report.mass_recall = sum(masses) / len(masses) if masses else 1.0
     report.mean_fill = sum(fills) / len(fills) if fills else 1.0
@@ -185,6 +242,3 @@ def check_algorithm(
                     f"({needle_hits}/{needle_total} planted needles selected)")
     if min_mass_recall is not None and report.mass_recall < min_mass_recall:
         _fail(name, f"attention-mass recall {report.mass_recall:.3f} < required {min_mass_recall}")
-    report_checks.append("recall")
-    report.checks = report_checks
-    return report

@@ -1,0 +1,216 @@
+"""One measured point of bench_decode: a runner of one mode, context and batch over a
+synthesised prefill, its timed steps (tokens/s, host time, device gaps), its profiled
+step split, its hit rate, Top-k overlap and roofline."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+from benchmarks.decode.sizing import GIB, roofline_ms, sparse_extra_config, step_traffic
+from sparsehi.config import SparseConfig
+from sparsehi.runtime.backends import Request
+from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.profiling import SPLIT_KEYS, wrap_method
+from sparsehi.runtime.runner import ModelRunner
+from sparsehi.runtime.synth import synth_prefill
+from sparsehi.runtime.traces import QueryTrace, topk_overlap
+
+MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+HOST_POOLS: dict = {}
+
+
+def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
+    """One pinned HostKVPool per model, reused by every point (pinning is slow)."""
+    from hicache.device_pool import DeviceKVPool
+    from hicache.host_pool import HostKVPool
+    from sparsehi.runtime.backends import kv_spec_for
+
+    key = model.cfg.name
+    hp = HOST_POOLS.get(key)
+    if hp is not None and hp.num_slots >= n_tokens:
+        return hp
+    HOST_POOLS.pop(key, None)
+    free_memory(device)
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, dtype=dtype)
+    spec = kv_spec_for(model.cfg, rt)
+    ps = sc.page_size
+    dummy = DeviceKVPool(spec, 2 * ps, device)
+    n = round_up(max(n_tokens, 3 * ps), ps)
+    hp = HostKVPool(dummy, hicache_ratio=n / dummy.num_slots + 1e-6, layout="layer_first")
+    HOST_POOLS[key] = hp
+    log(f"pinned host pool for {key}: {hp.nbytes() / GIB:.1f} GiB")
+    return hp
+
+
+CUDA_GRAPH = True
+"""Decode steps replay CUDA graphs (``--no-cuda-graph``: the same step eagerly)."""
+
+
+def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> ModelRunner:
+    rt = RuntimeConfig(mode=mode, sparse=replace(sc, sparse_extra_config=sparse_extra_config(model, sc)), device=str(device),
+                       dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
+                       adaptor="auto" if torch.device(device).type == "cuda" else "none",
+                       prefix_cache=False, validate=False, cuda_graph=CUDA_GRAPH)
+    if mode in ("sparse-hier", "offload-full"):
+        need = ctx + batch * round_up(steps + 2 * sc.page_size, sc.page_size) + 4 * sc.page_size
+        rt.host_kv_tokens = need
+        rt.host_pool = shared_host_pool(model, sc, need, device, dtype)
+    return ModelRunner(model, rt)
+
+
+def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tuple[dict[str, float], float]:
+    """Time ``steps`` decode steps with sections; returns (mean ms per section, mean step ms)."""
+    import sparsehi.decode.decoder as decoder_mod
+
+    be = runner.backend
+    timer = be.timer
+    undo = []
+    coord = getattr(be, "coord", None)
+    orig_diff, orig_fused = decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table
+    if coord is not None:
+        undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
+        if coord.transfer is not None:
+            undo.append(wrap_method(coord.transfer, "load_layer_now", timer, "io"))
+        undo.append(wrap_method(coord.decoder, "backup_token", timer, "io"))
+
+        def timed_diff(*a, **kw):
+            with timer.section("lru_diff"):
+                return orig_diff(*a, **kw)
+
+        def timed_fused(*a, **kw):  # the copy of the misses (and the page table, same launch)
+            with timer.section("io"):
+                return orig_fused(*a, **kw)
+        decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table = timed_diff, timed_fused
+    timer.enabled = True
+    graphs_on = runner.graphs.enabled
+    runner.graphs.enabled = False  # section events need the eager step (same kernels as the graph)
+    acc = {k: 0.0 for k in SPLIT_KEYS}
+    total = 0.0
+    try:
+        for _ in range(steps):
+            timer.collect()
+            dev = be.device
+            if dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                runner.decode_step(reqs)
+                b.record()
+                torch.cuda.synchronize()
+                step_ms = a.elapsed_time(b)
+            else:
+                t = time.perf_counter()
+                runner.decode_step(reqs)
+                step_ms = (time.perf_counter() - t) * 1e3
+            parts = timer.collect()
+            for k, v in parts.items():
+                acc[k] = acc.get(k, 0.0) + v
+            total += step_ms
+    finally:
+        timer.enabled = False
+        runner.graphs.enabled = graphs_on
+        decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table = orig_diff, orig_fused
+        for u in undo:
+            u()
+    n = max(1, steps)
+    split = {k: acc.get(k, 0.0) / n for k in SPLIT_KEYS if k != "other"}
+    split["other"] = max(0.0, total / n - sum(split.values()))
+    return split, total / n
+
+
+def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rho: Optional[float],
+              warmup: int, timed: int, profiled: int, device, dtype) -> dict[str, Any]:
+    steps_total = warmup + timed + profiled
+    runner = make_runner(model, mode, ctx, batch, sc, steps_total, device, dtype)
+    be = runner.backend
+    reqs = runner.new_requests([[0]] * batch)
+    synth_prefill(be, reqs, ctx, seed=1)
+    dsa = model.cfg.family == "mla"
+    if trace_rho is not None:
+        be.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
+    rec_layer = None
+    if hasattr(be, "coord"):
+        sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+        rec_layer = sparse_layers[0] if sparse_layers else None
+    if hasattr(be, "coord"):
+        # set before the warm-up: what a step records is part of its graph (captured then)
+        be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
+    for _ in range(warmup):
+        runner.decode_step(reqs)
+    if hasattr(be, "coord"):
+        be.coord.reset_stats()
+        be.recorded.clear()
+    sync_device(device)
+    host_ms, host_splits = [], []
+    runner.graphs.time_device = True  # CUDA events around each step: the device's idle gaps
+    t0 = time.perf_counter()
+    runner.decode_steps(reqs, timed, on_step=lambda t, step: (host_ms.append(step.host_ms),
+                                                             host_splits.append(step.split)))
+    sync_device(device)
+    gaps = runner.graphs.device_gaps_ms()
+    runner.graphs.time_device = False
+    worst = max(range(len(host_ms)), key=host_ms.__getitem__)
+    dt = time.perf_counter() - t0
+    row: dict[str, Any] = {"mode": mode, "context": ctx, "batch": batch, "tokens_per_s": batch * timed / dt,
+                           "step_ms": 1e3 * dt / timed, "hit_rate": None, "topk_overlap": None,
+                           "graphs": runner.graphs.enabled, "host_ms_per_step": sum(host_ms) / len(host_ms),
+                           "host_ms_per_step_max": max(host_ms),
+                           "host_ms_split_of_max": {k: round(v, 3) for k, v in host_splits[worst].items()},
+                           "host_ms_max_at_seq_len": reqs[0].seq_len - (timed - 1 - worst),
+                           "overlap_schedule": runner.rt.overlap_schedule,
+                           "device_gap_ms_max": max(gaps) if gaps else None}
+    if hasattr(be, "coord"):
+        be.record_layers = frozenset()
+        if mode == "sparse-hier":
+            st = be.coord.stats()
+            row["hit_rate"] = st["hit_rate"]
+            row["misses_per_step"] = st["misses"] / max(1, st["steps"])
+            row["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
+        rec = be.recorded.get(rec_layer, [])
+        if len(rec) >= 2:
+            ps = sc.page_size
+            lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
+            hi = torch.full((batch,), ctx // ps - sc.recent_units, device=rec[0].device)
+            ov = [topk_overlap(a, b, lo, hi).mean().item() for a, b in zip(rec[:-1], rec[1:])]
+            row["topk_overlap"] = sum(ov) / len(ov)
+        be.recorded.clear()
+    if mode == "offload-full":
+        row["mib_loaded_per_step"] = be.step_bytes[-1] / (1 << 20)
+    n_dense = len(be.algorithm.dense_layers()) if hasattr(be, "algorithm") else 0
+    rep = int(be.algorithm.representation_bytes() / batch) if hasattr(be, "algorithm") else 0
+    traffic = step_traffic(model, mode, ctx, batch, sc, n_dense, rep, row.get("misses_per_step"), dtype)
+    row["step_bytes_hbm"], row["step_bytes_h2d"] = traffic["hbm"], traffic["h2d"]
+    rl = roofline_ms(traffic)
+    row["roofline_ms"] = rl
+    row["frac_roofline"] = rl / row["step_ms"] if rl else None
+    split, prof_ms = profiled_split(runner, reqs, profiled)
+    row["split_ms"] = split
+    row["profiled_step_ms"] = prof_ms
+    mem = be.memory()
+    row["gpu_kv_gib"] = (mem.get("gpu_kv_bytes", 0) + mem.get("representation_bytes", 0)) / GIB
+    row["gpu_kv_only_gib"] = mem.get("gpu_kv_bytes", 0) / GIB
+    row["representation_gib"] = mem.get("representation_bytes", 0) / GIB
+    del runner, be, reqs
+    free_memory(device)
+    return row
+
+
+def sync_device(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device) -> None:
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,120 @@
+"""bench_decode's report: the issue's targets, the scenario-a summary and the throughput
+plot."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.decode.point import MODES
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    groups = sorted({(r["model"], r["context"]) for r in rows})
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4), squeeze=False)
+    colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3"}
+    for ax, (model, ctx) in zip(axes[0], groups):
+        for scen, style in (("a", "-"), ("b", "--")):
+            for mode in MODES:
+                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
+                             if r["model"] == model and r["context"] == ctx and r["scenario"] == scen
+                             and r["mode"] == mode and r.get("trace_source") == "trace85")
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", ms=3, color=colors[mode], label=f"{mode} ({scen})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        label = f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+        ax.set_title(f"{model}, {label} context", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle("decode throughput vs batch (a: 16 GiB GPU KV budget, solid; b: whole free HBM, dashed)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- targets
+def targets(rows: list[dict], caps: dict, ctx: int, model: str) -> list[str]:
+    sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
+           and r.get("trace_source") == "trace85"]
+    if not sel:
+        return [f"no scenario-a rows at {ctx} tokens"]
+
+    def best(mode):
+        rs = [r for r in sel if r["mode"] == mode]
+        return max(rs, key=lambda r: r["tokens_per_s"]) if rs else None
+
+    out = []
+    cap = caps.get((model, ctx, "a"), {})
+    bd, bg, bh = best("dense"), best("sparse-gpu"), best("sparse-hier")
+    if cap.get("dense") and cap.get("sparse-hier"):
+        ratio = cap["sparse-hier"] / cap["dense"]
+        out.append(f"batch held: sparse-hier {cap['sparse-hier']} vs dense {cap['dense']} = {ratio:.1f}x "
+                   f"(target >= 6x): {'MET' if ratio >= 6 else 'MISSED'}")
+    for name, other, goal in (("dense", bd, 3.0), ("sparse-gpu", bg, 1.5)):
+        if bh and other:
+            r = bh["tokens_per_s"] / other["tokens_per_s"]
+            out.append(f"best tokens/s: sparse-hier {bh['tokens_per_s']:.0f} (B={bh['batch']}) vs {name} "
+                       f"{other['tokens_per_s']:.0f} (B={other['batch']}) = {r:.2f}x (target >= {goal}x): "
+                       f"{'MET' if r >= goal else 'MISSED'}")
+    offl = {r["batch"]: r for r in sel if r["mode"] == "offload-full"}
+    hier = {r["batch"]: r for r in sel if r["mode"] == "sparse-hier"}
+    common = sorted(set(offl) & set(hier))
+    if common:
+        b = common[-1]
+        r = hier[b]["tokens_per_s"] / offl[b]["tokens_per_s"]
+        out.append(f"sparse-hier vs offload-full at B={b}: {r:.1f}x (target >= 5x): {'MET' if r >= 5 else 'MISSED'}")
+    if bh and bh.get("hit_rate") is not None:
+        out.append(f"sparse-hier hit rate at its best batch: {bh['hit_rate']:.3f} (target >= 0.90): "
+                   f"{'MET' if bh['hit_rate'] >= 0.9 else 'MISSED'}; measured top-k overlap {bh.get('topk_overlap')}")
+    if bh:
+        sp = bh["split_ms"]
+        bound = max(sp, key=sp.get)
+        out.append("sparse-hier split at its best batch (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in sp.items())
+                   + f"; largest term: {bound}")
+    return out
+
+
+def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) -> dict[str, Any]:
+    """Scenario a at ``ctx`` (the 64k run): best and batch-1 tokens/s per mode, rooflines,
+    the largest host time per step, sparse-hier's hit rate at its best batch."""
+    sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
+           and r.get("trace_source") == "trace85"]
+
+    def best(mode):
+        rs = [r for r in sel if r["mode"] == mode]
+        return max(rs, key=lambda r: r["tokens_per_s"]) if rs else None
+
+    def b1(mode):
+        return next((r for r in sel if r["mode"] == mode and r["batch"] == 1), None)
+
+    def get(r, key):
+        return None if r is None else r.get(key)
+
+    out: dict[str, Any] = {"context": ctx, "graphs": graphs}
+    for mode in ("dense", "sparse-gpu", "sparse-hier"):
+        k = mode.replace("-", "_")
+        out[f"{k}_best_tok_s"] = get(best(mode), "tokens_per_s")
+        out[f"{k}_b1_tok_s"] = get(b1(mode), "tokens_per_s")
+    out["sparse_hier_best_batch"] = get(best("sparse-hier"), "batch")
+    out["dense_best_batch"] = get(best("dense"), "batch")
+    out["dense_b1_frac_roofline"] = get(b1("dense"), "frac_roofline")
+    out["sparse_hier_best_frac_roofline"] = get(best("sparse-hier"), "frac_roofline")
+    hosts = [r["host_ms_per_step_max"] for r in sel if r.get("host_ms_per_step_max") is not None]
+    out["host_ms_per_step_max"] = max(hosts) if hosts else None
+    gaps = [r["device_gap_ms_max"] for r in sel if r.get("device_gap_ms_max") is not None]
+    out["device_gap_ms_max"] = max(gaps) if gaps else None
+    out["hit_rate"] = get(best("sparse-hier"), "hit_rate")
+    cap = caps.get((model, ctx, "a"), {})
+    out["batch_held"] = {m: cap.get(m) for m in MODES}
+    return out
