@@ -56,9 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d_copy_gbps, write_result  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
-from sparsehi.runtime.backends import Request  # noqa: E402
+from sparsehi.runtime.runtime_mode import Request  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
-from sparsehi.runtime.modes import RuntimeConfig, round_up  # noqa: E402
+from sparsehi.runtime.runtime_config import RuntimeConfig, round_up  # noqa: E402
 from sparsehi.runtime.profiling import SPLIT_KEYS, wrap_method  # noqa: E402
 from sparsehi.runtime.runner import ModelRunner  # noqa: E402
 from sparsehi.runtime.synth import synth_prefill  # noqa: E402
@@ -198,7 +198,7 @@ def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
     """One pinned HostKVPool per model, reused by every point (pinning is slow)."""
     from hicache.device_pool import DeviceKVPool
     from hicache.host_pool import HostKVPool
-    from sparsehi.runtime.backends import kv_spec_for
+    from sparsehi.runtime.runtime_mode import kv_spec_for
 
     key = model.cfg.name
     hp = HOST_POOLS.get(key)
@@ -237,13 +237,13 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     """Time ``steps`` decode steps with sections; returns (mean ms per section, mean step ms)."""
     import sparsehi.decode.decoder as decoder_mod
 
-    be = runner.backend
-    timer = be.timer
+    mode = runner.mode
+    timer = mode.timer
     undo = []
-    coord = getattr(be, "coord", None)
+    coord = getattr(mode, "coord", None)
     orig_diff, orig_fused = decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table
     if coord is not None:
-        undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
+        undo.append(wrap_method(mode.algorithm, "retrieve_topk", timer, "scoring"))
         if coord.transfer is not None:
             undo.append(wrap_method(coord.transfer, "load_layer_now", timer, "io"))
         undo.append(wrap_method(coord.decoder, "backup_token", timer, "io"))
@@ -264,7 +264,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     try:
         for _ in range(steps):
             timer.collect()
-            dev = be.device
+            dev = mode.device
             if dev.type == "cuda":
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -296,24 +296,24 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
               warmup: int, timed: int, profiled: int, device, dtype) -> dict[str, Any]:
     steps_total = warmup + timed + profiled
     runner = make_runner(model, mode, ctx, batch, sc, steps_total, device, dtype)
-    be = runner.backend
+    runtime_mode = runner.mode
     reqs = runner.new_requests([[0]] * batch)
-    synth_prefill(be, reqs, ctx, seed=1)
+    synth_prefill(runtime_mode, reqs, ctx, seed=1)
     dsa = model.cfg.family == "mla"
     if trace_rho is not None:
-        be.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
+        runtime_mode.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
     rec_layer = None
-    if hasattr(be, "coord"):
-        sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+    if hasattr(runtime_mode, "coord"):
+        sparse_layers = [layer for layer in range(model.cfg.num_layers) if runtime_mode.algorithm.is_sparse_layer(layer)]
         rec_layer = sparse_layers[0] if sparse_layers else None
-    if hasattr(be, "coord"):
+    if hasattr(runtime_mode, "coord"):
         # set before the warm-up: what a step records is part of its graph (captured then)
-        be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
+        runtime_mode.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
     for _ in range(warmup):
         runner.decode_step(reqs)
-    if hasattr(be, "coord"):
-        be.coord.reset_stats()
-        be.recorded.clear()
+    if hasattr(runtime_mode, "coord"):
+        runtime_mode.coord.reset_stats()
+        runtime_mode.recorded.clear()
     _sync(device)
     host_ms, host_splits = [], []
     runner.graphs.time_device = True  # CUDA events around each step: the device's idle gaps
@@ -333,25 +333,25 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
                            "host_ms_max_at_seq_len": reqs[0].seq_len - (timed - 1 - worst),
                            "overlap_schedule": runner.rt.overlap_schedule,
                            "device_gap_ms_max": max(gaps) if gaps else None}
-    if hasattr(be, "coord"):
-        be.record_layers = frozenset()
+    if hasattr(runtime_mode, "coord"):
+        runtime_mode.record_layers = frozenset()
         if mode == "sparse-hier":
-            st = be.coord.stats()
+            st = runtime_mode.coord.stats()
             row["hit_rate"] = st["hit_rate"]
             row["misses_per_step"] = st["misses"] / max(1, st["steps"])
             row["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
-        rec = be.recorded.get(rec_layer, [])
+        rec = runtime_mode.recorded.get(rec_layer, [])
         if len(rec) >= 2:
             ps = sc.page_size
             lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
             hi = torch.full((batch,), ctx // ps - sc.recent_units, device=rec[0].device)
             ov = [topk_overlap(a, b, lo, hi).mean().item() for a, b in zip(rec[:-1], rec[1:])]
             row["topk_overlap"] = sum(ov) / len(ov)
-        be.recorded.clear()
+        runtime_mode.recorded.clear()
     if mode == "offload-full":
-        row["mib_loaded_per_step"] = be.step_bytes[-1] / (1 << 20)
-    n_dense = len(be.algorithm.dense_layers()) if hasattr(be, "algorithm") else 0
-    rep = int(be.algorithm.representation_bytes() / batch) if hasattr(be, "algorithm") else 0
+        row["mib_loaded_per_step"] = runtime_mode.step_bytes[-1] / (1 << 20)
+    n_dense = len(runtime_mode.algorithm.dense_layers()) if hasattr(runtime_mode, "algorithm") else 0
+    rep = int(runtime_mode.algorithm.representation_bytes() / batch) if hasattr(runtime_mode, "algorithm") else 0
     traffic = step_traffic(model, mode, ctx, batch, sc, n_dense, rep, row.get("misses_per_step"), dtype)
     row["step_bytes_hbm"], row["step_bytes_h2d"] = traffic["hbm"], traffic["h2d"]
     rl = roofline_ms(traffic)
@@ -360,11 +360,11 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
     split, prof_ms = profiled_split(runner, reqs, profiled)
     row["split_ms"] = split
     row["profiled_step_ms"] = prof_ms
-    mem = be.memory()
+    mem = runtime_mode.memory()
     row["gpu_kv_gib"] = (mem.get("gpu_kv_bytes", 0) + mem.get("representation_bytes", 0)) / GIB
     row["gpu_kv_only_gib"] = mem.get("gpu_kv_bytes", 0) / GIB
     row["representation_gib"] = mem.get("representation_bytes", 0) / GIB
-    del runner, be, reqs
+    del runner, runtime_mode, reqs
     _free(device)
     return row
 
@@ -409,25 +409,25 @@ def record_real_trace(model, sc: SparseConfig, prompt: list[int], steps: int, de
     if len(prompt) < 1:
         raise ValueError("prompt must hold at least one token")
     runner = make_runner(model, "sparse-gpu", len(prompt), 1, sc, steps, device, dtype)
-    be = runner.backend
-    sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+    mode = runner.mode
+    sparse_layers = [layer for layer in range(model.cfg.num_layers) if mode.algorithm.is_sparse_layer(layer)]
     if not sparse_layers:
         raise ValueError(f"the model's {model.cfg.num_layers} layers are all dense under this SparseConfig: "
                          "nothing to record")
-    be.record_layers = frozenset(sparse_layers)
-    be.recorded.clear()
+    mode.record_layers = frozenset(sparse_layers)
+    mode.recorded.clear()
     try:
         runner.generate([prompt], steps)
     finally:
-        be.record_layers = frozenset()
-    sel: dict[int, list[torch.Tensor]] = {layer: be.recorded.get(layer, []) for layer in sparse_layers}
+        mode.record_layers = frozenset()
+    sel: dict[int, list[torch.Tensor]] = {layer: mode.recorded.get(layer, []) for layer in sparse_layers}
     per_layer = topk_overlap_per_layer(sel, len(prompt), sc)
     vals = list(per_layer.values())
     result = {"model_path": model_path, "context": len(prompt), "steps": steps,
               "topk_overlap_mean": sum(vals) / len(vals),
               "topk_overlap_per_layer": {str(k): v for k, v in per_layer.items()}, "source": "real",
               "selections": {layer: [t.cpu() for t in ts] for layer, ts in sel.items()}}
-    del runner, be
+    del runner, mode
     _free(device)
     return result
 
@@ -452,10 +452,10 @@ def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, devi
     """rho of the query trace whose adjacent-step Top-k overlap (the algorithm's own, on
     synthesised representations, one sparse layer, 2 requests) is ``target``."""
     runner = make_runner(model, "sparse-gpu", ctx, 2, sc, 4, device, dtype)
-    be = runner.backend
+    mode = runner.mode
     reqs = runner.new_requests([[0]] * 2)
-    synth_prefill(be, reqs, ctx, seed=1)
-    algo = be.algorithm
+    synth_prefill(mode, reqs, ctx, seed=1)
+    algo = mode.algorithm
     layer = [x for x in range(model.cfg.num_layers) if algo.is_sparse_layer(x)][0]
     cfg = model.cfg
     dev = torch.device(device)
@@ -489,7 +489,7 @@ def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, devi
         return sum(ovs) / len(ovs)
 
     rho, got = calibrate_rho(measure, target, iters=iters)
-    del runner, be
+    del runner, mode
     _free(device)
     return rho, got
 
