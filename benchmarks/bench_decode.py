@@ -61,7 +61,7 @@ from benchmarks.decode.sizing import (GIB, LIMITS, batches_up_to, per_request_by
 from benchmarks.decode.traces import calibrate, read_trace_prompt, record_real_trace  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
-from sparsehi.runtime.modes import round_up  # noqa: E402
+from sparsehi.runtime.runtime_config import round_up  # noqa: E402
 from sparsehi.runtime.weights import build_model  # noqa: E402
 
 TRACE_SOURCES = {

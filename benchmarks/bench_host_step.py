@@ -1,7 +1,7 @@
 """Host time of a decode step outside the graph replay, every mode, across page boundaries.
 
 The CUDA-graph decode step leaves the host three parts (``PendingStep.split``): ``prepare``
-(the backend's host part: batch checks, pages for the rows that open one, vectorised, and
+(the mode's host part: batch checks, pages for the rows that open one, vectorised, and
 the step counter), ``launch`` (the step's inputs into the graph's static buffers, the
 replay, the start of the tokens' read-back, the lengths) and ``after`` (recording the
 tokens). The target is at most 1 ms of host time outside the replay per step at every
@@ -80,8 +80,8 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: i
     runner = make_runner(model, mode, ctx, batch, sc, steps + 2, device, dtype)
     runner.rt.overlap_schedule = schedule == "overlap"
     reqs = runner.new_requests([[0]] * batch)
-    synth_prefill(runner.backend, reqs, ctx, seed=1)
-    runner.graphs.warm(batch, runner.backend.decode_graph_key(reqs))
+    synth_prefill(runner.mode, reqs, ctx, seed=1)
+    runner.graphs.warm(batch, runner.mode.decode_graph_key(reqs))
     for _ in range(2):
         runner.decode_step(reqs)
     ps = sc.page_size

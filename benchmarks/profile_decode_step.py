@@ -47,10 +47,10 @@ def main(argv=None) -> int:
         sc = SparseConfig(algorithm="quest", top_k=args.top_k, device_buffer_size=args.buffer, page_size=16,
                           min_sparse_prompt_len=0, sink_tokens=64, recent_tokens=64)
     runner = make_runner(model, args.mode, args.context, args.batch, sc, 64, device, dtype)
-    be = runner.backend
+    mode = runner.mode
     reqs = runner.new_requests([[0]] * args.batch)
-    synth_prefill(be, reqs, args.context, seed=1)
-    be.query_hook = QueryTrace(args.rho, seed=2, dsa=cfg.family == "mla")
+    synth_prefill(mode, reqs, args.context, seed=1)
+    mode.query_hook = QueryTrace(args.rho, seed=2, dsa=cfg.family == "mla")
     for _ in range(3):
         runner.decode_step(reqs)
     torch.cuda.synchronize()

@@ -73,7 +73,7 @@ def _salt(text: str) -> str:
 
 
 def _modes(text: str) -> list[str]:
-    from sparsehi.runtime.modes import parse_modes
+    from sparsehi.runtime.runtime_config import parse_modes
 
     try:
         return parse_modes(text)
@@ -109,7 +109,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sparse_args(p: argparse.ArgumentParser) -> None:
-    from sparsehi.runtime.modes import ADAPTORS, MODE_HELP
+    from sparsehi.runtime.runtime_config import ADAPTORS, MODE_HELP
 
     g = p.add_argument_group("sparse attention")
     g.add_argument("--modes", type=_modes, default=None,
@@ -316,7 +316,7 @@ def _same_setting(args: argparse.Namespace, parser: argparse.ArgumentParser, our
 def _check_hicache_modes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Each ``--hicache-*`` flag the user gave must apply to a mode this command runs (with
     SGLang's meaning), else it is rejected naming the flag and the modes it applies to."""
-    from sparsehi.runtime.modes import HOST_MODES, RUNTIME_MODES
+    from sparsehi.runtime.runtime_config import HOST_MODES, RUNTIME_MODES
 
     modes = args.modes or list(RUNTIME_MODES)
     given = [flag for flag, on in (("--enable-hierarchical-cache", args.enable_hierarchical_cache),
@@ -361,9 +361,9 @@ def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         return
     from dataclasses import replace as _replace
 
-    from sparsehi.runtime.backends import host_token_bytes
+    from sparsehi.runtime.runtime_mode import host_token_bytes
     from sparsehi.runtime.model_config import get_model_config
-    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.runtime_config import RuntimeConfig
     from sparsehi.runtime.weights import check_hf_checkpoint
 
     mcfg = get_model_config(args.model) if args.model_path is None else check_hf_checkpoint(args.model_path)
@@ -483,7 +483,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from sparsehi.runtime.modes import RUNTIME_MODES
+    from sparsehi.runtime.runtime_config import RUNTIME_MODES
     from sparsehi.runtime.weights import CheckpointError
 
     modes = args.modes or list(RUNTIME_MODES)

@@ -178,8 +178,8 @@ def _long_functions(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("rel", ["sparsehi/coordinator.py", "sparsehi/kv_manager.py", "sparsehi/decode/decoder.py",
                                  "sparsehi/decode/state.py", "sparsehi/prefill.py", "sparsehi/page_tables.py",
-                                 "sparsehi/request_table.py", "sparsehi/runtime/sparse_backend.py",
-                                 "sparsehi/runtime/runner.py", "sparsehi/runtime/backends.py"])
+                                 "sparsehi/request_table.py", "sparsehi/runtime/sparse_mode.py",
+                                 "sparsehi/runtime/runner.py", "sparsehi/runtime/runtime_mode.py"])
 def test_decode_path_modules_are_short(rel):
     path = ROOT / rel
     assert len(path.read_text().splitlines()) <= MAX_FILE_LINES, rel

@@ -271,7 +271,7 @@ def test_tree_rejects_bad_inserts_and_keeps_its_state():
 
 def test_storage_policy_and_runtime_arguments():
     from hicache.storage_controller import StoragePolicy
-    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.runtime_config import RuntimeConfig
 
     for kw, message in (({"prefetch_policy": "eager"}, "prefetch_policy must be one of"),
                         ({"prefetch_threshold": -1}, "prefetch_threshold must be an int >= 0"),
@@ -298,7 +298,7 @@ def test_storage_policy_and_runtime_arguments():
     (dict(adaptor="cudnn"), "RuntimeConfig.adaptor='cudnn': allowed"),
 ])
 def test_runtime_config_names_the_field(kw, message):
-    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.runtime_config import RuntimeConfig
 
     kw = {"mode": "dense", **kw}
     with pytest.raises(ValueError, match=message):

@@ -15,7 +15,7 @@ import torch
 
 from sparsehi.algorithms.quest import QuestAlgorithm
 from sparsehi.config import SparseConfig
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -78,12 +78,12 @@ def _prompt(seed: int, n: int = 160) -> list[int]:
 
 
 def _state(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    coord = runner.backend.coord
+    coord = runner.mode.coord
     lru, tables = coord.decoder.lru, coord.kv.tables
     return {"resident": lru.resident.clone(), "last_used": lru.last_used.clone(), "slot_of": lru.slot_of.clone(),
             "buf_pages": tables.lru_pages.clone(), "host_page_table": tables.host_pages.clone(),
-            "dev_free": torch.tensor(runner.backend.pool.allocator.available_size()),
-            "host_free": torch.tensor(runner.backend.host.allocator.available_size())}
+            "dev_free": torch.tensor(runner.mode.pool.allocator.available_size()),
+            "host_free": torch.tensor(runner.mode.host.allocator.available_size())}
 
 
 CHECKED = {
@@ -121,7 +121,7 @@ def _tokens(how: str, prompts: list[list[int]], before: list[list[int]] = ()) ->
         runner.generate([p], 3)
     HostileQuest.how = how
     out = runner.generate(prompts, 4).tokens
-    runner.backend.close()
+    runner.mode.close()
     return out
 
 
@@ -139,8 +139,8 @@ def test_unchecked_bad_ids_never_reach_another_requests_kv(how, one_thread):
 
 
 def _free_counts(runner: ModelRunner) -> tuple[int, int, int]:
-    be = runner.backend
-    return be.pool.allocator.available_size(), be.host.allocator.available_size(), be.req_pool.available_size()
+    mode = runner.mode
+    return mode.pool.allocator.available_size(), mode.host.allocator.available_size(), mode.req_pool.available_size()
 
 
 def test_a_failed_generate_releases_its_requests(one_thread):
@@ -178,7 +178,7 @@ def test_a_failed_request_leaves_only_complete_kv_in_the_prefix_tree(how, one_th
     base = _free_counts(runner)
     a, b = _prompt(1), _prompt(2)
     reference = runner.generate([a], 3).tokens[0]  # a's prompt pages are now in the tree
-    tree = runner.backend.tree
+    tree = runner.mode.tree
     held = tree.host_tokens()
     HostileQuest.how = how
     with pytest.raises((ValueError, RuntimeError)):

@@ -9,7 +9,7 @@ import torch
 
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 

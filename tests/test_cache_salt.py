@@ -168,7 +168,7 @@ def test_salted_prefetch_continues_a_salted_host_hit():
 # ---------------------------------------------------------------------------------- runtime
 def test_runtime_requests_isolated_by_salt(one_thread):
     from sparsehi.config import SparseConfig
-    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.runtime_config import RuntimeConfig
     from sparsehi.runtime.runner import ModelRunner
     from sparsehi.runtime.weights import build_model
 
@@ -193,8 +193,8 @@ def test_runtime_requests_isolated_by_salt(one_thread):
         runner.generate([prompt], 1, cache_salts=["a", "b"])
     with pytest.raises(ValueError, match=r"cache_salts\[0\] must be a str or None"):
         runner.generate([prompt], 1, cache_salts=[7])
-    runner.backend.tree.check_invariants()
-    runner.backend.close()
+    runner.mode.tree.check_invariants()
+    runner.mode.close()
 
 
 def _cli_run(tmp_path, name, salt, store_dir):
@@ -245,7 +245,7 @@ def test_bench_cache_salt_reaches_every_request_and_no_tier_is_shared(tmp_path, 
 
     def new_requests(self, prompts, cache_salts=None):
         reqs = real_new_requests(self, prompts, cache_salts)
-        seen.append((self.rt.mode, [r.cache_salt for r in reqs], getattr(self.backend, "tree", None)))
+        seen.append((self.rt.mode, [r.cache_salt for r in reqs], getattr(self.mode, "tree", None)))
         return reqs
 
     def generate(self, *args, **kwargs):

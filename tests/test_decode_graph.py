@@ -10,7 +10,7 @@ import torch
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.decode_graph import DecodeInputs, batch_buckets
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -123,18 +123,18 @@ def test_replay_makes_no_host_sync(mode):
     for r in reqs:
         runner.prefill(r)
     runner.decode_step(reqs)  # captures the bucket
-    be = runner.backend
+    runtime_mode = runner.mode
     for _ in range(20):  # crosses a page boundary (page 16)
-        graph_key = be.prepare_decode(reqs)
+        graph_key = runtime_mode.prepare_decode(reqs)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             toks, outputs = runner.graphs.run([r.output[-1] for r in reqs], [r.seq_len for r in reqs],
                                               [r.req_pool_idx for r in reqs], [r.seq_len + 1 for r in reqs], graph_key,
-                                              be.take_page_entries())
+                                              runtime_mode.take_page_entries())
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        be.end_decode(reqs, outputs)
+        runtime_mode.end_decode(reqs, outputs)
         for r, t in zip(reqs, toks[: len(reqs)].tolist()):
             r.output.append(t)
     assert len(runner.graphs.captured) == 1
@@ -152,11 +152,11 @@ def test_reset_stats_keeps_counting_after_capture():
         runner.prefill(r)
     for _ in range(3):
         runner.decode_step(reqs)
-    runner.backend.coord.reset_stats()
-    assert runner.backend.coord.stats()["steps"] == 0
+    runner.mode.coord.reset_stats()
+    assert runner.mode.coord.stats()["steps"] == 0
     for _ in range(5):
         runner.decode_step(reqs)
-    st = runner.backend.coord.stats()
+    st = runner.mode.coord.stats()
     assert st["steps"] == 5 and st["hits"] + st["misses"] > 0 and len(st["per_step"]) == 5
 
 
@@ -169,7 +169,7 @@ def test_generate_captures_before_timing(monkeypatch):
     runner = _runner("tiny-gqa", "sparse-hier", sc, prompts, True)
     captures = []
     real = runner.graphs._capture
-    monkeypatch.setattr(runner.graphs, "_capture", lambda nb, v: captures.append(runner.backend.decode_graph_key([])) or real(nb, v))
+    monkeypatch.setattr(runner.graphs, "_capture", lambda nb, v: captures.append(runner.mode.decode_graph_key([])) or real(nb, v))
     real_step = runner.launch_decode
     in_loop = []
     monkeypatch.setattr(runner, "launch_decode",

@@ -13,9 +13,9 @@ from hicache.storage.file_store import FileStorage
 from hicache.storage_controller import StoragePolicy
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
-from sparsehi.runtime.sparse_backend import STATE_BUFFER
+from sparsehi.runtime.sparse_mode import STATE_BUFFER
 from sparsehi.runtime.weights import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,15 +49,15 @@ def rt(**kw) -> RuntimeConfig:
 def generate(runner: ModelRunner, prompt: list[int], steps: int = STEPS):
     """(tokens, prefix hit, the index keys the algorithm holds for the prompt right after
     its prefill: one ``uint8 [n, bytes]`` per sparse layer)."""
-    be = runner.backend
+    mode = runner.mode
     (req,) = runner.new_requests([prompt])
     runner.prefill(req)
-    algo = be.algorithm
+    algo = mode.algorithm
     state = [algo.export_token_state(layer, req.req_pool_idx, 0, len(prompt)).cpu()
-             for layer in range(be.cfg.num_layers) if algo.is_sparse_layer(layer)]
+             for layer in range(mode.cfg.num_layers) if algo.is_sparse_layer(layer)]
     for _ in range(steps):
         runner.decode_step([req])
-    be.end_request(req)
+    mode.end_request(req)
     return req.output, req.prefix_hit, state
 
 
@@ -66,12 +66,12 @@ def test_index_keys_round_trip_through_the_host_pool():
     every cached token (prompt from prefill, decoded tokens from decode)."""
     first, _ = prompts()
     r = ModelRunner(model(), rt())
-    algo = r.backend.algorithm
+    algo = r.mode.algorithm
     res = r.generate([first], 4)
-    tree = r.backend.tree
+    tree = r.mode.tree
     m = tree.match_prefix(first + res.tokens[0][:3])
     assert m.backed_length == 200 + 3  # prompt and decoded tokens are in the tree
-    host = r.backend.host
+    host = r.mode.host
     st = host.read_extra(STATE_BUFFER, m.backed_host_indices)
     assert st.shape == (203, 2, algo.token_state_bytes())
     assert st.any()  # not the zero fill
@@ -84,7 +84,7 @@ def test_host_hit_generates_what_a_cold_run_does():
     first, second = prompts()
     warm = ModelRunner(model(), rt())
     warm.generate([first], 4)
-    tree = warm.backend.tree
+    tree = warm.mode.tree
     before = tree.stats_.host_hit_tokens
     tokens, hit, state = generate(warm, second)
     assert hit == 150
@@ -106,17 +106,17 @@ def test_l3_hit_after_a_fresh_runner_generates_what_a_cold_run_does(tmp_path):
     s1 = store()
     a = ModelRunner(model(), rt(storage=s1, storage_policy=policy))
     a.generate([first], 4)
-    assert a.backend.l3_stats()["l3_pages_written"] >= 200
-    a.backend.close()
+    assert a.mode.l3_stats()["l3_pages_written"] >= 200
+    a.mode.close()
     s1.close()
 
     s2 = store()
     b = ModelRunner(model(), rt(storage=s2, storage_policy=policy))  # empty host pool: only L3 has the prefix
     tokens, hit, state = generate(b, second)
-    st = b.backend.l3_stats()
+    st = b.mode.l3_stats()
     assert st["l3_hit_tokens"] == 150 and st["l3_bytes_fetched"] > 0 and st["prefetch_reserved_pages"] == 0
     assert hit == 150
-    b.backend.close()
+    b.mode.close()
     s2.close()
     cold_tokens, _, cold_state = generate(ModelRunner(model(), rt(prefix_cache=False)), second)
     assert all(torch.equal(a, b) for a, b in zip(state, cold_state))
@@ -129,11 +129,11 @@ def test_a_host_pool_without_the_state_buffer_falls_back_to_recomputing():
     from hicache.host_pool import HostKVPool
 
     first, second = prompts()
-    base = ModelRunner(model(), rt(prefix_cache=False)).backend
+    base = ModelRunner(model(), rt(prefix_cache=False)).mode
     pool = HostKVPool(base.pool, hicache_ratio=2.0 * base.host.num_slots / base.pool.num_slots,
                       layout="page_first_direct", pin_memory=False)
     r = ModelRunner(model(), rt(host_pool=pool))
-    assert not r.backend.reuse_prefix
+    assert not r.mode.reuse_prefix
     r.generate([first], 2)
     res = r.generate([second], STEPS)
     assert res.prefix_hits == [0]
@@ -203,7 +203,7 @@ def test_export_import_restores_the_exact_selection(index_dtype):
 def test_hicache_size_counts_the_index_state():
     """--hicache-size (RuntimeConfig.host_kv_gb) is divided by the host bytes of a token,
     index state included: a size that holds only the KV of the running requests is refused."""
-    from sparsehi.runtime.backends import host_token_bytes
+    from sparsehi.runtime.runtime_mode import host_token_bytes
 
     m = model()
     need = 1 * (200 + STEPS + 1)
@@ -211,4 +211,4 @@ def test_hicache_size_counts_the_index_state():
     with pytest.raises(ValueError, match="--hicache-size"):
         ModelRunner(m, rt(host_kv_gb=kv_only * 1.0001))
     r = ModelRunner(m, rt(host_kv_gb=kv_only * 1.5))
-    assert r.backend.host_token_bytes() > host_token_bytes(m.cfg, torch.float32)
+    assert r.mode.host_token_bytes() > host_token_bytes(m.cfg, torch.float32)

@@ -14,7 +14,7 @@ import torch
 
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -99,7 +99,7 @@ def test_shared_prefix_is_reused_from_host_and_matches_a_cold_run():
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=1, max_context_len=512 + STEPS + 1)
     warm = ModelRunner(model, rt)
     warm.generate([first], 8)
-    tree = warm.backend.tree
+    tree = warm.mode.tree
     host_before = tree.stats_.host_hit_tokens
     res = warm.generate([second], STEPS)
     assert res.prefix_hits == [384]
@@ -118,11 +118,11 @@ def test_prefix_reuse_releases_host_pages_it_does_not_keep():
     r = ModelRunner(model, rt)
     p = prompts_of((500,), seed=9)[0]
     r.generate([p, p], 10)  # the same prompt twice in one batch: the second reuses the first's pages
-    host = r.backend.host
-    tree_pages = sum(n.host_indices.numel() for n in tree_nodes(r.backend.tree)) // 16
+    host = r.mode.host
+    tree_pages = sum(n.host_indices.numel() for n in tree_nodes(r.mode.tree)) // 16
     used = host.allocator.num_pages - 1 - host.allocator.num_free_pages()
     assert used == tree_pages  # every allocated host page is owned by the tree: nothing leaked
-    r.backend.tree.check_invariants()
+    r.mode.tree.check_invariants()
 
 
 def tree_nodes(tree):
@@ -145,12 +145,12 @@ def test_synthesised_prefill_gives_identical_decode_in_both_sparse_modes(name, a
         rt = RuntimeConfig(mode=mode, sparse=sc, max_num_reqs=2, max_context_len=512 + 20, prefix_cache=False)
         runner = ModelRunner(model, rt)
         reqs = runner.new_requests([[0], [0]])
-        synth_prefill(runner.backend, reqs, 512, seed=1)
+        synth_prefill(runner.mode, reqs, 512, seed=1)
         for _ in range(12):
             runner.decode_step(reqs)
         out[mode] = [r.output for r in reqs]
         if mode == "sparse-hier":
-            assert runner.backend.coord.stats()["misses"] > 0
+            assert runner.mode.coord.stats()["misses"] > 0
     assert out["sparse-hier"] == out["sparse-gpu"]
 
 
@@ -204,14 +204,14 @@ def test_reused_prefix_loads_back_layer_by_layer(monkeypatch):
     events = []
     monkeypatch.setattr(TransferHandle, "wait_layer", lambda self, layer: events.append(("wait", layer)))
     monkeypatch.setattr(TransferHandle, "wait", lambda self: events.append(("wait_all",)))
-    be = runner.backend
-    real_before = be.before_prefill_layer
+    mode = runner.mode
+    real_before = mode.before_prefill_layer
 
     def spy(req, layer):
         events.append(("layer", layer))
         real_before(req, layer)
 
-    monkeypatch.setattr(be, "before_prefill_layer", spy)
+    monkeypatch.setattr(mode, "before_prefill_layer", spy)
     res = runner.generate([second], 2)
     assert res.prefix_hits == [384]
     n = model.cfg.num_layers
@@ -219,4 +219,4 @@ def test_reused_prefix_loads_back_layer_by_layer(monkeypatch):
     # last layer; nothing waits for the whole load before a layer runs
     assert events[: 2 * n] == [e for layer in range(n) for e in (("layer", layer), ("wait", layer))]
     assert all(e[0] == "wait_all" for e in events[2 * n:])
-    assert be.layer_loads.outstanding() == 0 and be.layer_loads.consumer == -1
+    assert mode.layer_loads.outstanding() == 0 and mode.layer_loads.consumer == -1

@@ -8,9 +8,9 @@ import torch
 
 from sparsehi.cli import main
 from sparsehi.config import SparseConfig
-from sparsehi.runtime.backends import host_token_bytes
+from sparsehi.runtime.runtime_mode import host_token_bytes
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -82,12 +82,12 @@ def test_ratio_and_size_set_the_host_pool(mode, one_thread):
     the ratio; both in the runtime's host pool, not just accepted."""
     model = _tiny()
     need = 2 * round_up(200, 16)
-    r3 = ModelRunner(model, _rt(mode, sparse={"host_to_device_ratio": 3.0})).backend.host
-    r2 = ModelRunner(model, _rt(mode)).backend.host
+    r3 = ModelRunner(model, _rt(mode, sparse={"host_to_device_ratio": 3.0})).mode.host
+    r2 = ModelRunner(model, _rt(mode)).mode.host
     assert r3.num_slots >= 3 * need > r2.num_slots >= 2 * need
     tb = host_token_bytes(model.cfg, torch.float32)
     gb = 5 * need * tb / 1e9
-    sized = ModelRunner(model, _rt(mode, host_kv_gb=gb, sparse={"host_to_device_ratio": 3.0})).backend.host
+    sized = ModelRunner(model, _rt(mode, host_kv_gb=gb, sparse={"host_to_device_ratio": 3.0})).mode.host
     assert sized.spec.token_bytes == tb
     assert abs(sized.num_slots - int(gb * 1e9 // tb)) <= 3 * 16  # whole pages + the reserved page
     with pytest.raises(ValueError, match="--hicache-size .* holds .* needs at least"):

@@ -16,7 +16,7 @@ from hicache.storage_controller import StoragePolicy
 from memory_storage import MemoryStorage
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -55,8 +55,8 @@ def written():
     s = MemoryStorage()
     first = _runner(s, StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=PS))
     first.generate([STORED], 1)
-    assert first.backend.l3_stats()["l3_pages_written"] == 8
-    first.backend.close()
+    assert first.mode.l3_stats()["l3_pages_written"] == 8
+    first.mode.close()
     cold = _runner().generate([PROMPT], 2).tokens
     return s.objects, cold
 
@@ -68,15 +68,15 @@ def _run(objects, **policy):
 
 
 def _release_and_check_nothing_leaks(storage, runner) -> dict:
-    tree = runner.backend.tree
+    tree = runner.mode.tree
     storage.release.set()
     assert tree.storage_ctl.wait_idle(5.0)
     assert tree.storage_ctl.calls.wait_returned(5.0)
-    runner.backend.step_events()
+    runner.mode.step_events()
     st = tree.stats()
     assert tree.storage_leaks() == 0 and st["prefetch_reserved_pages"] == 0
     assert not tree._orphans and not tree.ongoing_prefetch and st["l3_stages_retired"] == 0
-    runner.backend.close()
+    runner.mode.close()
     return st
 
 
@@ -128,7 +128,7 @@ def test_wait_complete_admits_at_the_call_deadline_when_a_read_never_returns(wri
     assert 1.0 <= res.prefill_s < 3.0, res.prefill_s
     assert res.prefix_hits == [0] and res.tokens == cold
     # the read still hangs, on a staging buffer of the controller: no host page is held for it
-    tree = runner.backend.tree
+    tree = runner.mode.tree
     hung = tree.stats()
     assert hung["l3_stages_retired"] == 1 and hung["prefetch_reserved_pages"] == 0 and tree.storage_leaks() == 0
     st = _release_and_check_nothing_leaks(storage, runner)

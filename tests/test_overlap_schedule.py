@@ -12,7 +12,7 @@ import torch
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.decode_graph import DecodeInputs
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -49,8 +49,8 @@ def _run_both(name, mode, kw, prompts, steps, device="cpu", force=None):
     for overlap in (True, False):
         runner = _runner(name, mode, kw, prompts, steps, device, overlap)
         reqs_seen = []
-        real_end = runner.backend.end_request
-        runner.backend.end_request = lambda r, _real=real_end: reqs_seen.append((list(r.consumed), r.seq_len - len(r.prompt))) or _real(r)
+        real_end = runner.mode.end_request
+        runner.mode.end_request = lambda r, _real=real_end: reqs_seen.append((list(r.consumed), r.seq_len - len(r.prompt))) or _real(r)
         res = runner.generate(prompts, steps, force_tokens=force)
         out[overlap] = (res, reqs_seen)
     return out

@@ -11,7 +11,7 @@ from hicache.storage_controller import StoragePolicy
 from memory_storage import MemoryStorage
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
@@ -41,24 +41,24 @@ def _prompts(n, seed=0):
 def test_more_distinct_prompts_than_the_host_pool_holds(with_l3):
     storage = MemoryStorage() if with_l3 else None
     runner = _runner(storage)
-    be = runner.backend
-    host = be.host.allocator
+    mode = runner.mode
+    host = mode.host.allocator
     start_free = host.num_free_pages()
     prompts = _prompts(30)
     assert sum(len(p) for p in prompts) // PS > 3 * host.num_pages  # far more than the pool holds
     for i in range(0, len(prompts), 2):
         runner.generate(prompts[i:i + 2], 3)
-        be.tree.check_invariants()
-    st = be.tree.stats()
+        mode.tree.check_invariants()
+    st = mode.tree.stats()
     assert st["host_evicted_tokens"] > 0
     if with_l3:
         assert st["l3_pages_written"] > 0 and storage.objects
-        be.tree.flush_storage()
+        mode.tree.flush_storage()
     # every page in use belongs to the tree; evicting it all gives the pool back
-    assert start_free - host.num_free_pages() == be.tree.host_tokens() // PS
-    be.tree.evict_host(10 ** 9)
+    assert start_free - host.num_free_pages() == mode.tree.host_tokens() // PS
+    mode.tree.evict_host(10 ** 9)
     assert host.num_free_pages() == start_free
-    runner.backend.close()
+    runner.mode.close()
 
 
 def test_l3_write_locks_are_released_while_the_run_goes_on():
@@ -66,13 +66,13 @@ def test_l3_write_locks_are_released_while_the_run_goes_on():
     the run flushes: no host lock outlives its write for long."""
     storage = MemoryStorage()
     runner = _runner(storage, host_pages=64)
-    be = runner.backend
+    mode = runner.mode
     p1, p2 = _prompts(2, seed=1)
     runner.generate([p1], 2)
-    assert be.tree.storage_ctl.wait_idle(5.0)  # the write finished; its ack is queued
-    assert be.tree.ongoing_backup
+    assert mode.tree.storage_ctl.wait_idle(5.0)  # the write finished; its ack is queued
+    assert mode.tree.ongoing_backup
     runner.generate([p2], 1)  # the next request's step retires it
-    assert be.tree.storage_ctl.wait_idle(5.0)
+    assert mode.tree.storage_ctl.wait_idle(5.0)
     runner.generate([p1], 1)
-    assert len(be.tree.ongoing_backup) <= 1  # only the last request's write can be pending
-    runner.backend.close()
+    assert len(mode.tree.ongoing_backup) <= 1  # only the last request's write can be pending
+    runner.mode.close()

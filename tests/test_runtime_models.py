@@ -12,7 +12,7 @@ from sparsehi.config import SparseConfig
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.layers import apply_rope, rope_cos_sin
 from sparsehi.runtime.model_config import BUILTIN_CONFIGS, ModelConfig, get_model_config
-from sparsehi.runtime.modes import RuntimeConfig, parse_modes
+from sparsehi.runtime.runtime_config import RuntimeConfig, parse_modes
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model, load_hf_model
 
@@ -315,17 +315,17 @@ def test_sparse_config_backend_chooses_the_adaptor():
     from sparsehi.adaptors import DSAAdaptor, FlashAttentionAdaptor, TritonAdaptor
     from sparsehi.config import SparseConfig
     from sparsehi.runtime.model_config import get_model_config
-    from sparsehi.runtime.modes import RuntimeConfig
-    from sparsehi.runtime.sparse_backend import SparseCoordinatorMode
+    from sparsehi.runtime.runtime_config import RuntimeConfig
+    from sparsehi.runtime.sparse_mode import SparseCoordinatorMode
 
     gqa, mla = get_model_config("tiny-gqa", num_layers=2), get_model_config("tiny-dsa", num_layers=2)
     for backend, cls in (("flashattention", FlashAttentionAdaptor), ("triton", TritonAdaptor)):
         sc = SparseConfig(page_size=16, top_k=64, device_buffer_size=128, backend=backend)
-        be = SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
-        assert type(be.coord.adaptor) is cls
+        mode = SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
+        assert type(mode.coord.adaptor) is cls
     sc = SparseConfig(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=128, backend="flashattention")
-    be = SparseCoordinatorMode(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
-    assert type(be.coord.adaptor) is DSAAdaptor  # the latent cache always goes through dsa
+    mode = SparseCoordinatorMode(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
+    assert type(mode.coord.adaptor) is DSAAdaptor  # the latent cache always goes through dsa
     with pytest.raises(ValueError, match="backend='dsa' needs an MLA model"):
         SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=SparseConfig(page_size=16, top_k=64,
                            device_buffer_size=128, backend="dsa"), adaptor="auto", max_context_len=256))
@@ -333,7 +333,7 @@ def test_sparse_config_backend_chooses_the_adaptor():
 
 def test_host_pool_is_sized_by_the_host_to_device_ratio():
     from sparsehi.config import SparseConfig
-    from sparsehi.runtime.modes import RuntimeConfig
+    from sparsehi.runtime.runtime_config import RuntimeConfig
 
     sizes = [RuntimeConfig(mode="sparse-hier", sparse=SparseConfig(page_size=16, top_k=64, device_buffer_size=128,
                                                                    host_to_device_ratio=r),

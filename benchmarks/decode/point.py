@@ -11,8 +11,8 @@ import torch
 
 from benchmarks.decode.sizing import GIB, roofline_ms, sparse_extra_config, step_traffic
 from sparsehi.config import SparseConfig
-from sparsehi.runtime.backends import Request
-from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.runtime_mode import Request
+from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 from sparsehi.runtime.profiling import SPLIT_KEYS, wrap_method
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.synth import synth_prefill
@@ -32,7 +32,7 @@ def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
     """One pinned HostKVPool per model, reused by every point (pinning is slow)."""
     from hicache.device_pool import DeviceKVPool
     from hicache.host_pool import HostKVPool
-    from sparsehi.runtime.backends import kv_spec_for
+    from sparsehi.runtime.runtime_mode import kv_spec_for
 
     key = model.cfg.name
     hp = HOST_POOLS.get(key)
@@ -71,13 +71,13 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     """Time ``steps`` decode steps with sections; returns (mean ms per section, mean step ms)."""
     import sparsehi.decode.decoder as decoder_mod
 
-    be = runner.backend
-    timer = be.timer
+    runtime_mode = runner.mode
+    timer = runtime_mode.timer
     undo = []
-    coord = getattr(be, "coord", None)
+    coord = getattr(runtime_mode, "coord", None)
     orig_diff, orig_fused = decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table
     if coord is not None:
-        undo.append(wrap_method(be.algorithm, "retrieve_topk", timer, "scoring"))
+        undo.append(wrap_method(runtime_mode.algorithm, "retrieve_topk", timer, "scoring"))
         if coord.transfer is not None:
             undo.append(wrap_method(coord.transfer, "load_layer_now", timer, "io"))
         undo.append(wrap_method(coord.decoder, "backup_token", timer, "io"))
@@ -98,7 +98,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     try:
         for _ in range(steps):
             timer.collect()
-            dev = be.device
+            dev = runtime_mode.device
             if dev.type == "cuda":
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -130,24 +130,24 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
               warmup: int, timed: int, profiled: int, device, dtype) -> dict[str, Any]:
     steps_total = warmup + timed + profiled
     runner = make_runner(model, mode, ctx, batch, sc, steps_total, device, dtype)
-    be = runner.backend
+    runtime_mode = runner.mode
     reqs = runner.new_requests([[0]] * batch)
-    synth_prefill(be, reqs, ctx, seed=1)
+    synth_prefill(runtime_mode, reqs, ctx, seed=1)
     dsa = model.cfg.family == "mla"
     if trace_rho is not None:
-        be.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
+        runtime_mode.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
     rec_layer = None
-    if hasattr(be, "coord"):
-        sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+    if hasattr(runtime_mode, "coord"):
+        sparse_layers = [layer for layer in range(model.cfg.num_layers) if runtime_mode.algorithm.is_sparse_layer(layer)]
         rec_layer = sparse_layers[0] if sparse_layers else None
-    if hasattr(be, "coord"):
+    if hasattr(runtime_mode, "coord"):
         # set before the warm-up: what a step records is part of its graph (captured then)
-        be.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
+        runtime_mode.record_layers = frozenset() if rec_layer is None else frozenset({rec_layer})
     for _ in range(warmup):
         runner.decode_step(reqs)
-    if hasattr(be, "coord"):
-        be.coord.reset_stats()
-        be.recorded.clear()
+    if hasattr(runtime_mode, "coord"):
+        runtime_mode.coord.reset_stats()
+        runtime_mode.recorded.clear()
     sync_device(device)
     host_ms, host_splits = [], []
     runner.graphs.time_device = True  # CUDA events around each step: the device's idle gaps
@@ -167,25 +167,25 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
                            "host_ms_max_at_seq_len": reqs[0].seq_len - (timed - 1 - worst),
                            "overlap_schedule": runner.rt.overlap_schedule,
                            "device_gap_ms_max": max(gaps) if gaps else None}
-    if hasattr(be, "coord"):
-        be.record_layers = frozenset()
+    if hasattr(runtime_mode, "coord"):
+        runtime_mode.record_layers = frozenset()
         if mode == "sparse-hier":
-            st = be.coord.stats()
+            st = runtime_mode.coord.stats()
             row["hit_rate"] = st["hit_rate"]
             row["misses_per_step"] = st["misses"] / max(1, st["steps"])
             row["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
-        rec = be.recorded.get(rec_layer, [])
+        rec = runtime_mode.recorded.get(rec_layer, [])
         if len(rec) >= 2:
             ps = sc.page_size
             lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
             hi = torch.full((batch,), ctx // ps - sc.recent_units, device=rec[0].device)
             ov = [topk_overlap(a, b, lo, hi).mean().item() for a, b in zip(rec[:-1], rec[1:])]
             row["topk_overlap"] = sum(ov) / len(ov)
-        be.recorded.clear()
+        runtime_mode.recorded.clear()
     if mode == "offload-full":
-        row["mib_loaded_per_step"] = be.step_bytes[-1] / (1 << 20)
-    n_dense = len(be.algorithm.dense_layers()) if hasattr(be, "algorithm") else 0
-    rep = int(be.algorithm.representation_bytes() / batch) if hasattr(be, "algorithm") else 0
+        row["mib_loaded_per_step"] = runtime_mode.step_bytes[-1] / (1 << 20)
+    n_dense = len(runtime_mode.algorithm.dense_layers()) if hasattr(runtime_mode, "algorithm") else 0
+    rep = int(runtime_mode.algorithm.representation_bytes() / batch) if hasattr(runtime_mode, "algorithm") else 0
     traffic = step_traffic(model, mode, ctx, batch, sc, n_dense, rep, row.get("misses_per_step"), dtype)
     row["step_bytes_hbm"], row["step_bytes_h2d"] = traffic["hbm"], traffic["h2d"]
     rl = roofline_ms(traffic)
@@ -194,11 +194,11 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
     split, prof_ms = profiled_split(runner, reqs, profiled)
     row["split_ms"] = split
     row["profiled_step_ms"] = prof_ms
-    mem = be.memory()
+    mem = runtime_mode.memory()
     row["gpu_kv_gib"] = (mem.get("gpu_kv_bytes", 0) + mem.get("representation_bytes", 0)) / GIB
     row["gpu_kv_only_gib"] = mem.get("gpu_kv_bytes", 0) / GIB
     row["representation_gib"] = mem.get("representation_bytes", 0) / GIB
-    del runner, be, reqs
+    del runner, runtime_mode, reqs
     free_memory(device)
     return row
 

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from sparsehi.config import SparseConfig
-from sparsehi.runtime.modes import round_up
+from sparsehi.runtime.runtime_config import round_up
 
 GIB = 1 << 30
 

@@ -24,7 +24,7 @@ def read_trace_prompt(path: str, vocab_size: int) -> list[int]:
     if not isinstance(ids, list) or not ids or any(isinstance(x, bool) or not isinstance(x, int) for x in ids):
         raise ValueError(f"--trace-prompt {path}: expected a non-empty list of integer token ids")
     if any(x < 0 or x >= vocab_size for x in ids):
-        raise ValueError(f"--trace-prompt {path}: token ids must be in [0, {vocab_size})")
+        raise ValueError(f"--trace-prompt {path}: token ids must runtime_mode in [0, {vocab_size})")
     return ids
 
 
@@ -36,29 +36,29 @@ def record_real_trace(model, sc: SparseConfig, prompt: list[int], steps: int, de
     run_point) and the selections themselves (``selections[layer]``: per step
     ``[1, N] int`` logical unit ids, -1 padded)."""
     if steps < 2:
-        raise ValueError(f"steps must be >= 2 to measure adjacent-step overlap, got {steps}")
+        raise ValueError(f"steps must runtime_mode >= 2 to measure adjacent-step overlap, got {steps}")
     if len(prompt) < 1:
         raise ValueError("prompt must hold at least one token")
     runner = make_runner(model, "sparse-gpu", len(prompt), 1, sc, steps, device, dtype)
-    be = runner.backend
-    sparse_layers = [layer for layer in range(model.cfg.num_layers) if be.algorithm.is_sparse_layer(layer)]
+    runtime_mode = runner.mode
+    sparse_layers = [layer for layer in range(model.cfg.num_layers) if runtime_mode.algorithm.is_sparse_layer(layer)]
     if not sparse_layers:
         raise ValueError(f"the model's {model.cfg.num_layers} layers are all dense under this SparseConfig: "
                          "nothing to record")
-    be.record_layers = frozenset(sparse_layers)
-    be.recorded.clear()
+    runtime_mode.record_layers = frozenset(sparse_layers)
+    runtime_mode.recorded.clear()
     try:
         runner.generate([prompt], steps)
     finally:
-        be.record_layers = frozenset()
-    sel: dict[int, list[torch.Tensor]] = {layer: be.recorded.get(layer, []) for layer in sparse_layers}
+        runtime_mode.record_layers = frozenset()
+    sel: dict[int, list[torch.Tensor]] = {layer: runtime_mode.recorded.get(layer, []) for layer in sparse_layers}
     per_layer = topk_overlap_per_layer(sel, len(prompt), sc)
     vals = list(per_layer.values())
     result = {"model_path": model_path, "context": len(prompt), "steps": steps,
               "topk_overlap_mean": sum(vals) / len(vals),
               "topk_overlap_per_layer": {str(k): v for k, v in per_layer.items()}, "source": "real",
               "selections": {layer: [t.cpu() for t in ts] for layer, ts in sel.items()}}
-    del runner, be
+    del runner, runtime_mode
     free_memory(device)
     return result
 
@@ -83,10 +83,10 @@ def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, devi
     """rho of the query trace whose adjacent-step Top-k overlap (the algorithm's own, on
     synthesised representations, one sparse layer, 2 requests) is ``target``."""
     runner = make_runner(model, "sparse-gpu", ctx, 2, sc, 4, device, dtype)
-    be = runner.backend
+    runtime_mode = runner.mode
     reqs = runner.new_requests([[0]] * 2)
-    synth_prefill(be, reqs, ctx, seed=1)
-    algo = be.algorithm
+    synth_prefill(runtime_mode, reqs, ctx, seed=1)
+    algo = runtime_mode.algorithm
     layer = [x for x in range(model.cfg.num_layers) if algo.is_sparse_layer(x)][0]
     cfg = model.cfg
     dev = torch.device(device)
@@ -120,6 +120,6 @@ def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, devi
         return sum(ovs) / len(ovs)
 
     rho, got = calibrate_rho(measure, target, iters=iters)
-    del runner, be
+    del runner, runtime_mode
     free_memory(device)
     return rho, got

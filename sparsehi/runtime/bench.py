@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from sparsehi.runtime.demo import CPU_THROUGHPUT_NOTE, make_prompts
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.report import MIB, prepare_output_dir, write_json
 from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import ModelRunner

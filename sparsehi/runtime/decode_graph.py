@@ -266,6 +266,6 @@ class DecodeGraphRunner:
         return sorted(self._graphs, key=lambda k: (k[0], repr(k[1])))
 
     def reset(self) -> None:
-        """Drop every captured graph (the backend's static tables were rebuilt)."""
+        """Drop every captured graph (the mode's static tables were rebuilt)."""
         self._graphs.clear()
         self._pool = None

@@ -20,7 +20,7 @@ import torch
 
 from sparsehi.runtime.checkpoint_identity import check_identity_mode, load_with_identity
 from sparsehi.runtime.model_config import ModelConfig
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.report import (MIB, forced_agreement, free_running_agreement, plot_run,
                                      prepare_output_dir, summary_table, write_json)
 from sparsehi.runtime.run_setup import RunSetup
@@ -161,7 +161,7 @@ def _generate_mode(cfg: DemoConfig, model: Any, mode: str, rt: RuntimeConfig, pr
     bar = tqdm(total=total, desc=f"{mode:>12}", unit="step", leave=True, disable=not cfg.progress) if tqdm else None
     progress = (lambda phase, n: bar.update(n)) if bar is not None else None
     runner = ModelRunner(model, rt)
-    token_bytes = runner.backend.spec.token_bytes
+    token_bytes = runner.mode.spec.token_bytes
     salts = [cfg.cache_salt] * len(prompts)
     res = runner.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts)
     forced_res = None
@@ -169,9 +169,9 @@ def _generate_mode(cfg: DemoConfig, model: Any, mode: str, rt: RuntimeConfig, pr
         fr = ModelRunner(model, replace(rt, sparse=replace(cfg.sparse)))
         forced_res = fr.generate(prompts, cfg.decode_tokens, progress=progress, cache_salts=salts,
                                  force_tokens=[t[:-1] for t in dense_tokens])
-        fr.backend.close()
-    l3_stats = runner.backend.l3_stats() if l3 else {}
-    runner.backend.close()
+        fr.mode.close()
+    l3_stats = runner.mode.l3_stats() if l3 else {}
+    runner.mode.close()
     if bar is not None:
         bar.close()
     return res, forced_res, l3_stats, token_bytes

@@ -13,9 +13,9 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from sparsehi.kernels.table_scatter import table_scatter
-from sparsehi.runtime.backends import Request, RuntimeMode, _sync
+from sparsehi.runtime.runtime_mode import Request, RuntimeMode, _sync
 from sparsehi.runtime.decode_graph import DecodeGraphRunner, DecodeInputs
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.weights import Model
 
 logger = logging.getLogger(__name__)
@@ -35,15 +35,15 @@ def _check_salts(cache_salts: Optional[list[Optional[str]]], n: int) -> list[Opt
 
 def make_mode(model: Model, rt: RuntimeConfig) -> RuntimeMode:
     """The RuntimeMode of ``rt.mode``."""
-    from sparsehi.runtime import backends
+    from sparsehi.runtime import runtime_mode
 
     if rt.mode == "dense":
-        return backends.DenseMode(model.cfg, rt)
+        return runtime_mode.DenseMode(model.cfg, rt)
     if rt.mode in ("sparse-gpu", "sparse-hier"):
-        from sparsehi.runtime.sparse_backend import SparseCoordinatorMode
+        from sparsehi.runtime.sparse_mode import SparseCoordinatorMode
 
         return SparseCoordinatorMode(model.cfg, rt)
-    from sparsehi.runtime.offload_backend import OffloadFullMode
+    from sparsehi.runtime.offload_mode import OffloadFullMode
 
     return OffloadFullMode(model.cfg, rt)
 
@@ -60,7 +60,7 @@ class PendingStep:
     """Host time of the step outside the device's work: issuing it, then (once finished)
     reading its tokens; the wait for the device is not counted."""
     split: dict[str, float]
-    """``host_ms`` by part: ``prepare`` (the backend's host part), ``launch`` (inputs,
+    """``host_ms`` by part: ``prepare`` (the mode's host part), ``launch`` (inputs,
     replay, read-back start, ``end_decode``), ``after`` (recording the tokens)."""
     feeds_next: bool = False
     """The next step consumed these tokens on the device (their ``Request.consumed`` entries are
@@ -89,7 +89,7 @@ class GenerationResult:
 
 
 class ModelRunner:
-    """Runs ``model`` in one mode; the backend (pools, tree, coordinator) persists across
+    """Runs ``model`` in one mode; ``self.mode`` (pools, tree, coordinator) persists across
     ``generate`` calls, so a later request can reuse an earlier one's prefix.
 
     Decode steps run through a :class:`DecodeGraphRunner`: CUDA-graph replays on CUDA
@@ -103,16 +103,16 @@ class ModelRunner:
                 raise ValueError(f"RuntimeConfig.batch_invariant=True needs a model with use_batch_invariant_ops(); "
                                  f"{type(model).__name__} has none")
             model.use_batch_invariant_ops()
-        self.backend = make_mode(model, rt)
+        self.mode = make_mode(model, rt)
         self._next_rid = 0
         if rt.cuda_graph and torch.device(rt.device).type == "cuda" and not rt.uses_cuda_graph:
             logger.info("%s: decode runs eagerly (io_backend='direct' reads indices on the host; "
                         "CUDA graphs need io_backend='kernel')", rt.mode)
-        self.graphs = DecodeGraphRunner(self._decode_body, rt.max_num_reqs, self.backend.device,
+        self.graphs = DecodeGraphRunner(self._decode_body, rt.max_num_reqs, self.mode.device,
                                         enabled=rt.uses_cuda_graph)
         self.last_host_ms = 0.0
         self.last_host_split: dict[str, float] = {}
-        """``last_host_ms`` by part: the backend's host part, input copy + launch, after the step."""
+        """``last_host_ms`` by part: the mode's host part, input copy + launch, after the step."""
         """Host time of the last decode step outside the device's work: the host part,
         the input copy and graph launch (or eager launches), and the bookkeeping after the
         tokens came back; the wait for the device is not counted."""
@@ -120,15 +120,15 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, req: Request) -> int:
         """Prefill one request; returns its first generated token."""
-        be = self.backend
-        prefix = be.begin_request(req)
-        be.prefill_slots(req, prefix)
+        mode = self.mode
+        prefix = mode.begin_request(req)
+        mode.prefill_slots(req, prefix)
         n = len(req.prompt)
-        dev = be.device
+        dev = mode.device
         ids = torch.tensor(req.prompt[prefix:], dtype=torch.int64, device=dev)
         pos = torch.arange(prefix, n, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, pos, be.prefill_attention(req, prefix))
-        be.end_prefill(req, prefix)
+        hidden = self.model(ids, pos, mode.prefill_attention(req, prefix))
+        mode.end_prefill(req, prefix)
         tok = int(self.model.logits(hidden[-1:]).argmax(-1)[0])
         req.output.append(tok)
         return tok
@@ -138,10 +138,10 @@ class ModelRunner:
         """The device part of a decode step over ``nb`` (padded) rows: what a graph holds."""
         rows = inputs.req_pool_indices[:nb]
         seq = inputs.seq_lens[:nb].to(torch.int32)
-        tables = self.backend.page_entry_tables()
+        tables = self.mode.page_entry_tables()
         if tables is not None:  # the pages this step's rows opened (prepare_decode)
             table_scatter(inputs.page_entries, tables[0], tables[1])
-        attn, close = self.backend.decode_device(rows, seq, graph_key)
+        attn, close = self.mode.decode_device(rows, seq, graph_key)
         hidden = self.model(inputs.input_ids[:nb], inputs.positions[:nb], attn)
         outputs = close()
         torch.argmax(self.model.logits(hidden), dim=-1, out=inputs.next_tokens[:nb])
@@ -164,7 +164,7 @@ class ModelRunner:
         from the device; that needs the same requests in the same order (otherwise
         ``after`` is finished first). Call ``finish_decode(after)`` next, then this step's."""
         t0 = time.perf_counter()
-        be = self.backend
+        mode = self.mode
         on_device = (after is not None and feed is None and not after.finished
                      and [r.rid for r in after.reqs] == [r.rid for r in reqs])
         if after is not None and not after.finished and not on_device and feed is None:
@@ -174,16 +174,16 @@ class ModelRunner:
             last = [int(t) for t in (feed if feed is not None else [r.output[-1] for r in reqs])]
             for r, t in zip(reqs, last):
                 r.consumed.append(t)
-        graph_key = be.prepare_decode(reqs)
+        graph_key = mode.prepare_decode(reqs)
         tp = time.perf_counter()
         _, outputs = self.graphs.run(last, [r.seq_len for r in reqs], [r.req_pool_idx for r in reqs],
-                                     [r.seq_len + 1 for r in reqs], graph_key, be.take_page_entries(),
+                                     [r.seq_len + 1 for r in reqs], graph_key, mode.take_page_entries(),
                                      ids_on_device=on_device)
         host, event = self.graphs.read_tokens(len(reqs))
         if on_device:
             after.feeds_next = True
         # lengths and outputs now, in stream order: the next step's replay overwrites them
-        be.end_decode(reqs, outputs)
+        mode.end_decode(reqs, outputs)
         t1 = time.perf_counter()
         return PendingStep(list(reqs), host, event, host_ms=1e3 * (t1 - t0),
                            split={"prepare": 1e3 * (tp - t0), "launch": 1e3 * (t1 - tp)})
@@ -265,7 +265,7 @@ class ModelRunner:
                 continue
             r.aborted = True
             try:
-                self.backend.end_request(r)
+                self.mode.end_request(r)
             except Exception:  # pragma: no cover - depends on where the first error struck
                 logger.exception("could not release request %d after a failed generate", r.rid)
 
@@ -299,31 +299,31 @@ class ModelRunner:
         if force_tokens is not None and (len(force_tokens) != len(prompts)
                                          or any(len(f) < decode_steps for f in force_tokens)):
             raise ValueError("force_tokens must hold >= decode_steps tokens for every prompt")
-        be = self.backend
+        mode = self.mode
         reqs = self.new_requests(prompts, cache_salts)
         try:
-            _sync(be.device)
+            _sync(mode.device)
             t0 = time.perf_counter()
             for r in reqs:
                 self.prefill(r)
                 if progress:
                     progress("prefill", 1)
             if decode_steps:
-                self.graphs.warm(len(reqs), be.decode_graph_key(reqs))  # capture outside the timed steps
-            _sync(be.device)
+                self.graphs.warm(len(reqs), mode.decode_graph_key(reqs))  # capture outside the timed steps
+            _sync(mode.device)
             t1 = time.perf_counter()
             self.decode_steps(reqs, decode_steps, force_tokens,
                               on_step=(lambda t, _pending: progress("decode", 1)) if progress else None)
         except BaseException:
-            _sync(be.device)  # a launched step may still run: it must not outlive its requests
+            _sync(mode.device)  # a launched step may still run: it must not outlive its requests
             self._abandon(reqs)
             raise
-        _sync(be.device)
+        _sync(mode.device)
         t2 = time.perf_counter()
-        stats = be.stats()
-        memory = be.memory()
+        stats = mode.stats()
+        memory = mode.memory()
         for r in reqs:
-            be.end_request(r)
+            mode.end_request(r)
         return GenerationResult(
             mode=self.rt.mode, tokens=[r.output for r in reqs], prefix_hits=[r.prefix_hit for r in reqs],
             prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=decode_steps, batch_size=len(reqs),

@@ -15,7 +15,7 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from sparsehi.forward_batch import ForwardBatch
-from sparsehi.runtime.backends import DenseMode, Request, RuntimeMode
+from sparsehi.runtime.runtime_mode import DenseMode, Request, RuntimeMode
 
 
 def fill_random(pool: DeviceKVPool, slots: torch.Tensor, gen: torch.Generator) -> None:
@@ -47,20 +47,20 @@ def copy_kv(pool: DeviceKVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
             buf.index_copy_(0, d, buf.index_select(0, s))
 
 
-def _index_keys(backend, ctx: int, gen: torch.Generator) -> torch.Tensor:
-    di = backend.cfg.index_head_dim
-    return torch.randn((1, ctx, di), generator=gen, device=backend.device, dtype=torch.float32)
+def _index_keys(mode, ctx: int, gen: torch.Generator) -> torch.Tensor:
+    di = mode.cfg.index_head_dim
+    return torch.randn((1, ctx, di), generator=gen, device=mode.device, dtype=torch.float32)
 
 
-def synth_prefill(backend: RuntimeMode, reqs: list[Request], context: int, seed: int = 0) -> None:
+def synth_prefill(mode: RuntimeMode, reqs: list[Request], context: int, seed: int = 0) -> None:
     """Prefill every request of ``reqs`` (prompts of ``context`` tokens) with random KV."""
-    from sparsehi.runtime.offload_backend import OffloadFullMode
-    from sparsehi.runtime.sparse_backend import SparseCoordinatorMode
+    from sparsehi.runtime.offload_mode import OffloadFullMode
+    from sparsehi.runtime.sparse_mode import SparseCoordinatorMode
 
-    ps = backend.rt.page_size
+    ps = mode.rt.page_size
     if context % ps:
         raise ValueError(f"context={context} must be a multiple of page_size={ps} for a synthesised prefill")
-    gen = torch.Generator(device=backend.device).manual_seed(seed)
+    gen = torch.Generator(device=mode.device).manual_seed(seed)
     for r in reqs:
         r.prompt = [0] * context  # token ids are not used by decode; only the length matters
         if not r.output:
@@ -70,69 +70,69 @@ def synth_prefill(backend: RuntimeMode, reqs: list[Request], context: int, seed:
 
     def fill(slots: torch.Tensor) -> None:
         if first:
-            copy_kv(backend.pool, first[0], slots[:context])
+            copy_kv(mode.pool, first[0], slots[:context])
         else:
-            fill_random(backend.pool, slots[:context], gen)
+            fill_random(mode.pool, slots[:context], gen)
             first.append(slots[:context])
 
-    if isinstance(backend, DenseMode):
-        _synth_dense(backend, reqs, context, fill)
+    if isinstance(mode, DenseMode):
+        _synth_dense(mode, reqs, context, fill)
         return
-    if isinstance(backend, OffloadFullMode):
-        _synth_offload(backend, reqs, context, fill)
+    if isinstance(mode, OffloadFullMode):
+        _synth_offload(mode, reqs, context, fill)
         return
-    if not isinstance(backend, SparseCoordinatorMode):
-        raise ValueError(f"synth_prefill: unsupported backend {type(backend).__name__}")
-    _synth_coordinator(backend, reqs, context, gen, fill)
+    if not isinstance(mode, SparseCoordinatorMode):
+        raise ValueError(f"synth_prefill: unsupported mode {type(mode).__name__}")
+    _synth_coordinator(mode, reqs, context, gen, fill)
 
 
-def _synth_dense(backend, reqs: list[Request], context: int, fill) -> None:
+def _synth_dense(mode, reqs: list[Request], context: int, fill) -> None:
     for r in reqs:
-        backend.begin_request(r)
-        fill(backend.prefill_slots(r, 0))
+        mode.begin_request(r)
+        fill(mode.prefill_slots(r, 0))
         r.seq_len = context
 
 
-def _synth_offload(backend, reqs: list[Request], context: int, fill) -> None:
+def _synth_offload(mode, reqs: list[Request], context: int, fill) -> None:
     """One prompt's KV written to the host pool, shared by every request."""
-    dev = backend.device
-    staging = backend._alloc_device(context)
+    dev = mode.device
+    staging = mode._alloc_device(context)
     fill(staging)
-    shared = backend.host.alloc(context)
+    shared = mode.host.alloc(context)
     if shared is None:
         raise ValueError("host KV pool cannot hold the synthesised prompt")
-    backend.transfer.backup(staging, shared.to(staging.device)).wait()
+    mode.transfer.backup(staging, shared.to(staging.device)).wait()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    backend.pool.allocator.free(staging)
+    mode.pool.allocator.free(staging)
     for r in reqs:
-        backend.begin_request(r)
-        backend.set_host_slots(r, shared)  # shared by the batch: the benchmark never ends these requests
+        mode.begin_request(r)
+        mode.set_host_slots(r, shared)  # shared by the batch: the benchmark never ends these requests
         r.seq_len = context
 
 
-def _synth_coordinator(backend, reqs: list[Request], context: int, gen: torch.Generator, fill) -> None:
+def _synth_coordinator(mode, reqs: list[Request], context: int, gen: torch.Generator, fill) -> None:
     """The sparse modes: each request's prefill goes through the coordinator (which builds
     its representations); sparse-hier's requests share one host copy of the prompt."""
-    ps = backend.rt.page_size
-    dev = backend.device
-    coord = backend.coord
-    L = backend.cfg.num_layers
+    ps = mode.rt.page_size
+    dev = mode.device
+    coord = mode.coord
+    L = mode.cfg.num_layers
     staging = shared = None
     # index keys first: the random stream then matches in both coordinator modes
-    ik = _index_keys(backend, context, gen) if backend.is_dsa else None
-    if backend.hierarchical:
-        staging = backend._alloc_device(context)
+    ik = _index_keys(mode, context, gen) if mode.is_dsa else None
+    if mode.hierarchical:
+        staging = mode._alloc_device(context)
         fill(staging)
-        shared = backend.host.alloc(context)
+        shared = mode.host.alloc(context)
         if shared is None:
             raise ValueError("host KV pool cannot hold the synthesised prompt")
     for i, r in enumerate(reqs):
-        backend.begin_request(r)
-        if backend.hierarchical:
+        mode.begin_request(r)
+        if mode.hierarchical:
             slots, prefix = staging, (0 if i == 0 else context - ps)
         else:
-            slots, prefix = backend._alloc_device(context), 0
+            slots, prefix = mode._alloc_device(context), 0
             fill(slots)
             r.device_slots = slots
         batch = ForwardBatch.prefill(
@@ -141,14 +141,14 @@ def _synth_coordinator(backend, reqs: list[Request], context: int, gen: torch.Ge
         for layer in range(L):
             kw = {"index_keys": ik} if ik is not None else {}
             coord.attention_end(layer, batch, **kw)
-        if backend.hierarchical:
+        if mode.hierarchical:
             coord.forward_end(batch, host_slots=[shared], free_device_kv=False)
             r.host_slots = shared
         else:
             coord.forward_end(batch)
             r.device_slots = None
         r.seq_len = context
-    if backend.hierarchical:
+    if mode.hierarchical:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        backend.pool.allocator.free(staging)
+        mode.pool.allocator.free(staging)

@@ -171,11 +171,11 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     if getattr(ns, "cuda_graph_config", None) is not None:
         raise ValueError(f"--cuda-graph-config cannot be used with this algorithm: {why} (decode CUDA graphs are "
                          f"turned off; set --cuda-graph-backend-prefill for prefill)")
-    backend = getattr(ns, "cuda_graph_backend_decode", None)
-    if backend is None:
+    graph_backend = getattr(ns, "cuda_graph_backend_decode", None)
+    if graph_backend is None:
         ns.cuda_graph_backend_decode = "disabled"
         logging.getLogger(__name__).warning("sparsehi: decode CUDA graphs disabled (--cuda-graph-backend-decode "
                                             "disabled): %s", why)
-    elif backend != "disabled":
-        raise ValueError(f"--cuda-graph-backend-decode={backend!r} cannot be used with this algorithm: {why}; "
+    elif graph_backend != "disabled":
+        raise ValueError(f"--cuda-graph-backend-decode={graph_backend!r} cannot be used with this algorithm: {why}; "
                          f"allowed 'disabled'")

@@ -17,7 +17,7 @@ SGLang's GPU attention backends read the KV pool through the model runner's
 
 The reference (``ReferenceHier``) is the runtime's ``sparse-hier`` decode path: the same
 ``SparseCoordinator`` in hierarchical mode over hicache's own device and host pools, driven
-as ``sparsehi.runtime.sparse_backend`` drives it, with the same K/V, queries and budgets.
+as ``sparsehi.runtime.sparse_mode`` drives it, with the same K/V, queries and budgets.
 """
 from __future__ import annotations
 

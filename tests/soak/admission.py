@@ -18,11 +18,11 @@ from hicache.radix_node import TreeNode
 class HostAdmission:
     """Admission checks against one ``SparseCoordinatorMode``'s host pool and prefix tree."""
 
-    def __init__(self, backend) -> None:
-        self.backend = backend
-        self.tree = backend.tree
-        self.host = backend.host
-        self.page_size = backend.rt.page_size
+    def __init__(self, mode) -> None:
+        self.mode = mode
+        self.tree = mode.tree
+        self.host = mode.host
+        self.page_size = mode.rt.page_size
 
     def _host_match(self, prompt: Sequence[int]) -> tuple[int, list[TreeNode]]:
         """The prompt's host-resident prefix in the tree, without touching it (no split, no

@@ -38,9 +38,9 @@ from hicache.storage.fault_injection import FaultInjectingStorage, FaultPlan, re
 from hicache.storage.registry import create_storage_backend, storage_backend_names, unregister_storage_backend
 from hicache.storage_controller import StoragePolicy
 from sparsehi.config import SparseConfig
-from sparsehi.runtime.backends import Request
+from sparsehi.runtime.runtime_mode import Request
 from sparsehi.runtime.model_config import get_model_config
-from sparsehi.runtime.modes import RuntimeConfig
+from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 from soak.admission import HostAdmission
@@ -329,7 +329,7 @@ class ReferenceCache:
         if cfg.single_bucket:
             self.runner.graphs.buckets = [cfg.max_batch]
         # capture the step's graph now: capture runs the step eagerly, which would record gaps
-        self.runner.graphs.warm(1, self.runner.backend.decode_graph_key([]))
+        self.runner.graphs.warm(1, self.runner.mode.decode_graph_key([]))
         self.tokens: dict[tuple[int, int], list[int]] = {}
         self.gaps: dict[tuple[int, int], list[float]] = {}
         self.seconds = 0.0
@@ -342,7 +342,7 @@ class ReferenceCache:
             req = r.new_requests([self.workload.prompt(pid)])[0]
             r.prefill(req)
             r.decode_steps([req], steps)
-            r.backend.end_request(req)
+            r.mode.end_request(req)
             self.tokens[pid] = req.output
             self.gaps[pid] = self.model.gaps[: steps + 1].tolist()
             self.seconds += time.perf_counter() - t0
@@ -368,14 +368,14 @@ class Soak:
         self.runner = ModelRunner(self.model, runtime_config(cfg, cached=True, storage=self.storage))
         if cfg.single_bucket:
             self.runner.graphs.buckets = [cfg.max_batch]
-        be = self.runner.backend
-        self.backend = be
-        self.tree = be.tree
-        self.admission = HostAdmission(be)
+        mode = self.runner.mode
+        self.mode = mode
+        self.tree = mode.tree
+        self.admission = HostAdmission(mode)
         self.res = SoakResult()
         t0 = time.perf_counter()
         for b in self.runner.graphs.buckets:  # as a server captures at start-up (no-op without graphs)
-            self.runner.graphs.warm(b, be.decode_graph_key([]))
+            self.runner.graphs.warm(b, mode.decode_graph_key([]))
         self.res.setup_capture_s = round(time.perf_counter() - t0, 3)
         self._start = self._free_counts()
         self._step_s = 0.0  # moving average of one decode step's wall time (the drain estimate)
@@ -383,16 +383,16 @@ class Soak:
 
     # ------------------------------------------------------------------ accounting
     def _allocators(self) -> dict[str, Any]:
-        be = self.backend
-        out = {"device": be.pool.allocator, "host": be.host.allocator}
-        dp = be.coord.dense_pool
+        mode = self.mode
+        out = {"device": mode.pool.allocator, "host": mode.host.allocator}
+        dp = mode.coord.dense_pool
         if dp is not None:
             out["dense"] = dp.allocator
         return out
 
     def _free_counts(self) -> dict[str, int]:
         out = {k: a.num_free_pages() for k, a in self._allocators().items()}
-        out["req_rows"] = self.backend.req_pool.available_size()
+        out["req_rows"] = self.mode.req_pool.available_size()
         return out
 
     def quiescent_leaks(self) -> dict[str, int]:
@@ -468,7 +468,7 @@ class Soak:
             self.res.mismatches.append(rec)
 
     def _end(self, req: Request) -> None:
-        self.backend.end_request(req)
+        self.mode.end_request(req)
         self.res.requests += 1
         if self.res.requests % self.cfg.check_every == 0:
             t0 = time.perf_counter()
@@ -611,7 +611,7 @@ class Soak:
                 res.faults_injected = self.storage.stats.faults
                 res.faults_reaching_read = served
         res.host_evicted_tokens = tree.stats()["host_evicted_tokens"]
-        st = self.backend.stats()
+        st = self.mode.stats()
         res.decode_hit_rate, res.decode_h2d_bytes = round(st["hit_rate"], 4), int(st["bytes_loaded"])
         self._sample_memory()
         leaks = self.quiescent_leaks()
@@ -635,7 +635,7 @@ class Soak:
         res.rss_growth_mib = round(res.peak_host_mib - warm_rss, 1) if warm_rss is not None else 0.0
 
     def close(self) -> None:
-        self.backend.close()
+        self.mode.close()
         if self.storage is not None:
             self.storage.close()
 

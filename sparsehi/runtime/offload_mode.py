@@ -14,9 +14,9 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kernels.kv_copy import kv_copy
 from hicache.transfer import KVTransferEngine
-from sparsehi.runtime.backends import Request, RuntimeMode
+from sparsehi.runtime.runtime_mode import Request, RuntimeMode
 from sparsehi.runtime.model_config import ModelConfig
-from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 
 
 class OffloadFullMode(RuntimeMode):

@@ -41,9 +41,9 @@ from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch
-from sparsehi.runtime.backends import Request, RuntimeMode
+from sparsehi.runtime.runtime_mode import Request, RuntimeMode
 from sparsehi.runtime.model_config import ModelConfig
-from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 
 logger = logging.getLogger(__name__)
 

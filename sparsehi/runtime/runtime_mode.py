@@ -18,7 +18,7 @@ from hicache.req_to_token import ReqToTokenPool
 from sparsehi.kernels.store_kv import store_kv
 from sparsehi.runtime.attention import causal_attention
 from sparsehi.runtime.model_config import ModelConfig
-from sparsehi.runtime.modes import RuntimeConfig, round_up
+from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 from sparsehi.runtime.profiling import SectionTimer
 
 logger = logging.getLogger(__name__)
