@@ -14,7 +14,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.kernels.kv_copy import kv_copy
 from hicache.transfer import KVTransferEngine
-from sparsehi.runtime.runtime_mode import Request, RuntimeMode
+from sparsehi.runtime.runtime_mode import Request, RuntimeMode, free_page_row
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 
@@ -138,9 +138,5 @@ class OffloadFullMode(RuntimeMode):
         return attn, dict
 
     def end_request(self, req: Request) -> None:
-        row = self._host_pages[req.req_pool_idx]
-        pages = row[row >= 0]
-        if pages.size:
-            self.host.allocator.free_pages(torch.from_numpy(pages.copy()))
-        row[:] = -1
+        free_page_row(self.host.allocator, self._host_pages[req.req_pool_idx])
         super().end_request(req)

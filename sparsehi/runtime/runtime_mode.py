@@ -77,6 +77,15 @@ def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
                        head_dim=cfg.cache_head_dim, dtype=dtype, page_size=1, **kw).token_bytes
 
 
+def free_page_row(allocator, row: np.ndarray) -> None:
+    """Give ``allocator`` back the pages one row of a page table names (entries >= 0) and
+    clear the row to -1. ``row``: ``[max_pages] int`` (numpy, host)."""
+    pages = row[row >= 0]
+    if pages.size:
+        allocator.free_pages(torch.from_numpy(pages.copy()))
+    row[:] = -1
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -330,9 +339,5 @@ class DenseMode(RuntimeMode):
         if req.device_slots is not None:
             self.pool.allocator.free(req.device_slots)
             req.device_slots = None
-        row = self._decode_pages[req.req_pool_idx]
-        pages = row[row >= 0]
-        if pages.size:
-            self.pool.allocator.free_pages(torch.from_numpy(pages.copy()))
-        row[:] = -1
+        free_page_row(self.pool.allocator, self._decode_pages[req.req_pool_idx])
         super().end_request(req)
