@@ -19,14 +19,39 @@ Entry points: ``prefill_attention`` (dispatch), ``prefill_attention_triton``,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from hicache.triton_support import cdiv, dispatch
 
-BLOCK_M = 32
-BLOCK_N = 32
+
+
+@dataclass(frozen=True)
+class PrefillAttentionConfig:
+    """Launch shape. Fixed per call site whatever the prompt's length: a different block of
+    keys changes a query's reduction order (``benchmarks/bench_prefill_attention.py``
+    measures the choices)."""
+
+    block_m: int = 32
+    """Queries per program."""
+    block_n: int = 32
+    """Keys per step of the online softmax."""
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v not in (16, 32, 64, 128):
+                raise ValueError(f"PrefillAttentionConfig.{name} must be one of 16, 32, 64, 128, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"PrefillAttentionConfig.num_warps must be one of 1, 2, 4, 8, got {self.num_warps!r}")
+
+
+DEFAULT_CONFIG = PrefillAttentionConfig()
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> None:
@@ -103,8 +128,9 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_offset, D, DV, GR
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                             q_offset: int) -> torch.Tensor:
-    """Triton launcher: one program per block of ``BLOCK_M`` queries and query head."""
+                             q_offset: int, config: Optional[PrefillAttentionConfig] = None) -> torch.Tensor:
+    """Triton launcher: one program per block of ``config.block_m`` queries and query head."""
+    cfg = config or DEFAULT_CONFIG
     _check(q, k, v, q_offset)
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
@@ -113,10 +139,10 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     o = torch.empty((T, Hq, Dv), dtype=q.dtype, device=q.device)
     if T:
-        _prefill_attention_kernel[(cdiv(T, BLOCK_M), Hq)](
+        _prefill_attention_kernel[(cdiv(T, cfg.block_m), Hq)](
             q, k, v, o, T, q_offset, D, Dv, Hq // Hkv, float(sm_scale), q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), BM=BLOCK_M, BN=BLOCK_N,
-            BD=max(16, triton.next_power_of_2(D)), BDV=max(16, triton.next_power_of_2(Dv)), num_warps=4)
+            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), BM=cfg.block_m, BN=cfg.block_n,
+            BD=max(16, triton.next_power_of_2(D)), BDV=max(16, triton.next_power_of_2(Dv)), num_warps=cfg.num_warps)
     return o
 
 
