@@ -340,3 +340,29 @@ def test_host_pool_is_sized_by_the_host_to_device_ratio():
                            max_num_reqs=2, max_context_len=1000).auto_host_tokens() for r in (2.0, 3.0)]
     assert sizes[1] > sizes[0] >= 2 * 2 * 1008
     assert abs(sizes[1] / sizes[0] - 1.5) < 0.01
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse-gpu", "sparse-hier", "offload-full"])
+def test_every_mode_passes_each_layers_query_through_the_query_hook(mode):
+    """``RuntimeMode.query_hook`` (what the decode benchmarks' query traces plug into) sees
+    every layer of a decode step, and the step attends with the query it returns."""
+    cfg = tiny("tiny-gqa", layers=3)
+    sc = SparseConfig(algorithm="quest", page_size=16, top_k=64, device_buffer_size=128, sink_tokens=16,
+                      recent_tokens=16, min_sparse_prompt_len=0)
+    rt = RuntimeConfig(mode=mode, sparse=sc, max_num_reqs=1, max_context_len=160, prefix_cache=False)
+    tokens = {}
+    for hooked in (False, True):
+        runner = ModelRunner(build_model(config=cfg), rt)
+        seen = []
+
+        def hook(layer, q, extra):
+            seen.append(layer)
+            return -q
+
+        if hooked:
+            runner.mode.query_hook = hook
+        req = runner.new_requests([list(range(100))])[0]
+        runner.prefill(req)
+        tokens[hooked] = [runner.decode_step([req])[0] for _ in range(3)]
+        assert seen == (list(range(cfg.num_layers)) * 3 if hooked else [])
+    assert tokens[True] != tokens[False]

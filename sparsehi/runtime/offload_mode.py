@@ -120,7 +120,8 @@ class OffloadFullMode(RuntimeMode):
         scale = self.cfg.sm_scale
 
         def attn(layer: int, q, k, v, extra):
-            q = self._hook(layer, q, extra)
+            if self.query_hook is not None:
+                q = self.query_hook(layer, q, extra)
             hv = self._host_view[:, :, layer:layer + 1]
             with self.timer.section("io"):
                 kv_copy(hv, self._stage_view, host_old, stage_old, 0, 1)

@@ -106,6 +106,8 @@ class RuntimeMode:
                                        self.device)
         self.peak_device_tokens = 0
         self.query_hook: Optional[QueryHook] = None
+        """Benchmarks set it (``sparsehi/runtime/traces.py``): each layer's attention function
+        replaces its query by ``query_hook(layer, q, extra)`` first."""
         self.timer = SectionTimer(self.device)
         """Benchmarks enable it to split a decode step into attention / io / ... sections."""
 
@@ -263,9 +265,6 @@ class RuntimeMode:
         ratio = max(n_tokens / self.pool.num_slots, 1.0) + 1e-6
         return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout, extra_token_buffers=extra)
 
-    def _hook(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
-        return q if self.query_hook is None else self.query_hook(layer, q, extra)
-
 
 # ============================================================================== dense
 class DenseMode(RuntimeMode):
@@ -323,7 +322,8 @@ class DenseMode(RuntimeMode):
             table = (r2t[:, ::ps][safe] // ps).to(torch.int32)  # [B, max_pages]
 
         def attn(layer: int, q, k, v, extra):
-            q = self._hook(layer, q, extra)
+            if self.query_hook is not None:
+                q = self.query_hook(layer, q, extra)
             bufs = self.pool.layer_buffers(layer)
             # one launch for k and v (set_kv validates slot ranges with a host sync per layer)
             store_kv(bufs, new_slots, (k,) if mla else (k, v))

@@ -341,7 +341,8 @@ class SparseCoordinatorMode(RuntimeMode):
         outputs: dict = {}
 
         def attn(layer: int, q, k, v, extra):
-            q = self._hook(layer, q, extra)
+            if self.query_hook is not None:
+                q = self.query_hook(layer, q, extra)
             if self.is_dsa:
                 plan = coord.attention_begin(layer, batch, q=extra["index_q"], weights=extra["index_w"])
                 plan.write_kv(k)
