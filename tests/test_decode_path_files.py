@@ -6,14 +6,19 @@ and the runner's step outside the model (the per-step part).
 A file counts as touched when a Python function defined in it runs (under the Triton
 interpreter a kernel's body is Python too), or a method a dataclass generated for one of
 its classes (``__init__``). The model itself (``gqa_model.py`` and what it calls outside
-the attention function) is not part of either list."""
+the attention function) is not part of either list. Both ``validate`` settings are traced:
+``False`` (benchmarks, CUDA graphs) must give the listed files without the validate-only
+group, ``True`` with it. The traced parts run the Triton kernels; the untraced rest (the
+prefill, a first step, the model and its other layers) runs the torch references, which
+keeps the test fast."""
 from __future__ import annotations
 
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -72,34 +77,43 @@ class _FileTrace:
         return on_event
 
 
+@contextmanager
+def _running(profiler: Optional[Callable], triton: bool) -> Iterator[None]:
+    """Inside: ``profiler`` traces calls (None: nothing is traced), and the kernels run their
+    Triton launchers (``triton``) or their torch references."""
+    outer, env = sys.getprofile(), os.environ.get("SPARSEHI_FORCE_TRITON")
+    os.environ["SPARSEHI_FORCE_TRITON"] = "1" if triton else "0"
+    sys.setprofile(profiler)
+    try:
+        yield
+    finally:
+        sys.setprofile(outer)
+        if env is None:
+            del os.environ["SPARSEHI_FORCE_TRITON"]
+        else:
+            os.environ["SPARSEHI_FORCE_TRITON"] = env
+
+
 class _UntracedModel:
-    """The runner's model with tracing off while it runs, except inside the traced layer's
-    attention function."""
+    """The runner's model, untraced and on the torch references (fast on CPU), except
+    inside the traced layer's attention function."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
 
     def __call__(self, *args: Any) -> torch.Tensor:
-        outer = sys.getprofile()
-        sys.setprofile(None)
-        try:
+        with _running(None, triton=False):
             return self._model(*args)
-        finally:
-            sys.setprofile(outer)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        outer = sys.getprofile()
-        sys.setprofile(None)
-        try:
+        with _running(None, triton=False):
             return self._model.logits(hidden)
-        finally:
-            sys.setprofile(outer)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
 
-def _trace_decode_step(validate: bool, monkeypatch) -> dict[str, list[str]]:
+def _trace_decode_step(validate: bool) -> dict[str, list[str]]:
     """Files of one sparse-hier decode step (Quest, the FlashAttention adaptor, io backend
     ``kernel``, Triton kernels): ``layer`` while layer TRACED_LAYER's attention function
     runs, ``step`` in ``ModelRunner.decode_step`` outside the model."""
@@ -112,10 +126,10 @@ def _trace_decode_step(validate: bool, monkeypatch) -> dict[str, list[str]]:
     assert runner.mode.algorithm.is_sparse_layer(TRACED_LAYER)
     req = runner.new_requests([list(range(300))])[0]
     # the prefill and a first step (its one-time work stays out of the trace) on the torch
-    # references, which run fast on CPU; the traced step runs the Triton kernels
-    runner.prefill(req)
-    runner.decode_step([req])
-    monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")
+    # references, which run fast on CPU; the traced parts run the Triton kernels
+    with _running(None, triton=False):
+        runner.prefill(req)
+        runner.decode_step([req])
 
     trace = _FileTrace()
     layer_profiler = trace.profiler("layer")
@@ -127,29 +141,21 @@ def _trace_decode_step(validate: bool, monkeypatch) -> dict[str, list[str]]:
         def traced_attn(layer: int, *args: Any) -> torch.Tensor:
             if layer != TRACED_LAYER:
                 return attn(layer, *args)
-            outer = sys.getprofile()
-            sys.setprofile(layer_profiler)
-            try:
+            with _running(layer_profiler, triton=True):
                 return attn(layer, *args)
-            finally:
-                sys.setprofile(outer)
 
         return traced_attn, close
 
-    monkeypatch.setattr(runner.mode, "decode_device", traced_decode_device)
-    monkeypatch.setattr(runner, "model", _UntracedModel(model))
-    sys.setprofile(trace.profiler("step"))
-    try:
+    runner.mode.decode_device = traced_decode_device
+    runner.model = _UntracedModel(model)
+    with _running(trace.profiler("step"), triton=True):
         runner.decode_step([req])
-    finally:
-        sys.setprofile(None)
     return trace.parts
 
 
 @pytest.fixture(scope="module")
 def traced() -> dict[bool, dict[str, list[str]]]:
-    with pytest.MonkeyPatch.context() as mp:
-        return {v: _trace_decode_step(v, mp) for v in (False, True)}
+    return {v: _trace_decode_step(v) for v in (False, True)}
 
 
 def _documented() -> dict[str, list[str]]:
