@@ -94,7 +94,7 @@ def run_realistic_mode(a, requests: int) -> tuple[dict, bool]:
     l3_root = tempfile.mkdtemp(prefix="soak-l3-", dir=a.l3_dir or realistic.default_l3_parent())
     try:
         subs = realistic.plan(requests, a.scale, a.device, a.seed, faults=not a.no_faults, l3_root=l3_root,
-                              max_batch=a.max_batch)
+                              max_batch=a.max_batch, copies=a.copies)
         for s in subs:
             s.cfg.cuda_graph = not a.no_cuda_graph
         # the budget counts from the process start (imports, CUDA start-up) to the record
@@ -108,6 +108,7 @@ def run_realistic_mode(a, requests: int) -> tuple[dict, bool]:
     run = realistic.summary(records, device_name(a.device), budget, time.perf_counter() - STARTED, requests)
     run["scale"] = a.scale
     run["concurrent"] = a.concurrent
+    run["copies"] = a.copies
     run["triton_f32_default"] = os.environ.get("TRITON_F32_DEFAULT")
     run["cuda_graph"] = bool(a.device.startswith("cuda") and not a.no_cuda_graph)
     ok = all(r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
@@ -131,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent", action="store_true",
                     help="gpu-realistic: run the sub-runs at once, a process each, sharing the device, each with "
                          "the whole budget (default: one after another, the budget split)")
+    ap.add_argument("--copies", type=int, default=1,
+                    help=f"{realistic.MODE}: sub-runs per shape (own seeds and L3 directories; with --concurrent, a "
+                         "process each)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     ap.add_argument("--no-cuda-graph", action="store_true", help="CUDA: decode eagerly instead of graph replays")
     ap.add_argument("--no-faults", action="store_true", help="no fault injection")
@@ -151,6 +155,8 @@ def main(argv=None) -> int:
         ap.error(f"--requests must be >= 1, got {requests}")
     if not 0 < a.scale <= 1:
         ap.error(f"--scale must be in (0, 1], got {a.scale}")
+    if a.copies < 1 or (a.copies != 1 and a.mode != realistic.MODE):
+        ap.error(f"--copies must be >= 1 and applies to --mode {realistic.MODE} only, got {a.copies}")
     if a.scale != 1.0 and a.mode != realistic.MODE:
         ap.error(f"--scale applies to --mode {realistic.MODE} only")
     torch.set_num_threads(a.threads)

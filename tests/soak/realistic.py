@@ -156,19 +156,28 @@ def subrun_config(shape: SubRunShape, requests: int, scale: float, device: str, 
 
 
 def plan(requests: int = REQUESTS, scale: float = 1.0, device: str = "cuda", seed: int = 1, faults: bool = True,
-         l3_root: str = "/tmp/soak-l3", max_batch: Optional[int] = None) -> list[SubRun]:
-    """The sub-runs of ``requests`` requests in all (split by the shapes' weights)."""
+         l3_root: str = "/tmp/soak-l3", max_batch: Optional[int] = None, copies: int = 1) -> list[SubRun]:
+    """The sub-runs of ``requests`` requests in all (split by the shapes' weights). With
+    ``copies > 1`` each shape runs as that many sub-runs (``name#i``), each with its own
+    seed (other prompts), L3 directory and share of the shape's requests: more processes
+    for ``run_plan_concurrently`` to keep the device busy with."""
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale!r}")
-    if requests < len(SHAPES):
-        raise ValueError(f"requests must be >= {len(SHAPES)} (one per sub-run), got {requests}")
+    if not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies must be an int >= 1, got {copies!r}")
+    if requests < len(SHAPES) * copies:
+        raise ValueError(f"requests must be >= {len(SHAPES) * copies} (one per sub-run), got {requests}")
     total_w = sum(s.weight for s in SHAPES)
-    counts = [max(1, int(requests * s.weight / total_w)) for s in SHAPES]
+    counts = [max(copies, int(requests * s.weight / total_w)) for s in SHAPES]
     counts[0] += requests - sum(counts)  # the split adds up to ``requests``
     out = []
     for s, n in zip(SHAPES, counts):
-        cfg = subrun_config(s, n, scale, device, seed, faults, os.path.join(l3_root, s.name), max_batch)
-        out.append(SubRun(s.name, cfg, s.weight))
+        for i in range(copies):
+            name = s.name if copies == 1 else f"{s.name}#{i + 1}"
+            share = n // copies + (1 if i < n % copies else 0)
+            cfg = subrun_config(s, share, scale, device, seed + i, faults,
+                                os.path.join(l3_root, name.replace("#", "-")), max_batch)
+            out.append(SubRun(name, cfg, s.weight / copies))
     return out
 
 

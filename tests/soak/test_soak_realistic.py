@@ -84,3 +84,15 @@ def test_concurrent_plan_checks_every_sub_run_in_its_own_process(tmp_path):
         assert r.result["tokens_checked"] > 0
         assert r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
         assert r.result["quiescent_checks"] >= 1
+
+
+def test_copies_split_each_shape_into_sub_runs_with_their_own_prompts(tmp_path):
+    subs = realistic.plan(requests=600, scale=0.02, device="cpu", seed=5, l3_root=str(tmp_path), copies=2)
+    assert [s.name for s in subs] == [f"{shape.name}#{i}" for shape in realistic.SHAPES for i in (1, 2)]
+    assert sum(s.cfg.requests for s in subs) == 600
+    for a, b in zip(subs[::2], subs[1::2]):
+        assert a.cfg.seed != b.cfg.seed and abs(a.cfg.requests - b.cfg.requests) <= 1
+        assert a.cfg.storage_extra["file_path"] != b.cfg.storage_extra["file_path"]
+        assert (a.cfg.page_size, a.cfg.algorithm) == (b.cfg.page_size, b.cfg.algorithm)
+    with pytest.raises(ValueError, match="copies must be an int >= 1"):
+        realistic.plan(requests=600, scale=0.02, device="cpu", l3_root=str(tmp_path), copies=0)
