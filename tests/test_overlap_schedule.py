@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsehi.config import SparseConfig
-from sparsehi.runtime.decode_graph import DecodeInputs
+from sparsehi.runtime.decode_graph import DecodeGraphRunner, DecodeInputs
 from sparsehi.runtime.model_config import get_model_config
 from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
@@ -148,3 +148,19 @@ def test_issuing_a_step_never_waits_for_the_device(mode):
         pending = nxt
     runner.finish_decode(pending)
     assert all(r.consumed == r.output[:-1] for r in reqs)
+
+
+@pytest.mark.gpu
+def test_a_capture_between_overlapped_steps_keeps_the_previous_steps_tokens():
+    """A step whose graph is captured while the previous step's tokens are still its ids
+    (overlap schedule, a new graph key for the same rows): the capture's padding runs must
+    not replace those tokens."""
+    def body(inputs: DecodeInputs, nb: int, graph_key) -> dict:
+        torch.add(inputs.input_ids[:nb], 1000 if graph_key == "b" else 1, out=inputs.next_tokens[:nb])
+        return {}
+
+    runner = DecodeGraphRunner(body, 4, torch.device("cuda"), enabled=True)
+    first, _ = runner.run([7, 8, 9], [0, 0, 0], [0, 1, 2], [1, 1, 1], graph_key="a")
+    assert first.tolist()[:3] == [8, 9, 10]
+    second, _ = runner.run(None, [1, 1, 1], [0, 1, 2], [2, 2, 2], graph_key="b", ids_on_device=True)  # captured now
+    assert second.tolist()[:3] == [1008, 1009, 1010]

@@ -235,6 +235,9 @@ class DecodeGraphRunner:
             self._graphs[key] = self._capture(*key)
 
     def _capture(self, nb: int, graph_key: Hashable) -> tuple[torch.cuda.CUDAGraph, dict]:
+        # The padding runs below write next_tokens; the previous step's tokens there are the
+        # next step's ids when it takes them from the device (overlap schedule): keep them.
+        kept_tokens = self.inputs.next_tokens.clone()
         self.inputs.fill_padding(nb)
         torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
@@ -257,6 +260,7 @@ class DecodeGraphRunner:
             if gc_was_on:
                 gc.enable()
         self._pool = graph.pool()
+        self.inputs.next_tokens.copy_(kept_tokens)
         torch.cuda.synchronize(self.device)
         logger.info("decode step captured in a CUDA graph: batch bucket %d, graph key %r", nb, graph_key)
         return graph, out
