@@ -65,9 +65,14 @@ class LMCacheServer(_ServerProcess):
             self.proc.wait(timeout=10)
 
     def pause(self) -> None:
-        """SIGSTOP: a hung server (connections stay open, nothing answers)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP)
+        """SIGSTOP: a hung server (connections stay open, nothing answers). Returns once the
+        process is stopped (a signal is delivered asynchronously)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while _state(self.proc.pid) not in ("T", "t") and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def resume(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -82,6 +87,15 @@ class LMCacheServer(_ServerProcess):
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 class RawClient:

@@ -202,20 +202,25 @@ def test_conformance_corrupt_object_is_miss(request, tmp_path, where, edit):
 
 
 @needs_lmcache
-def test_truncated_disk_file_never_gives_wrong_bytes(tmp_path):
-    """A disk file cut short reads back as a miss or, where LMCache's read buffer still holds
-    the object's end from before, as the exact page: never as other bytes."""
+def test_disk_file_cut_short_or_removed_never_gives_wrong_bytes(tmp_path):
+    """LMCache reads a disk file cut short into a buffer of the recorded size, without a
+    length check: what was in the buffer before stands in for the end. Each such read is a
+    miss (corrupt) or the exact page, never other bytes; a removed file is a fault."""
     f = Factory(tier_extra("disk", tmp_path))
     try:
         s = f(sc.fresh_config())
-        keys = sc.page_keys(4, seed=81)
-        pages = [sc.random_page(81 + i) for i in range(4)]
-        assert s.batch_set(keys, pages) == [True] * 4
-        for k in keys:
-            _damage_on_disk(lambda data: data[:len(data) // 3])(s, k)
+        keys = sc.page_keys(6, seed=81)
+        pages = [sc.random_page(81 + i) for i in range(6)]
+        assert s.batch_set(keys, pages) == [True] * 6
+        disk = s.engine.manager.storage_backends["LocalDiskBackend"]
+        for k, cut in zip(keys[:3], (lambda d: b"", lambda d: d[:len(d) // 3], _cut)):
+            _damage_on_disk(cut)(s, k)
+        for k in keys[3:]:
+            os.remove(disk.dict[s.chunk_key(k)].path)
         got = s.batch_get(keys)
         assert all(g is None or torch.equal(g, p) for g, p in zip(got, pages))
-        assert s.stats.corrupt == sum(g is None for g in got)
+        assert got[3:] == [None] * 3 and s.stats.faults == 3 + s.stats.corrupt
+        assert s.stats.corrupt == sum(g is None for g in got[:3]) and s.stats.hits == 3 - s.stats.corrupt
     finally:
         f.close()
 
@@ -265,11 +270,38 @@ def test_conformance_fault_is_miss_server_killed(tmp_path):
             f.close()
 
 
+def _file_where_the_disk_directory_was(path):
+    def brk(backend):
+        shutil.rmtree(path)
+        path.write_bytes(b"")  # opening a page file in it now fails (NotADirectoryError)
+    return brk
+
+
 @needs_lmcache
-def test_conformance_fault_is_miss_disk_gone(tmp_path):
-    f = Factory(tier_extra("disk", tmp_path))
+def test_conformance_fault_is_miss_disk_unusable(tmp_path):
+    f = Factory(tier_extra("disk", tmp_path, op_timeout_s=1.0))
     try:
-        sc.check_fault_is_miss(f, lambda backend: shutil.rmtree(tmp_path / "lmcache-disk"))
+        sc.check_fault_is_miss(f, _file_where_the_disk_directory_was(tmp_path / "lmcache-disk"))
+    finally:
+        f.close()
+
+
+@needs_lmcache
+def test_a_failed_disk_write_costs_one_deadline(tmp_path):
+    """LMCache keeps a disk write that failed in flight for good: the first write of that key
+    waits half a deadline and is a fault, later ones are faults at once."""
+    f = Factory(tier_extra("disk", tmp_path, op_timeout_s=1.0))
+    try:
+        s = f(sc.fresh_config())
+        key = sc.page_keys(1, seed=91)[0]
+        _file_where_the_disk_directory_was(tmp_path / "lmcache-disk")(s)
+        t = time.monotonic()
+        assert s.set(key, sc.random_page(91)) is False
+        assert 0.5 <= time.monotonic() - t < 1.0 and s.stats.faults == 1
+        t = time.monotonic()
+        assert s.set(key, sc.random_page(91)) is False
+        assert time.monotonic() - t < 0.5 and s.stats.faults == 2
+        assert s.get(key) is None and not s.exists(key)
     finally:
         f.close()
 

@@ -107,7 +107,15 @@ class RemoteWatch:
         logger.info("lmcache storage: remote tier %s reconnected", self.backend.remote_url)
 
     def _wrap(self) -> None:
-        self.backend.connection = _watched_connector(self.backend.connection, self.fault)
+        watched: list[Any] = []
+
+        def report(exc: BaseException) -> None:
+            # a call still running on a connection replaced since then is not news
+            if watched and self.backend.connection is watched[0]:
+                self.fault(exc)
+
+        watched.append(_watched_connector(self.backend.connection, report))
+        self.backend.connection = watched[0]
 
 
 def _watched_connector(connection: Any, on_fault: Callable[[BaseException], None]) -> Any:
@@ -171,6 +179,10 @@ class SharedEngine:
         self.users = 0
         self.writing: dict[Any, threading.Event] = {}
         self.write_lock = threading.Lock()
+        self.stuck: set[Any] = set()
+        """Keys whose write LMCache still had in flight at a call's deadline: LMCache's disk
+        tier keeps a write whose file could not be written in flight for good, and takes no
+        new write of that key."""
         self.rewrite: set[Any] = set()
         """Keys whose remote copy failed its check: written again though the server holds them."""
 

@@ -18,9 +18,9 @@ one process that use the same LMCache settings) with HiCache's pages:
 - **Objects.** One LMCache memory object per page: ``uint8 [1, 1, 1, 56 + page bytes]`` in
   LMCache's ``KV_2LTD`` format: the page's ``PageDigest`` (length and CRC-32, 24 bytes), a
   32-byte tag (SHA-256 of the chunk key's string), then the page. Every tier keeps and
-  returns it whole. The tag matters: LMCache's disk tier, finding a file gone, returns its
-  read buffer unfilled, and that buffer, reused from LMCache's allocator, may hold another
-  page's intact object. A read whose tag, length or checksum is wrong, or whose page is not
+  returns it whole. The tag matters: LMCache's disk tier reads a file into a buffer of the
+  size it recorded without checking how much it read, so a file cut to nothing returns the
+  buffer as LMCache's allocator handed it over, which may hold another page's intact object. A read whose tag, length or checksum is wrong, or whose page is not
   the size asked for, is a miss counted in ``stats.corrupt``, and the chunk is removed from
   the local tiers (a remote copy cannot be removed: LMCache's server has no delete command;
   the next write of the key replaces it).
@@ -34,7 +34,9 @@ one process that use the same LMCache settings) with HiCache's pages:
   is verified before it reaches the caller's target.
 - **Faults.** Every call into LMCache runs under ``op_timeout_s``; an exception or an overrun
   is a miss, counted in ``stats.faults``. So is a page LMCache reports held but cannot read
-  (a disk file gone), and every exception of the remote connector, which LMCache itself
+  (a disk file gone raises in LMCache's disk tier), a write LMCache still has in flight after
+  half of ``op_timeout_s`` (its disk tier keeps a write whose file could not be written in
+  flight for good, and later writes of that key are faults at once), and every exception of the remote connector, which LMCache itself
   turns into misses silently: the remote tier is then bypassed for ``retry_interval_s`` and
   reconnected (``hicache.storage.lmcache_engine.RemoteWatch``).
 - **clear** removes this namespace's pages (this rank's for MHA) from the local tiers; remote
@@ -164,6 +166,10 @@ class LMCacheStorage(HiCacheStorage):
             elif state == "lost":
                 self._log_once("lost", "lmcache storage: a written page is held by no tier afterwards (the disk "
                                "tier full, or a remote write failed); it is not reported held")
+            elif state == "stuck":
+                self._fault("stuck", 1, f"LMCache's write of {cks[i].to_string()} did not finish within "
+                            f"op_timeout_s / 2 = {self.settings.op_timeout_s / 2:g} s (a disk write that failed "
+                            "stays in flight in LMCache)")
         self._outage_misses(down, sum(not h for h in held.values()))
         return [held[k] for k in cks]
 
@@ -179,10 +185,14 @@ class LMCacheStorage(HiCacheStorage):
         if not cks:
             return out
         self._count(gets=len(cks))
-        read, down = self._op_call("get", len(cks), lambda: [self._read(k) for k in cks])
+        read, down = self._op_call("get", len(cks), lambda: [self._read_isolated(k) for k in cks])
         for i, got in enumerate(read if read is not None else [None] * len(cks)):
             if isinstance(got, str):  # "unreadable": held by a tier that cannot return it
                 self._fault("unreadable", 1, f"{cks[i].to_string()} is held but could not be read")
+                self._drop_local(cks[i])
+                continue
+            if isinstance(got, _ReadError):
+                self._fault("read", 1, f"reading {cks[i].to_string()} raised {type(got.exc).__name__}: {got.exc}")
                 self._drop_local(cks[i])
                 continue
             if got is None:
@@ -228,7 +238,8 @@ class LMCacheStorage(HiCacheStorage):
 
     # -- calls into LMCache (on the bounded caller's threads) ------------------------------
     def _put(self, cks: list[Any], bufs: list[torch.Tensor], headers: list[bytes]) -> list[str]:
-        """Write the keys LMCache lacks; per key "written", "present", "full" or "lost"."""
+        """Write the keys LMCache lacks; per key "written", "present", "full", "lost" or
+        "stuck" (a write LMCache still has in flight after half of ``op_timeout_s``)."""
         engine, manager = self._engine, self._engine.manager
         mine, theirs = self._claim(cks)
         try:
@@ -241,20 +252,27 @@ class LMCacheStorage(HiCacheStorage):
                     continue  # another thread wrote it: looked up below
                 if k not in engine.rewrite and manager.contains(k) is not None:
                     state[k] = "present"
+                elif k in engine.stuck and self._in_flight(k):
+                    state[k] = "stuck"  # LMCache takes no new write of it: do not wait again
                 else:
+                    engine.stuck.discard(k)
                     state[k] = "lost"
                     todo.append(i)
             put_keys, objs = self._objects([cks[i] for i in todo], [bufs[i] for i in todo],
                                            [headers[i] for i in todo], state)
             if put_keys:
                 manager.batched_put(put_keys, objs)  # takes over the allocation's reference
-                self._wait_written(put_keys)
+                pending = self._wait_written(put_keys)
                 for k in put_keys:
-                    if manager.contains(k) is not None:
+                    if k in pending:
+                        state[k] = "stuck"
+                        engine.stuck.add(k)
+                    elif manager.contains(k) is not None:
                         state[k] = "written"
                         engine.rewrite.discard(k)
             for k in theirs:
-                state[k] = "present" if manager.contains(k) is not None else "lost"
+                state[k] = ("present" if manager.contains(k) is not None else
+                            "stuck" if k in engine.stuck else "lost")
             return [state[k] for k in cks]
         finally:
             self._release(mine)
@@ -305,15 +323,21 @@ class LMCacheStorage(HiCacheStorage):
                     del self._engine.writing[k]
                 ev.set()
 
-    def _wait_written(self, keys: list[Any]) -> None:
-        """Until no tier has a write of ``keys`` in flight (disk and remote write later)."""
-        backends = list(self._engine.manager.storage_backends.values())
+    def _in_flight(self, ck: Any) -> bool:
+        return any(b.exists_in_put_tasks(ck) for b in self._engine.manager.storage_backends.values())
+
+    def _wait_written(self, keys: list[Any]) -> set[Any]:
+        """Wait until no tier has a write of ``keys`` in flight (disk and remote write
+        later), at most half of ``op_timeout_s`` (so the call itself returns in time to say
+        so); the keys still in flight then."""
         pending = list(keys)
-        deadline = time.monotonic() + self.settings.op_timeout_s
-        while pending and time.monotonic() < deadline:
-            pending = [k for k in pending if any(b.exists_in_put_tasks(k) for b in backends)]
-            if pending:
-                time.sleep(_POLL_S)
+        deadline = time.monotonic() + self.settings.op_timeout_s / 2
+        while pending:
+            pending = [k for k in pending if self._in_flight(k)]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        return set(pending)
 
     def _read(self, ck: Any) -> Optional[Any]:
         """The object under ``ck`` (a copy), None when no tier holds it, or "unreadable"
@@ -331,6 +355,14 @@ class LMCacheStorage(HiCacheStorage):
             return obj.tensor.reshape(-1).clone()
         finally:
             obj.ref_count_down()
+
+    def _read_isolated(self, ck: Any) -> Any:
+        """``_read``, with an exception of LMCache's (a disk file gone: a KeyError in its
+        disk tier) returned as a ``_ReadError``, so it costs this key only."""
+        try:
+            return self._read(ck)
+        except Exception as exc:
+            return _ReadError(exc)
 
     def _remove_local(self, select: Callable[[Any], bool]) -> None:
         for name, backend in self._engine.local_tiers():
@@ -406,6 +438,13 @@ class LMCacheStorage(HiCacheStorage):
             first = kind not in self._logged
             self._logged.add(kind)
         logger.log(logging.WARNING if first else logging.DEBUG, msg)
+
+
+class _ReadError:
+    """An exception LMCache raised reading one key."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
 
 
 def key_tag(ck: Any) -> bytes:
