@@ -20,10 +20,11 @@ one process that use the same LMCache settings) with HiCache's pages:
   32-byte tag (SHA-256 of the chunk key's string), then the page. Every tier keeps and
   returns it whole. The tag matters: LMCache's disk tier reads a file into a buffer of the
   size it recorded without checking how much it read, so a file cut to nothing returns the
-  buffer as LMCache's allocator handed it over, which may hold another page's intact object. A read whose tag, length or checksum is wrong, or whose page is not
-  the size asked for, is a miss counted in ``stats.corrupt``, and the chunk is removed from
-  the local tiers (a remote copy cannot be removed: LMCache's server has no delete command;
-  the next write of the key replaces it).
+  buffer as LMCache's allocator handed it over, which may hold another page's intact object.
+  A read whose tag, length or checksum is wrong, or whose page is not the size asked for, is
+  a miss counted in ``stats.corrupt``, and the chunk is removed from the local tiers (a
+  remote copy cannot be removed: LMCache's server has no delete command; the next write of
+  the key replaces it).
 - **Writes** copy each page into memory from LMCache's allocator (its local CPU backend)
   and hand it to ``StorageManager.batched_put``, which writes every tier (disk and remote
   asynchronously); the call returns once LMCache has no write of those keys in flight, and a
@@ -32,13 +33,14 @@ one process that use the same LMCache settings) with HiCache's pages:
 - **Reads** take each page from the first tier that holds it (``StorageManager.get``, which
   also copies a disk or remote hit into local CPU memory, as LMCache does), into a copy that
   is verified before it reaches the caller's target.
-- **Faults.** Every call into LMCache runs under ``op_timeout_s``; an exception or an overrun
-  is a miss, counted in ``stats.faults``. So is a page LMCache reports held but cannot read
-  (a disk file gone raises in LMCache's disk tier), a write LMCache still has in flight after
-  half of ``op_timeout_s`` (its disk tier keeps a write whose file could not be written in
-  flight for good, and later writes of that key are faults at once), and every exception of the remote connector, which LMCache itself
-  turns into misses silently: the remote tier is then bypassed for ``retry_interval_s`` and
-  reconnected (``hicache.storage.lmcache_engine.RemoteWatch``).
+- **Faults.** Every call into LMCache runs under ``op_timeout_s``; an exception or an
+  overrun is a miss, counted in ``stats.faults``. So is a page LMCache reports held but
+  cannot read (a disk file gone raises in LMCache's disk tier), a write LMCache still has in
+  flight after half of ``op_timeout_s`` (its disk tier keeps a write whose file could not be
+  written in flight for good, and later writes of that key are faults at once), and every
+  exception of the remote connector, which LMCache itself turns into misses silently: the
+  remote tier is then bypassed for ``retry_interval_s`` and reconnected
+  (``hicache.storage.lmcache_engine.RemoteWatch``).
 - **clear** removes this namespace's pages (this rank's for MHA) from the local tiers; remote
   copies stay (no delete command). **close** releases the engine; the last instance using it
   closes it, and its local tiers' pages go with it (LMCache's disk tier indexes its files in
