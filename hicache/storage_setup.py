@@ -26,6 +26,12 @@ def check_backend_options(config: "HiCacheConfig") -> None:
         from hicache.storage.mooncake_config import MooncakeSettings
 
         MooncakeSettings.from_extra(extra)
+    elif name == "lmcache":
+        from hicache.storage.lmcache_config import LMCacheSettings, lmcache_importable
+
+        settings = LMCacheSettings.from_extra(extra)
+        if lmcache_importable():  # LMCache's own key names and values (reads no file but the YAML)
+            settings.engine_config()
     elif name == "dynamic":
         from hicache.storage.dynamic import load_storage_class
 

@@ -133,6 +133,8 @@ BACKEND_OPTIONS = [
     ("file", {"file_max_bytes": -1}, r"file_max_bytes must be an int >= 0"),
     ("mooncake", {}, "master_server_address as 'host:port'"),
     ("mooncake", {"master_server_address": "h:1", "protocol": "udp"}, "protocol must be one of"),
+    ("lmcache", {"op_timeout_s": 0}, "op_timeout_s must be a number of seconds > 0"),
+    ("lmcache", {"enable_p2p": True}, "enable_p2p=True is not supported by the lmcache L3 backend"),
     ("dynamic", {"backend_name": "x", "module_path": "no_such_module_x", "class_name": "C"}, "module_path='no_such_module_x' cannot be imported"),
     ("dynamic", {"backend_name": "x", "module_path": "os", "class_name": "path"}, "must be a subclass of hicache.storage.base.HiCacheStorage"),
 ]

@@ -179,6 +179,6 @@ def test_storage_backend_names_come_from_the_registry():
     from hicache.config import STORAGE_BACKENDS
     from hicache.storage.registry import BUILTIN_BACKENDS
 
-    assert STORAGE_BACKENDS is BUILTIN_BACKENDS == ("file", "mooncake", "dynamic")
+    assert STORAGE_BACKENDS is BUILTIN_BACKENDS == ("file", "mooncake", "lmcache", "dynamic")
     with pytest.raises(ValueError, match="--hicache-storage-backend='hf3fs'"):
         HiCacheConfig(hicache_storage_backend="hf3fs", hicache_mem_layout="page_first")

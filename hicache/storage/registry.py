@@ -1,8 +1,8 @@
 """Storage backends by name: what ``--hicache-storage-backend`` can build.
 
 Built in: ``file`` (``FileStorage``, the embedded default), ``mooncake``
-(``MooncakeStorage``, needs the ``mooncake`` package) and ``dynamic`` (a class named in the
-extra config). Third parties add names with ``register_storage_backend``; the config's flag
+(``MooncakeStorage``, needs the ``mooncake`` package), ``lmcache`` (``LMCacheStorage``, needs
+the ``lmcache`` package) and ``dynamic`` (a class named in the extra config). Third parties add names with ``register_storage_backend``; the config's flag
 validation accepts every name registered here.
 
 This module imports no backend (and no torch) until one is built, so ``hicache.config`` can
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 StorageFactory = Callable[["StorageConfig"], "HiCacheStorage"]
 
-BUILTIN_BACKENDS = ("file", "mooncake", "dynamic")
+BUILTIN_BACKENDS = ("file", "mooncake", "lmcache", "dynamic")
 SGLANG_ONLY_BACKENDS = ("hf3fs", "nixl", "aibrix")
 """Names SGLang accepts that this stack does not implement (each can come in as ``dynamic``)."""
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -48,13 +48,21 @@ def _make_mooncake(config: "StorageConfig") -> "HiCacheStorage":
     return MooncakeStorage(config)
 
 
+def _make_lmcache(config: "StorageConfig") -> "HiCacheStorage":
+    from hicache.storage.lmcache_store import LMCacheStorage, load_lmcache
+
+    load_lmcache()  # ImportError saying how to install it
+    return LMCacheStorage(config)
+
+
 def _make_dynamic(config: "StorageConfig") -> "HiCacheStorage":
     from hicache.storage.dynamic import create_dynamic_backend
 
     return create_dynamic_backend(config)
 
 
-_BUILTIN: dict[str, StorageFactory] = {"file": _make_file, "mooncake": _make_mooncake, "dynamic": _make_dynamic}
+_BUILTIN: dict[str, StorageFactory] = {"file": _make_file, "mooncake": _make_mooncake, "lmcache": _make_lmcache,
+                                        "dynamic": _make_dynamic}
 
 
 def storage_backend_names() -> tuple[str, ...]:

@@ -1,0 +1,143 @@
+"""LMCache's own remote server (``python -m lmcache.v1.server 127.0.0.1 PORT``) for tests,
+and a client that reads and writes its objects directly over LMCache's protocol.
+
+``LMCacheServer`` starts the server on a free port, waits until it accepts connections, and
+stops it; ``kill`` / ``start`` again on the same port are the fault tests' "server killed,
+then restarted", ``pause`` / ``resume`` a hung one. ``missing_reason()`` says why LMCache
+cannot be used here (its package does not import).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from mooncake_server import _listening, _ServerProcess, free_port
+
+
+def missing_reason() -> Optional[str]:
+    """None when LMCache's storage engine imports here; else why not (the import error)."""
+    try:
+        import lmcache.v1.storage_backend.storage_manager  # noqa: F401
+    except ImportError as exc:
+        return (f"LMCache not importable ({type(exc).__name__}: {exc}); install it as docs/storage.md "
+                "('LMCache') says")
+    return None
+
+
+class LMCacheServer(_ServerProcess):
+    """One LMCache server process; its port stays fixed across ``kill`` / ``start``."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        super().__init__("lmcache_server_")
+
+    @property
+    def url(self) -> str:
+        return f"lm://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "LMCacheServer":
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=env)
+        deadline = time.monotonic() + timeout  # importing lmcache takes seconds
+        while not _listening(self.port):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the LMCache server exited with {self.proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the LMCache server did not listen within {timeout:g} s: {self.log_tail()}")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the server and every object it held are gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        """SIGSTOP: a hung server (connections stay open, nothing answers). Returns once the
+        process is stopped (a signal is delivered asynchronously)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while _state(self.proc.pid) not in ("T", "t") and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.resume()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+class RawClient:
+    """GET and PUT of one object at a time over LMCache's server protocol
+    (``lmcache.v1.protocol``), bypassing LMCache's engine: what the tests use to look at and
+    damage what the server holds."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            part = self.sock.recv(n - len(buf))
+            if not part:
+                raise ConnectionError("the LMCache server closed the connection")
+            buf.extend(part)
+        return bytes(buf)
+
+    def get(self, key: Any) -> Optional[tuple[bytes, Any]]:
+        """(the object's bytes, the server's metadata message), or None when absent."""
+        import torch
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
+
+        self.sock.sendall(ClientMetaMessage(ClientCommand.GET, key, 0, MemoryFormat(1), torch.float16,
+                                            torch.Size([0, 0, 0, 0])).serialize())
+        meta = ServerMetaMessage.deserialize(self._recv(ServerMetaMessage.packlength()))
+        if meta.code != ServerReturnCode.SUCCESS:
+            return None
+        return self._recv(meta.length), meta
+
+    def put(self, key: Any, data: bytes, like: Any) -> None:
+        """Store ``data`` under ``key`` with the format, dtype and shape of metadata ``like``
+        (the shape's last dimension set to ``len(data)``)."""
+        import torch
+        from lmcache.v1.protocol import ClientCommand, ClientMetaMessage
+
+        shape = torch.Size([*like.shape[:-1], len(data)])
+        self.sock.sendall(ClientMetaMessage(ClientCommand.PUT, key, len(data), like.fmt, like.dtype,
+                                            shape).serialize())
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
