@@ -9,14 +9,11 @@ cannot be used here (its package does not import).
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from typing import Any, Optional
 
-from mooncake_server import _listening, _ServerProcess, free_port
+from server_process import ServerProcess, free_port
 
 
 def missing_reason() -> Optional[str]:
@@ -29,7 +26,7 @@ def missing_reason() -> Optional[str]:
     return None
 
 
-class LMCacheServer(_ServerProcess):
+class LMCacheServer(ServerProcess):
     """One LMCache server process; its port stays fixed across ``kill`` / ``start``."""
 
     def __init__(self) -> None:
@@ -44,58 +41,9 @@ class LMCacheServer(_ServerProcess):
         if self.proc is not None and self.proc.poll() is None:
             return self
         env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env)
-        deadline = time.monotonic() + timeout  # importing lmcache takes seconds
-        while not _listening(self.port):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the LMCache server exited with {self.proc.returncode}: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the LMCache server did not listen within {timeout:g} s: {self.log_tail()}")
-            time.sleep(0.05)
+        self._spawn([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port)], env)
+        self._wait_listening((self.port,), timeout, "the LMCache server")  # importing lmcache takes seconds
         return self
-
-    def kill(self) -> None:
-        """SIGKILL: the server and every object it held are gone."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def pause(self) -> None:
-        """SIGSTOP: a hung server (connections stay open, nothing answers). Returns once the
-        process is stopped (a signal is delivered asynchronously)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while _state(self.proc.pid) not in ("T", "t") and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def resume(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.resume()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-
-def _state(pid: int) -> str:
-    """The process state letter of ``pid`` (``T``: stopped), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 class RawClient:

@@ -10,15 +10,11 @@ that outlive the processes that put them.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 from typing import Optional
+
+from server_process import ServerProcess, free_port  # noqa: F401  (free_port: for the tests)
 
 
 def _package_binary(name: str) -> Optional[str]:
@@ -55,51 +51,7 @@ def missing_reason() -> Optional[str]:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
-
-
-class _ServerProcess:
-    """A server process started in a session of its own, its output in a temporary log file
-    (removed when the context ends)."""
-
-    def __init__(self, log_prefix: str) -> None:
-        self.proc: Optional[subprocess.Popen] = None
-        self.log_path = Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
-
-    def _spawn(self, cmd: list[str]) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        try:
-            os.unlink(self.log_path)
-        except OSError:
-            pass
-
-
-class MooncakeMaster(_ServerProcess):
+class MooncakeMaster(ServerProcess):
     """One master process; ports stay fixed across ``kill`` / ``start``."""
 
     def __init__(self, lease_ttl_ms: int = 500, extra_flags: tuple[str, ...] = ()) -> None:
@@ -138,44 +90,11 @@ class MooncakeMaster(_ServerProcess):
                # short leases, so a full pool can evict and removed objects go at once
                f"--default_kv_lease_ttl={self.lease_ttl_ms}", *self.extra_flags]
         self._spawn(cmd)
-        deadline = time.monotonic() + timeout
-        while not (_listening(self.rpc_port) and _listening(self.http_port)):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mooncake_master did not listen within {timeout:g} s: {self.log_tail()}")
-            time.sleep(0.02)
+        self._wait_listening((self.rpc_port, self.http_port), timeout, "mooncake_master")
         return self
 
-    def kill(self) -> None:
-        """SIGKILL, as a crash would end it (no clean shutdown)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
 
-    def pause(self) -> None:
-        """SIGSTOP: a master that hangs (connections stay open, nothing answers)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.resume()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-
-
-class MooncakeSegmentHolder(_ServerProcess):
+class MooncakeSegmentHolder(ServerProcess):
     """Mooncake's standalone store client (``mooncake_client``) mounting ``segment_size`` of
     its memory into ``master``'s pool until stopped. A client that contributes no memory
     (``global_segment_size`` 0) puts its objects there, so they outlive it; memory a client
@@ -194,20 +113,5 @@ class MooncakeSegmentHolder(_ServerProcess):
     def start(self, timeout: float = 20.0) -> "MooncakeSegmentHolder":
         self._spawn(self.cmd)
         # it serves its port only after the segment is mounted
-        deadline = time.monotonic() + timeout
-        while not _listening(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mooncake_client did not serve within {timeout:g} s: {self.log_tail()}")
-            time.sleep(0.02)
+        self._wait_listening((self.port,), timeout, "mooncake_client")
         return self
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
