@@ -37,8 +37,8 @@ def _inputs(shape: str, S: int, off: int, dtype: torch.dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(S - off, hq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(S, hkv, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(S, hkv, d, device="cuda", dtype=dtype, generator=g)[..., :dv] if dv != d else \
-        torch.randn(S, hkv, dv, device="cuda", dtype=dtype, generator=g)
+    # MLA: the values are the latent entry's first dv columns, as the runtime passes them
+    v = k[..., :dv] if dv != d else torch.randn(S, hkv, dv, device="cuda", dtype=dtype, generator=g)
     return q, k, v, d ** -0.5
 
 
