@@ -40,6 +40,13 @@ def sm_count(device: torch.device, off_cuda: int = 0) -> int:
     return _SM_COUNT[idx]
 
 
+def exact_dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` that keeps products of ``dtype`` inputs exact: IEEE
+    for fp32 (TF32 would round them to 10 mantissa bits, whatever ``TRITON_F32_DEFAULT``
+    says), TF32 for 16-bit inputs upcast to fp32 (their mantissas fit)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def interpreter_enabled() -> bool:
     """True when Triton kernels are interpreted on the CPU (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

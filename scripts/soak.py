@@ -7,6 +7,8 @@ same mode and device).
     python scripts/soak.py --mode long --device cuda      # decode steps CUDA-graph captured
     python scripts/soak.py --mode gpu-realistic --device cuda --max-seconds 480 --out DIR
                                                           # 5,400 requests at users' sizes
+    python scripts/soak.py --mode gpu-realistic --device cuda --concurrent --mps --out DIR
+                                                          # sub-runs at once, kernels sharing the SMs
     python scripts/soak.py --mode gpu-realistic --scale 0.03 --requests 60   # the same, tiny, CPU
 
 ``ci`` and ``long`` are ``tests/soak/harness.py``: sparse-hier with the HiRadixTree and a file
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.common import cpu_model  # noqa: E402
+from benchmarks.cuda_mps import cuda_mps  # noqa: E402
 
 from soak import realistic  # noqa: E402
 from soak.harness import SoakConfig, run_soak  # noqa: E402
@@ -99,16 +102,23 @@ def run_realistic_mode(a, requests: int) -> tuple[dict, bool]:
             s.cfg.cuda_graph = not a.no_cuda_graph
         # the budget counts from the process start (imports, CUDA start-up) to the record
         left = budget - (time.perf_counter() - STARTED) - 5.0
-        if a.concurrent:
-            records = realistic.run_plan_concurrently(subs, left, threads=a.threads, progress=print)
-        else:
-            records = realistic.run_plan(subs, left, progress=print)
+        with cuda_mps(a.mps) as mps:
+            if a.concurrent:
+                records = realistic.run_plan_concurrently(subs, left, threads=a.threads, progress=print,
+                                                          on_started=mps.servers)
+            else:
+                records = realistic.run_plan(subs, left, progress=print)
     finally:
         shutil.rmtree(l3_root, ignore_errors=True)
     run = realistic.summary(records, device_name(a.device), budget, time.perf_counter() - STARTED, requests)
     run["scale"] = a.scale
     run["concurrent"] = a.concurrent
     run["copies"] = a.copies
+    run["device_sharing"] = mps.sharing
+    if a.mps:
+        run["mps_servers_seen"] = len(mps.servers_seen)
+        if mps.why_not:
+            run["mps_why_not"] = mps.why_not
     run["triton_f32_default"] = os.environ.get("TRITON_F32_DEFAULT")
     run["cuda_graph"] = bool(a.device.startswith("cuda") and not a.no_cuda_graph)
     ok = all(r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
@@ -135,6 +145,10 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=1,
                     help=f"{realistic.MODE}: sub-runs per shape (own seeds and L3 directories; with --concurrent, a "
                          "process each)")
+    ap.add_argument("--mps", action="store_true",
+                    help="with --concurrent on CUDA: run the sub-runs' processes under a CUDA MPS daemon started for "
+                         "the run, so their kernels share the SMs instead of taking turns (time-sliced, logged, "
+                         "where the daemon cannot start)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     ap.add_argument("--no-cuda-graph", action="store_true", help="CUDA: decode eagerly instead of graph replays")
     ap.add_argument("--no-faults", action="store_true", help="no fault injection")
@@ -159,6 +173,8 @@ def main(argv=None) -> int:
         ap.error(f"--copies must be >= 1 and applies to --mode {realistic.MODE} only, got {a.copies}")
     if a.scale != 1.0 and a.mode != realistic.MODE:
         ap.error(f"--scale applies to --mode {realistic.MODE} only")
+    if a.mps and not (a.concurrent and a.device.startswith("cuda")):
+        ap.error("--mps needs --concurrent and --device cuda")
     torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if a.mode == realistic.MODE:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch
+from hicache.triton_support import cdiv, dispatch, exact_dot_precision
 
 
 
@@ -89,7 +89,8 @@ def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @triton.jit
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_offset, D, DV, GROUP, sm_scale,
                               sqt, sqh, skt, skh, svt, svh, sot, soh,
-                              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                              PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     hk = h // GROUP
@@ -109,7 +110,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_offset, D, DV, GR
         col_ok = cols < last
         kt = tl.load(k_ptr + cols[None, :] * skt + hk * skh + d[:, None],
                      mask=col_ok[None, :] & (d[:, None] < D), other=0.0).to(tl.float32)
-        s = tl.dot(q, kt) * sm_scale
+        s = tl.dot(q, kt, input_precision=PRECISION) * sm_scale
         seen = (cols[None, :] <= pos[:, None]) & col_ok[None, :] & row_ok[:, None]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -120,7 +121,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_offset, D, DV, GR
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_ptr + cols[:, None] * svt + hk * svh + dv[None, :],
                      mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, vt)
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * sot + h * soh + dv[None, :], out.to(o_ptr.dtype.element_ty),
@@ -142,7 +143,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         _prefill_attention_kernel[(cdiv(T, cfg.block_m), Hq)](
             q, k, v, o, T, q_offset, D, Dv, Hq // Hkv, float(sm_scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), BM=cfg.block_m, BN=cfg.block_n,
-            BD=max(16, triton.next_power_of_2(D)), BDV=max(16, triton.next_power_of_2(Dv)), num_warps=cfg.num_warps)
+            BD=max(16, triton.next_power_of_2(D)), BDV=max(16, triton.next_power_of_2(Dv)),
+            PRECISION=exact_dot_precision(q.dtype), num_warps=cfg.num_warps)
     return o
 
 

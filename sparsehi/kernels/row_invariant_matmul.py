@@ -3,7 +3,7 @@ are computed with it: ``y[b, m, :] = x[b, m, :] @ w[b].T (+ bias)``.
 
 cuBLAS picks its tiles and split-K from the problem's shape, so one token's projection
 differs in the last bits between a 21-token and a 31,445-token prefill. Here every launch
-uses one tile configuration, the reduction over ``K`` runs in one fixed order (block by
+uses one tile configuration, exact products (IEEE fp32 dots for fp32 inputs), the reduction over ``K`` runs in one fixed order (block by
 block, no split-K) and nothing depends on ``M``: a row's result depends only on its own
 inputs. The runtime uses it where a token's KV must not depend on what was prefilled
 beside it (``RuntimeConfig.batch_invariant``).
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch
+from hicache.triton_support import cdiv, dispatch, exact_dot_precision
 
 BLOCK_M = 32
 BLOCK_N = 64
@@ -51,7 +51,8 @@ def row_invariant_matmul_reference(x: torch.Tensor, w: torch.Tensor,
 @triton.jit
 def _row_invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                                  sxb, sxm, sxk, swb, swn, swk, syb, sym, syn,
-                                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                 PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -65,7 +66,7 @@ def _row_invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
         wm = (rn[None, :] < N) & (kk[:, None] < K)
         a = tl.load(x_ptr + b * sxb + rm[:, None] * sxm + kk[None, :] * sxk, mask=xm, other=0.0)
         wt = tl.load(w_ptr + b * swb + rn[None, :] * swn + kk[:, None] * swk, mask=wm, other=0.0)
-        acc += tl.dot(a.to(tl.float32), wt.to(tl.float32))
+        acc += tl.dot(a.to(tl.float32), wt.to(tl.float32), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     ym = (rm[:, None] < M) & (rn[None, :] < N)
@@ -83,7 +84,8 @@ def row_invariant_matmul_triton(x: torch.Tensor, w: torch.Tensor,
         grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), B)
         _row_invariant_matmul_kernel[grid](
             x, w, bias if bias is not None else x, y, M, N, K, *x.stride(), *w.stride(), *y.stride(),
-            HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4)
+            HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, PRECISION=exact_dot_precision(x.dtype),
+            num_warps=4)
     return y
 
 

@@ -40,7 +40,7 @@ import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -281,11 +281,13 @@ def _run_subrun_in_child(sub: SubRun, budget_s: float, finish_reserve_s: float, 
 
 
 def run_plan_concurrently(subruns: list[SubRun], budget_s: float, threads: int = 1,
-                          progress=print) -> list[SubRunRecord]:
+                          progress=print, on_started: Optional[Callable[[], Any]] = None) -> list[SubRunRecord]:
     """Every sub-run at once, each in a process of its own (``spawn``: CUDA in each) sharing
     the device, each with the whole ``budget_s``; records in plan order. The sub-runs share
     nothing but the device (each has its own pools, tree and L3 directory), so one's
-    requests are checked and accounted exactly as when it runs alone."""
+    requests are checked and accounted exactly as when it runs alone. ``on_started`` is
+    called once, a minute into the run (or at its end if sooner), while the processes hold
+    their CUDA contexts."""
     import concurrent.futures
     import multiprocessing
 
@@ -293,6 +295,9 @@ def run_plan_concurrently(subruns: list[SubRun], budget_s: float, threads: int =
     with concurrent.futures.ProcessPoolExecutor(max_workers=len(subruns), mp_context=ctx) as pool:
         futures = [pool.submit(_run_subrun_in_child, sub, budget_s, max(3.0, 0.05 * budget_s), threads)
                    for sub in subruns]
+        if on_started is not None:
+            concurrent.futures.wait(futures, timeout=min(60.0, budget_s / 2))
+            on_started()
         out = [f.result() for f in futures]
     if progress is not None:
         for sub, rec in zip(subruns, out):
