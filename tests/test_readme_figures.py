@@ -455,12 +455,13 @@ FIGURES: tuple[Figure, ...] = (
            lambda d: soak_run(d, "long", True)["elapsed_s"]),
     Figure(SOAK, "0 mismatched tokens, 0 leaked slots, 3,300 faults injected", "0", "soak.json",
            lambda d: max(r["mismatched_tokens"] + r["leaked_slots"] for r in d["runs"] if r["mode"] in ("ci", "long"))),
-    *(Figure(SOAK, "At users' sizes (`gpu-realistic`, H100, 2026-11-27, batch-invariant prefill): 4,545 requests in "
-                   "534 s, 0 mismatched tokens of 1,301,669 checked, 0 leaked slots", n, "soak.json", fn) for n, fn in (
-        ("4,545", lambda d: soak_run(d, "gpu-realistic", True)["requests"]),
-        ("534", lambda d: soak_run(d, "gpu-realistic", True)["elapsed_s"]),
+    *(Figure(SOAK, "At users' sizes (`gpu-realistic`, H100, 2026-11-27, batch-invariant prefill, sub-runs under CUDA "
+                   "MPS): 8,406 requests in 545 s, 0 mismatched tokens of 2,406,970 checked, 0 leaked slots", n,
+             "soak.json", fn) for n, fn in (
+        ("8,406", lambda d: soak_run(d, "gpu-realistic", True)["requests"]),
+        ("545", lambda d: soak_run(d, "gpu-realistic", True)["elapsed_s"]),
         ("0", lambda d: soak_run(d, "gpu-realistic", True)["mismatched_tokens"]),
-        ("1,301,669", lambda d: soak_run(d, "gpu-realistic", True)["tokens_checked"]),
+        ("2,406,970", lambda d: soak_run(d, "gpu-realistic", True)["tokens_checked"]),
         ("0", lambda d: soak_run(d, "gpu-realistic", True)["leaked_slots"]),
     )),
     Figure(SOAK, "0 mismatched tokens, 0 leaked slots, 3,300 faults injected", "3,300", "soak.json",
@@ -638,11 +639,13 @@ VERDICTS: tuple[Verdict, ...] = (
             and {t["rule"] for t in d["targets"] if t["kind"] == "mha"} == {"us <= 1.15 * io_limit_us + 15"}),
     Verdict(MAIN, "≥ 0.9× sparse-gpu met, ≥ 1× dense **missed** (see below)", "main_job_32k.json",
             lambda d: d["targets"]["target_ge_0.9"] is True and d["targets"]["target_ge_1.0"] is False),
-    Verdict(SOAK, "≥ 2,000 / ≥ 50,000, 0, 0 — met; users' sizes ≥ 5,000 in < 10 min, 0, 0 — **missed**",
+    Verdict(SOAK, "≥ 2,000 / ≥ 50,000, 0, 0 — met; users' sizes ≥ 5,000 in < 10 min, 0, 0 — met",
             "soak.json",
-            lambda d: _soak_met(d) and soak_run(d, "gpu-realistic", True)["target"]["met"] is False
-            and (soak_run(d, "gpu-realistic", True)["requests"] < 5000
-                 or soak_run(d, "gpu-realistic", True)["mismatched_tokens"] > 0)),
+            lambda d: _soak_met(d) and soak_run(d, "gpu-realistic", True)["target"]["met"] is True
+            and soak_run(d, "gpu-realistic", True)["requests"] >= 5000
+            and soak_run(d, "gpu-realistic", True)["elapsed_s"] < 600
+            and soak_run(d, "gpu-realistic", True)["mismatched_tokens"] == 0
+            and soak_run(d, "gpu-realistic", True)["leaked_slots"] == 0),
     Verdict(SGL_PARA, "--sparsehi-algorithm quest --sparsehi-top-k 2048 --sparsehi-device-buffer-size 4096 "
                       "--sparsehi-host-to-device-ratio 4", "sglang_server.json",
             lambda d: "--sparsehi-algorithm quest --sparsehi-top-k 2048 --sparsehi-device-buffer-size 4096 "
