@@ -12,6 +12,7 @@ import torch
 from hicache.allocator import PagedSlotAllocator
 from hicache.config import HOST_LAYOUTS  # re-exported: ``from hicache.host_pool import HOST_LAYOUTS``
 from hicache.device_pool import DeviceKVPool, check_slots
+from hicache.kv_page_format import KVPageFormat, check_host_kv_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +121,19 @@ class HostKVPool:
     the page layouts each page is one contiguous record: the KV page followed by the page's
     extra buffers (each ``[page_size, *shape]``), so ``page_tensor`` — the object L3 stores
     — carries them too. ``kv_data`` is then a strided view of the records.
+
+    ``host_kv_dtype="fp8_e4m3"`` (``page_first`` only) stores each page's KV as
+    an FP8 record (``hicache.kv_page_format``): E4M3 values then per layer, buffer and head
+    scales, half the bytes of bf16 plus the scales; the pool then holds as many more tokens in
+    ``hicache_size`` GB. Its pages are read through ``fp8_values`` / ``fp8_scales`` (the
+    transfer engine dequantises loads and quantises whole-page backups); ``paged_view`` has
+    no meaning there and refuses.
     """
 
     def __init__(self, device_pool: DeviceKVPool, hicache_ratio: float = 2.0, hicache_size: float = 0.0,
                  layout: str = "layer_first", pin_memory: bool | None = None,
-                 extra_token_buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+                 extra_token_buffers: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                 host_kv_dtype: str = "auto"):
         if not isinstance(device_pool, DeviceKVPool):
             raise ValueError(f"device_pool must be a DeviceKVPool, got {type(device_pool).__name__}")
         if layout not in HOST_LAYOUTS:
@@ -132,9 +141,12 @@ class HostKVPool:
         spec = device_pool.spec
         ps = spec.page_size
         extras = _check_extra(extra_token_buffers)
+        self.kv_format = KVPageFormat(spec, check_host_kv_dtype(host_kv_dtype))
+        if self.kv_format.quantized and layout != "page_first":
+            raise ValueError(f"host_kv_dtype='fp8_e4m3' needs layout='page_first', got layout={layout!r}")
         # page record: the KV page, then each extra buffer's page, each part 64-byte aligned;
         # the record is a whole number of KV rows so the strided KV view keeps row strides
-        kv_page = spec.token_bytes * ps
+        kv_page = self.kv_format.page_bytes
         offsets: dict[str, int] = {}
         record = kv_page
         for name, (shape, dt) in extras.items():
@@ -173,7 +185,7 @@ class HostKVPool:
         self.extra_specs = extras
         self.page_nbytes = record
         """Bytes of one page record (KV and extra buffers): what ``page_tensor`` spans."""
-        nbytes = self.num_pages * record if extras and layout != "layer_first" else num_slots * spec.token_bytes
+        nbytes = self.num_pages * record if extras and layout != "layer_first" else self.num_pages * kv_page
         avail = _available_host_bytes()
         if avail is not None and nbytes > avail:
             raise ValueError(f"host pool needs {nbytes / 1e9:.3g} GB but only {avail / 1e9:.3g} GB of host memory "
@@ -184,9 +196,22 @@ class HostKVPool:
         """All of the pool's host memory (``uint8``): what a storage backend registers."""
         self.extra: dict[str, torch.Tensor] = {}
         """name -> ``[pages, page_size, *shape]`` view of each extra buffer."""
-        if extras and layout != "layer_first":
-            rec = raw.view(self.num_pages, record)
-            self.kv_data = rec[:, :kv_page].view(spec.dtype).view(shape)
+        self.fp8_values: torch.Tensor | None = None
+        """FP8 pools: ``[pages, layers, buffers, page_size, heads, dim]`` uint8 (E4M3 bits)."""
+        self.fp8_scales: torch.Tensor | None = None
+        """FP8 pools: ``[pages, layers, buffers, heads]`` float32 (powers of two)."""
+        self._make_views(kv_page, offsets, extras, shape)
+
+    def _make_views(self, kv_page: int, offsets: dict[str, int], extras: dict, shape: tuple[int, ...]) -> None:
+        """``kv_data`` (and the FP8 views) and the extra buffers' views over ``raw``."""
+        spec, ps, raw = self.spec, self.page_size, self.raw
+        if (extras and self.layout != "layer_first") or self.kv_format.quantized:
+            rec = raw.view(self.num_pages, self.page_nbytes)
+            if self.kv_format.quantized:
+                self.fp8_values, self.fp8_scales = self.kv_format.split(rec[:, :kv_page])
+                self.kv_data = self.fp8_values
+            else:
+                self.kv_data = rec[:, :kv_page].view(spec.dtype).view(shape)
             for name, (eshape, dt) in extras.items():
                 nb = ps * int(np.prod(eshape)) * torch.empty((), dtype=dt).element_size()
                 part = rec[:, offsets[name]:offsets[name] + nb]
@@ -211,7 +236,10 @@ class HostKVPool:
     # --- views -------------------------------------------------------------------------
     def paged_view(self) -> torch.Tensor:
         """6-D view ``[pages, page_size, layers, buffers, heads, dim]`` of the pool,
-        whatever the layout (what ``hicache.kernels.kv_copy`` addresses)."""
+        whatever the layout (what ``hicache.kernels.kv_copy`` addresses). Not for FP8 pools."""
+        if self.kv_format.quantized:
+            raise ValueError("an FP8 host pool (host_kv_dtype='fp8_e4m3') has no view in the model's dtype: read "
+                             "it through fp8_values / fp8_scales (the transfer engine dequantises)")
         d = self.kv_data
         if self.layout == "layer_first":
             b, l, _, h, dim = d.shape
@@ -228,7 +256,7 @@ class HostKVPool:
                              "got 'layer_first'")
         if not isinstance(page, int) or not 0 <= page < self.num_pages:
             raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
-        if self.extra:
+        if self.extra or self.kv_format.quantized:
             return self.raw.view(self.num_pages, self.page_nbytes)[page]
         return self.kv_data[page]
 
@@ -263,11 +291,19 @@ class HostKVPool:
         self._check_layer(layer)
         check_slots(slots, "slots", self.num_slots, (torch.device("cpu"),))
         s = slots.to(torch.int64)
-        rows = self.paged_view()[s // self.page_size, s % self.page_size, layer]  # [N, B, H, D]
+        if self.kv_format.quantized:
+            q = self.fp8_values[s // self.page_size, layer, :, s % self.page_size]  # [N, B, H, D]
+            scale = self.fp8_scales[s // self.page_size, layer]  # [N, B, H]
+            rows = (q.view(torch.float8_e4m3fn).float() * scale[..., None]).to(self.spec.dtype)
+        else:
+            rows = self.paged_view()[s // self.page_size, s % self.page_size, layer]  # [N, B, H, D]
         return tuple(rows[:, b].clone() for b in range(self.spec.num_buffers))
 
     def write_tokens(self, layer: int, slots: torch.Tensor, *bufs: torch.Tensor) -> None:
-        """Write ``bufs`` (k, v MHA / kv MLA; each ``[N, heads, dim]``) into ``slots`` of ``layer``."""
+        """Write ``bufs`` (k, v MHA / kv MLA; each ``[N, heads, dim]``) into ``slots`` of ``layer``.
+        Not for FP8 pools (a page's scale needs all of its tokens: ``write_pages``)."""
+        if self.kv_format.quantized:
+            raise ValueError("write_tokens cannot write single tokens of an FP8 host pool; use write_pages")
         self._check_layer(layer)
         check_slots(slots, "slots", self.num_slots, (torch.device("cpu"),), unique=True)
         if len(bufs) != self.spec.num_buffers:
@@ -280,10 +316,26 @@ class HostKVPool:
         data = torch.stack([t.to(device="cpu", dtype=self.spec.dtype) for t in bufs], dim=1)  # [N, B, H, D]
         self.paged_view()[s // self.page_size, s % self.page_size, layer] = data
 
+    def write_pages(self, pages: torch.Tensor, values: torch.Tensor) -> None:
+        """Write whole pages: ``values [P, layers, buffers, page_size, heads, dim]`` (the
+        model's dtype) into host ``pages [P]`` (int, unique), quantised for an FP8 pool."""
+        check_slots(pages, "pages", self.num_pages, (torch.device("cpu"),), unique=True)
+        want = (pages.numel(), *self.kv_format.value_shape)
+        if tuple(values.shape) != want:
+            raise ValueError(f"values must have shape {want}, got {tuple(values.shape)}")
+        p = pages.to(torch.int64)
+        if self.kv_format.quantized:
+            records = torch.empty((p.numel(), self.page_nbytes), dtype=torch.uint8)
+            self.kv_format.quantize_into(values.to(device="cpu", dtype=self.spec.dtype), records)
+            self.raw.view(self.num_pages, self.page_nbytes)[p] = records
+            return
+        view = self.paged_view()  # [pages, page_size, layers, buffers, heads, dim]
+        view[p] = values.to(device="cpu", dtype=self.spec.dtype).permute(0, 3, 1, 2, 4, 5)
+
     def nbytes(self) -> int:
         return self.raw.numel() + sum(t.numel() * t.element_size() for t in self.extra.values()
                                       if t.untyped_storage().data_ptr() != self.raw.untyped_storage().data_ptr())
 
     def __repr__(self) -> str:
-        return (f"HostKVPool(layout={self.layout}, num_slots={self.num_slots}, "
+        return (f"HostKVPool(layout={self.layout}, {self.kv_format.namespace_tag}, num_slots={self.num_slots}, "
                 f"{self.nbytes() / 1e9:.3g} GB, pinned={self.pin_memory})")

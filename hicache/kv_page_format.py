@@ -36,6 +36,12 @@ def check_host_kv_dtype(value: object, name: str = "host_kv_dtype") -> str:
     return value  # type: ignore[return-value]
 
 
+def namespace_suffix(host_kv_dtype: str) -> str:
+    """What an L3 namespace adds for pages in ``host_kv_dtype``: nothing for the model's
+    dtype, ``-kv-fp8e4m3-p2s`` for FP8 pages (see ``KVPageFormat.namespace_tag``)."""
+    return "" if check_host_kv_dtype(host_kv_dtype) == "auto" else "-kv-fp8e4m3-p2s"
+
+
 @dataclass(frozen=True)
 class KVPageFormat:
     """The bytes of one KV page outside the GPU for ``spec`` (see the module docstring)."""

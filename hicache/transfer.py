@@ -20,6 +20,11 @@ on the CPU) and filters bad entries with a host-side mask, so each call synchron
 host with the current stream once (``.cpu()`` of the indices); a backup also waits for each
 layer's staging copy before scattering it into the host pool. Use ``kernel`` on the decode
 hot path. On a CPU-only machine every copy is synchronous and handles are complete on return.
+
+An FP8 host pool (``HostKVPool(host_kv_dtype="fp8_e4m3")``) holds pages with per-page
+scales: loads dequantise any slot list (``hicache.kernels.fp8_token_load``); writes take
+whole pages only (``store_pages``, ``store_completed_pages_now``), which quantise each page
+and round its device rows to the stored values. The token-wise ``backup*`` calls refuse.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ import torch
 from hicache.config import IO_BACKENDS, check_layout_io  # IO_BACKENDS re-exported: ``from hicache.transfer import IO_BACKENDS``
 from hicache.device_pool import DeviceKVPool, _same_device, check_slots
 from hicache.host_pool import HostKVPool
+from hicache.kernels.fp8_page_store import fp8_page_store
+from hicache.kernels.fp8_token_load import fp8_token_load_reference, fp8_token_load_triton
 from hicache.kernels.kv_copy import KVCopyConfig, kv_copy_reference, kv_copy_triton, row_ids, row_matrix, row_segments
 from hicache.kernels.token_store import token_store_reference, token_store_triton
 from hicache.triton_support import announce_path, interpreter_enabled
@@ -125,10 +132,16 @@ class KVTransferEngine:
             raise ValueError("io_backend='kernel' reads host memory from the GPU and needs a pinned host pool "
                              "(HostKVPool(pin_memory=True)); use io_backend='direct' otherwise")
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self._host_view = host_pool.paged_view()
+        self.fp8 = host_pool.kv_format.quantized
+        """The host pool holds FP8 pages (whole-page writes, dequantising loads)."""
         self._dev_view = device_pool.paged_view()
-        _, row_len = row_segments(self._host_view, self._dev_view)
-        self._host_run_bytes = host_pool.page_size * row_len * self.spec.element_size
+        if self.fp8:
+            self._host_view = None
+            self._host_run_bytes = host_pool.page_nbytes
+        else:
+            self._host_view = host_pool.paged_view()
+            _, row_len = row_segments(self._host_view, self._dev_view)
+            self._host_run_bytes = host_pool.page_size * row_len * self.spec.element_size
         # The kernel backend runs Triton on CUDA, and under the interpreter on CPU tensors.
         self._triton = io_backend == "kernel" and (self.is_cuda or interpreter_enabled())
         announce_path("kv_transfer", f"{io_backend}:{'triton' if self._triton else 'torch'}")
@@ -194,6 +207,7 @@ class KVTransferEngine:
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor, layers: int | Iterable[int] | None = None,
                *, allow_padding: bool = False) -> TransferHandle:
         """Device → host: ``host[host_slots[i]] = device[device_slots[i]]`` for ``layers``."""
+        self._refuse_token_writes("backup")
         self._check_pair(host_slots, device_slots, writes_device=False, allow_padding=allow_padding, full=True)
         return self._run(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layers), to_device=False)
 
@@ -207,6 +221,7 @@ class KVTransferEngine:
         """Device → host for one layer on the current stream; ``-1`` entries skipped.
         Sync-free with the ``kernel`` backend only (``direct`` reads the indices on the host
         and waits for its staging copy)."""
+        self._refuse_token_writes("backup_layer_now")
         self._check_pair(host_slots, device_slots, writes_device=False, allow_padding=True, full=False)
         self._copy_now(self._dev_view, self._host_view, device_slots, host_slots, self._layers(layer), to_device=False)
 
@@ -218,6 +233,7 @@ class KVTransferEngine:
         this engine addresses (e.g. a decoded token kept in another pool). The ``kernel``
         backend writes every buffer in one launch, sync-free; ``direct`` (and a CPU pool
         without the interpreter) goes through the host with torch (reads the indices there)."""
+        self._refuse_token_writes("backup_tokens_from")
         layer = self._layers(layer)[0]
         nb = self.spec.num_buffers
         if len(sources) != nb:
@@ -240,6 +256,49 @@ class KVTransferEngine:
             token_store_triton(self._host_view, layer, self._on_device(host_slots), srcs)
         else:
             token_store_reference(self._host_view, layer, host_slots, srcs)
+
+    # --- FP8 host pools: whole pages ---------------------------------------------------
+    def _refuse_token_writes(self, call: str) -> None:
+        if self.fp8:
+            raise ValueError(f"{call} writes single tokens, which an FP8 host pool cannot take (a page's scale needs "
+                             f"all of its tokens): use store_pages / store_completed_pages_now")
+
+    def store_pages(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
+        """FP8 host pools: whole pages of every layer, ``device_pages [P]`` -> ``host_pages
+        [P]`` (int, page ids; ``-1`` skipped), quantised, and the device rows rounded to the
+        stored values, on the current stream (sync-free on CUDA)."""
+        if not self.fp8:
+            raise ValueError("store_pages is for FP8 host pools (host_kv_dtype='fp8_e4m3'); use backup")
+        ps = self.spec.page_size
+        dev_pages = self._on_device(device_pages).long()
+        slots = dev_pages[:, None] * ps + torch.arange(ps, device=dev_pages.device)[None, :]
+        slots = torch.where(dev_pages[:, None] >= 0, slots, -1)
+        hp = self.host_pool
+        fp8_page_store(self._dev_view, slots, hp.fp8_values, hp.fp8_scales, self._on_device(host_pages).long(), 0,
+                       self.spec.num_layers, round_device=True)
+
+    def store_completed_pages_now(self, layer: int, device_slots: torch.Tensor, host_slots: torch.Tensor,
+                                  pool: DeviceKVPool | None = None, pool_layer: int | None = None) -> None:
+        """FP8 host pools, one layer, on the current stream (CUDA-graph safe): for each ``i``
+        whose ``host_slots[i]`` is the last slot of its host page, the whole page holding
+        device slot ``device_slots[i]`` (in ``pool``'s layer ``pool_layer``; default this
+        engine's device pool and ``layer``) is quantised into that host page's ``layer``,
+        and its device rows are rounded to the stored values. Other entries, and ``-1``, do
+        nothing."""
+        if not self.fp8:
+            raise ValueError("store_completed_pages_now is for FP8 host pools (host_kv_dtype='fp8_e4m3')")
+        layer = self._layers(layer)[0]
+        pool = self.device_pool if pool is None else pool
+        pool_layer = layer if pool_layer is None else pool_layer
+        ps = self.spec.page_size
+        h = self._on_device(host_slots).long()
+        d = self._on_device(device_slots).long()
+        last = (h >= 0) & (h % ps == ps - 1) & (d >= 0)
+        host_pages = torch.where(last, h // ps, -1)
+        slots = (d - d % ps)[:, None] + torch.arange(ps, device=d.device)[None, :]
+        hp = self.host_pool
+        fp8_page_store(pool.paged_view()[:, :, pool_layer:pool_layer + 1], slots, hp.fp8_values[:, layer:layer + 1],
+                       hp.fp8_scales[:, layer:layer + 1], host_pages, 0, 1, round_device=True)
 
     # --- execution ---------------------------------------------------------------------
     def _run(self, src, dst, src_slots, dst_slots, layers: tuple[int, ...], *, to_device: bool) -> TransferHandle:
@@ -291,6 +350,11 @@ class KVTransferEngine:
     def _copy(self, src, dst, src_slots, dst_slots, layers, *, to_device: bool, keepalive: list | None) -> None:
         """Copy on the current stream (the engine stream inside ``_run``)."""
         if src_slots.numel() == 0:
+            return
+        if self.fp8:  # loads only (token writes refuse before they get here)
+            load = fp8_token_load_triton if self._triton else fp8_token_load_reference
+            for start, count in _layer_runs(layers):
+                load(self.host_pool.fp8_values, self.host_pool.fp8_scales, dst, src_slots, dst_slots, start, count)
             return
         if self._triton:
             for start, count in _layer_runs(layers):

@@ -9,13 +9,14 @@ from typing import Optional
 import torch
 
 from hicache.config import HOST_LAYOUTS, HiCacheConfig, check_layout_io
+from hicache.kv_page_format import HOST_KV_DTYPES
 from sparsehi.config import IO_BACKENDS, SparseConfig
 from sparsehi.kernels.lru_diff import MAX_SLOTS
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLAG_OF = {"device_buffer_size": "--buffer-size", "top_k": "--top-k", "page_size": "--page-size",
             "sink_tokens": "--sink-tokens", "recent_tokens": "--recent-tokens", "io_backend": "--io-backend",
-            "host_to_device_ratio": "--hicache-ratio"}
+            "host_to_device_ratio": "--hicache-ratio", "host_kv_dtype": "--host-kv-dtype"}
 
 
 def _positive(name: str):
@@ -143,6 +144,10 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-backend", choices=IO_BACKENDS, default=None,
                    help="host->device loads: kernel (Triton zero-copy gather) or direct (default kernel; SGLang's "
                         "name: --hicache-io-backend)")
+    g.add_argument("--host-kv-dtype", choices=HOST_KV_DTYPES, default="auto",
+                   help="KV in the host pool and L3: auto (the model's dtype) or fp8_e4m3 (E4M3 pages with per-page, "
+                        "per-head power-of-two scales: half the host and PCIe bytes; the host layout defaults to "
+                        "page_first)")
     HiCacheConfig.add_cli_args(p)
     # The layout and io flags above are the same settings under SGLang's names: unset here,
     # so _hicache_config can tell a given flag from a default and reject two that disagree.
@@ -272,7 +277,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
         ratio = {} if hc.hicache_size > 0 else {"host_to_device_ratio": float(hc.hicache_ratio)}
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                          io_backend=args.io_backend, **ratio)
+                          io_backend=args.io_backend, host_kv_dtype=args.host_kv_dtype, **ratio)
     except ValueError as e:
         msg = str(e)
         for field_name, flag in _FLAG_OF.items():
@@ -376,9 +381,10 @@ def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         extra.setdefault("index_head_dim", mcfg.index_head_dim)
     state = create_algorithm(_replace(sc, sparse_extra_config=extra), device).token_state_bytes()
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=batch, max_context_len=max_context_len,
-                       host_kv_gb=hc.hicache_size)
+                       host_kv_gb=hc.hicache_size, host_layout=args.host_layout)
     try:
-        rt.host_tokens(host_token_bytes(mcfg, dtype) + mcfg.num_layers * state, mcfg.name)
+        kv = host_token_bytes(mcfg, dtype, sc.host_kv_dtype, sc.page_size)
+        rt.host_tokens(kv + mcfg.num_layers * state, mcfg.name)
     except ValueError as e:
         parser.error(str(e))
 
@@ -387,7 +393,9 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
     """The ``--hicache-*`` flags as a validated HiCacheConfig (page size: the run's). Also
     settles ``args.host_layout`` / ``args.io_backend`` from either name of each."""
     _check_hicache_modes(args, parser)
-    args.host_layout = _same_setting(args, parser, "host_layout", "hicache_mem_layout", "layer_first")
+    fp8 = getattr(args, "host_kv_dtype", "auto") == "fp8_e4m3"  # FP8 page records live in page_first
+    args.host_layout = _same_setting(args, parser, "host_layout", "hicache_mem_layout",
+                                     "page_first" if fp8 else "layer_first")
     args.io_backend = _same_setting(args, parser, "io_backend", "hicache_io_backend", "kernel")
     try:
         check_layout_io(args.host_layout, args.io_backend, "--host-layout", "--io-backend")

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 SPARSE_BACKENDS = ("flashattention", "triton", "dsa")
 from hicache.config import IO_BACKENDS  # noqa: E402  (defined once, in hicache)
+from hicache.kv_page_format import HOST_KV_DTYPES  # noqa: E402
 from sparsehi.kernels.lru_diff import MAX_SLOTS  # noqa: E402  (the kernel's limit)
 
 
@@ -69,6 +70,11 @@ class SparseConfig:
     io_backend: str = "kernel"
     """Host->device loads of missed pages: ``kernel`` (Triton zero-copy gather) or
     ``direct`` (torch indexing + copies on a side stream)."""
+    host_kv_dtype: str = "auto"
+    """KV outside the GPU (host pool, L3): ``auto`` (the model's dtype) or ``fp8_e4m3``
+    (E4M3 pages with one power-of-two scale per layer, buffer and head; half the bytes).
+    Complete pages are quantised once, and their GPU copies rounded to the stored values;
+    ``sparse-gpu`` with ``fp8_e4m3`` rounds its pages the same way (the exact reference)."""
     sparse_extra_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,5 +137,10 @@ class SparseConfig:
             bad("max_sparse_requests", "None or an integer >= 1 (not a bool)")
         if not isinstance(self.io_backend, str) or self.io_backend not in IO_BACKENDS:
             bad("io_backend", f"one of {IO_BACKENDS}")
+        if self.host_kv_dtype not in HOST_KV_DTYPES:
+            bad("host_kv_dtype", f"one of {HOST_KV_DTYPES}")
+        if self.host_kv_dtype == "fp8_e4m3" and self.io_backend != "kernel":
+            bad("host_kv_dtype", "'auto' with io_backend='direct' (FP8 pages are read and written by the kernel "
+                                 "io backend's copy kernels)")
         if not isinstance(self.sparse_extra_config, dict):
             bad("sparse_extra_config", "a dict")

@@ -41,6 +41,7 @@ import torch
 from hicache.device_pool import DeviceKVPool
 from hicache.triton_support import cdiv
 from sparsehi.config import SparseConfig
+from sparsehi.fp8_pages import round_pages
 from sparsehi.page_tables import BufferSizes, PageTables, page_entries
 from sparsehi.prefill import HostPrefill
 from sparsehi.request_table import FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
@@ -212,12 +213,6 @@ class SparseKVCacheManager:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _sync_host_writes(self) -> None:
-        """Block the host until every device->host write queued so far on the current stream
-        has landed (no-op on CPU, where copies are synchronous)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int], token_slots: torch.Tensor,
                        host_slots: Optional[list[torch.Tensor]] = None, free_device_kv: bool = True) -> None:
@@ -267,8 +262,19 @@ class SparseKVCacheManager:
                 self.requests.device[r, :P] = dev_pages[i].numpy()
                 self._mark_prefilled(r, seq_lens[i], dense[i])
                 self.tables.context_pages[r, :P] = dev_pages[i].to(self.device, torch.int32)
+            if self.config.host_kv_dtype == "fp8_e4m3":
+                self._round_complete_pages(seq_lens, dev_pages)
             return
         self._host_prefill.offload(rows, seq_lens, prefix_lens, ts_cpu, dev_pages, dense, host_slots, free_device_kv)
+
+    def _round_complete_pages(self, seq_lens: list[int], dev_pages: list[torch.Tensor]) -> None:
+        """gpu_only with FP8 host KV (the exact reference of sparse-hier's): every complete
+        prompt page rounded in place, every layer, as FP8 host pages would store it."""
+        ps = self.sizes.page_size
+        pages = torch.cat([dp[: seq // ps] for seq, dp in zip(seq_lens, dev_pages)]).to(self.device)
+        if pages.numel():
+            slots = pages[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
+            round_pages(self.device_pool.paged_view(), slots, torch.ones_like(pages, dtype=torch.bool))
 
     def adopt_prompt(self, rows: list[int], seq_lens: list[int], token_slots: torch.Tensor,
                      host_slots: torch.Tensor) -> None:

@@ -75,7 +75,14 @@ class HostPrefill:
                 self.dense_pool.allocator.free_pages(dp)
             raise
         # one all-layer offload for the whole batch
-        handle = self.transfer.backup(src.to(self.device), dst, None) if src.numel() else None
+        if getattr(self.transfer, "fp8", False):
+            # FP8 host pages: the prompts' complete pages, quantised, their device rows rounded
+            # before the sink / recent copies below read them (same stream); a last partial
+            # page is stored when decode completes it
+            self._store_complete_pages(seq_lens, prefix_lens, dev_pages, host_lists)
+            handle = None
+        else:
+            handle = self.transfer.backup(src.to(self.device), dst, None) if src.numel() else None
         dl = torch.tensor(self.dense_layers, dtype=torch.int64, device=self.device)
         for i, r in enumerate(rows):
             self._place_row(r, seq_lens[i], host_lists[i], dev_pages[i], got_buf[i], dense[i],
@@ -91,6 +98,21 @@ class HostPrefill:
                 own = dev_pages[i][cdiv(prefix_lens[i], ps):]
                 if own.numel():
                     alloc.free_pages(own)
+
+    def _store_complete_pages(self, seq_lens: list[int], prefix_lens: list[int], dev_pages: list[torch.Tensor],
+                              host_lists: list[torch.Tensor]) -> None:
+        """FP8 host pool: each row's complete pages from ``prefix_lens[i]`` on (a reused
+        prefix, whole pages, is on host already) to their host pages, every layer."""
+        ps = self.sizes.page_size
+        dev_sel, host_sel = [], []
+        for seq, pre, dp, hp in zip(seq_lens, prefix_lens, dev_pages, host_lists):
+            if pre % ps:
+                raise ValueError(f"prefix_lens must be whole pages with FP8 host KV (page_size={ps}), got {pre}")
+            dev_sel.append(dp[pre // ps: seq // ps])
+            host_sel.append(hp[pre // ps: seq // ps])
+        dev_all, host_all = torch.cat(dev_sel), torch.cat(host_sel)
+        if dev_all.numel():
+            self.transfer.store_pages(dev_all.to(self.device), host_all.to(self.device))
 
     def _host_pages(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int], ts_cpu: torch.Tensor,
                     host_slots: Optional[list[torch.Tensor]],

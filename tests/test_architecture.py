@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "sparsehi.page_tables", "sparsehi.lru_buffer", "sparsehi.swap_in_stats", "sparsehi.row_choice",
               "sparsehi.input_checks")),
     ("policies", ("sparsehi.algorithms", "sparsehi.adaptors")),
-    ("sparse state", ("sparsehi.prefill", "sparsehi.kv_manager", "sparsehi.decode")),
+    ("sparse state", ("sparsehi.fp8_pages", "sparsehi.prefill", "sparsehi.kv_manager", "sparsehi.decode")),
     ("door", ("sparsehi.coordinator",)),
     ("engines", ("sparsehi.runtime", "sparsehi.sglang_plugin", "sparsehi.cli", "sparsehi.__main__")),
 ]

@@ -21,7 +21,8 @@ for values above the format's subnormal range. Inputs must be finite.
 (e.g. pages of the host pool written in place, zero-copy over pinned memory on CUDA).
 
 Entry points: ``fp8_page_quantize`` (dispatch), ``fp8_page_quantize_triton``,
-``fp8_page_quantize_reference``; ``power_of_two_exponent_reference`` (the scale rule alone).
+``fp8_page_quantize_reference``; ``power_of_two_exponent_reference`` (the scale rule alone);
+the device functions ``page_scale`` and ``e4m3_bits``, which the transfer kernels inline.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def fp8_page_quantize_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.
 
 
 @triton.jit
-def _e4m3_bits(v):
+def e4m3_bits(v):
     """float32 ``v`` with ``|v| <= 448`` -> its E4M3 (fn) encoding, rounded to nearest even,
     in integer arithmetic (the same bits on every backend; the interpreter's own float8
     cast does not round to nearest even)."""
@@ -99,6 +100,15 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def page_scale(amax):
+    """float32 ``amax >= 0`` -> ``(2**k, 2**-k)``, the module's scale rule, from exponent bits."""
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.where(amax > 0, tl.minimum(tl.maximum(k, -126), 126), 0)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp8_page_quantize_kernel(x_ptr, q_ptr, s_ptr, G, T, D, sxp, sxg, sxt, sxh, sqp, sqg, sqt, sqh, ssp, ssg, ssh,
                               BT: tl.constexpr, BD: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -110,13 +120,8 @@ def _fp8_page_quantize_kernel(x_ptr, q_ptr, s_ptr, G, T, D, sxp, sxg, sxt, sxh, 
     m = (t[:, None] < T) & (d[None, :] < D)
     x = tl.load(x_ptr + p * sxp + g * sxg + h * sxh + t[:, None] * sxt + d[None, :], mask=m, other=0.0)
     x = x.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    bits = amax.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    k = tl.where(amax > 0, tl.minimum(tl.maximum(k, -126), 126), 0)
-    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    inverse = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    q = _e4m3_bits(x * inverse)
+    scale, inverse = page_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    q = e4m3_bits(x * inverse)
     tl.store(q_ptr + p * sqp + g * sqg + h * sqh + t[:, None] * sqt + d[None, :], q.to(tl.uint8), mask=m)
     tl.store(s_ptr + p * ssp + g * ssg + h * ssh, scale)
 

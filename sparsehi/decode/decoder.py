@@ -29,6 +29,7 @@ from hicache.triton_support import INT32_MAX
 from sparsehi.algorithms.base import check_selection
 from sparsehi.config import SparseConfig
 from sparsehi.decode.state import CandidateTables, DecodeState
+from sparsehi.fp8_pages import page_slots_of, round_pages
 from sparsehi.kernels.dense_pages import DensePages, dense_pages
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
 from sparsehi.kernels.selection_table import SelectionTable, selection_table
@@ -157,6 +158,13 @@ class SparseDecoder:
         self.sparse_index = {layer: i for i, layer in enumerate(sparse_layers)}
         """Sparse layer id -> its plane in the LRU state and the step's counts."""
         self.selection_mode = SparseMode.TOKEN_WISE if sizes.page_size == 1 else SparseMode.PAGE_WISE
+        self.fp8 = config.host_kv_dtype == "fp8_e4m3"
+        """FP8 host KV: complete pages are quantised to host (hierarchical) or rounded in
+        place (gpu_only) after their last token's layer (``fp8_pages``); misses load
+        through the engine's dequantising copy."""
+        if self.fp8 and host_tokens:
+            raise ValueError("host_kv_dtype='fp8_e4m3' needs host_addressing='pages' (whole host pages)")
+        self._dense_pool = dense_pool
         self.engine_residency: Optional[tuple[torch.Tensor, int]] = None
         """``(v2p, page_size)``: host slots whose KV the engine still holds on the GPU
         (``host_addressing='tokens'``); the swap-in reads those from GPU memory."""
@@ -177,11 +185,13 @@ class SparseDecoder:
         if hierarchical:
             self.lru = LruState.empty(len(sparse_layers), max_num_reqs, sizes.lru_slots, sizes.max_pages, device)
             self._lru_planes = [self.lru.layer(i) for i in range(len(sparse_layers))]
-            self._host_view = host_pool.paged_view()
+            self._host_view = None if self.fp8 else host_pool.paged_view()
             self._dev_view = device_pool.paged_view()
             # the swap-in's own copy kernel reads pinned host memory from the GPU (the
-            # ``kernel`` io backend); ``direct`` on CUDA keeps the engine's path
-            self._fused_copy = device.type != "cuda" or getattr(transfer, "io_backend", "kernel") == "kernel"
+            # ``kernel`` io backend); ``direct`` on CUDA keeps the engine's path, and FP8
+            # pages load through the engine's dequantising copy
+            self._fused_copy = (not self.fp8 and (device.type != "cuda"
+                                                  or getattr(transfer, "io_backend", "kernel") == "kernel"))
             if host_tokens and not self._fused_copy:
                 raise ValueError("host_addressing='tokens' needs io_backend='kernel' (the swap-in's own copy kernel)")
         self.reset_stats()
@@ -461,7 +471,11 @@ class SparseDecoder:
 
     def backup_token(self, layer: int, state: DecodeState, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
         """Hierarchical: copy the new token of ``layer`` to its host slot (per layer, so the
-        page is complete on host before it leaves the recent window). Graph-safe."""
+        page is complete on host before it leaves the recent window). FP8 host KV: the pages
+        this token completes instead (``fp8_pages``). Graph-safe."""
+        if self.fp8:
+            self._store_completed_pages(layer, state)
+            return
         if not self.hierarchical or self.host_tokens:  # token addressing: the engine writes its host copy
             return
         if self._layer_pool[layer][3]:
@@ -470,6 +484,25 @@ class SparseDecoder:
             self.transfer.backup_tokens_from(layer, state.host_loc, *(k, v)[: self.device_pool.spec.num_buffers])
             return
         self.transfer.backup_layer_now(layer, state.out_loc, state.host_loc)
+
+    def _store_completed_pages(self, layer: int, state: DecodeState) -> None:
+        """FP8 host KV: the pages whose last token this step wrote, of ``layer``, to their
+        host pages (hierarchical) or rounded in place (gpu_only)."""
+        own_pool = self._layer_pool[layer][3]
+        if self.hierarchical:
+            if own_pool:
+                self.transfer.store_completed_pages_now(layer, state.dense_loc, state.host_loc, pool=self._dense_pool,
+                                                        pool_layer=self.dense_layers.index(layer))
+            else:
+                self.transfer.store_completed_pages_now(layer, state.out_loc, state.host_loc)
+            return
+        ps = self.sizes.page_size
+        complete = state.live & (state.seq_lens % ps == 0)
+        view = self._dev_view_of_layer(layer)
+        round_pages(view, page_slots_of(state.out_loc, ps), complete)
+
+    def _dev_view_of_layer(self, layer: int) -> torch.Tensor:
+        return self.device_pool.paged_view()[:, :, layer:layer + 1]
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:

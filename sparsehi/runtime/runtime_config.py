@@ -138,6 +138,11 @@ class RuntimeConfig:
 
         if self.host_layout not in HOST_LAYOUTS:
             raise ValueError(f"RuntimeConfig.host_layout={self.host_layout!r} is invalid: one of {HOST_LAYOUTS}")
+        # FP8 host KV is sparse-hier's (sparse-gpu rounds its pages the same way; other modes
+        # keep the model's dtype everywhere)
+        if self.sparse.host_kv_dtype == "fp8_e4m3" and self.mode == "sparse-hier" and self.host_layout != "page_first":
+            raise ValueError(f"--host-kv-dtype fp8_e4m3 needs host_layout='page_first' (FP8 page records), got "
+                             f"{self.host_layout!r}")
         if not isinstance(self.host_kv_gb, (int, float)) or isinstance(self.host_kv_gb, bool) or self.host_kv_gb < 0:
             raise ValueError(f"RuntimeConfig.host_kv_gb (--hicache-size) must be a number of GB >= 0, "
                              f"got {self.host_kv_gb!r}")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hicache.device_pool import DeviceKVPool
+from hicache.kv_page_format import KVPageFormat
 from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
 from sparsehi.kernels.store_kv import store_kv
@@ -69,12 +70,14 @@ def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
                        head_dim=cfg.cache_head_dim, dtype=rt.dtype, page_size=rt.page_size, **kw)
 
 
-def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Host pool bytes of one token of ``cfg`` (all layers): what ``--hicache-size`` GB are
-    divided by to size the host pool of a host mode."""
+def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype, host_kv_dtype: str = "auto", page_size: int = 1) -> int:
+    """Host pool bytes of one token of ``cfg`` (all layers; FP8 pages: values and the page's
+    scales over its ``page_size`` tokens, rounded up): what ``--hicache-size`` GB are divided
+    by to size the host pool of a host mode."""
     kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
-    return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
-                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=1, **kw).token_bytes
+    spec = KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
+                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=page_size, **kw)
+    return -(-KVPageFormat(spec, host_kv_dtype).page_bytes // page_size)
 
 
 def free_page_row(allocator, row: np.ndarray) -> None:
@@ -247,7 +250,7 @@ class RuntimeMode:
     def close(self) -> None:
         pass
 
-    def _host_pool(self, n_tokens: int, extra: Optional[dict] = None):
+    def _host_pool(self, n_tokens: int, extra: Optional[dict] = None, host_kv_dtype: str = "auto"):
         """The mode's HostKVPool: ``rt.host_pool`` reused (allocator cleared) or a new one
         of at least ``n_tokens`` slots (and more than the device pool, as HiCache requires)
         with the extra per-token buffers ``extra`` (``HostKVPool(extra_token_buffers=...)``;
@@ -258,12 +261,16 @@ class RuntimeMode:
         if hp is not None:
             if hp.spec != self.spec:
                 raise ValueError(f"RuntimeConfig.host_pool has spec {hp.spec}, this model needs {self.spec}")
+            if hp.kv_format.host_kv_dtype != self.rt.sparse.host_kv_dtype:
+                raise ValueError(f"RuntimeConfig.host_pool holds {hp.kv_format.host_kv_dtype} pages, --host-kv-dtype "
+                                 f"is {self.rt.sparse.host_kv_dtype}")
             if hp.num_slots < n_tokens:
                 raise ValueError(f"RuntimeConfig.host_pool holds {hp.num_slots} slots < {n_tokens} needed")
             hp.allocator.clear()
             return hp
         ratio = max(n_tokens / self.pool.num_slots, 1.0) + 1e-6
-        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout, extra_token_buffers=extra)
+        return HostKVPool(self.pool, hicache_ratio=ratio, layout=self.rt.host_layout, extra_token_buffers=extra,
+                          host_kv_dtype=host_kv_dtype)
 
 
 # ============================================================================== dense

@@ -36,6 +36,7 @@ from typing import Any, Callable, Hashable, Optional
 import numpy as np
 import torch
 
+from hicache.kv_page_format import KVPageFormat
 from hicache.layer_sync import LayerLoadCounter
 from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
@@ -111,7 +112,7 @@ class SparseCoordinatorMode(RuntimeMode):
         if self.hierarchical:
             n_host = rt.host_tokens(self.host_token_bytes(), cfg.name)
             extra = {STATE_BUFFER: ((cfg.num_layers, self.state_bytes), torch.uint8)} if self.state_bytes else None
-            self.host = self._host_pool(n_host, extra)
+            self.host = self._host_pool(n_host, extra, sc.host_kv_dtype)
             if self.state_bytes and STATE_BUFFER not in self.host.extra:
                 logger.info("RuntimeConfig.host_pool has no %s buffer: %s prefixes are recomputed, not reused",
                             STATE_BUFFER, sc.algorithm)
@@ -159,8 +160,14 @@ class SparseCoordinatorMode(RuntimeMode):
             self.peak_host_tokens = max(self.peak_host_tokens, (a.num_pages - 1 - a.num_free_pages()) * a.page_size)
 
     def host_token_bytes(self) -> int:
-        """KV plus the algorithm's per-token state of every layer."""
-        return super().host_token_bytes() + self.cfg.num_layers * self.state_bytes
+        """KV (FP8 pages with their scales, under ``--host-kv-dtype fp8_e4m3``) plus the
+        algorithm's per-token state of every layer."""
+        return self.host_kv_token_bytes() + self.cfg.num_layers * self.state_bytes
+
+    def host_kv_token_bytes(self) -> int:
+        """Host bytes of one token's KV, all layers, in the host pool's page format."""
+        fmt = KVPageFormat(self.spec, self.rt.sparse.host_kv_dtype)
+        return -(-fmt.page_bytes // self.spec.page_size)
 
     def extra_gpu_bytes(self) -> int:
         dp = self.coord.dense_pool
@@ -168,7 +175,7 @@ class SparseCoordinatorMode(RuntimeMode):
 
     def memory(self) -> dict[str, float]:
         out = super().memory()
-        out["host_kv_bytes"] = float(self.peak_host_tokens * self.spec.token_bytes)
+        out["host_kv_bytes"] = float(self.peak_host_tokens * self.host_kv_token_bytes())
         out["representation_bytes"] = float(self.algorithm.representation_bytes())
         return out
 
