@@ -133,3 +133,33 @@ def test_cuda_fp8_sparse_hier_equals_fp8_sparse_gpu(name, algo, ps):
         if mode == "sparse-hier":
             assert res.stats["misses"] > 0
     assert toks["sparse-hier"] == toks["sparse-gpu"]
+
+
+def _cli_run(out_dir, l3_dir, host_kv_dtype):
+    import json
+
+    from sparsehi.cli import main
+
+    args = ["run", "--context", "96", "--batch", "1", "--decode-tokens", "4", "--num-layers", "2", "--modes",
+            "sparse-hier", "--top-k", "32", "--sink-tokens", "16", "--recent-tokens", "16", "--page-size", "16",
+            "--device", "cpu", "--no-forced", "--no-progress", "--host-kv-dtype", host_kv_dtype,
+            "--hicache-mem-layout", "page_first", "--hicache-storage-backend", "file",
+            "--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend-extra-config",
+            json.dumps({"prefetch_threshold": 32, "file_path": str(l3_dir)}), "--output-dir", str(out_dir)]
+    assert main(args) == 0
+    data = json.loads((out_dir / "run.json").read_text())
+    return data, next(r for r in data["rows"] if r["mode"] == "sparse-hier")
+
+
+def test_fp8_pages_round_trip_through_a_file_store_and_stay_in_their_namespace(tmp_path):
+    """A second process-like run (fresh host memory) prefetches the FP8 pages the first wrote
+    and generates its tokens; a run in the model's dtype over the same directory finds none
+    of them."""
+    first, r1 = _cli_run(tmp_path / "a", tmp_path / "l3", "fp8_e4m3")
+    assert r1["l3_hit_tokens"] == 0 and r1["l3_pages_written"] > 0
+    second, r2 = _cli_run(tmp_path / "b", tmp_path / "l3", "fp8_e4m3")
+    assert r2["l3_hit_tokens"] == 96 and r2["l3_bytes_fetched"] > 0
+    assert second["tokens"] == first["tokens"]
+    assert first["l3_model_name"].endswith("-kv-fp8e4m3-p2s")
+    third, r3 = _cli_run(tmp_path / "c", tmp_path / "l3", "auto")
+    assert r3["l3_hit_tokens"] == 0 and not third["l3_model_name"].endswith("-kv-fp8e4m3-p2s")
