@@ -459,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "every weight byte (reads the checkpoint once more; identical copies share KV) "
                           "(default metadata; needs --model-path and --hicache-storage-backend)")
     _add_common(run)
+    _add_disaggregation_args(run)
     run.set_defaults(subparser=run)
     bench = sub.add_parser("bench", help="sweep contexts x batches x modes; JSON of tokens/s, hit rate, memory",
                            description="Decode throughput sweep with the runtime (synthetic prompts). For the GPU "
@@ -477,6 +478,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    g.add_argument("--disaggregation", choices=("prefill", "decode"), default=None,
+                   help="run one side of a prefill/decode split over --hicache-storage-backend (sparse-hier only): "
+                        "prefill computes the prompts and publishes their KV; decode takes it into its host pool "
+                        "without a prefill, decodes, and writes its decode pages back to L3")
+    g.add_argument("--disaggregation-wait-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="decode: longest wait for a prompt's KV to be published (default 30)")
+    g.add_argument("--disaggregation-on-missing", choices=("recompute", "refuse"), default="recompute",
+                   help="decode, when a prompt's KV is not published in time or a page is missing or fails its "
+                        "digest: recompute the prompt here (default) or refuse the request (exit code 3)")
+
+
+def _disaggregation(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """``--disaggregation*`` as a DisaggregationConfig (None without ``--disaggregation``);
+    without ``--modes`` the command runs sparse-hier only."""
+    if args.disaggregation is None:
+        given = [f for f, on in (("--disaggregation-wait-timeout", args.disaggregation_wait_timeout != 30.0),
+                                 ("--disaggregation-on-missing", args.disaggregation_on_missing != "recompute"))
+                 if on]
+        if given:
+            parser.error(f"{given[0]} applies with --disaggregation decode")
+        return None
+    if args.modes is None:
+        args.modes = ["sparse-hier"]
+    if args.modes != ["sparse-hier"]:
+        parser.error(f"--disaggregation runs the sparse-hier mode only: --modes sparse-hier, got "
+                     f"{','.join(args.modes)}")
+    if args.hicache_storage_backend is None:
+        parser.error("--disaggregation needs --hicache-storage-backend (e.g. mooncake): the KV is handed over "
+                     "through it")
+    from sparsehi.runtime.disaggregation import DisaggregationConfig
+
+    try:
+        return DisaggregationConfig(args.disaggregation, args.disaggregation_wait_timeout,
+                                    args.disaggregation_on_missing)
+    except ValueError as e:
+        parser.error(f"--disaggregation-wait-timeout: {e}")
+
+
 def _setup_kwargs(args: argparse.Namespace, modes: list[str], sparse, device: str, dtype: torch.dtype) -> dict:
     """The :class:`~sparsehi.runtime.run_setup.RunSetup` fields both commands take from the
     common options."""
@@ -491,6 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    pd = _disaggregation(args, args.subparser) if args.command == "run" else None
     from sparsehi.runtime.runtime_config import RUNTIME_MODES
     from sparsehi.runtime.weights import CheckpointError
 
@@ -503,11 +545,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          args.context + args.decode_tokens, RUN_FILES)
             _check_host_size(args, args.subparser, sc, device, dtype, args.batch, args.context + args.decode_tokens + 1)
             identity = _check_checkpoint_identity(args, args.subparser)
-            run_demo(DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
-                                context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
-                                shared_prefix=args.shared_prefix, forced=not args.no_forced,
-                                cache_salt=args.cache_salt, l3_checkpoint_identity=identity,
-                                progress=not args.no_progress))
+            cfg = DemoConfig(**_setup_kwargs(args, modes, sc, device, dtype),
+                             context=args.context, batch=args.batch, decode_tokens=args.decode_tokens,
+                             shared_prefix=args.shared_prefix, forced=not args.no_forced,
+                             cache_salt=args.cache_salt, l3_checkpoint_identity=identity,
+                             progress=not args.no_progress)
+            if pd is None:
+                run_demo(cfg)
+            else:
+                from sparsehi.runtime.pd_run import run_disaggregated
+
+                run_disaggregated(cfg, pd)
             return 0
         from sparsehi.runtime.bench import BENCH_FILES, BenchConfig, run_bench
 
@@ -521,6 +569,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     except CheckpointError as e:  # found only while loading the tensors, after the up-front header check
         _fail(args.subparser, f"--model-path {e}")
+    except Exception as e:
+        from hicache.storage.kv_handoff import HandoffError
+
+        if not isinstance(e, HandoffError):
+            raise
+        print(f"sparsehi run --disaggregation {args.disaggregation}: {e}", file=sys.stderr)
+        return 3
     return 2
 
 
