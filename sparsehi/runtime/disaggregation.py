@@ -36,7 +36,6 @@ from hicache.storage.kv_handoff import (HandoffError, HandoffKeys, HandoffRecord
                                         wait_for_record)
 from sparsehi.runtime.runner import GenerationResult, ModelRunner
 from sparsehi.runtime.runtime_mode import Request, RuntimeMode, _sync
-from sparsehi.runtime.sparse_mode import STATE_BUFFER
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +126,9 @@ def _check_mode(runner: ModelRunner) -> RuntimeMode:
     if mode.host.layout == "layer_first":
         raise ValueError("disaggregation moves whole host pages: host_layout must be page_first, "
                          "page_first_direct or page_head, got layer_first")
+    if mode.host.kv_format.quantized:
+        raise ValueError("disaggregation with --host-kv-dtype fp8_e4m3 is not supported: a prompt's partial last "
+                         "page is not quantised until decode completes it, so it cannot be handed over")
     if mode.state_bytes and not mode.keeps_state:
         raise ValueError(f"{runner.rt.sparse.algorithm} keeps per-token state that the host pages must carry; "
                          f"this host pool has no state buffer")
@@ -158,76 +160,16 @@ def prefill_and_publish(runner: ModelRunner, prompts: list[list[int]],
 
 
 def adopt_prompt(runner: ModelRunner, req: Request, record: HandoffRecord) -> None:
-    """Make ``record``'s pages (read and verified here) ``req``'s prompt KV, with no model
-    forward: see the module docstring. Raises HandoffIncomplete (nothing held) when a page
-    cannot be used."""
+    """Make ``record``'s pages (read and verified as they land in the host pool) ``req``'s
+    prompt KV, with no model forward (``SparseCoordinatorMode.adopt_host_prompt``). Raises
+    HandoffIncomplete (nothing held) when a page cannot be used."""
     mode = runner.mode
-    n, ps = len(req.prompt), mode.rt.page_size
-    mode._make_host_room(n)
-    hs = mode.host.alloc(n)
-    if hs is None:
-        raise ValueError(f"host KV pool is full ({mode.host.num_slots} slots): raise --hicache-size / --hicache-ratio")
     try:
-        load_pages(mode.rt.storage, mode.host, record, (hs[::ps] // ps).tolist())
+        mode.adopt_host_prompt(req, lambda pages: load_pages(mode.rt.storage, mode.host, record, pages))
     except BaseException:
-        mode.host.free(hs)
-        raise
-    # the row and the coordinator's request, as SparseCoordinatorMode.begin_request takes
-    # them, without its prefix match (the whole prompt is the hand-off's)
-    RuntimeMode.begin_request(mode, req)
-    mode.coord.on_request_begin(req.req_pool_idx)
-    req.host_slots = hs[:n]
-    req.prefix_hit = n
-    owned = True  # the host pages are ours until end_prefill hands them to the coordinator
-    try:
-        slots = mode.prefill_slots(req, 0)  # device slots and the prefill batch of the whole prompt
-        mode.transfer.load(req.host_slots, slots[:n]).wait()
-        if mode.keeps_state:
-            req.prefix_state = mode.host.read_extra(STATE_BUFFER, req.host_slots).to(mode.device)
-        extra = _no_new_tokens_extra(mode, n)
-        for layer in range(mode.cfg.num_layers):
-            mode.after_prefill_layer(req, layer, None, None, extra, 0)  # representations from the loaded KV
-        owned = False
-        _finish_adopted(mode, req)
-    except BaseException:
-        if owned:
-            mode.host.free(hs)
-            req.host_slots = None
         runner._abandon([req])
         raise
     req.output.append(record.first_token)
-
-
-def _finish_adopted(mode: Any, req: Request) -> None:
-    """``end_prefill`` of a prompt whose KV is all in its host pages already: the KV manager
-    sets up the GPU buffers with a prefix as long as the prompt (it writes ``[prefix, seq)``
-    to the host: nothing; a ForwardBatch cannot say so, a prefill adds >= 1 token, so the
-    batch the representations were built with is told afterwards), the device copy is
-    released, and the prompt's whole pages enter the prefix tree, host-locked."""
-    n, ps = len(req.prompt), mode.rt.page_size
-    batch = mode._batch.pop(req.rid)
-    batch.prefix_lens = batch.seq_lens.clone()
-    batch.prefix_lens_cpu = list(batch.seq_lens_cpu)
-    mode.coord.forward_end(batch, host_slots=[req.host_slots])
-    req.prefix_state = None
-    mode.pool.allocator.free(req.device_slots)  # every page: the manager copied what it keeps
-    req.device_slots = None
-    n_al = n // ps * ps
-    if n_al:
-        res = mode.tree.insert(req.prompt[:n_al], host_indices=req.host_slots[:n_al], cache_salt=req.cache_salt)
-        mode.tree.inc_host_lock(res.last_node)
-        req.tree_node = res.last_node
-        # slots the tree did not adopt (it held the prefix already) are freed at request end,
-        # as end_prefill leaves them
-    req.seq_len = n
-
-
-def _no_new_tokens_extra(mode: Any, n: int) -> dict:
-    """The per-layer extras ``after_prefill_layer`` reads (DSA: index keys of the ``n``
-    tokens, zeros here: the prompt's are restored from the host pages' state buffer)."""
-    if not mode.is_dsa:
-        return {}
-    return {"index_k": torch.zeros((n, mode.cfg.index_head_dim), dtype=mode.rt.dtype, device=mode.device)}
 
 
 def _take_or_recompute(runner: ModelRunner, req: Request, timeout_s: float, on_missing: str) -> HandoffOutcome:

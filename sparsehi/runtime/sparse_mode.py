@@ -319,6 +319,57 @@ class SparseCoordinatorMode(RuntimeMode):
             req.device_slots = None  # the coordinator owns them until on_request_end
         req.seq_len = n
 
+    def adopt_host_prompt(self, req: Request, fill_host_pages: Callable[[list[int]], None]) -> None:
+        """Begin ``req`` with its whole prompt's KV taken from host pages instead of a
+        prefill (prefill/decode disaggregation, ``sparsehi.runtime.disaggregation``):
+        host pages are allocated and ``fill_host_pages(page ids)`` writes them; the KV is
+        loaded to the device once, the algorithm builds its representations from it (the
+        calls a prefill makes, no model forward), the GPU buffers are set up and the
+        prompt's whole pages enter the prefix tree. When ``fill_host_pages`` raises, the
+        pages are given back and the request is not begun."""
+        n, ps = len(req.prompt), self.rt.page_size
+        self._make_host_room(n)
+        hs = self.host.alloc(n)
+        if hs is None:
+            raise ValueError(f"host KV pool is full ({self.host.num_slots} slots): raise --hicache-size / "
+                             f"--hicache-ratio")
+        try:
+            fill_host_pages((hs[::ps] // ps).tolist())
+        except BaseException:
+            self.host.free(hs)
+            raise
+        super().begin_request(req)  # the row; no prefix match: the whole prompt is the hand-off's
+        self.coord.on_request_begin(req.req_pool_idx)
+        req.host_slots, req.prefix_hit = hs[:n], n
+        try:
+            slots = self.prefill_slots(req, 0)  # the whole prompt's device slots and its batch
+            self.transfer.load(req.host_slots, slots[:n]).wait()
+            if self.keeps_state:
+                req.prefix_state = self.host.read_extra(STATE_BUFFER, req.host_slots).to(self.device)
+            extra = ({"index_k": torch.zeros((n, self.cfg.index_head_dim), dtype=self.rt.dtype, device=self.device)}
+                     if self.is_dsa else {})  # DSA's index keys come back from the state buffer
+            for layer in range(self.cfg.num_layers):
+                self.after_prefill_layer(req, layer, None, None, extra, 0)
+        except BaseException:
+            self.host.free(hs)
+            req.host_slots = None
+            raise
+        batch = self._batch.pop(req.rid)
+        # the manager writes [prefix, seq) to the host: nothing here (a ForwardBatch cannot be
+        # built with an empty new part, so its prefix is set after the layers ran)
+        batch.prefix_lens = batch.seq_lens.clone()
+        batch.prefix_lens_cpu = list(batch.seq_lens_cpu)
+        self.coord.forward_end(batch, host_slots=[req.host_slots])
+        req.prefix_state = None
+        self.pool.allocator.free(req.device_slots)  # the manager copied what it keeps
+        req.device_slots = None
+        n_al = n // ps * ps
+        if n_al:
+            res = self.tree.insert(req.prompt[:n_al], host_indices=req.host_slots[:n_al], cache_salt=req.cache_salt)
+            self.tree.inc_host_lock(res.last_node)
+            req.tree_node = res.last_node
+        req.seq_len = n
+
     def prepare_decode(self, reqs: list[Request]) -> Hashable:
         """Coordinator host part; the graph key: whether a row decodes densely, and the layers
         whose selections are recorded (both change what a graph holds)."""
