@@ -126,11 +126,20 @@ def chunks_to_pages(chunks: Sequence[torch.Tensor], spec: KVCacheSpec, host_layo
     n = tokens // ps
     if n == 0:
         return torch.empty((0, *record_shape(spec, host_layout)), dtype=spec.dtype)
-    kv = torch.cat(list(chunks), dim=2) if len(chunks) > 1 else chunks[0]
-    kv = kv[:, :, : n * ps].reshape(b, nl, n, ps, h, d)
-    if host_layout == "page_head":
-        return kv.permute(2, 4, 1, 0, 3, 5).contiguous()  # [n, H, L, B, ps, D]
-    return kv.permute(2, 1, 0, 3, 4, 5).contiguous()  # [n, L, B, ps, H, D]
+    out = torch.empty((n, *record_shape(spec, host_layout)), dtype=spec.dtype)
+    # the pages as [B, L, n, ps, H, D]: each chunk's whole pages are copied straight in
+    view = out.permute(3, 2, 0, 4, 1, 5) if host_layout == "page_head" else out.permute(2, 1, 0, 3, 4, 5)
+    if all(c.shape[2] % ps == 0 for c in chunks[:-1]):
+        start = 0
+        for c in chunks:
+            pages = min(c.shape[2] // ps, n - start)
+            if pages > 0:
+                view[:, :, start:start + pages].copy_(c[:, :, : pages * ps].reshape(b, nl, pages, ps, h, d))
+            start += c.shape[2] // ps
+        return out
+    kv = torch.cat(list(chunks), dim=2)  # chunk edges inside pages
+    view.copy_(kv[:, :, : n * ps].reshape(b, nl, n, ps, h, d))
+    return out
 
 
 def pages_to_chunks(pages: torch.Tensor, spec: KVCacheSpec, host_layout: str, chunk_size: int) -> list[torch.Tensor]:
