@@ -260,7 +260,7 @@ def test_kv_sglang_stored_in_lmcache_becomes_sparsehi_pages(server, monkeypatch,
             assert same_bits(pages[p], host.page_tensor(p)), p
         # imported: sparsehi's L3 holds them under the prompt's page keys
         assert interop.import_prefix(tokens) == 1024
-        keys = interop._page_keys(tokens, None)
+        keys = interop.page_keys(tokens, None)
         assert storage.batch_exists(keys) == [True] * 64 + [False] * 4
         assert same_bits(storage.get(keys[17]).view(spec.dtype).view(pages[17].shape), pages[17])
         assert interop.import_prefix(tokens, salt="other tenant") == 1024  # other keys, same KV
@@ -285,7 +285,7 @@ def test_pages_sparsehi_wrote_are_retrieved_by_lmcache(server, monkeypatch, tmp_
         settings["extra_config"] = {"save_only_first_rank": False}
     storage, interop = sparsehi_side(server, spec, 256, model_path=model, settings=settings)
     host = host_pool_with(spec, "page_first", kv)
-    keys = interop._page_keys(tokens, None)
+    keys = interop.page_keys(tokens, None)
     storage.register_host_pool(host)
     assert storage.set_pages(keys, list(range(len(keys)))) == [True] * 50
     sg = SGLangSide(monkeypatch, tmp_path, spec, settings, model_path=model)

@@ -226,7 +226,7 @@ class LMCacheInterop:
         L3 under their page keys (cache ``salt``), where prefetch finds them; pages sparsehi
         already holds are not written again. Returns the leading tokens sparsehi's L3 holds
         afterwards."""
-        keys = self._page_keys(token_ids, salt)
+        keys = self.page_keys(token_ids, salt)
         if not keys:
             return 0
         held = _leading(self.storage.batch_exists(keys))
@@ -252,7 +252,7 @@ class LMCacheInterop:
         have = self.lmcache_held_tokens(token_ids) // cs
         if have < len(chunk_keys):
             want_pages = -(-chunk_keys[-1][1] // ps)
-            keys = self._page_keys(token_ids, salt)[:want_pages]
+            keys = self.page_keys(token_ids, salt)[:want_pages]
             pages = self._sparsehi_pages(keys)
             chunks = pages_to_chunks(pages, self.spec, self.host_layout, cs)
             items = [(chunk_keys[i][2], chunks[i]) for i in range(have, min(len(chunks), len(chunk_keys)))]
@@ -260,8 +260,9 @@ class LMCacheInterop:
                 self.storage.call_engine("lmcache-write", len(items), lambda: self._put_chunks(items))
         return self.lmcache_held_tokens(token_ids)
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _page_keys(self, token_ids: Sequence[int], salt: Optional[str]) -> list[str]:
+    # -- keys and copies -----------------------------------------------------------------------
+    def page_keys(self, token_ids: Sequence[int], salt: Optional[str] = None) -> list[str]:
+        """sparsehi's L3 keys of the whole pages of ``token_ids`` (this rank, cache ``salt``)."""
         cfg = self.storage.config
         hashes = page_hash_chain(_token_list(token_ids), self.spec.page_size, salt_root(salt))
         return [storage_key(h, cfg.tp_rank, cfg.is_mla) for h in hashes]
