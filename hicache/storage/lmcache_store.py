@@ -217,6 +217,22 @@ class LMCacheStorage(HiCacheStorage):
         self._outage_misses(down if read is not None else False, misses)
         return out
 
+    # -- for other users of this engine (hicache.storage.lmcache_interop) -------------------
+    def call_engine(self, what: str, n: int, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (which calls into LMCache) under ``op_timeout_s`` on this backend's
+        threads, after reconnecting the remote tier if due; None on an exception or overrun
+        (``n`` faults counted and logged, as a miss)."""
+        return self._op_call(what, n, fn)[0]
+
+    def wait_written(self, keys: list[Any]) -> set[Any]:
+        """Wait (at most half of ``op_timeout_s``) until no tier has a write of the chunk
+        keys ``keys`` in flight; the keys still in flight then."""
+        return self._wait_written(keys)
+
+    def log_fault(self, kind: str, n: int, msg: str) -> None:
+        """Count ``n`` faults and log ``msg`` (once per ``kind`` as a warning)."""
+        self._fault(kind, n, msg)
+
     # -- lifecycle -------------------------------------------------------------------------
     def clear(self) -> None:
         """Remove this namespace's pages (MHA: this rank's) from LMCache's local tiers; a
