@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.kernels.fp8_page_quantize import page_tile
 from hicache.triton_support import dispatch
 
 _OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,13 +51,7 @@ def fp8_page_dequantize_reference(q: torch.Tensor, scales: torch.Tensor, out: to
 @triton.jit
 def _fp8_page_dequantize_kernel(q_ptr, s_ptr, o_ptr, G, T, D, sqp, sqg, sqt, sqh, ssp, ssg, ssh, sop, sog, sot, soh,
                                 BT: tl.constexpr, BD: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    p = n // G
-    g = n % G
-    h = tl.program_id(1).to(tl.int64)
-    t = tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    m = (t[:, None] < T) & (d[None, :] < D)
+    p, g, h, t, d, m = page_tile(G, T, D, BT, BD)
     raw = tl.load(q_ptr + p * sqp + g * sqg + h * sqh + t[:, None] * sqt + d[None, :], mask=m, other=0)
     scale = tl.load(s_ptr + p * ssp + g * ssg + h * ssh)
     x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale

@@ -22,7 +22,7 @@ for values above the format's subnormal range. Inputs must be finite.
 
 Entry points: ``fp8_page_quantize`` (dispatch), ``fp8_page_quantize_triton``,
 ``fp8_page_quantize_reference``; ``power_of_two_exponent_reference`` (the scale rule alone);
-the device functions ``page_scale`` and ``e4m3_bits``, which the transfer kernels inline.
+the device functions ``page_scale``, ``e4m3_bits`` and ``page_tile``, which other kernels inline.
 """
 from __future__ import annotations
 
@@ -109,15 +109,19 @@ def page_scale(amax):
 
 
 @triton.jit
-def _fp8_page_quantize_kernel(x_ptr, q_ptr, s_ptr, G, T, D, sxp, sxg, sxt, sxh, sqp, sqg, sqt, sqh, ssp, ssg, ssh,
-                              BT: tl.constexpr, BD: tl.constexpr):
+def page_tile(G, T, D, BT: tl.constexpr, BD: tl.constexpr):
+    """This program's ``(page, group, head)`` (grid ``(pages * G, heads)``), its token and
+    dim ranges ``t [BT]``, ``d [BD]`` and their mask ``[BT, BD]``."""
     n = tl.program_id(0).to(tl.int64)
-    p = n // G
-    g = n % G
-    h = tl.program_id(1).to(tl.int64)
     t = tl.arange(0, BT)
     d = tl.arange(0, BD)
-    m = (t[:, None] < T) & (d[None, :] < D)
+    return n // G, n % G, tl.program_id(1).to(tl.int64), t, d, (t[:, None] < T) & (d[None, :] < D)
+
+
+@triton.jit
+def _fp8_page_quantize_kernel(x_ptr, q_ptr, s_ptr, G, T, D, sxp, sxg, sxt, sxh, sqp, sqg, sqt, sqh, ssp, ssg, ssh,
+                              BT: tl.constexpr, BD: tl.constexpr):
+    p, g, h, t, d, m = page_tile(G, T, D, BT, BD)
     x = tl.load(x_ptr + p * sxp + g * sxg + h * sxh + t[:, None] * sxt + d[None, :], mask=m, other=0.0)
     x = x.to(tl.float32)
     scale, inverse = page_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
