@@ -31,7 +31,7 @@ ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 
 @dataclass
-class MpsSession:
+class MpsDaemon:
     """What the run learns about its daemon: ``sharing`` says how the processes shared the
     GPU, ``servers_seen`` the MPS server PIDs seen while clients ran, ``why_not`` why the
     daemon did not start."""
@@ -58,17 +58,17 @@ def _control(command: str, env: dict[str, str], timeout: float = 10.0) -> str:
 
 
 @contextlib.contextmanager
-def cuda_mps(enabled: bool = True) -> Iterator[MpsSession]:
+def cuda_mps(enabled: bool = True) -> Iterator[MpsDaemon]:
     """Run the body under an MPS control daemon when ``enabled`` and the daemon starts; else
     (no ``nvidia-cuda-mps-control``, or it fails) the body runs time-sliced, logged as such."""
-    session = MpsSession()
+    daemon = MpsDaemon()
     if not enabled:
-        yield session
+        yield daemon
         return
     if shutil.which(CONTROL) is None:
-        session.why_not = f"{CONTROL} not on PATH"
-        log.warning("CUDA MPS: %s; the processes share the GPU time-sliced", session.why_not)
-        yield session
+        daemon.why_not = f"{CONTROL} not on PATH"
+        log.warning("CUDA MPS: %s; the processes share the GPU time-sliced", daemon.why_not)
+        yield daemon
         return
     root = tempfile.mkdtemp(prefix="cuda-mps-")
     env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
@@ -77,18 +77,18 @@ def cuda_mps(enabled: bool = True) -> Iterator[MpsSession]:
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
     started = subprocess.run([CONTROL, "-d"], capture_output=True, text=True, env={**os.environ, **env}, timeout=30)
     if started.returncode != 0:
-        session.why_not = f"{CONTROL} -d exited {started.returncode}: {started.stderr.strip()[:200]}"
-        log.warning("CUDA MPS: %s; the processes share the GPU time-sliced", session.why_not)
+        daemon.why_not = f"{CONTROL} -d exited {started.returncode}: {started.stderr.strip()[:200]}"
+        log.warning("CUDA MPS: %s; the processes share the GPU time-sliced", daemon.why_not)
         shutil.rmtree(root, ignore_errors=True)
-        yield session
+        yield daemon
         return
     os.environ.update(env)
-    session.sharing, session.env = "mps", env
+    daemon.sharing, daemon.env = "mps", env
     try:
-        yield session
+        yield daemon
     finally:
         with contextlib.suppress(Exception):
-            session.servers()
+            daemon.servers()
         with contextlib.suppress(Exception):
             _control("quit", env, timeout=30)
         for k, v in saved.items():
