@@ -369,3 +369,170 @@ def test_server_gone_is_a_miss_both_ways(monkeypatch, tmp_path):
         finally:
             storage.close()
             sg.close()
+
+
+# -- the runtime: `sparsehi run` / ModelRunner with interop_model_path ---------------------------
+RT_PS = 4
+RT_CHUNK = 16
+
+
+def _runtime_runner(storage=None, layout: str = "page_first_direct"):
+    from hicache.storage_controller import StoragePolicy
+    from sparsehi.config import SparseConfig
+    from sparsehi.runtime.model_config import get_model_config
+    from sparsehi.runtime.runner import ModelRunner
+    from sparsehi.runtime.runtime_config import RuntimeConfig
+    from sparsehi.runtime.weights import build_model
+
+    model = build_model(config=get_model_config("tiny-gqa", num_layers=2))
+    sc = SparseConfig(algorithm="quest", page_size=RT_PS, top_k=2 * RT_PS, device_buffer_size=4 * RT_PS,
+                      sink_tokens=RT_PS, recent_tokens=RT_PS, min_sparse_prompt_len=0, dense_layers=(0,),
+                      io_backend="direct")
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=1, max_context_len=96, host_kv_tokens=64 * RT_PS,
+                       host_layout=layout, storage=storage,
+                       storage_policy=StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=RT_PS)
+                       if storage is not None else None)
+    return ModelRunner(model, rt)
+
+
+def _tree_kv(mode, tokens: list[int]) -> torch.Tensor:
+    """``[B, L, len(tokens), H, D]``: the KV the mode's prefix tree holds in host memory for
+    ``tokens`` (whole pages)."""
+    m = mode.tree.match_prefix(tokens)
+    assert m.backed_length == len(tokens)
+    slots = m.backed_host_indices[:len(tokens)].cpu()
+    return torch.stack([torch.stack(mode.host.read_tokens(layer, slots))
+                        for layer in range(mode.spec.num_layers)]).transpose(0, 1)
+
+
+@needs_lmcache
+@pytest.mark.usefixtures("one_thread")
+def test_sparse_hier_run_uses_lmcache_kv_and_lmcache_retrieves_its_kv(server, monkeypatch, tmp_path):
+    """(a) the prompt's KV, computed by the model, is stored through LMCache's SGLang
+    connector; (b) a fresh sparse-hier runner with ``interop_model_path`` imports it at its
+    prefetch, reuses it and generates what a cold run does; (c) LMCache's own retrieve then
+    returns, for the whole chunks of prompt and generated tokens, the KV sparsehi holds."""
+    from hicache.storage.lmcache_store import LMCacheStorage
+
+    tokens = [t % 512 for t in prompt(70, seed=51)]  # tiny-gqa's vocabulary
+    cold = _runtime_runner()
+    cold_res = cold.generate([tokens], 12)
+    # the model's own KV of the prompt (the tree holds whole pages of prompt + decoded tokens)
+    prompt_kv = _tree_kv(cold.mode, (tokens + cold_res.tokens[0])[:72])[:, :, :70]
+    cold.mode.close()
+
+    settings = lmcache_settings(server, RT_CHUNK)
+    sg = SGLangSide(monkeypatch, tmp_path, cold.mode.spec, settings, slots=256)
+    storage = LMCacheStorage(StorageConfig(model_name="tiny-gqa-runtime-interop",
+                                           extra={**settings, "interop_model_path": SGLANG_MODEL}))
+    assert storage.interop_model_path == SGLANG_MODEL
+    try:
+        sg.store(tokens, prompt_kv, seed=52)  # LMCache keeps whole chunks: 64 tokens
+        warm = _runtime_runner(storage)
+        res = warm.generate([tokens], 12)
+        st = warm.mode.l3_stats()
+        assert st["lmcache_imported_tokens"] == 64 and st["l3_hit_tokens"] == 64
+        assert res.prefix_hits == [64]  # prefill computed the last 6 tokens only
+        assert res.tokens == cold_res.tokens
+        # 70 prompt + 11 decoded tokens: 80 in whole pages, one more chunk than LMCache had
+        seq = tokens + res.tokens[0][:11]
+        assert st["lmcache_exported_tokens"] == 16
+        held = _tree_kv(warm.mode, seq[:80])
+        assert same_bits(held[:, :, :70], prompt_kv)  # the imported prompt KV is the model's
+        n, got = sg.load(seq[:80], seed=53)
+        assert n == 80
+        assert same_bits(got, held)
+        warm.mode.close()
+        # a salted request shares KV only with its salt: LMCache's unsalted chunks are not its
+        tenant = _runtime_runner(storage)
+        res = tenant.generate([tokens], 12, cache_salts=["tenant-a"])
+        st = tenant.mode.l3_stats()
+        assert res.prefix_hits == [0] and st["l3_hit_tokens"] == 0
+        assert st["lmcache_imported_tokens"] == st["lmcache_exported_tokens"] == 0
+        tenant.mode.close()
+    finally:
+        storage.close()
+        sg.close()
+
+
+@needs_lmcache
+def test_interop_model_path_is_checked():
+    from hicache.storage.lmcache_config import LMCacheSettings
+
+    assert LMCacheSettings.from_extra({"interop_model_path": "org/m"}, env={}).interop_model_path == "org/m"
+    assert "interop_model_path" not in LMCacheSettings.from_extra({"interop_model_path": "org/m"}, env={}).overrides
+    for bad in ("", 3, "a@b", "x" * 101):
+        with pytest.raises(ValueError, match="interop_model_path"):
+            LMCacheSettings.from_extra({"interop_model_path": bad}, env={})
+
+
+@needs_lmcache
+def test_interop_refuses_host_pages_lmcache_cannot_hold(server):
+    """LMCache's chunks hold the model's KV only: a DSA run (its index keys ride in the host
+    pages) or FP8 host pages cannot be shared; the runner says so, naming the key."""
+    from hicache.storage.lmcache_store import LMCacheStorage
+    from sparsehi.config import SparseConfig
+    from sparsehi.runtime.model_config import get_model_config
+    from sparsehi.runtime.runner import ModelRunner
+    from sparsehi.runtime.runtime_config import RuntimeConfig
+    from sparsehi.runtime.weights import build_model
+
+    extra = {**lmcache_settings(server, RT_CHUNK), "interop_model_path": SGLANG_MODEL}
+    dsa = SparseConfig(algorithm="dsa", page_size=1, top_k=8, device_buffer_size=16, sink_tokens=2,
+                       recent_tokens=2, min_sparse_prompt_len=0, io_backend="direct")
+    storage = LMCacheStorage(StorageConfig(is_mla=True, model_name="tiny-dsa-refused", extra=extra))
+    try:
+        rt = RuntimeConfig(mode="sparse-hier", sparse=dsa, max_num_reqs=1, max_context_len=64,
+                           host_layout="page_first_direct", storage=storage)
+        with pytest.raises(ValueError, match="interop_model_path needs host pages of KV only"):
+            ModelRunner(build_model(config=get_model_config("tiny-dsa")), rt)
+    finally:
+        storage.close()
+    quest = SparseConfig(algorithm="quest", page_size=RT_PS, top_k=8, device_buffer_size=16, sink_tokens=RT_PS,
+                         recent_tokens=RT_PS, min_sparse_prompt_len=0, host_kv_dtype="fp8_e4m3")
+    storage = LMCacheStorage(StorageConfig(model_name="tiny-gqa-fp8-refused", extra=extra))
+    try:
+        rt = RuntimeConfig(mode="sparse-hier", sparse=quest, max_num_reqs=1, max_context_len=64,
+                           host_layout="page_first", storage=storage)
+        with pytest.raises(ValueError, match="interop_model_path needs host KV pages of the model's dtype"):
+            ModelRunner(build_model(config=get_model_config("tiny-gqa", num_layers=2)), rt)
+    finally:
+        storage.close()
+
+
+CLI_RUN = ["run", "--context", "96", "--batch", "1", "--decode-tokens", "4", "--num-layers", "2", "--modes",
+           "sparse-hier", "--top-k", "32", "--sink-tokens", "16", "--recent-tokens", "16", "--page-size", "16",
+           "--device", "cpu", "--no-forced", "--no-progress", "--hicache-storage-backend", "lmcache", "--hicache-storage-prefetch-policy", "wait_complete"]
+
+
+@needs_lmcache
+@pytest.mark.usefixtures("one_thread")
+def test_sparsehi_run_command_line_exports_then_imports(server, tmp_path, capsys):
+    """Two `sparsehi run` commands with interop_model_path: the first exports its KV as
+    LMCache chunks; the second, whose sparsehi namespace differs (another host layout), has
+    no page of it in sparsehi's L3, imports LMCache's chunks, prefetches them and
+    generates the same tokens."""
+    import json
+
+    from sparsehi.cli import main
+
+    extra = json.dumps({**lmcache_settings(server, RT_CHUNK), "interop_model_path": "org/tiny-gqa-cli",
+                        "prefetch_threshold": 16})
+
+    def run(layout: str, io: str, out: str) -> tuple[dict, dict]:
+        assert main([*CLI_RUN, "--hicache-mem-layout", layout, "--hicache-io-backend", io,
+                     "--hicache-storage-backend-extra-config", extra,
+                     "--output-dir", str(tmp_path / out)]) == 0
+        data = json.loads((tmp_path / out / "run.json").read_text())
+        return data, next(r for r in data["rows"] if r["mode"] == "sparse-hier")
+
+    first, r1 = run("page_first_direct", "direct", "a")
+    assert r1["l3_hit_tokens"] == 0 and r1["lmcache_imported_tokens"] == 0
+    assert r1["lmcache_exported_tokens"] == 96  # 96 prompt + 3 decoded tokens: 6 whole chunks
+    second, r2 = run("page_head", "kernel", "b")
+    assert second["l3_model_name"] != first["l3_model_name"]
+    assert r2["lmcache_imported_tokens"] == 96 and r2["l3_hit_tokens"] == 96 and r2["prefix_reused_tokens"] == 80
+    assert r2["lmcache_exported_tokens"] == 0  # LMCache holds every whole chunk already
+    assert second["tokens"] == first["tokens"]
+    out = capsys.readouterr().out
+    assert "LMCache interop: 96 tokens" in out

@@ -9,8 +9,11 @@ The extra config carries two kinds of keys:
   ``LMCACHE_CONFIG_FILE``) and LMCache's ``LMCACHE_<NAME>`` environment variables — LMCache's
   own loader (``load_engine_config_with_overrides``) does the reading.
 - This backend's own: ``lmcache_config_file`` (path of an LMCache YAML file),
-  ``op_timeout_s`` (deadline of one call into LMCache, default 5 s) and ``retry_interval_s``
-  (how long a remote tier that faulted is left alone before reconnecting, default 2 s).
+  ``op_timeout_s`` (deadline of one call into LMCache, default 5 s), ``retry_interval_s``
+  (how long a remote tier that faulted is left alone before reconnecting, default 2 s) and
+  ``interop_model_path`` (set: a sparse-hier run shares its KV with LMCache's own
+  serving-engine connectors, whose keys name the model by this string, SGLang's
+  ``--model-path``; see ``hicache.storage.lmcache_interop``).
 
 This module imports no LMCache code until ``engine_config`` is called, so options can be
 checked where LMCache is not installed (its key names are then checked when it is built).
@@ -22,7 +25,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-OWN_KEYS = ("lmcache_config_file", "op_timeout_s", "retry_interval_s")
+OWN_KEYS = ("lmcache_config_file", "op_timeout_s", "retry_interval_s", "interop_model_path")
+INTEROP_PATH_MAX = 100
+"""Longest ``interop_model_path``: LMCache's remote protocol caps a key string at 150 characters."""
 KEYS_READ_ELSEWHERE = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token", "tp_lcm_size", "prefetch_capacity_limit", "prefetch_capacity_fraction",
@@ -51,6 +56,9 @@ class LMCacheSettings:
     retry_interval_s: float = 2.0
     overrides: dict[str, Any] = field(default_factory=dict)
     """LMCache engine settings by LMCache's names."""
+    interop_model_path: Optional[str] = None
+    """``model_name`` of the chunk keys of LMCache's serving-engine connectors that a
+    sparse-hier run imports from and exports to (None: no interop)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> "LMCacheSettings":
@@ -67,6 +75,7 @@ class LMCacheSettings:
                 raise ValueError(f"lmcache_config_file={config_file!r} is not a readable file")
         op_timeout_s = _positive(extra, "op_timeout_s", cls.op_timeout_s)
         retry_interval_s = _positive(extra, "retry_interval_s", cls.retry_interval_s)
+        interop_model_path = _interop_model_path(extra.get("interop_model_path"))
         overrides = {k: v for k, v in extra.items() if k not in OWN_KEYS and k not in KEYS_READ_ELSEWHERE}
         for key in overrides:
             if not isinstance(key, str):
@@ -74,7 +83,7 @@ class LMCacheSettings:
         for key, why in UNSUPPORTED_FEATURES.items():
             if overrides.get(key):
                 raise ValueError(f"{key}={overrides[key]!r} is not supported by the lmcache L3 backend: {why}")
-        return cls(config_file, op_timeout_s, retry_interval_s, overrides)
+        return cls(config_file, op_timeout_s, retry_interval_s, overrides, interop_model_path)
 
     def engine_config(self) -> Any:
         """The ``LMCacheEngineConfig`` LMCache's loader builds from the file, the
@@ -125,3 +134,14 @@ def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{key} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def _interop_model_path(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if (not isinstance(value, str) or not value or len(value) > INTEROP_PATH_MAX or not value.isprintable()
+            or set(value) & {"@", "%"}):
+        raise ValueError(f"interop_model_path must be the model path SGLang serves with LMCache (its --model-path, "
+                         f"the model_name of LMCache's keys): a printable str of 1..{INTEROP_PATH_MAX} characters "
+                         f"without '@' or '%' (LMCache's key separators), got {value!r:.120}")
+    return value

@@ -194,6 +194,10 @@ class LMCacheInterop:
         self._fmt = self.layout.memory_format()
         self._tokens_db = ChunkedTokenDatabase(config, self.layout.metadata())
         self.record_bytes = spec.token_bytes * spec.page_size
+        self.imported_tokens = 0
+        """Tokens of the pages ``import_prefix`` wrote to sparsehi's L3 (all calls)."""
+        self.exported_tokens = 0
+        """Tokens of the chunks ``export_prefix`` wrote to LMCache (all calls)."""
 
     # -- LMCache's keys ---------------------------------------------------------------------
     def chunk_keys(self, token_ids: Sequence[int]) -> list[tuple[int, int, Any]]:
@@ -234,8 +238,9 @@ class LMCacheInterop:
             pages = self.read_pages(token_ids)
             todo = list(range(held, min(len(keys), pages.shape[0])))
             if todo:
-                ok = self.storage.batch_set([keys[i] for i in todo], [pages[i] for i in todo])
-                held += _leading(ok)
+                ok = _leading(self.storage.batch_set([keys[i] for i in todo], [pages[i] for i in todo]))
+                held += ok
+                self.imported_tokens += ok * self.spec.page_size
         return held * self.spec.page_size
 
     # -- sparsehi -> LMCache ----------------------------------------------------------------
@@ -257,7 +262,8 @@ class LMCacheInterop:
             chunks = pages_to_chunks(pages, self.spec, self.host_layout, cs)
             items = [(chunk_keys[i][2], chunks[i]) for i in range(have, min(len(chunks), len(chunk_keys)))]
             if items:
-                self.storage.call_engine("lmcache-write", len(items), lambda: self._put_chunks(items))
+                put = self.storage.call_engine("lmcache-write", len(items), lambda: self._put_chunks(items))
+                self.exported_tokens += (put or 0) * cs
         return self.lmcache_held_tokens(token_ids)
 
     # -- keys and copies -----------------------------------------------------------------------

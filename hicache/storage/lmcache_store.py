@@ -114,6 +114,12 @@ class LMCacheStorage(HiCacheStorage):
     def engine(self) -> SharedEngine:
         return self._engine
 
+    @property
+    def interop_model_path(self) -> Optional[str]:
+        """``model_name`` of LMCache's serving-engine connector keys that a sparse-hier run
+        shares its KV with (the extra config's ``interop_model_path``), or None."""
+        return self.settings.interop_model_path
+
     # -- keys ------------------------------------------------------------------------------
     def chunk_key(self, key: str) -> Any:
         """LMCache's ``CacheEngineKey`` for page key ``key`` (see the module docstring)."""

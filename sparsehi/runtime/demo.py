@@ -226,6 +226,11 @@ def _run_notes(cfg: DemoConfig, mcfg: ModelConfig, rows: list[dict[str, Any]],
                      f"({hier['l3_bytes_fetched'] / MIB:.2f} MiB) from L3 instead of recomputing them and wrote "
                      f"{hier['l3_pages_written']} new pages ({hier['l3_bytes_written'] / MIB:.2f} MiB) to it, "
                      f"namespace {l3_name}")
+    if hier is not None and "lmcache_imported_tokens" in hier:
+        notes.append(f"LMCache interop: {hier['lmcache_imported_tokens']} tokens of KV LMCache held in its "
+                     f"connectors' chunk format were imported into L3 before the prefetch; "
+                     f"{hier['lmcache_exported_tokens']} tokens were written to LMCache as its chunks (its own "
+                     f"lookup/retrieve find them)")
     if "sparse-hier" in results and cfg.shared_prefix > 0 and cfg.batch > 1:
         notes.append(f"prefix reuse: requests 1.. share {cfg.shared_prefix:.0%} of request 0's prompt; sparse-hier "
                      f"matched {sum(results['sparse-hier'].prefix_hits)} prompt tokens in the HiRadixTree and loaded "

@@ -26,6 +26,10 @@ The tree caches finished requests in the same host pool the running ones write: 
 allocation would not fit, the least recently used unlocked host prefixes are evicted first.
 Every prefill and decode step retires the tree's finished transfers (``step_events``), so an
 acknowledged L3 write releases its host lock at once rather than when the run ends.
+
+An ``lmcache`` backend with ``interop_model_path`` also shares the L3 with LMCache's own
+serving-engine connectors: imported before each prefetch, exported at each request's end
+(``sparsehi.runtime.l3_interop``).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch
+from sparsehi.runtime.l3_interop import LMCacheL3Interop, lmcache_interop_for
 from sparsehi.runtime.runtime_mode import Request, RuntimeMode
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
@@ -107,6 +112,8 @@ class SparseCoordinatorMode(RuntimeMode):
             kw = {"kv_lora_rank": cfg.kv_lora_rank} if name == "dsa" else {}
             adaptor = create_adaptor(name, validate=rt.value_checks, **kw)
         self.host = self.transfer = self.tree = None
+        self.l3_interop: Optional[LMCacheL3Interop] = None
+        """Set: the L3 is shared with LMCache's serving-engine connectors (runtime.l3_interop)."""
         max_ctx = round_up(rt.max_context_len, ps)
         self.state_bytes = self.algorithm.token_state_bytes() if self.hierarchical and rt.prefix_cache else 0
         if self.hierarchical:
@@ -126,6 +133,7 @@ class SparseCoordinatorMode(RuntimeMode):
                 self.tree = HiRadixTree(self.controller)
                 if rt.storage is not None:
                     self.tree.attach_storage_backend(rt.storage, rt.storage_policy)
+                    self.l3_interop = lmcache_interop_for(rt.storage, self.spec, self.host)
         self.keeps_state = self.host is not None and STATE_BUFFER in self.host.extra
         self.reuse_prefix = self.tree is not None and (not self.state_bytes or self.keeps_state)
         """Prompts are matched in the tree (an algorithm with per-token state needs the
@@ -206,6 +214,8 @@ class SparseCoordinatorMode(RuntimeMode):
         """Fetch the prompt's continuation from L3 into the tree (see the module docstring).
         Returns the tokens fetched."""
         tree = self.tree
+        if self.l3_interop is not None:
+            self.l3_interop.import_prefix(req.prompt, req.cache_salt)
         want = tree.prefetch_from_storage(req.rid, m.last_backed_node, req.prompt[m.backed_length:])
         if not want:
             return 0
@@ -223,9 +233,10 @@ class SparseCoordinatorMode(RuntimeMode):
             return {}
         self.tree.flush_storage()
         st = self.tree.stats()
-        return {k: st[k] for k in ("l3_hit_tokens", "l3_bytes_fetched", "l3_pages_fetched", "l3_pages_written",
-                                   "l3_bytes_written", "l3_write_skipped_existing", "l3_fetch_faults",
-                                   "l3_fetch_miss_pages", "prefetch_reserved_pages")}
+        out = {k: st[k] for k in ("l3_hit_tokens", "l3_bytes_fetched", "l3_pages_fetched", "l3_pages_written",
+                                  "l3_bytes_written", "l3_write_skipped_existing", "l3_fetch_faults",
+                                  "l3_fetch_miss_pages", "prefetch_reserved_pages")}
+        return {**out, **self.l3_interop.stats()} if self.l3_interop is not None else out
 
     def close(self) -> None:
         if self.tree is not None:
@@ -466,6 +477,8 @@ class SparseCoordinatorMode(RuntimeMode):
                         if str(self.device).startswith("cuda"):
                             torch.cuda.synchronize(self.device)  # host pages complete before L3 reads them
                         self.tree.write_backup_storage(res.last_node)
+                        if self.l3_interop is not None:
+                            self.l3_interop.export_prefix(self.tree, toks, req.cache_salt)
                 if req.tree_node is not None:
                     self.tree.dec_host_lock(req.tree_node)
                     req.tree_node = None
