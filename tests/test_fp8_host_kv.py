@@ -17,7 +17,7 @@ from sparsehi.runtime.runtime_config import RuntimeConfig
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
 
-STEPS = 40
+STEPS = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
 _MODELS: dict = {}
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_million_token_context_decodes_the_same_in_both_sparse_modes():
-    model = build_model(config=get_model_config("tiny-gqa", num_layers=2))
+    model = build_model(config=get_model_config("tiny-gqa", num_layers=1))
     sc = SparseConfig(algorithm="quest", page_size=256, top_k=1024, device_buffer_size=2048, sink_tokens=256,
                       recent_tokens=256, min_sparse_prompt_len=0, io_backend="direct", dense_layers=())
     out = {}
