@@ -54,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d_copy_gbps, write_result  # noqa: E402
 from benchmarks.decode import point  # noqa: E402
-from benchmarks.decode.point import HOST_POOLS, MODES, free_memory, log, run_point, shared_host_pool  # noqa: E402
+from benchmarks.decode.point import (ALL_MODES, HOST_POOLS, MODES, free_memory, log, run_point,  # noqa: E402
+                                     shared_host_pool)
 from benchmarks.decode.report import plot, summary, targets  # noqa: E402
 from benchmarks.decode.sizing import (GIB, LIMITS, batches_up_to, per_request_bytes,  # noqa: E402
                                       representation_bytes_per_request, sparse_extra_config)
@@ -94,7 +95,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--skip-b", action="store_true", help="skip scenario b")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="run decode steps eagerly (default: CUDA-graph replays, as the runtime does)")
-    ap.add_argument("--modes", default=None, help="comma list of modes to sweep (default: all four)")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma list of modes to sweep (default: the four of {MODES}; also sparse-hier-fp8: "
+                         "sparse-hier with FP8 host KV)")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch swept per mode")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
@@ -111,9 +114,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     point.CUDA_GRAPH = not args.no_cuda_graph
     sweep_modes = tuple(args.modes.split(",")) if args.modes else MODES
-    bad = [m for m in sweep_modes if m not in MODES]
+    bad = [m for m in sweep_modes if m not in ALL_MODES]
     if bad:
-        raise SystemExit(f"--modes: {bad} unknown; allowed {MODES}")
+        raise SystemExit(f"--modes: {bad} unknown; allowed {ALL_MODES}")
     deadline = Deadline(args.time_budget)
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
@@ -257,7 +260,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                           sink_tokens=64 if not args.quick else 16, recent_tokens=64 if not args.quick else 16)
     free_b = None
     steps_all = warmup + timed + profiled
-    shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps, device, dtype)
+    if {"sparse-hier", "offload-full"} & set(sweep_modes):  # pinned once, before the points need it
+        shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps, device,
+                         dtype)
     real = args.model_path is not None
     if real:
         if args.trace_prompt:

@@ -19,6 +19,14 @@ from sparsehi.runtime.synth import synth_prefill
 from sparsehi.runtime.traces import QueryTrace, topk_overlap
 
 MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
+FP8_MODE = "sparse-hier-fp8"
+"""sparse-hier with FP8 host KV (``--host-kv-dtype fp8_e4m3``); swept only when asked."""
+ALL_MODES = MODES + (FP8_MODE,)
+
+
+def runtime_mode_of(mode: str) -> tuple[str, str]:
+    """A benchmark mode -> (the runtime's mode, its host KV dtype)."""
+    return ("sparse-hier", "fp8_e4m3") if mode == FP8_MODE else (mode, "auto")
 
 
 def log(msg: str) -> None:
@@ -34,20 +42,22 @@ def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
     from hicache.host_pool import HostKVPool
     from sparsehi.runtime.runtime_mode import kv_spec_for
 
-    key = model.cfg.name
+    key = (model.cfg.name, sc.host_kv_dtype)
     hp = HOST_POOLS.get(key)
     if hp is not None and hp.num_slots >= n_tokens:
         return hp
     HOST_POOLS.pop(key, None)
     free_memory(device)
-    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, dtype=dtype)
+    fp8 = sc.host_kv_dtype == "fp8_e4m3"  # FP8 page records live in page_first
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, dtype=dtype, host_layout="page_first" if fp8 else "layer_first")
     spec = kv_spec_for(model.cfg, rt)
     ps = sc.page_size
     dummy = DeviceKVPool(spec, 2 * ps, device)
     n = round_up(max(n_tokens, 3 * ps), ps)
-    hp = HostKVPool(dummy, hicache_ratio=n / dummy.num_slots + 1e-6, layout="layer_first")
+    hp = HostKVPool(dummy, hicache_ratio=n / dummy.num_slots + 1e-6, layout="page_first" if fp8 else "layer_first",
+                    host_kv_dtype=sc.host_kv_dtype)
     HOST_POOLS[key] = hp
-    log(f"pinned host pool for {key}: {hp.nbytes() / GIB:.1f} GiB")
+    log(f"pinned host pool for {key[0]} ({hp.kv_format.namespace_tag}): {hp.nbytes() / GIB:.1f} GiB")
     return hp
 
 
@@ -56,10 +66,13 @@ CUDA_GRAPH = True
 
 
 def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> ModelRunner:
-    rt = RuntimeConfig(mode=mode, sparse=replace(sc, sparse_extra_config=sparse_extra_config(model, sc)), device=str(device),
+    mode, host_kv_dtype = runtime_mode_of(mode)
+    sc = replace(sc, host_kv_dtype=host_kv_dtype, sparse_extra_config=sparse_extra_config(model, sc))
+    rt = RuntimeConfig(mode=mode, sparse=sc, device=str(device),
                        dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
                        adaptor="auto" if torch.device(device).type == "cuda" else "none",
-                       prefix_cache=False, validate=False, cuda_graph=CUDA_GRAPH)
+                       prefix_cache=False, validate=False, cuda_graph=CUDA_GRAPH,
+                       host_layout="page_first" if host_kv_dtype == "fp8_e4m3" else "layer_first")
     if mode in ("sparse-hier", "offload-full"):
         need = ctx + batch * round_up(steps + 2 * sc.page_size, sc.page_size) + 4 * sc.page_size
         rt.host_kv_tokens = need
@@ -169,7 +182,7 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
                            "device_gap_ms_max": max(gaps) if gaps else None}
     if hasattr(runtime_mode, "coord"):
         runtime_mode.record_layers = frozenset()
-        if mode == "sparse-hier":
+        if mode in ("sparse-hier", FP8_MODE):
             st = runtime_mode.coord.stats()
             row["hit_rate"] = st["hit_rate"]
             row["misses_per_step"] = st["misses"] / max(1, st["steps"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode.point import MODES
+from benchmarks.decode.point import ALL_MODES, FP8_MODE, MODES
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -20,10 +20,10 @@ def plot(rows: list[dict], path: Path) -> None:
     if not groups:
         return
     fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4), squeeze=False)
-    colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3"}
+    colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3", FP8_MODE: "C4"}
     for ax, (model, ctx) in zip(axes[0], groups):
         for scen, style in (("a", "-"), ("b", "--")):
-            for mode in MODES:
+            for mode in ALL_MODES:
                 pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
                              if r["model"] == model and r["context"] == ctx and r["scenario"] == scen
                              and r["mode"] == mode and r.get("trace_source") == "trace85")
@@ -115,6 +115,9 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     gaps = [r["device_gap_ms_max"] for r in sel if r.get("device_gap_ms_max") is not None]
     out["device_gap_ms_max"] = max(gaps) if gaps else None
     out["hit_rate"] = get(best("sparse-hier"), "hit_rate")
+    out["fp8_best_tok_s"] = get(best(FP8_MODE), "tokens_per_s")
+    out["fp8_best_batch"] = get(best(FP8_MODE), "batch")
+    out["fp8_b1_tok_s"] = get(b1(FP8_MODE), "tokens_per_s")
     cap = caps.get((model, ctx, "a"), {})
-    out["batch_held"] = {m: cap.get(m) for m in MODES}
+    out["batch_held"] = {m: cap.get(m) for m in ALL_MODES if m in MODES or cap.get(m) is not None}
     return out

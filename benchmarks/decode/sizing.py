@@ -14,6 +14,14 @@ from sparsehi.runtime.runtime_config import round_up
 GIB = 1 << 30
 
 
+def fp8_token_bytes(model, page_size: int) -> float:
+    """Host bytes of one token, all layers, in FP8 pages (``hicache.kv_page_format``)."""
+    cfg = model.cfg
+    bufs = 2 if cfg.family == "gqa" else 1
+    values = cfg.num_layers * bufs * cfg.cache_heads * cfg.cache_head_dim
+    return values + cfg.num_layers * bufs * cfg.cache_heads * 4 / page_size
+
+
 def representation_bytes_per_request(model, sc: SparseConfig, ctx: int, device) -> int:
     from sparsehi.algorithms.registry import create_algorithm
 
@@ -43,6 +51,9 @@ def per_request_bytes(model, mode: str, ctx: int, sc: SparseConfig, steps: int, 
     tb = per_layer * cfg.num_layers
     ps = sc.page_size
     tokens = round_up(ctx + steps + 1, ps) + ps
+    if mode == "sparse-hier-fp8":  # FP8 host pages: one byte a value, plus a page's scales
+        buf = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
+        return buf + n_dense_layers * per_layer * tokens + rep_bytes, tokens * fp8_token_bytes(model, ps)
     if mode == "dense":
         return tokens * tb, 0
     if mode == "sparse-gpu":
@@ -86,10 +97,11 @@ def step_traffic(model, mode: str, ctx: int, batch: int, sc: SparseConfig, n_den
     kv = batch * (n_dense_layers * ctx + (L - n_dense_layers) * min(ctx, sel_tokens)) * per_tok
     hbm = w + kv + batch * rep_bytes
     h2d = 0.0
-    if mode == "sparse-hier":
+    if mode in ("sparse-hier", "sparse-hier-fp8"):
         page = ps * per_tok
-        h2d = (misses_per_step or 0.0) * page
-        hbm += h2d  # written into the buffer
+        wire = page if mode == "sparse-hier" else fp8_token_bytes(model, ps) / L * ps  # one layer's page on PCIe
+        h2d = (misses_per_step or 0.0) * wire
+        hbm += (misses_per_step or 0.0) * page  # written into the buffer in the model's dtype
     return {"hbm": hbm, "h2d": h2d}
 
 
