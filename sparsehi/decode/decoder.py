@@ -36,6 +36,7 @@ from sparsehi.kernels.selection_table import SelectionTable, selection_table
 from sparsehi.kernels.step_setup import step_setup
 from sparsehi.kernels.store_kv import store_kv
 from sparsehi.kernels.swap_in_copy import swap_in_copy
+from sparsehi.kernels.swap_in_fp8 import swap_in_fp8_copy
 from sparsehi.kernels.swap_in_fused import swap_in_copy_and_table
 from sparsehi.lru_buffer import LruState
 from sparsehi.page_tables import BufferSizes, PageTables
@@ -186,10 +187,11 @@ class SparseDecoder:
             self.lru = LruState.empty(len(sparse_layers), max_num_reqs, sizes.lru_slots, sizes.max_pages, device)
             self._lru_planes = [self.lru.layer(i) for i in range(len(sparse_layers))]
             self._host_view = None if self.fp8 else host_pool.paged_view()
+            self._host_fp8 = (host_pool.fp8_values, host_pool.fp8_scales) if self.fp8 else None
             self._dev_view = device_pool.paged_view()
             # the swap-in's own copy kernel reads pinned host memory from the GPU (the
             # ``kernel`` io backend); ``direct`` on CUDA keeps the engine's path, and FP8
-            # pages load through the engine's dequantising copy
+            # pages have their own dequantising copy (swap_in_fp8), the table a launch apart
             self._fused_copy = (not self.fp8 and (device.type != "cuda"
                                                   or getattr(transfer, "io_backend", "kernel") == "kernel"))
             if host_tokens and not self._fused_copy:
@@ -401,7 +403,10 @@ class SparseDecoder:
         ``choice``: rows that do not use ``topk`` take ``choice.ids`` (row_choice.py).
         Value checks are the caller's (``check_topk``)."""
         r = self._lru_diff(layer, state, topk, valid, choice)
-        if self._fused_copy:
+        if self.fp8:
+            swap_in_fp8_copy(*self._host_fp8, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
+                             self.tables.host_pages, self.tables.lru_pages)
+        elif self._fused_copy:
             swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
                          self.tables.host_pages, self.tables.lru_pages, self.sizes.page_size, **self._host_addressing())
         else:  # io_backend "direct" on CUDA: the engine's host-side path (not graph-capturable)
