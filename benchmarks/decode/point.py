@@ -37,27 +37,29 @@ HOST_POOLS: dict = {}
 
 
 def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
-    """One pinned HostKVPool per model, reused by every point (pinning is slow)."""
+    """One pinned HostKVPool per KV shape and host KV dtype, reused by every point (pinning
+    is slow); a pool of another shape in the same host dtype is dropped first."""
     from hicache.device_pool import DeviceKVPool
     from hicache.host_pool import HostKVPool
     from sparsehi.runtime.runtime_mode import kv_spec_for
 
-    key = (model.cfg.name, sc.host_kv_dtype)
-    hp = HOST_POOLS.get(key)
-    if hp is not None and hp.num_slots >= n_tokens:
-        return hp
-    HOST_POOLS.pop(key, None)
-    free_memory(device)
     fp8 = sc.host_kv_dtype == "fp8_e4m3"  # FP8 page records live in page_first
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, dtype=dtype, host_layout="page_first" if fp8 else "layer_first")
     spec = kv_spec_for(model.cfg, rt)
+    key = (spec, sc.host_kv_dtype)
+    hp = HOST_POOLS.get(key)
+    if hp is not None and hp.num_slots >= n_tokens:
+        return hp
+    for k in [k for k in HOST_POOLS if k[1] == sc.host_kv_dtype]:
+        HOST_POOLS.pop(k)
+    free_memory(device)
     ps = sc.page_size
     dummy = DeviceKVPool(spec, 2 * ps, device)
     n = round_up(max(n_tokens, 3 * ps), ps)
     hp = HostKVPool(dummy, hicache_ratio=n / dummy.num_slots + 1e-6, layout="page_first" if fp8 else "layer_first",
                     host_kv_dtype=sc.host_kv_dtype)
     HOST_POOLS[key] = hp
-    log(f"pinned host pool for {key[0]} ({hp.kv_format.namespace_tag}): {hp.nbytes() / GIB:.1f} GiB")
+    log(f"pinned host pool for {model.cfg.name} ({hp.kv_format.namespace_tag}): {hp.nbytes() / GIB:.1f} GiB")
     return hp
 
 
