@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
+
+import pytest
 
 from server_process import ServerProcess, free_port
 
@@ -24,6 +26,16 @@ def missing_reason() -> Optional[str]:
         return (f"LMCache not importable ({type(exc).__name__}: {exc}); install it as docs/storage.md "
                 "('LMCache') says")
     return None
+
+
+@pytest.fixture(scope="module")
+def lmcache_server() -> Iterator["LMCacheServer"]:
+    """One LMCache server for a test module (skips where LMCache does not import)."""
+    missing = missing_reason()
+    if missing is not None:
+        pytest.skip(missing)
+    with LMCacheServer() as s:
+        yield s
 
 
 class LMCacheServer(ServerProcess):

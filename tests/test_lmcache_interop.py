@@ -30,7 +30,7 @@ from hicache.kv_spec import KVCacheSpec
 from hicache.storage.base import StorageConfig
 from hicache.storage.lmcache_interop import chunks_to_pages, pages_to_chunks, record_shape
 
-from lmcache_server import LMCacheServer, missing_reason
+from lmcache_server import LMCacheServer, lmcache_server, missing_reason  # noqa: F401 (fixture)
 
 _MISSING = missing_reason()
 needs_lmcache = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
@@ -213,11 +213,8 @@ class SGLangSide:
 
 # -- both directions through LMCache's server --------------------------------------------------
 @pytest.fixture(scope="module")
-def server():
-    if _MISSING is not None:
-        pytest.skip(_MISSING)
-    with LMCacheServer() as s:
-        yield s
+def server(lmcache_server):
+    return lmcache_server
 
 
 def lmcache_settings(server, chunk_size: int) -> dict:

@@ -27,7 +27,7 @@ from hicache.storage.keys import page_hash_chain, storage_key
 from hicache.storage.lmcache_config import LMCacheSettings
 
 import storage_conformance as sc
-from lmcache_server import LMCacheServer, RawClient, missing_reason
+from lmcache_server import LMCacheServer, RawClient, lmcache_server, missing_reason  # noqa: F401 (fixture)
 
 _MISSING = missing_reason()
 needs_lmcache = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
@@ -35,11 +35,8 @@ SMALL_CPU = {"max_local_cpu_size": 0.05}  # GB: LMCache's default is 5
 
 
 @pytest.fixture(scope="module")
-def server():
-    if _MISSING is not None:
-        pytest.skip(_MISSING)
-    with LMCacheServer() as s:
-        yield s
+def server(lmcache_server):
+    return lmcache_server
 
 
 def tier_extra(tiers: str, tmp_path, server=None, **more) -> dict:
