@@ -269,13 +269,9 @@ class KVTransferEngine:
         stored values, on the current stream (sync-free on CUDA)."""
         if not self.fp8:
             raise ValueError("store_pages is for FP8 host pools (host_kv_dtype='fp8_e4m3'); use backup")
-        ps = self.spec.page_size
-        dev_pages = self._on_device(device_pages).long()
-        slots = dev_pages[:, None] * ps + torch.arange(ps, device=dev_pages.device)[None, :]
-        slots = torch.where(dev_pages[:, None] >= 0, slots, -1)
         hp = self.host_pool
-        fp8_page_store(self._dev_view, slots, hp.fp8_values, hp.fp8_scales, self._on_device(host_pages).long(), 0,
-                       self.spec.num_layers, round_device=True)
+        fp8_page_store(self._dev_view, self._on_device(device_pages), hp.fp8_values, hp.fp8_scales,
+                       self._on_device(host_pages), 0, self.spec.num_layers, round_device=True)
 
     def store_completed_pages_now(self, layer: int, device_slots: torch.Tensor, host_slots: torch.Tensor,
                                   pool: DeviceKVPool | None = None, pool_layer: int | None = None) -> None:
@@ -295,9 +291,8 @@ class KVTransferEngine:
         d = self._on_device(device_slots).long()
         last = (h >= 0) & (h % ps == ps - 1) & (d >= 0)
         host_pages = torch.where(last, h // ps, -1)
-        slots = (d - d % ps)[:, None] + torch.arange(ps, device=d.device)[None, :]
         hp = self.host_pool
-        fp8_page_store(pool.paged_view()[:, :, pool_layer:pool_layer + 1], slots, hp.fp8_values[:, layer:layer + 1],
+        fp8_page_store(pool.paged_view()[:, :, pool_layer:pool_layer + 1], d // ps, hp.fp8_values[:, layer:layer + 1],
                        hp.fp8_scales[:, layer:layer + 1], host_pages, 0, 1, round_device=True)
 
     # --- execution ---------------------------------------------------------------------

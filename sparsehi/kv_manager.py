@@ -273,8 +273,7 @@ class SparseKVCacheManager:
         ps = self.sizes.page_size
         pages = torch.cat([dp[: seq // ps] for seq, dp in zip(seq_lens, dev_pages)]).to(self.device)
         if pages.numel():
-            slots = pages[:, None] * ps + torch.arange(ps, device=self.device)[None, :]
-            round_pages(self.device_pool.paged_view(), slots, torch.ones_like(pages, dtype=torch.bool))
+            round_pages(self.device_pool.paged_view(), pages, ps, torch.ones_like(pages, dtype=torch.bool))
 
     def adopt_prompt(self, rows: list[int], seq_lens: list[int], token_slots: torch.Tensor,
                      host_slots: torch.Tensor) -> None:

@@ -33,14 +33,12 @@ def _host(n_pages: int, device):
 def test_page_store_matches_reference_and_rounds_the_device_rows(device, dtype):
     dev_ref = _device_view(40, dtype, device, seed=1)
     dev_tri = dev_ref.clone()
-    pages = torch.tensor([[3, 7, 1, 0], [2, 2, 2, 2], [9, 5, 6, 4], [8, 0, 1, 2]])  # device page of each page
-    dev_slots = (pages * PS + torch.arange(PS)).flatten()[:16].view(4, PS).to(device)
-    dev_slots[3, 2] = -1  # a page with a missing token is not stored
+    dev_pages = torch.tensor([3, 7, 1, -1], device=device)  # the last has no device page: not stored
     host_pages = torch.tensor([4, -1, ROUND_ONLY, 0], device=device)
     out = {}
     for name, fn, dev in (("ref", fp8_page_store_reference, dev_ref), ("tri", fp8_page_store_triton, dev_tri)):
         v, s = _host(6, device)
-        fn(dev, dev_slots, v, s, host_pages, 1, 2, round_device=True)
+        fn(dev, dev_pages, v, s, host_pages, 1, 2, round_device=True)
         out[name] = (v, s)
     assert torch.equal(out["ref"][0], out["tri"][0]) and torch.equal(out["ref"][1], out["tri"][1])
     assert torch.equal(dev_ref, dev_tri)
@@ -48,28 +46,26 @@ def test_page_store_matches_reference_and_rounds_the_device_rows(device, dtype):
     assert not v[[0, 1, 2, 3, 5]].any() and not v[4, 0].any() and v[4, 1:].any()  # page 4, layers 1-2 only
     # the stored page and the rounded rows are fp8_page_quantize's rule applied to the page
     orig = _device_view(40, dtype, device, seed=1)
-    ds = dev_slots[0].long()
+    ds = 3 * PS + torch.arange(PS, device=device)  # device page 3
     page = orig[ds // PS, ds % PS, 1:3].permute(1, 2, 0, 3, 4)[None]  # [1, L', B, T, H, D]
     rounded = fp8_round_trip(page.flatten(1, 2)).unflatten(1, (2, B))
     assert torch.equal(dev_tri[ds // PS, ds % PS, 1:3], rounded[0].permute(2, 0, 1, 3, 4))
     assert torch.equal((v[4, 1:3].view(torch.float8_e4m3fn).float() * s[4, 1:3, :, None, :, None]).to(dtype),
                        rounded[0])
-    # ROUND_ONLY rounded page 2 (device page 9, ...) in place, wrote nothing to the host
-    ds2 = dev_slots[2].long()
-    assert not torch.equal(dev_tri[ds2 // PS, ds2 % PS, 1:3], orig[ds2 // PS, ds2 % PS, 1:3])
-    # untouched: the skipped page (-1), the page with a missing token, layer 0
-    for row in (1, 3):
-        d = dev_slots[row].long().clamp(min=0)
-        assert torch.equal(dev_tri[d // PS, d % PS], orig[d // PS, d % PS])
+    # ROUND_ONLY rounded device page 1 in place, wrote nothing to the host
+    assert not torch.equal(dev_tri[1, :, 1:3], orig[1, :, 1:3])
+    # untouched: the page whose host page is -1 (device page 7), every page no entry names
+    # (device page 0 among them), layer 0
+    for p in (7, 0, 2, 4, 5, 6, 8, 9):
+        assert torch.equal(dev_tri[p], orig[p])
     assert torch.equal(dev_tri[:, :, 0], orig[:, :, 0])
 
 
 @pytest.mark.parametrize("device", DEVS)
 def test_token_load_returns_what_the_store_rounded(device):
     dev = _device_view(32, torch.bfloat16, device, seed=2)
-    dev_slots = (torch.tensor([5, 0, 2])[:, None] * PS + torch.arange(PS)).to(device)
     v, s = _host(4, device)
-    fp8_page_store_triton(dev, dev_slots, v, s, torch.tensor([1, 3, 0], device=device), 0, L, round_device=True)
+    fp8_page_store_triton(dev, torch.tensor([5, 0, 2], device=device), v, s, torch.tensor([1, 3, 0], device=device), 0, L, round_device=True)
     host_slots = torch.tensor([1 * PS + 2, 3 * PS + 0, -1, 0 * PS + 3, 99, 1 * PS + 3], device=device)
     target = torch.tensor([0, 1, 2, 3, 4, 31], device=device)
     outs = []
@@ -89,10 +85,10 @@ def test_token_load_returns_what_the_store_rounded(device):
 def test_bad_arguments_are_named():
     dev = _device_view(8, torch.bfloat16, "cpu", seed=3)
     v, s = _host(2, "cpu")
-    with pytest.raises(ValueError, match=r"dev_slots must be int32/int64 \[len\(host_pages\), page_size\]"):
+    with pytest.raises(ValueError, match=r"dev_pages must be int32/int64 \[len\(host_pages\)\]"):
         fp8_page_store_triton(dev, torch.zeros(1, 3, dtype=torch.int64), v, s, torch.zeros(1, dtype=torch.int64), 0, L)
     with pytest.raises(ValueError, match=r"layers \[2, 2 \+ 2\) must lie in \[0, 3\)"):
-        fp8_page_store_triton(dev, torch.zeros(1, PS, dtype=torch.int64), v, s, torch.zeros(1, dtype=torch.int64), 2, 2)
+        fp8_page_store_triton(dev, torch.zeros(1, dtype=torch.int64), v, s, torch.zeros(1, dtype=torch.int64), 2, 2)
     with pytest.raises(ValueError, match="host_slots and dev_slots must pair up"):
         fp8_token_load_triton(v, s, dev, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 0, L)
     with pytest.raises(ValueError, match=r"scales must be float32 \[pages, layers, buffers, heads\]"):

@@ -1,10 +1,10 @@
 """Device -> host backup of whole KV pages into an FP8 host pool, quantised on the way, and
 (optionally) the device rows rounded in place to what the host now holds.
 
-For each page ``i`` with ``host_pages[i] >= 0`` (in range) and every token slot of
-``dev_slots[i, :]`` in range: for every layer of ``[layer_start, layer_start + layer_count)``,
-buffer and head, the page's ``page_size x dim`` block is read from the device rows
-``dev_slots[i, t]``, quantised with ``fp8_page_quantize``'s rule (one power-of-two scale)
+For each page ``i`` with ``host_pages[i] >= 0`` (in range) and a device page ``dev_pages[i] >=
+0`` whose token slots ``dev_pages[i] * page_size + t`` all lie in ``dev``: for every layer of
+``[layer_start, layer_start + layer_count)``, buffer and head, the page's ``page_size x dim``
+block is read from those device rows, quantised with ``fp8_page_quantize``'s rule (one power-of-two scale)
 and written to ``values[host_pages[i], layer, buf]`` / ``scales[host_pages[i], layer, buf,
 head]``. With ``round_device`` the device rows then hold ``q * scale`` (exact in bfloat16 and
 float32): every later read of the page, from either tier, sees the same values.
@@ -12,8 +12,10 @@ float32): every later read of the page, from either tier, sees the same values.
 ``round_device`` with ``host_pages`` of ``-2`` rounds the device rows and writes nothing to
 the host (a run that keeps its KV on the GPU, rounded as FP8 host pages would make it).
 
-``dev`` is the 6-D device view ``[pages, page_size, layers, buffers, heads, dim]``,
-``dev_slots [P, page_size]`` int64/int32, ``host_pages [P]`` int64/int32, ``values``/``scales``
+``dev`` is the 6-D device view ``[pages, view_page_size, layers, buffers, heads, dim]`` (token
+slot ``s`` is ``(s // view_page_size, s % view_page_size)``: the pool may page its slots
+otherwise), ``dev_pages [P]`` and ``host_pages [P]`` int64/int32 page ids of ``page_size``
+tokens, ``values``/``scales``
 ``HostKVPool.fp8_values`` / ``fp8_scales`` (pinned; written in place on CUDA). No host sync:
 CUDA-graph safe (which pages are stored is data, not shape).
 
@@ -34,7 +36,7 @@ ROUND_ONLY = -2
 """A ``host_pages`` entry that rounds the page's device rows without a host copy."""
 
 
-def _check(dev, dev_slots, values, scales, host_pages, layer_start: int, layer_count: int) -> None:
+def _check(dev, dev_pages, values, scales, host_pages, layer_start: int, layer_count: int) -> None:
     if not isinstance(dev, torch.Tensor) or dev.dim() != 6 or dev.stride(-1) != 1 \
             or dev.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError("dev must be a 6-D float32/bfloat16/float16 view [pages, page_size, layers, buffers, heads, "
@@ -50,29 +52,30 @@ def _check(dev, dev_slots, values, scales, host_pages, layer_start: int, layer_c
     if not isinstance(host_pages, torch.Tensor) or host_pages.dim() != 1 \
             or host_pages.dtype not in (torch.int32, torch.int64):
         raise ValueError("host_pages must be a 1-D int32/int64 tensor")
-    if not isinstance(dev_slots, torch.Tensor) or tuple(dev_slots.shape) != (host_pages.numel(), ps) \
-            or dev_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"dev_slots must be int32/int64 [len(host_pages), page_size]={(host_pages.numel(), ps)}, "
-                         f"got {tuple(dev_slots.shape) if isinstance(dev_slots, torch.Tensor) else dev_slots}")
+    if not isinstance(dev_pages, torch.Tensor) or tuple(dev_pages.shape) != (host_pages.numel(),) \
+            or dev_pages.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"dev_pages must be int32/int64 [len(host_pages)]={(host_pages.numel(),)}, got "
+                         f"{tuple(dev_pages.shape) if isinstance(dev_pages, torch.Tensor) else dev_pages}")
     if not (isinstance(layer_start, int) and isinstance(layer_count, int) and layer_count >= 0
             and 0 <= layer_start and layer_start + layer_count <= L):
         raise ValueError(f"layers [{layer_start}, {layer_start} + {layer_count}) must lie in [0, {L})")
 
 
-def fp8_page_store_reference(dev: torch.Tensor, dev_slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+def fp8_page_store_reference(dev: torch.Tensor, dev_pages: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                              host_pages: torch.Tensor, layer_start: int, layer_count: int,
                              round_device: bool = False) -> None:
     """Plain-torch ``fp8_page_store`` (same arguments and result; reads indices on the host)."""
-    _check(dev, dev_slots, values, scales, host_pages, layer_start, layer_count)
-    n_host = values.shape[0]
+    _check(dev, dev_pages, values, scales, host_pages, layer_start, layer_count)
+    n_host, ps = values.shape[0], values.shape[3]
     n_dev = dev.shape[0] * dev.shape[1]
     hp = host_pages.cpu().long()
-    ds = dev_slots.cpu().long()
+    dp = dev_pages.cpu().long()
     store = ((hp >= 0) & (hp < n_host)) | ((hp == ROUND_ONLY) & round_device)
-    store &= ((ds >= 0) & (ds < n_dev)).all(dim=1)
+    store &= (dp >= 0) & ((dp + 1) * ps <= n_dev)
     if not bool(store.any()):
         return
-    hp, ds = hp[store], ds[store].to(dev.device)
+    hp = hp[store]
+    ds = (dp[store][:, None] * ps + torch.arange(ps)[None, :]).to(dev.device)  # [P, page_size] token slots
     layers = slice(layer_start, layer_start + layer_count)
     rows = dev[ds // dev.shape[1], ds % dev.shape[1], layers].float()  # [P, T, layers, buffers, H, D]
     k = power_of_two_exponent_reference(rows.abs().amax(dim=(1, 5)))  # [P, layers, buffers, H]
@@ -89,8 +92,8 @@ def fp8_page_store_reference(dev: torch.Tensor, dev_slots: torch.Tensor, values:
 
 
 @triton.jit
-def _fp8_page_store_kernel(d_ptr, ds_ptr, v_ptr, s_ptr, hp_ptr, n_host, n_dev, ps, ps_dev, layer_start, NB,
-                           sdp, sdt, sdl, sdb, sdh, sdsp, svp, svl, svb, svt, svh, ssp, ssl, ssb, D,
+def _fp8_page_store_kernel(d_ptr, dp_ptr, v_ptr, s_ptr, hp_ptr, n_host, n_dev, ps, ps_dev, layer_start, NB,
+                           sdp, sdt, sdl, sdb, sdh, svp, svl, svb, svt, svh, ssp, ssl, ssb, D,
                            ROUND: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     lb = tl.program_id(1)
@@ -101,10 +104,10 @@ def _fp8_page_store_kernel(d_ptr, ds_ptr, v_ptr, s_ptr, hp_ptr, n_host, n_dev, p
     t = tl.arange(0, BT)
     dd = tl.arange(0, BD)
     t_ok = t < ps
-    slots = tl.load(ds_ptr + i * sdsp + t, mask=t_ok, other=0).to(tl.int64)
-    bad = tl.sum((((slots < 0) | (slots >= n_dev)) & t_ok).to(tl.int32), axis=0)
+    page = tl.load(dp_ptr + i).to(tl.int64)
+    slots = page * ps + t  # the page's token slots
     go = ((hp >= 0) & (hp < n_host)) | ((hp == -2) & ROUND)
-    if go & (bad == 0):
+    if go & (page >= 0) & ((page + 1) * ps <= n_dev):
         m = t_ok[:, None] & (dd[None, :] < D)
         addr = (d_ptr + (slots // ps_dev)[:, None] * sdp + (slots % ps_dev)[:, None] * sdt + layer * sdl + b * sdb
                 + head * sdh + dd[None, :])
@@ -120,23 +123,23 @@ def _fp8_page_store_kernel(d_ptr, ds_ptr, v_ptr, s_ptr, hp_ptr, n_host, n_dev, p
             tl.store(addr, y.to(d_ptr.dtype.element_ty), mask=m)
 
 
-def fp8_page_store_triton(dev: torch.Tensor, dev_slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+def fp8_page_store_triton(dev: torch.Tensor, dev_pages: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                           host_pages: torch.Tensor, layer_start: int, layer_count: int,
                           round_device: bool = False) -> None:
     """Triton launcher: one program per page, layer and buffer, and head."""
-    _check(dev, dev_slots, values, scales, host_pages, layer_start, layer_count)
+    _check(dev, dev_pages, values, scales, host_pages, layer_start, layer_count)
     n = host_pages.numel()
     _, _, B, ps, H, D = values.shape
     if n == 0 or layer_count == 0:
         return
     _fp8_page_store_kernel[(n, layer_count * B, H)](
-        dev, dev_slots, values, scales, host_pages, values.shape[0], dev.shape[0] * dev.shape[1], ps, dev.shape[1],
-        layer_start, B, *dev.stride()[:5], dev_slots.stride(0), *values.stride()[:5], *scales.stride()[:3], D,
+        dev, dev_pages, values, scales, host_pages, values.shape[0], dev.shape[0] * dev.shape[1], ps, dev.shape[1],
+        layer_start, B, *dev.stride()[:5], *values.stride()[:5], *scales.stride()[:3], D,
         ROUND=bool(round_device), BT=triton.next_power_of_2(ps), BD=triton.next_power_of_2(D), num_warps=4)
 
 
-def fp8_page_store(dev: torch.Tensor, dev_slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+def fp8_page_store(dev: torch.Tensor, dev_pages: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                    host_pages: torch.Tensor, layer_start: int, layer_count: int, round_device: bool = False) -> None:
     """See the module docstring."""
     dispatch("fp8_page_store", dev, fp8_page_store_triton, fp8_page_store_reference)(
-        dev, dev_slots, values, scales, host_pages, layer_start, layer_count, round_device)
+        dev, dev_pages, values, scales, host_pages, layer_start, layer_count, round_device)

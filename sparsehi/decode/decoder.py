@@ -29,7 +29,7 @@ from hicache.triton_support import INT32_MAX
 from sparsehi.algorithms.base import check_selection
 from sparsehi.config import SparseConfig
 from sparsehi.decode.state import CandidateTables, DecodeState
-from sparsehi.fp8_pages import page_slots_of, round_pages
+from sparsehi.fp8_pages import round_pages
 from sparsehi.kernels.dense_pages import DensePages, dense_pages
 from sparsehi.kernels.lru_diff import LruDiffResult, check_lru_diff_values, lru_diff
 from sparsehi.kernels.selection_table import SelectionTable, selection_table
@@ -503,11 +503,7 @@ class SparseDecoder:
             return
         ps = self.sizes.page_size
         complete = state.live & (state.seq_lens % ps == 0)
-        view = self._dev_view_of_layer(layer)
-        round_pages(view, page_slots_of(state.out_loc, ps), complete)
-
-    def _dev_view_of_layer(self, layer: int) -> torch.Tensor:
-        return self.device_pool.paged_view()[:, :, layer:layer + 1]
+        round_pages(self.device_pool.paged_view()[:, :, layer:layer + 1], state.out_loc // ps, ps, complete)
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:
