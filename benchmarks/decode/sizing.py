@@ -10,16 +10,9 @@ import torch
 
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.runtime_config import round_up
+from sparsehi.runtime.runtime_mode import host_token_bytes
 
 GIB = 1 << 30
-
-
-def fp8_token_bytes(model, page_size: int) -> float:
-    """Host bytes of one token, all layers, in FP8 pages (``hicache.kv_page_format``)."""
-    cfg = model.cfg
-    bufs = 2 if cfg.family == "gqa" else 1
-    values = cfg.num_layers * bufs * cfg.cache_heads * cfg.cache_head_dim
-    return values + cfg.num_layers * bufs * cfg.cache_heads * 4 / page_size
 
 
 def representation_bytes_per_request(model, sc: SparseConfig, ctx: int, device) -> int:
@@ -53,7 +46,7 @@ def per_request_bytes(model, mode: str, ctx: int, sc: SparseConfig, steps: int, 
     tokens = round_up(ctx + steps + 1, ps) + ps
     if mode == "sparse-hier-fp8":  # FP8 host pages: one byte a value, plus a page's scales
         buf = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
-        return buf + n_dense_layers * per_layer * tokens + rep_bytes, tokens * fp8_token_bytes(model, ps)
+        return buf + n_dense_layers * per_layer * tokens + rep_bytes, tokens * host_token_bytes(cfg, dtype, "fp8_e4m3", ps)
     if mode == "dense":
         return tokens * tb, 0
     if mode == "sparse-gpu":
@@ -99,7 +92,7 @@ def step_traffic(model, mode: str, ctx: int, batch: int, sc: SparseConfig, n_den
     h2d = 0.0
     if mode in ("sparse-hier", "sparse-hier-fp8"):
         page = ps * per_tok
-        wire = page if mode == "sparse-hier" else fp8_token_bytes(model, ps) / L * ps  # one layer's page on PCIe
+        wire = page if mode == "sparse-hier" else host_token_bytes(cfg, dtype, "fp8_e4m3", ps) / L * ps  # a layer's page
         h2d = (misses_per_step or 0.0) * wire
         hbm += (misses_per_step or 0.0) * page  # written into the buffer in the model's dtype
     return {"hbm": hbm, "h2d": h2d}

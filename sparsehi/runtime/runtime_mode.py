@@ -65,19 +65,20 @@ class Request:
 
 
 def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
+    return _kv_spec(cfg, rt.dtype, rt.page_size)
+
+
+def _kv_spec(cfg: ModelConfig, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
     kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
     return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
-                       head_dim=cfg.cache_head_dim, dtype=rt.dtype, page_size=rt.page_size, **kw)
+                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=page_size, **kw)
 
 
 def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype, host_kv_dtype: str = "auto", page_size: int = 1) -> int:
     """Host pool bytes of one token of ``cfg`` (all layers; FP8 pages: values and the page's
     scales over its ``page_size`` tokens, rounded up): what ``--hicache-size`` GB are divided
     by to size the host pool of a host mode."""
-    kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
-    spec = KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
-                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=page_size, **kw)
-    return -(-KVPageFormat(spec, host_kv_dtype).page_bytes // page_size)
+    return -(-KVPageFormat(_kv_spec(cfg, dtype, page_size), host_kv_dtype).page_bytes // page_size)
 
 
 def free_page_row(allocator, row: np.ndarray) -> None:

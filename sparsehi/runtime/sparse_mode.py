@@ -40,14 +40,13 @@ from typing import Any, Callable, Hashable, Optional
 import numpy as np
 import torch
 
-from hicache.kv_page_format import KVPageFormat
 from hicache.layer_sync import LayerLoadCounter
 from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch
 from sparsehi.runtime.l3_interop import LMCacheL3Interop, lmcache_interop_for
-from sparsehi.runtime.runtime_mode import Request, RuntimeMode
+from sparsehi.runtime.runtime_mode import Request, RuntimeMode, host_token_bytes
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 
@@ -174,8 +173,7 @@ class SparseCoordinatorMode(RuntimeMode):
 
     def host_kv_token_bytes(self) -> int:
         """Host bytes of one token's KV, all layers, in the host pool's page format."""
-        fmt = KVPageFormat(self.spec, self.rt.sparse.host_kv_dtype)
-        return -(-fmt.page_bytes // self.spec.page_size)
+        return host_token_bytes(self.cfg, self.rt.dtype, self.rt.sparse.host_kv_dtype, self.rt.page_size)
 
     def extra_gpu_bytes(self) -> int:
         dp = self.coord.dense_pool
