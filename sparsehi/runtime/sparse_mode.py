@@ -297,7 +297,6 @@ class SparseCoordinatorMode(RuntimeMode):
             self.layer_loads.set_consumer(-1)
             req.prefix_load = None
         n = len(req.prompt)
-        ps = self.rt.page_size
         if self.hierarchical:
             self._make_host_room(n - prefix_len)
             new = self.host.alloc(n - prefix_len)
@@ -314,15 +313,7 @@ class SparseCoordinatorMode(RuntimeMode):
             req.device_slots = None
             req.host_slots = hs
             if self.reuse_prefix:
-                n_al = n // ps * ps
-                if n_al:
-                    res = self.tree.insert(req.prompt[:n_al], host_indices=hs[:n_al], cache_salt=req.cache_salt)
-                    self.tree.inc_host_lock(res.last_node)
-                    if req.tree_node is not None:
-                        self.tree.dec_host_lock(req.tree_node)
-                    req.tree_node = res.last_node
-                    # slots the tree did not adopt are reported again by the insert at
-                    # request end, which frees them (we still read them until then)
+                self._hold_prompt_in_tree(req)
         else:
             self.coord.forward_end(batch)
             req.device_slots = None  # the coordinator owns them until on_request_end
@@ -372,12 +363,22 @@ class SparseCoordinatorMode(RuntimeMode):
         req.prefix_state = None
         self.pool.allocator.free(req.device_slots)  # the manager copied what it keeps
         req.device_slots = None
-        n_al = n // ps * ps
-        if n_al:
-            res = self.tree.insert(req.prompt[:n_al], host_indices=req.host_slots[:n_al], cache_salt=req.cache_salt)
-            self.tree.inc_host_lock(res.last_node)
-            req.tree_node = res.last_node
+        self._hold_prompt_in_tree(req)
         req.seq_len = n
+
+    def _hold_prompt_in_tree(self, req: Request) -> None:
+        """The prompt's whole pages (host slots ``req.host_slots``) into the prefix tree,
+        host-locked by ``req`` in place of the node it held. Slots the tree does not adopt
+        (it held the prefix already) are reported again by the insert at request end, which
+        frees them (the request still reads them until then)."""
+        n_al = len(req.prompt) // self.rt.page_size * self.rt.page_size
+        if not n_al:
+            return
+        res = self.tree.insert(req.prompt[:n_al], host_indices=req.host_slots[:n_al], cache_salt=req.cache_salt)
+        self.tree.inc_host_lock(res.last_node)
+        if req.tree_node is not None:
+            self.tree.dec_host_lock(req.tree_node)
+        req.tree_node = res.last_node
 
     def prepare_decode(self, reqs: list[Request]) -> Hashable:
         """Coordinator host part; the graph key: whether a row decodes densely, and the layers
