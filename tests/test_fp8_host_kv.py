@@ -14,8 +14,9 @@ from hicache.transfer import KVTransferEngine
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.model_config import get_model_config
 from sparsehi.runtime.runtime_config import RuntimeConfig
-from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
+from test_e2e import prompts_of
+from test_e2e import run as run_e2e
 
 STEPS = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,15 +30,9 @@ def model_for(name: str, device: str = "cpu", dtype=torch.float32):
     return _MODELS[key]
 
 
-def prompts_of(lengths, seed=0, vocab=512):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
 def run(model, mode, sc, prompts, steps=STEPS, **kw):
-    rt = RuntimeConfig(mode=mode, sparse=sc, max_num_reqs=len(prompts), host_layout="page_first",
-                       max_context_len=max(map(len, prompts)) + steps + 1, **kw)
-    return ModelRunner(model, rt).generate(prompts, steps)
+    """``test_e2e.run`` over the page_first host layout that FP8 pages need."""
+    return run_e2e(model, mode, sc, prompts, steps, host_layout="page_first", **kw)
 
 
 CASES = [
