@@ -23,12 +23,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-RowKey = tuple[str, str, int, int]
-"""(mode, scenario, context, batch) of a ``decode.json`` row."""
+RowKey = tuple[str, str, str, int, int]
+"""(mode, scenario, query source, context, batch) of a ``decode.json`` row: one context and
+batch has a row per query source (``trace85`` and the model's own queries)."""
 
 
 def row_key(row: dict[str, Any]) -> RowKey:
-    return (row["mode"], str(row.get("scenario", "")), int(row["context"]), int(row["batch"]))
+    return (row["mode"], str(row.get("scenario", "")), str(row.get("trace_source", "")), int(row["context"]),
+            int(row["batch"]))
 
 
 def run_bench(tree: Path, bench_args: list[str]) -> list[dict[str, Any]]:
@@ -58,12 +60,12 @@ def compare(old_runs: list[list[dict]], new_runs: list[list[dict]], tolerance: f
         ratio = statistics.median(new[k]) / statistics.median(old[k])
         rows[" ".join(map(str, k))] = {"key": list(k), "old": old[k], "new": new[k], "new_over_old": round(ratio, 4)}
     checks = {}
-    for group in sorted({tuple(v["key"][:3]) for v in rows.values()}):
-        members = [v for v in rows.values() if tuple(v["key"][:3]) == group]
+    for group in sorted({tuple(v["key"][:4]) for v in rows.values()}):
+        members = [v for v in rows.values() if tuple(v["key"][:4]) == group]
         best = max(members, key=lambda v: statistics.median(v["new"]))
-        for name, v in (("batch 1", next((m for m in members if m["key"][3] == 1), None)), ("best batch", best)):
+        for name, v in (("batch 1", next((m for m in members if m["key"][4] == 1), None)), ("best batch", best)):
             if v is not None:
-                checks[f"{' '.join(map(str, group))} {name} (B={v['key'][3]})"] = {
+                checks[f"{' '.join(map(str, group))} {name} (B={v['key'][4]})"] = {
                     "new_over_old": v["new_over_old"], "within": abs(v["new_over_old"] - 1.0) <= tolerance}
     return {"rows": rows, "checks": checks, "tolerance": tolerance,
             "all_within": bool(checks) and all(c["within"] for c in checks.values())}
