@@ -19,7 +19,14 @@ projection of the attention keys, see ``ProjectedIndexerInputs``), and the
 ``examples/sink_window.py`` sliding window (the query-blind floor). Sink (64 tokens) and
 recent window (64 tokens) are always attended and do not count against the budget.
 
-Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py`` (``--quick`` for a smoke run).
+FP8 host KV (key ``fp8_host_kv``): Quest at 32k and 128k over the same contexts with the KV
+rounded as FP8 host pages round it, beside the same KV in bf16 (mass recall, needles,
+output error; ``benchmarks/fidelity_fp8.py``), and forced top-1 agreement of sparse-hier
+with FP8 host KV and with bf16 host KV on the tiny models (``benchmarks/fidelity_forced.py``).
+
+Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py`` (``--quick`` for a smoke run;
+``--fp8-host-kv only`` measures the FP8 section alone and merges it into the existing
+``fidelity.json``).
 """
 from __future__ import annotations
 
@@ -40,10 +47,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.common import RESULTS_DIR, device_info, write_result  # noqa: E402
 from benchmarks.fidelity_context import (D, HKV, HQ, INDEX_DIM, LOGIT_STD, NEEDLE_MARGIN,  # noqa: E402
                                          NEEDLES, PAGE, RECENT, SINK, attended_tokens, build, dense_attention,
                                          make_context, unit_mass)
+from benchmarks.fidelity_forced import forced_agreement_rows  # noqa: E402
+from benchmarks.fidelity_fp8 import MODEL_KV_DTYPE, fp8_rows, fp8_summary  # noqa: E402
 from sparsehi.algorithms.testing import ProjectedIndexerInputs  # noqa: E402
 from sparsehi.kernels.dsa_indexer import dsa_indexer_reference, dsa_indexer_triton  # noqa: E402
 from sparsehi.kernels.quest_score import quest_score_reference, quest_score_triton  # noqa: E402
@@ -116,6 +125,72 @@ def kernel_equals_reference(t: int, budget: int, device: torch.device) -> dict[s
     return out
 
 
+def fp8_host_kv_section(quick: bool, trials: int, device: torch.device) -> dict[str, Any]:
+    """FP8 host KV beside the model's dtype: Quest on the synthetic contexts
+    (``benchmarks/fidelity_fp8.py``) and forced top-1 agreement on the tiny models
+    (``benchmarks/fidelity_forced.py``), with the device and date that measured them."""
+    t0 = time.time()
+    if quick:  # 4101: a partial last page, left in bf16
+        contexts, budgets, trials = [2048, 4101], [256, 512], 1
+    else:
+        contexts, budgets = [32768, 131072], [1024, 2048, 4096, 8192]
+    rows, rounding = fp8_rows(contexts, budgets, trials, device)
+    print(f"fp8 host KV, synthetic contexts: done at {time.time() - t0:.0f}s", flush=True)
+    tiny = forced_agreement_rows(quick, device.type)
+    info = device_info()
+    return {
+        "device": info["device"], "date": info["date"],
+        "setup": {
+            "contexts": contexts, "budgets_tokens": budgets, "trials": trials, "algorithm": "quest (page 16, heads summed)",
+            "kv": f"the synthetic context's KV in {str(MODEL_KV_DTYPE).removeprefix('torch.')}; fp8_e4m3 rows: its "
+                  "complete pages (k and v, every head, sink and recent window included) rounded by fp8_round_trip "
+                  "(hicache/kv_page_format.py), a partial last page left as it is",
+            "quest_bounds_from": {
+                "bf16_keys": "a prompt prefilled in the request: the runtime builds its bounds before its pages are "
+                             "rounded, so its selection is the bf16 selection",
+                "fp8_keys": "a prefix reused from the host tier or L3: its keys come back rounded",
+            },
+            "metrics": {
+                "mass_recall": "head-averaged bf16 attention mass on the selected pages / the best top-k candidate "
+                               "pages' bf16 mass (the bf16 rows' measure); mass_recall_drop = bf16 row - this row",
+                "mass_recall_of_fp8_attention": "the same, of the attention over the rounded KV",
+                "output_rel_error": "sparse attention over this row's KV vs dense attention over bf16 KV",
+                "output_rel_error_vs_bf16_same_selection": "vs sparse attention over bf16 KV, same selection",
+                "selection_overlap_with_bf16": "share of the bf16 selection's pages selected",
+                "forced_top1_agreement": "tiny models: share of decode positions whose argmax agrees between "
+                                         "sparse-hier with FP8 host KV and with host KV in the model's dtype, both "
+                                         "teacher-forced with dense's tokens",
+            },
+        },
+        "summary": fp8_summary(rows),
+        "results": rows,
+        "kv_rounding": rounding,
+        "tiny_models": tiny,
+        "elapsed_s": round(time.time() - t0, 1),
+    }
+
+
+def merge_section(key: str, section: dict[str, Any], out_dir: Path | None) -> Path:
+    """Write ``section`` under ``key`` of ``fidelity.json`` in ``out_dir`` (default
+    benchmarks/results), keeping the file's other keys; a new file if there is none."""
+    path = Path(out_dir or RESULTS_DIR) / "fidelity.json"
+    if not path.exists():
+        return write_result("fidelity.json", {"benchmark": "fidelity", key: section}, out_dir)
+    data = json.loads(path.read_text())
+    data[key] = section
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def print_fp8_section(section: dict[str, Any]) -> None:
+    s = section["summary"]
+    print("fp8 host KV:", {k: s[k] for k in ("bounds_bf16_keys", "bounds_fp8_keys", "drop_over_limit")})
+    for r in section["tiny_models"]:
+        print(f"  {r['model']} forced top-1 agreement fp8 vs {r['model_dtype']}: {r['forced_top1_agreement']:.4f} "
+              f"(vs dense: {r['forced_top1_agreement_fp8_vs_dense']:.4f} fp8, "
+              f"{r['forced_top1_agreement_model_dtype_vs_dense']:.4f} {r['model_dtype']}; {r['positions']} positions)")
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -149,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     ap.add_argument("--plot-from", default=None, help="only redraw fidelity.png next to this fidelity.json")
+    ap.add_argument("--fp8-host-kv", choices=("include", "only", "skip"), default="include",
+                    help="the FP8 host KV section (key fp8_host_kv): with the rest, only it (merged into the existing "
+                         "fidelity.json, whose other keys are kept), or not at all")
     args = ap.parse_args(argv)
     if args.plot_from:
         src = Path(args.plot_from)
@@ -156,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
+    out_dir = Path(args.out) if args.out else None
+    fp8 = fp8_host_kv_section(args.quick, args.trials, device) if args.fp8_host_kv != "skip" else None
+    if fp8 is not None:
+        print_fp8_section(fp8)
+    if args.fp8_host_kv == "only":
+        print(f"wrote {merge_section('fp8_host_kv', fp8, out_dir)} (key fp8_host_kv)")
+        return 0
     if args.quick:
         contexts, budgets, trials = [2048, 4096], [256, 512], 1
     else:
@@ -210,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "kernel_equals_reference": kernel_check,
         "results": rows,
+        **({"fp8_host_kv": fp8} if fp8 is not None else {}),
         "elapsed_s": round(time.time() - t0, 1),
     }
-    out_dir = Path(args.out) if args.out else None
     path = write_result("fidelity.json", payload, out_dir)
     try:
         plot(rows, path.with_suffix(".png"))
