@@ -108,5 +108,12 @@ def forced_agreement_row(case: TinyCase, device: str) -> dict[str, Any]:
 
 
 def forced_agreement_rows(quick: bool, device: str) -> list[dict[str, Any]]:
-    """One row per tiny model (``QUICK_CASES`` or ``GPU_CASES``)."""
-    return [forced_agreement_row(c, device) for c in (QUICK_CASES if quick else GPU_CASES)]
+    """One row per tiny model (``QUICK_CASES`` or ``GPU_CASES``). On the CPU the runs use
+    one torch thread: the tiny models' many small matmuls run faster on one."""
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return [forced_agreement_row(c, device) for c in (QUICK_CASES if quick else GPU_CASES)]
+    finally:
+        torch.set_num_threads(threads)
