@@ -19,13 +19,19 @@ projection of the attention keys, see ``ProjectedIndexerInputs``), and the
 ``examples/sink_window.py`` sliding window (the query-blind floor). Sink (64 tokens) and
 recent window (64 tokens) are always attended and do not count against the budget.
 
-Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py`` (``--quick`` for a smoke run).
+FP8 host KV (key ``fp8_host_kv``): Quest at 32k and 128k over the same contexts with the KV
+rounded as FP8 host pages round it, beside the same KV in bf16 (mass recall, needles,
+output error; ``benchmarks/fidelity_fp8.py``), and forced top-1 agreement of sparse-hier
+with FP8 host KV and with bf16 host KV on the tiny models (``benchmarks/fidelity_forced.py``).
+
+Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py`` (``--quick`` for a smoke run;
+``--fp8-host-kv only`` measures the FP8 section alone and merges it into the existing
+``fidelity.json``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -41,130 +47,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, write_result  # noqa: E402
-from examples.sink_window import SinkWindow  # noqa: E402
-from sparsehi.algorithms.base import check_selection  # noqa: E402
-from sparsehi.algorithms.dsa import DSAAlgorithm  # noqa: E402
-from sparsehi.algorithms.oracle import OracleAlgorithm  # noqa: E402
-from sparsehi.algorithms.quest import QuestAlgorithm  # noqa: E402
+from benchmarks.common import RESULTS_DIR, device_info, write_result  # noqa: E402
+from benchmarks.fidelity_context import (D, HKV, HQ, INDEX_DIM, LOGIT_STD, NEEDLE_MARGIN,  # noqa: E402
+                                         NEEDLES, PAGE, RECENT, SINK, attended_tokens, build, dense_attention,
+                                         make_context, unit_mass)
+from benchmarks.fidelity_forced import forced_agreement_rows  # noqa: E402
+from benchmarks.fidelity_fp8 import MODEL_KV_DTYPE, fp8_rows, fp8_summary  # noqa: E402
 from sparsehi.algorithms.testing import ProjectedIndexerInputs  # noqa: E402
-from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.kernels.dsa_indexer import dsa_indexer_reference, dsa_indexer_triton  # noqa: E402
 from sparsehi.kernels.quest_score import quest_score_reference, quest_score_triton  # noqa: E402
 from sparsehi.kernels.topk import masked_topk  # noqa: E402
-
-HQ, HKV, D = 32, 8, 128
-PAGE = 16
-SINK, RECENT = 64, 64
-INDEX_DIM = 128
-NEEDLES = 8
-LOGIT_STD = 1.8
-NEEDLE_MARGIN = 2.0
-KEY_NOISE = 0.7
-
-
-# ---------------------------------------------------------------------------- data
-def make_context(t: int, seed: int, device: torch.device) -> dict[str, Any]:
-    """Keys/values ``[t, HKV, D]``, query ``[HQ, D]``, needle positions ``[NEEDLES]``."""
-    g = torch.Generator().manual_seed(seed)
-    rank = 16
-    bias = torch.randn(HKV, D, generator=g) * 0.5
-    outliers = torch.randperm(D, generator=g)[:4]
-    bias[:, outliers] += torch.randn(HKV, 4, generator=g).sign() * 6.0  # massive channels
-    a = torch.randn(HKV, D, rank, generator=g) / math.sqrt(rank) * 1.5
-    # smooth positional drift of the low-rank state: a few slow sinusoids per rank dim
-    pos = torch.arange(t, dtype=torch.float32)[:, None, None]
-    freq = torch.rand(1, 6, rank, generator=g) * 30 + 0.5  # cycles per context
-    phase = torch.rand(1, 6, rank, generator=g) * 2 * math.pi
-    amp = torch.rand(1, 6, rank, generator=g)
-    z = (amp * torch.sin(2 * math.pi * freq * pos / t + phase)).sum(1)  # [t, rank]
-    z = z + 0.3 * torch.randn(t, rank, generator=g)
-    keys = bias[None] + torch.einsum("gdr,tr->tgd", a, z) + KEY_NOISE * torch.randn(t, HKV, D, generator=g)
-    av = torch.randn(HKV, D, rank, generator=g) / math.sqrt(rank)
-    values = torch.einsum("gdr,tr->tgd", av, z) + 0.5 * torch.randn(t, HKV, D, generator=g)
-    # query: own direction + the recent state + the outlier channels (as real queries)
-    zq = z[-1] + 0.5 * torch.randn(rank, generator=g)
-    grp = torch.arange(HQ) // (HQ // HKV)
-    q = 0.8 * torch.randn(HQ, D, generator=g) + 0.5 * torch.einsum("hdr,r->hd", a[grp], zq)
-    q[:, outliers] += 0.3 * torch.randn(HQ, 4, generator=g)
-    # needles inside the selectable range, on distinct pages
-    lo, hi = -(-SINK // PAGE) + 1, (t - RECENT) // PAGE - 1
-    pages = lo + torch.randperm(hi - lo, generator=g)[:NEEDLES]
-    npos = pages * PAGE + torch.randint(0, PAGE, (NEEDLES,), generator=g)
-    # temperature: scale each head's query so its softmax logits have std LOGIT_STD
-    # (a long-tailed but not one-hot attention, as in real long-context heads)
-    logits = torch.einsum("hd,thd->ht", q, keys[:, grp]) / math.sqrt(D)
-    q = q * (LOGIT_STD / logits.std(dim=1))[:, None]
-    logits = torch.einsum("hd,thd->ht", q, keys[:, grp]) / math.sqrt(D)
-    # needle: lift its group's mean logit NEEDLE_MARGIN nats above the group's best distractor
-    u = q.view(HKV, -1, D).mean(1)
-    u = u / u.norm(dim=-1, keepdim=True)
-    gain = (q.view(HKV, -1, D) * u[:, None]).sum(-1).mean(1) / math.sqrt(D)  # mean scaled q_h·u
-    lg = logits.view(HKV, -1, t).mean(1)  # [HKV, t]
-    lift = (lg.amax(1) + NEEDLE_MARGIN)[:, None] - lg[:, npos]  # [HKV, NEEDLES]
-    keys[npos] += (lift / gain.clamp_min(1e-3)[:, None]).T[:, :, None] * u[None]
-    return {"keys": keys.to(device), "values": values.to(device), "q": q.to(device), "needles": npos.to(device)}
-
-
-# ---------------------------------------------------------------------------- metrics
-def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None):
-    """``q [HQ, D]``, keys/values ``[t, HKV, D]``, mask ``[t] bool`` → (out ``[HQ, D]``,
-    probs ``[HQ, t]``)."""
-    grp = torch.arange(HQ, device=q.device) // (HQ // HKV)
-    logits = torch.einsum("hd,thd->ht", q, keys[:, grp]) / math.sqrt(D)
-    if mask is not None:
-        logits = logits.masked_fill(~mask[None], float("-inf"))
-    p = torch.softmax(logits, dim=1)
-    return torch.einsum("ht,thd->hd", p, values[:, grp]), p
-
-
-def unit_mass(p: torch.Tensor, unit: int) -> torch.Tensor:
-    """Head-averaged attention probability per unit ``[ceil(t / unit)]``."""
-    m = p.mean(0)
-    n = -(-m.numel() // unit)
-    out = torch.zeros(n * unit, device=m.device)
-    out[: m.numel()] = m
-    return out.view(n, unit).sum(1)
-
-
-# ---------------------------------------------------------------------------- algorithms
-def build(name: str, max_budget: int, ctx: dict[str, Any], t: int, device: torch.device):
-    """Instantiate ``name``, fill its representations from the context; returns
-    ``(unit, candidate_start, candidate_end, retrieve(budget_tokens) -> selected unit ids)``."""
-    unit = 1 if name in ("dsa", "oracle_token") else PAGE
-    extra_cfg: dict[str, Any] = {"index_head_dim": INDEX_DIM} if name == "dsa" else {}
-    if name == "quest_max":
-        extra_cfg["head_reduce"] = "max"
-    cfg = SparseConfig(algorithm=name, page_size=unit, top_k=max_budget, device_buffer_size=2 * max_budget,
-                       sink_tokens=SINK, recent_tokens=RECENT, dense_layers=(), sparse_extra_config=extra_cfg)
-    cls = {"oracle_page": OracleAlgorithm, "oracle_token": OracleAlgorithm, "quest": QuestAlgorithm,
-           "quest_max": QuestAlgorithm, "dsa": DSAAlgorithm, "sink_window": SinkWindow}[name]
-    alg = cls(cfg, device)
-    alg.initialize_representation_pool(0, 1, 1, t, kv_heads=HKV, head_dim=D, dtype=torch.float32)
-    req = torch.zeros(1, dtype=torch.int64, device=device)
-    seq = torch.tensor([t], dtype=torch.int32, device=device)
-    slots = torch.arange(t, device=device)[None]
-    extra: dict[str, Any] = {}
-    q = ctx["q"][None]
-    rkw: dict[str, Any] = {}
-    if name == "dsa":
-        proj = ctx.setdefault("_proj", ProjectedIndexerInputs(INDEX_DIM, seed=99))
-        extra["index_keys"] = ctx.setdefault("_ik", proj.index_keys(ctx["keys"]))[None]
-        q = proj.index_queries(ctx["q"][None], HKV)
-        rkw["weights"] = torch.ones(1, HQ, device=device)
-    alg.construct_representations(0, req, seq, ctx["keys"], slots, **extra)
-    units = -(-t // unit)
-    cs = torch.tensor([-(-SINK // unit)], dtype=torch.int32, device=device)
-    ce = torch.tensor([units - max(1, -(-RECENT // unit))], dtype=torch.int32, device=device)
-
-    def retrieve(budget: int) -> torch.Tensor:
-        k_units = budget // unit
-        sel, valid = alg.retrieve_topk(q, 0, req, torch.tensor([True], device=device), seq_lens=seq,
-                                       candidate_start=cs, candidate_end=ce, top_k=k_units, **rkw)
-        check_selection(sel, valid, k_units, cs, ce)
-        return sel[0, : int(valid[0])].long()
-
-    return unit, int(cs), int(ce), retrieve
 
 
 def evaluate(t: int, budgets: list[int], trials: int, algos: list[str], device: torch.device) -> list[dict[str, Any]]:
@@ -176,17 +68,13 @@ def evaluate(t: int, budgets: list[int], trials: int, algos: list[str], device: 
         for name in algos:
             unit, cs, ce, retrieve = build(name, max(budgets), ctx, t, device)
             mass = unit_mass(p, unit)
-            n_units = -(-t // unit)
             needle_units = (ctx["needles"] // unit).tolist()
             for budget in budgets:
                 k_units = budget // unit
                 sel = retrieve(budget)
                 best = torch.topk(mass[cs:ce], min(k_units, ce - cs)).values.sum()
                 recall = float(mass[sel].sum() / best)
-                tok = torch.zeros(n_units * unit, dtype=torch.bool, device=device)
-                keep_units = torch.cat([torch.arange(cs, device=device), sel, torch.arange(ce, n_units, device=device)])
-                tok.view(-1, unit)[keep_units] = True
-                o_sparse, _ = dense_attention(ctx["q"], ctx["keys"], ctx["values"], tok[:t])
+                o_sparse, _ = dense_attention(ctx["q"], ctx["keys"], ctx["values"], attended_tokens(sel, cs, ce, unit, t))
                 err = float((o_sparse - o_dense).norm() / o_dense.norm())
                 chosen = set(sel.tolist())
                 hit = sum(1 for u in needle_units if u in chosen) / len(needle_units)
@@ -237,6 +125,72 @@ def kernel_equals_reference(t: int, budget: int, device: torch.device) -> dict[s
     return out
 
 
+def fp8_host_kv_section(quick: bool, trials: int, device: torch.device) -> dict[str, Any]:
+    """FP8 host KV beside the model's dtype: Quest on the synthetic contexts
+    (``benchmarks/fidelity_fp8.py``) and forced top-1 agreement on the tiny models
+    (``benchmarks/fidelity_forced.py``), with the device and date that measured them."""
+    t0 = time.time()
+    if quick:  # 4101: a partial last page, left in bf16
+        contexts, budgets, trials = [2048, 4101], [256, 512], 1
+    else:
+        contexts, budgets = [32768, 131072], [1024, 2048, 4096, 8192]
+    rows, rounding = fp8_rows(contexts, budgets, trials, device)
+    print(f"fp8 host KV, synthetic contexts: done at {time.time() - t0:.0f}s", flush=True)
+    tiny = forced_agreement_rows(quick, device.type)
+    info = device_info()
+    return {
+        "device": info["device"], "date": info["date"],
+        "setup": {
+            "contexts": contexts, "budgets_tokens": budgets, "trials": trials, "algorithm": "quest (page 16, heads summed)",
+            "kv": f"the synthetic context's KV in {str(MODEL_KV_DTYPE).removeprefix('torch.')}; fp8_e4m3 rows: its "
+                  "complete pages (k and v, every head, sink and recent window included) rounded by fp8_round_trip "
+                  "(hicache/kv_page_format.py), a partial last page left as it is",
+            "quest_bounds_from": {
+                "bf16_keys": "a prompt prefilled in the request: the runtime builds its bounds before its pages are "
+                             "rounded, so its selection is the bf16 selection",
+                "fp8_keys": "a prefix reused from the host tier or L3: its keys come back rounded",
+            },
+            "metrics": {
+                "mass_recall": "head-averaged bf16 attention mass on the selected pages / the best top-k candidate "
+                               "pages' bf16 mass (the bf16 rows' measure); mass_recall_drop = bf16 row - this row",
+                "mass_recall_of_fp8_attention": "the same, of the attention over the rounded KV",
+                "output_rel_error": "sparse attention over this row's KV vs dense attention over bf16 KV",
+                "output_rel_error_vs_bf16_same_selection": "vs sparse attention over bf16 KV, same selection",
+                "selection_overlap_with_bf16": "share of the bf16 selection's pages selected",
+                "forced_top1_agreement": "tiny models: share of decode positions whose argmax agrees between "
+                                         "sparse-hier with FP8 host KV and with host KV in the model's dtype, both "
+                                         "teacher-forced with dense's tokens",
+            },
+        },
+        "summary": fp8_summary(rows),
+        "results": rows,
+        "kv_rounding": rounding,
+        "tiny_models": tiny,
+        "elapsed_s": round(time.time() - t0, 1),
+    }
+
+
+def merge_section(key: str, section: dict[str, Any], out_dir: Path | None) -> Path:
+    """Write ``section`` under ``key`` of ``fidelity.json`` in ``out_dir`` (default
+    benchmarks/results), keeping the file's other keys; a new file if there is none."""
+    path = Path(out_dir or RESULTS_DIR) / "fidelity.json"
+    if not path.exists():
+        return write_result("fidelity.json", {"benchmark": "fidelity", key: section}, out_dir)
+    data = json.loads(path.read_text())
+    data[key] = section
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def print_fp8_section(section: dict[str, Any]) -> None:
+    s = section["summary"]
+    print("fp8 host KV:", {k: s[k] for k in ("bounds_bf16_keys", "bounds_fp8_keys", "drop_over_limit")})
+    for r in section["tiny_models"]:
+        print(f"  {r['model']} forced top-1 agreement fp8 vs {r['model_dtype']}: {r['forced_top1_agreement']:.4f} "
+              f"(vs dense: {r['forced_top1_agreement_fp8_vs_dense']:.4f} fp8, "
+              f"{r['forced_top1_agreement_model_dtype_vs_dense']:.4f} {r['model_dtype']}; {r['positions']} positions)")
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -270,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     ap.add_argument("--plot-from", default=None, help="only redraw fidelity.png next to this fidelity.json")
+    ap.add_argument("--fp8-host-kv", choices=("include", "only", "skip"), default="include",
+                    help="the FP8 host KV section (key fp8_host_kv): with the rest, only it (merged into the existing "
+                         "fidelity.json, whose other keys are kept), or not at all")
     args = ap.parse_args(argv)
     if args.plot_from:
         src = Path(args.plot_from)
@@ -277,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
+    out_dir = Path(args.out) if args.out else None
+    fp8 = fp8_host_kv_section(args.quick, args.trials, device) if args.fp8_host_kv != "skip" else None
+    if fp8 is not None:
+        print_fp8_section(fp8)
+    if args.fp8_host_kv == "only":
+        print(f"wrote {merge_section('fp8_host_kv', fp8, out_dir)} (key fp8_host_kv)")
+        return 0
     if args.quick:
         contexts, budgets, trials = [2048, 4096], [256, 512], 1
     else:
@@ -331,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "kernel_equals_reference": kernel_check,
         "results": rows,
+        **({"fp8_host_kv": fp8} if fp8 is not None else {}),
         "elapsed_s": round(time.time() - t0, 1),
     }
-    out_dir = Path(args.out) if args.out else None
     path = write_result("fidelity.json", payload, out_dir)
     try:
         plot(rows, path.with_suffix(".png"))
