@@ -49,6 +49,14 @@ and launch orders: the steps of the split take the variants in turn, each as the
 copy (a second copy of the same misses would find the host pages' translations warm), and
 ``copy_variant_us`` holds each variant's median.
 
+FP8 host KV (``--fp8``): the MHA rows once more over FP8 host pages (``page_first``,
+``host_kv_dtype="fp8_e4m3"``): ``build_table`` then runs the LRU diff and the dequantising
+copy + selection table launch (``swap_in_fp8_fused``); the host pattern is E4M3 codes under
+per-page power-of-two scales, checked dequantised; ``bytes_per_step`` and the IO limit count
+FP8 page bytes; the split times the unfused dequantising copy (``swap_in_fp8``); copy
+variants apply to the bf16 rows only. Beside the bf16 ``page_first`` rows this compares the
+two formats' swap-in at B = 1, 16, 64.
+
 Usage: ``PYTHONPATH=. python benchmarks/bench_swapin.py`` on a GPU (HiSparse: see
 ``../shared/anchor/README.md``); ``--quick`` runs tiny sizes eagerly (CPU: torch
 references), without graphs or HiSparse, to check the script end to end.
@@ -79,7 +87,7 @@ def judge(row: dict) -> dict:
     """The issue's target for one row: MET, MISSED (with the split's largest term) or
     UNMEASURED (no IO limit: no GPU)."""
     io = row["io_limit_us"]
-    entry = {k: row[k] for k in ("kind", "layout", "B", "overlap", "us")}
+    entry = {k: row[k] for k in ("kind", "layout", "host_kv_dtype", "B", "overlap", "us") if k in row}
     if io is None:
         return {**entry, "status": "UNMEASURED", "why": "no pinned host->device bandwidth (no GPU)"}
     io_term = 1.15 * io + 15
@@ -122,6 +130,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, eager, no HiSparse (CPU: torch references)")
     ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
     ap.add_argument("--only", choices=("mla", "mha"), default=None, help="run one kind of rows")
+    ap.add_argument("--fp8", action="store_true", help="also the MHA rows over FP8 host pages (page_first)")
     ap.add_argument("--no-hisparse", action="store_true", help="skip SGLang HiSparse even when importable")
     ap.add_argument("--timed-steps", type=int, default=None, help="timed steps per row (default 15; quick 2)")
     ap.add_argument("--split-steps", type=int, default=5, help="steps of the per-kernel split per row (GPU)")
@@ -142,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"pinned host->device copy: {gbps and round(gbps, 1)} GB/s; HiSparse: "
           f"{'present' if hisparse_fn else hisparse_why}", flush=True)
     rows = []
-    for shape, cfgs in configurations(args.quick, args.only):
+    for shape, cfgs in configurations(args.quick, args.only, args.fp8):
         max_steps = 64 + timed + split_steps * (1 + len(copy_variants)) + max(
             warmup_steps(shape.top_k // shape.page_size, shape.buffer // shape.page_size,
                          int(round(shape.top_k // shape.page_size * ov)), warm_min) for _, ov in cfgs)
@@ -150,11 +159,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for batch, overlap in cfgs:
             row = run_configuration(pools, batch, overlap, timed=timed, split_steps=split_steps, warm_min=warm_min,
                                     graphs=graphs, hisparse_fn=hisparse_fn if shape.kind == "mla" else None,
-                                    copy_variants=copy_variants)
+                                    copy_variants=() if shape.host_kv_dtype == "fp8_e4m3" else copy_variants)
             if gbps:
                 row["io_limit_us"] = round(row["bytes_per_step"] / (gbps * 1e3), 1)
             rows.append(row)
-            print(f"[{time.perf_counter() - t_start:6.1f} s] {shape.kind} {shape.layout} B={batch} ov={overlap}: "
+            print(f"[{time.perf_counter() - t_start:6.1f} s] {shape.name} B={batch} ov={overlap}: "
                   f"us={row['us']} hisparse={row['hisparse_us']} io={row['io_limit_us']} "
                   f"setup={row['step_setup_us']} misses={row['misses_per_step']} correct={row['correct']} "
                   f"split={row['split_us']} variants={row.get('copy_variant_us')}", flush=True)
@@ -177,8 +186,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                      "copy_variants": [variant_name(v) for v in copy_variants],
                      "trace": "adjacent steps share round(K * overlap) ids; the rest uniform over the candidates "
                               "the previous step did not hold; ascending",
-                     "shapes": {f"{sh.kind}/{sh.layout}": sh.__dict__ | {"spec_token_bytes": sh.spec().token_bytes}
-                                for sh, _ in configurations(args.quick, args.only)}},
+                     "shapes": {sh.name: sh.__dict__ | {"spec_token_bytes": sh.spec().token_bytes}
+                                for sh, _ in configurations(args.quick, args.only, args.fp8)}},
         "rows": rows,
         "targets": targets,
     }

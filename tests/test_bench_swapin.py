@@ -1,5 +1,6 @@
-"""benchmarks/bench_swapin.py: the quick run end to end (rows, keys, correctness), the trace
-rule, and the per-step check catching a wrong device row or a wrong table."""
+"""benchmarks/bench_swapin.py: the quick run end to end (rows, keys, correctness; FP8 host
+pages included), the trace rule, and the per-step check catching a wrong device row or a
+wrong table."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,23 @@ def test_quick_run_writes_every_row_correct(tmp_path):
             assert t["status"] == "UNMEASURED" and res["h2d_gbps"] is None
 
 
+def test_quick_fp8_rows_are_correct_and_move_fp8_bytes(tmp_path):
+    bs.main(["--quick", "--only", "mha", "--fp8", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "swapin.json").read_text())
+    fp8 = [r for r in res["rows"] if r["host_kv_dtype"] == "fp8_e4m3"]
+    bf16 = [r for r in res["rows"] if r["host_kv_dtype"] == "auto" and r["layout"] == "page_first"]
+    assert [r["B"] for r in fp8] == [r["B"] for r in bf16] and fp8 and {r["layout"] for r in fp8} == {"page_first"}
+    shape = workload.mha_shape("page_first", True, "fp8_e4m3")
+    spec = shape.spec()
+    # a page of one layer: E4M3 values plus a float32 scale per buffer and head
+    heads = spec.num_buffers * spec.kv_heads
+    page_bytes = spec.page_size * heads * spec.head_dim + heads * 4
+    for r in fp8:
+        assert r["correct"] is True and r["us"] > 0 and r["misses_per_step"] > 0
+        assert abs(r["bytes_per_step"] - r["misses_per_step"] * page_bytes) <= 0.05 * page_bytes + 1
+    assert "mha/page_first/fp8" in res["settings"]["shapes"] and "mha/page_first" in res["settings"]["shapes"]
+
+
 def test_trace_keeps_exactly_the_overlap():
     k, lo, hi = 40, 5, 300
     tr = workload.SelectionTrace(3, k, lo, hi, 0.85, seed=1)
@@ -54,6 +72,14 @@ def test_trace_keeps_exactly_the_overlap():
         for b in range(3):
             assert len(set(cur[b].tolist()) & set(prev[b].tolist())) == round(k * 0.85)
         prev = cur
+
+
+def _shape(kind: str, layout: str):
+    if kind == "mla":
+        return workload.mla_shape(True)
+    if kind == "mha-fp8":
+        return workload.mha_shape("page_first", True, "fp8_e4m3")
+    return workload.mha_shape(layout, True)
 
 
 def _one_step(shape, batch=2):
@@ -71,9 +97,9 @@ def _one_step(shape, batch=2):
     return pools, mgr, host_slots, s, tab
 
 
-@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("kind", ["mla", "mha", "mha-fp8"])
 def test_check_catches_a_wrong_row_and_a_wrong_table(kind):
-    shape = workload.mla_shape(True) if kind == "mla" else workload.mha_shape("page_first", True)
+    shape = _shape(kind, "page_first")
     pools, mgr, host_slots, s, tab = _one_step(shape)
     check = lambda t, topk: workload.selection_holds_host_data(pools, t, topk, host_slots, mgr.sizes.sink, mgr.sizes.recent)  # noqa: E731
     assert check(tab, s.topk)
@@ -96,11 +122,11 @@ def test_check_catches_a_wrong_row_and_a_wrong_table(kind):
     assert not check(tab, other)
 
 
-@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("kind", ["mla", "mha", "mha-fp8"])
 def test_split_parts_do_what_swap_in_does(kind):
     """The split times the swap-in's kernels one by one: run that way, each step leaves the
     same buffer state and table as the manager's own swap_in does on a twin manager."""
-    shape = workload.mla_shape(True) if kind == "mla" else workload.mha_shape("layer_first", True)
+    shape = _shape(kind, "layer_first")
     a = _one_step(shape)
     b = _one_step(shape)
     parts = steps.SwapInParts(b[3], b[0].host_pool, b[0].device_pool)
@@ -152,7 +178,8 @@ def test_hisparse_absence_says_why():
 def test_graph_path_small_rows_are_correct():
     """The GPU path (graph replays, split graphs, HiSparse when present) on quick shapes."""
     fn, _ = hisparse.load_hisparse()
-    for shape in (workload.mla_shape(True), workload.mha_shape("layer_first", True)):
+    for shape in (workload.mla_shape(True), workload.mha_shape("layer_first", True),
+                  workload.mha_shape("page_first", True, "fp8_e4m3")):
         pools = workload.ShapePools(shape, 2, 64, torch.device("cuda"))
         row = run_configuration(pools, 2, 0.85, timed=3, split_steps=2, warm_min=2, graphs=True,
                                    hisparse_fn=fn if shape.kind == "mla" else None)

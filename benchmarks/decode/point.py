@@ -91,7 +91,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     undo = []
     coord = getattr(runtime_mode, "coord", None)
     orig_diff, orig_fused = decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table
-    orig_fp8 = decoder_mod.swap_in_fp8_copy
+    orig_fp8 = decoder_mod.swap_in_fp8_copy_and_table
     if coord is not None:
         undo.append(wrap_method(runtime_mode.algorithm, "retrieve_topk", timer, "scoring"))
         if coord.transfer is not None:
@@ -105,11 +105,11 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
         def timed_fused(*a, **kw):  # the copy of the misses (and the page table, same launch)
             with timer.section("io"):
                 return orig_fused(*a, **kw)
-        def timed_fp8(*a, **kw):  # FP8 host pages: the misses' dequantising copy
+        def timed_fp8(*a, **kw):  # FP8 host pages: the misses' dequantising copy (and the page table)
             with timer.section("io"):
                 return orig_fp8(*a, **kw)
         decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table = timed_diff, timed_fused
-        decoder_mod.swap_in_fp8_copy = timed_fp8
+        decoder_mod.swap_in_fp8_copy_and_table = timed_fp8
     timer.enabled = True
     graphs_on = runner.graphs.enabled
     runner.graphs.enabled = False  # section events need the eager step (same kernels as the graph)
@@ -138,7 +138,7 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
         timer.enabled = False
         runner.graphs.enabled = graphs_on
         decoder_mod.lru_diff, decoder_mod.swap_in_copy_and_table = orig_diff, orig_fused
-        decoder_mod.swap_in_fp8_copy = orig_fp8
+        decoder_mod.swap_in_fp8_copy_and_table = orig_fp8
         for u in undo:
             u()
     n = max(1, steps)

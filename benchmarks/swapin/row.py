@@ -18,8 +18,8 @@ from benchmarks.swapin.workload import (LAYER, SelectionTrace, ShapePools, open_
 from sparsehi.kernels.selection_table import SelectionTable
 from sparsehi.kv_manager import SparseKVCacheManager
 
-ROW_KEYS = ("kind", "layout", "B", "overlap", "K", "S", "us", "hisparse_us", "io_limit_us", "misses_per_step",
-            "correct", "eager_host_us")
+ROW_KEYS = ("kind", "layout", "host_kv_dtype", "B", "overlap", "K", "S", "us", "hisparse_us", "io_limit_us",
+            "misses_per_step", "correct", "eager_host_us")
 
 
 @dataclass
@@ -156,11 +156,12 @@ def _row(pools: ShapePools, batch: int, overlap: float, st: RowSteps, graphs: bo
          timed: int, split: Optional[dict]) -> dict:
     """The row of the module docstring's keys from what its steps measured."""
     shape = pools.shape
-    page_bytes = pools.spec.page_bytes_per_layer
+    page_bytes = pools.host_page_bytes
     miss_mean = statistics.mean(st.misses)
     skip = 1 if len(st.host_us) > 1 else 0  # the first eager call compiles
     return {
-        "kind": shape.kind, "layout": shape.layout, "B": batch, "overlap": overlap,
+        "kind": shape.kind, "layout": shape.layout, "host_kv_dtype": shape.host_kv_dtype, "B": batch,
+        "overlap": overlap,
         "K": shape.top_k, "S": shape.buffer, "page_size": shape.page_size, "context": shape.context,
         "us": round(statistics.median(st.times), 1),
         "step_setup_us": round(statistics.median(st.setup_times), 1) if st.setup_times else None,

@@ -14,6 +14,7 @@ from sparsehi.decode import SparseDecoder
 from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff
 from sparsehi.kernels.selection_table import SelectionTable, selection_table
 from sparsehi.kernels.swap_in_copy import swap_in_copy
+from sparsehi.kernels.swap_in_fp8 import swap_in_fp8_copy
 from sparsehi.kv_manager import SparseKVCacheManager
 
 SPIN_CYCLES = 200_000  # ~100 us of GPU spin ahead of the first event: covers the host's submit
@@ -91,9 +92,10 @@ class SwapInStep:
 
 class SwapInParts:
     """The swap-in's kernels one by one, on ``SwapInStep``'s static inputs: begin_step, the
-    LRU diff, the copy of the misses, the selection table. The diff and the copy are called
-    as ``SparseDecoder.swap_in`` calls them (public kernels over the manager's public
-    tables); the checks after each step hold them to the same results."""
+    LRU diff, the copy of the misses (FP8 host pages: the dequantising copy), the selection
+    table. The diff and the copy are called as ``SparseDecoder.swap_in`` calls them (public
+    kernels over the manager's public tables); the checks after each step hold them to the
+    same results."""
 
     def __init__(self, s: SwapInStep, host_pool: HostKVPool, device_pool: DeviceKVPool) -> None:
         m = self.mgr = s.mgr
@@ -101,7 +103,8 @@ class SwapInParts:
         b, k = s.topk.shape
         out = torch.empty(3, b, k, dtype=torch.int32, device=m.device)
         self.res = LruDiffResult(out[0], out[1], out[2], torch.zeros(b, dtype=torch.int32, device=m.device))
-        self.views = host_pool.paged_view(), device_pool.paged_view()
+        self.fp8 = (host_pool.fp8_values, host_pool.fp8_scales) if host_pool.kv_format.quantized else None
+        self.views = (None if self.fp8 else host_pool.paged_view()), device_pool.paged_view()
         self.state = s.dec.lru.layer(s.dec.sparse_index[LAYER])
 
     def begin(self, rows: torch.Tensor):
@@ -112,6 +115,12 @@ class SwapInParts:
 
     def copy(self, step, variant: Optional[tuple[int, bool, Optional[int]]] = None) -> None:
         r, m = self.res, self.mgr
+        if self.fp8 is not None:
+            if variant is not None:
+                raise ValueError("copy variants are the bf16 copy's launch shapes: FP8 rows take none")
+            swap_in_fp8_copy(*self.fp8, self.views[1], LAYER, r.load_ids, r.load_slots, r.num_loads, step.rows,
+                             m.tables.host_pages, m.tables.lru_pages)
+            return
         kw = {}
         if variant is not None:
             bb, rm, pif = variant

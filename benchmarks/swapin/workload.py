@@ -1,6 +1,7 @@
 """What bench_swapin swaps in: the KV shapes and their sparse budgets, the Top-k traces,
-the device and pinned host pools (the host pool carrying a recognisable pattern), the
-requests opened over them and the per-step check against the host data."""
+the device and pinned host pools (the host pool carrying a recognisable pattern, in the
+model's dtype or as FP8 page records), the requests opened over them and the per-step check
+against the host data."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
+from hicache.kv_page_format import KVPageFormat
 from hicache.kv_spec import KVCacheSpec
 from sparsehi.config import SparseConfig
 from sparsehi.kernels.selection_table import SelectionTable
@@ -35,6 +37,12 @@ class Shape:
     sink: int
     recent: int
     kv_lora_rank: Optional[int] = None
+    host_kv_dtype: str = "auto"  # "fp8_e4m3": FP8 host pages (page_first layout)
+
+    @property
+    def name(self) -> str:
+        """``kind/layout``, with ``/fp8`` for FP8 host pages."""
+        return f"{self.kind}/{self.layout}" + ("/fp8" if self.host_kv_dtype == "fp8_e4m3" else "")
 
     def spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.kind, 1, self.kv_heads, self.head_dim, torch.bfloat16, self.page_size,
@@ -44,7 +52,7 @@ class Shape:
         return SparseConfig(algorithm="oracle", backend="dsa" if self.kind == "mla" else "flashattention",
                             page_size=self.page_size, top_k=self.top_k, device_buffer_size=self.buffer,
                             sink_tokens=self.sink, recent_tokens=self.recent, min_sparse_prompt_len=0,
-                            io_backend="kernel")
+                            io_backend="kernel", host_kv_dtype=self.host_kv_dtype)
 
 
 def mla_shape(quick: bool) -> Shape:
@@ -54,15 +62,17 @@ def mla_shape(quick: bool) -> Shape:
     return Shape("mla", "layer_first", 1, 576, 1, 2048, 4096, 32768, 64, 64, kv_lora_rank=512)
 
 
-def mha_shape(layout: str, quick: bool) -> Shape:
-    """Llama-8B GQA: 8 kv heads x 128, bf16, page 64 (4096 B per token, k and v)."""
+def mha_shape(layout: str, quick: bool, host_kv_dtype: str = "auto") -> Shape:
+    """Llama-8B GQA: 8 kv heads x 128, bf16, page 64 (4096 B per token, k and v; FP8 host
+    pages: 2048 B plus a page's scales)."""
     if quick:
-        return Shape("mha", layout, 2, 16, 4, 32, 64, 256, 4, 4)
-    return Shape("mha", layout, 8, 128, 64, 2048, 4096, 32768, 64, 64)
+        return Shape("mha", layout, 2, 16, 4, 32, 64, 256, 4, 4, host_kv_dtype=host_kv_dtype)
+    return Shape("mha", layout, 8, 128, 64, 2048, 4096, 32768, 64, 64, host_kv_dtype=host_kv_dtype)
 
 
-def configurations(quick: bool, only: Optional[str]) -> list[tuple[Shape, list[tuple[int, float]]]]:
-    """(shape, [(batch, overlap)]) in run order; one pool pair per shape."""
+def configurations(quick: bool, only: Optional[str], fp8: bool = False) -> list[tuple[Shape, list[tuple[int, float]]]]:
+    """(shape, [(batch, overlap)]) in run order; one pool pair per shape. ``fp8``: the MHA
+    rows again over FP8 host pages (page_first)."""
     out = []
     if only in (None, "mla"):
         mla = [(1, 0.85), (2, 0.85), (2, 0.5)] if quick else \
@@ -71,6 +81,8 @@ def configurations(quick: bool, only: Optional[str]) -> list[tuple[Shape, list[t
     if only in (None, "mha"):
         mha = [(1, 0.85), (2, 0.85)] if quick else [(1, 0.85), (16, 0.85), (64, 0.85)]
         out += [(mha_shape(layout, quick), mha) for layout in ("layer_first", "page_first")]
+        if fp8:
+            out.append((mha_shape("page_first", quick, "fp8_e4m3"), mha))
     return out
 
 
@@ -118,10 +130,32 @@ def pattern_words(slots: torch.Tensor, buffers: int, heads: int) -> torch.Tensor
     return (slots.to(torch.int32)[..., None, None] * buffers + b) * heads + h
 
 
+FP8_CODES = 5
+"""FP8 host pages: E4M3 codes at each end of a head, 6 bits of a word each (codes 0..63 are
+positive and finite), so the word's low 30 bits start the head and its complement's end it."""
+FP8_WORD_MASK = (1 << 6 * FP8_CODES) - 1
+
+
+def fp8_codes(words: torch.Tensor) -> torch.Tensor:
+    """``[..., FP8_CODES] uint8``: the E4M3 codes of ``words`` (int32, ``< 2**30``)."""
+    shifts = torch.arange(0, 6 * FP8_CODES, 6, dtype=torch.int32, device=words.device)
+    return ((words[..., None] >> shifts) & 63).to(torch.uint8)
+
+
+def fp8_scales(pages: torch.Tensor, buffers: int, heads: int) -> torch.Tensor:
+    """``[..., buffers, heads] float32``: the power-of-two scale of host page ``pages[...]``
+    (it varies with page, buffer and head, so a page read with another's scale shows)."""
+    b = torch.arange(buffers, device=pages.device)[:, None] * 3
+    h = torch.arange(heads, device=pages.device)[None, :]
+    return torch.exp2(((pages.long()[..., None, None] + b + h) % 5 - 2).float())
+
+
 class ShapePools:
     """Device pool and pinned host pool of one shape, sized for its largest batch and reused
     by its configurations (allocators cleared, device pool zeroed in between). The host
-    pool carries the pattern of ``pattern_words`` in every head of every token row."""
+    pool carries the pattern of ``pattern_words`` in every head of every token row: the
+    word and its complement at the head's ends, or with FP8 host pages their ``fp8_codes``
+    under the page's ``fp8_scales``. ``ends`` gives what a device row must hold there."""
 
     def __init__(self, shape: Shape, max_batch: int, max_steps: int, device: torch.device) -> None:
         self.shape = shape
@@ -134,11 +168,20 @@ class ShapePools:
         self.device_pool = DeviceKVPool(spec, dev_slots, device)
         host_pages = max_batch * (shape.context // ps + max_steps // ps + 2) + 2
         host_slots = max(host_pages * ps, dev_slots + ps) + 2 * ps  # margin: GB rounding below
-        self.host_pool = HostKVPool(self.device_pool, hicache_size=host_slots * spec.token_bytes / 1e9,
-                                    layout=shape.layout)
-        self._write_host_pattern()
-        words = self.device_pool.kv_data.view(torch.int32)[:, LAYER]  # [buffers, slots, heads, dim / 2]
-        self.dev_first, self.dev_last = words[..., 0], words[..., -1]  # [buffers, slots, heads]
+        fmt = KVPageFormat(spec, shape.host_kv_dtype)
+        self.host_page_bytes = fmt.page_bytes // spec.num_layers
+        """Host bytes of one page of one layer (what a miss moves over PCIe)."""
+        self.host_pool = HostKVPool(self.device_pool, hicache_size=host_slots * fmt.page_bytes / ps / 1e9,
+                                    layout=shape.layout, host_kv_dtype=shape.host_kv_dtype)
+        self.fp8 = fmt.quantized
+        if self.fp8:
+            self._write_fp8_pattern()
+            rows = self.device_pool.kv_data[:, LAYER]  # [buffers, slots, heads, dim]
+            self.dev_first, self.dev_last = rows[..., :FP8_CODES], rows[..., -FP8_CODES:]
+        else:
+            self._write_host_pattern()
+            words = self.device_pool.kv_data.view(torch.int32)[:, LAYER]  # [buffers, slots, heads, dim / 2]
+            self.dev_first, self.dev_last = words[..., :1], words[..., -1:]  # [buffers, slots, heads, 1]
 
     def _write_host_pattern(self) -> None:
         pool = self.host_pool
@@ -147,6 +190,34 @@ class ShapePools:
         w = pattern_words(slots, self.spec.num_buffers, self.spec.kv_heads)
         words[..., 0] = w
         words[..., -1] = ~w
+
+    def _write_fp8_pattern(self, chunk: int = 4096) -> None:
+        pool, nb, heads = self.host_pool, self.spec.num_buffers, self.spec.kv_heads
+        if pattern_words(torch.tensor([pool.num_slots - 1]), nb, heads).max() > FP8_WORD_MASK:
+            raise ValueError(f"the FP8 pattern holds 30 bits of a word: {pool.num_slots} host slots are too many")
+        values, scales = pool.fp8_values[:, LAYER], pool.fp8_scales[:, LAYER]  # [P, buffers, ps, heads, dim]
+        for p0 in range(0, pool.num_pages, chunk):
+            pages = torch.arange(p0, min(p0 + chunk, pool.num_pages))
+            slots = pages[:, None] * pool.page_size + torch.arange(pool.page_size)
+            w = pattern_words(slots, nb, heads).transpose(1, 2)  # [P, buffers, ps, heads]
+            values[p0:p0 + len(pages), ..., :FP8_CODES] = fp8_codes(w)
+            values[p0:p0 + len(pages), ..., -FP8_CODES:] = fp8_codes(~w & FP8_WORD_MASK)
+            scales[p0:p0 + len(pages)] = fp8_scales(pages, nb, heads)
+
+    def ends(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the device row of host slot ``slots[...]`` holds at the start and the end of
+        each head once swapped in: ``[..., buffers, heads, X]`` each, comparable with
+        ``dev_first`` / ``dev_last`` (int32 words; FP8 pages: dequantised values)."""
+        nb, heads = self.spec.num_buffers, self.spec.kv_heads
+        w = pattern_words(slots, nb, heads)
+        if not self.fp8:
+            return w[..., None], (~w)[..., None]
+        scale = fp8_scales(torch.div(slots, self.shape.page_size, rounding_mode="floor"), nb, heads)[..., None]
+
+        def value(words: torch.Tensor) -> torch.Tensor:
+            return (fp8_codes(words).view(torch.float8_e4m3fn).float() * scale).to(self.spec.dtype)
+
+        return value(w), value(~w & FP8_WORD_MASK)
 
     def reset(self) -> None:
         self.device_pool.allocator.clear()
@@ -186,8 +257,8 @@ def open_requests(pools: ShapePools, mgr: SparseKVCacheManager, batch: int) -> t
     pos = (torch.tensor(fixed)[:, None] * ps + off).reshape(-1)
     src = hs_all[:, pos].reshape(-1)
     dst = token_slots[:, pos].reshape(-1)
-    rows = pools.host_pool.paged_view()[src // ps, src % ps, LAYER]  # [N, buffers, heads, dim]
-    pools.device_pool.kv_data[:, LAYER, dst.to(dev)] = rows.to(dev).transpose(0, 1)
+    rows = torch.stack(pools.host_pool.read_tokens(LAYER, src))  # [buffers, N, heads, dim] (FP8: dequantised)
+    pools.device_pool.kv_data[:, LAYER, dst.to(dev)] = rows.to(dev)
     rows_l = list(range(batch))
     mgr.finish_prefill(rows_l, [shape.context] * batch, [shape.context] * batch, token_slots,
                        host_slots=host_slots)
@@ -209,11 +280,10 @@ def selection_holds_host_data(pools: ShapePools, tab: SelectionTable, topk: torc
     attended = (lid >= 0) & (lid < n_prompt)
     off = torch.arange(ps, device=lid.device)
     tok = (lid.clamp(0, n_prompt - 1)[..., None] * ps + off).view(b, -1)
-    want = pattern_words(host_slots.gather(1, tok).view(*lid.shape, ps), pools.spec.num_buffers,
-                         pools.spec.kv_heads)  # [B, W, ps, buffers, heads]
+    want_first, want_last = pools.ends(host_slots.gather(1, tok).view(*lid.shape, ps))  # [B, W, ps, buffers, heads, X]
     dslot = phys.clamp(min=0)[..., None] * ps + off  # [B, W, ps]
-    first = pools.dev_first[:, dslot].permute(1, 2, 3, 0, 4)
-    last = pools.dev_last[:, dslot].permute(1, 2, 3, 0, 4)
-    same = (first == want) & (last == ~want)
+    first = pools.dev_first[:, dslot].permute(1, 2, 3, 0, 4, 5)
+    last = pools.dev_last[:, dslot].permute(1, 2, 3, 0, 4, 5)
+    same = (first == want_first).all(-1) & (last == want_last).all(-1)
     good = same.flatten(2).all(dim=2) & (phys >= 0)
     return ok and bool((good | ~attended).all()) and bool(attended[:, sink:sink + k].all())

@@ -37,6 +37,7 @@ from sparsehi.kernels.step_setup import step_setup
 from sparsehi.kernels.store_kv import store_kv
 from sparsehi.kernels.swap_in_copy import swap_in_copy
 from sparsehi.kernels.swap_in_fp8 import swap_in_fp8_copy
+from sparsehi.kernels.swap_in_fp8_fused import swap_in_fp8_copy_and_table
 from sparsehi.kernels.swap_in_fused import swap_in_copy_and_table
 from sparsehi.lru_buffer import LruState
 from sparsehi.page_tables import BufferSizes, PageTables
@@ -190,10 +191,10 @@ class SparseDecoder:
             self._host_fp8 = (host_pool.fp8_values, host_pool.fp8_scales) if self.fp8 else None
             self._dev_view = device_pool.paged_view()
             # the swap-in's own copy kernel reads pinned host memory from the GPU (the
-            # ``kernel`` io backend); ``direct`` on CUDA keeps the engine's path, and FP8
-            # pages have their own dequantising copy (swap_in_fp8), the table a launch apart
-            self._fused_copy = (not self.fp8 and (device.type != "cuda"
-                                                  or getattr(transfer, "io_backend", "kernel") == "kernel"))
+            # ``kernel`` io backend; FP8 pages always, through their dequantising form);
+            # ``direct`` on CUDA keeps the engine's path
+            self._fused_copy = (self.fp8 or device.type != "cuda"
+                                or getattr(transfer, "io_backend", "kernel") == "kernel")
             if host_tokens and not self._fused_copy:
                 raise ValueError("host_addressing='tokens' needs io_backend='kernel' (the swap-in's own copy kernel)")
         self.reset_stats()
@@ -352,6 +353,12 @@ class SparseDecoder:
                                    recent=z.recent, page_size=z.page_size, sink_table=t.sink_pages,
                                    ring_table=t.ring_pages, topk_phys=slots, slot_table=t.lru_pages, choice=choice)
         r = self._lru_diff(layer, state, topk, valid, choice)
+        if self.fp8:
+            return swap_in_fp8_copy_and_table(*self._host_fp8, self._dev_view, layer, r.load_ids, r.load_slots,
+                                              r.num_loads, state.rows, t.host_pages, t.lru_pages, topk, valid,
+                                              state.num_pages, state.seq_lens, state.safe_rows, sink=z.sink,
+                                              recent=z.recent, sink_table=t.sink_pages, ring_table=t.ring_pages,
+                                              device_slots=r.device_slots, choice=choice)
         return swap_in_copy_and_table(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads,
                                       state.rows, t.host_pages, t.lru_pages, z.page_size, topk, valid,
                                       state.num_pages, state.seq_lens, state.safe_rows, sink=z.sink, recent=z.recent,

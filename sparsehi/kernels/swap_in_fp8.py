@@ -80,14 +80,15 @@ def swap_in_fp8_copy_reference(values, scales, dev, layer: int, load_ids, load_s
 
 
 @triton.jit
-def _swap_in_fp8_kernel(v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
-                        K, n_host, n_dev, VPS, R, M, S, layer, H, D,
-                        svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
-                        NB: tl.constexpr, PS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    x = tl.program_id(0)
-    b = x // K
-    j = x % K
-    head = tl.program_id(1).to(tl.int64)
+def _swap_in_fp8_block(b, j, head, buf0, t0,
+                       v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+                       n_host, n_dev, VPS, R, M, S, layer, D,
+                       svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
+                       NBUF: tl.constexpr, PS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Miss ``j`` (``j < K``) of batch row ``b`` (int64), head ``head``: page tokens ``[t0,
+    t0 + BT)`` (those below ``PS``) of buffers ``buf0 .. buf0 + NBUF``, dequantised into the
+    device view. Nothing is written for a miss past ``num_loads[b]``, a padding row or an
+    index out of range on either side."""
     row = tl.load(rows_ptr + b).to(tl.int64)
     n = tl.load(nload_ptr + b)
     lid = tl.load(ids_ptr + b * s_ids + j, mask=j < n, other=-1).to(tl.int64)
@@ -96,13 +97,14 @@ def _swap_in_fp8_kernel(v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows
     hp = tl.load(hp_ptr + row * s_hp + lid, mask=ok, other=-1).to(tl.int64)
     dp = tl.load(sp_ptr + row * s_sp + slot, mask=ok, other=-1).to(tl.int64)
     if ok & (hp >= 0) & (hp < n_host) & (dp >= 0) & ((dp + 1) * PS <= n_dev):
-        t = tl.arange(0, BT)
+        t = t0 + tl.arange(0, BT)
         d = tl.arange(0, BD)
         m = (t[:, None] < PS) & (d[None, :] < D)
         ds = dp * PS + t  # device token slots of the page
         rows_d = (ds // VPS) * sdp + (ds % VPS) * sdt
         lay = tl.full((), layer, tl.int64)
-        for buf in tl.static_range(NB):
+        for i in tl.static_range(NBUF):
+            buf = buf0 + i
             raw = tl.load(v_ptr + hp * svp + lay * svl + buf * svb + t[:, None] * svt + head * svh + d[None, :],
                           mask=m, other=0)
             scale = tl.load(s_ptr + hp * ssp + lay * ssl + buf * ssb + head)
@@ -111,20 +113,41 @@ def _swap_in_fp8_kernel(v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows
                      y.to(d_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _swap_in_fp8_kernel(v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+                        K, n_host, n_dev, VPS, R, M, S, layer, D,
+                        svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
+                        NB: tl.constexpr, PS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    # grid (row x miss, head): a program moves a whole page of one head, every buffer
+    x = tl.program_id(0)
+    _swap_in_fp8_block(x // K, x % K, tl.program_id(1).to(tl.int64), 0, 0,
+                       v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+                       n_host, n_dev, VPS, R, M, S, layer, D,
+                       svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
+                       NB, PS, BT, BD)
+
+
+def copy_args(values, scales, dev, layer: int, load_ids, load_slots, host_pages, slot_pages) -> tuple:
+    """The copy's runtime kernel arguments after the pointers' ``(values, scales, dev,
+    load_ids, load_slots, num_loads, rows, host_pages, slot_pages)``: sizes, layer, dim and
+    strides, in ``_swap_in_fp8_block``'s order (shared with the fused copy + table launch)."""
+    return (values.shape[0], dev.shape[0] * dev.shape[1], dev.shape[1],
+            host_pages.shape[0], host_pages.shape[1], slot_pages.shape[1], layer, values.shape[5],
+            *values.stride()[:5], *scales.stride()[:3], *dev.stride()[:5], load_ids.stride(0), load_slots.stride(0),
+            host_pages.stride(0), slot_pages.stride(0))
+
+
 def swap_in_fp8_copy_triton(values, scales, dev, layer: int, load_ids, load_slots, num_loads, rows, host_pages,
                             slot_pages) -> None:
     """Triton launcher: one program per (row, miss) and head, every buffer of the page."""
     _check(values, scales, dev, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages)
     n, k = load_ids.shape
-    P, _, B, ps, H, D = values.shape
+    _, _, B, ps, H, D = values.shape
     if n == 0 or k == 0:
         return
     _swap_in_fp8_kernel[(n * k, H)](
-        values, scales, dev, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, k, P,
-        dev.shape[0] * dev.shape[1], dev.shape[1],
-        host_pages.shape[0], host_pages.shape[1], slot_pages.shape[1], layer, H, D, *values.stride()[:5],
-        *scales.stride()[:3], *dev.stride()[:5], load_ids.stride(0), load_slots.stride(0), host_pages.stride(0),
-        slot_pages.stride(0),
+        values, scales, dev, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, k,
+        *copy_args(values, scales, dev, layer, load_ids, load_slots, host_pages, slot_pages),
         NB=B, PS=ps, BT=triton.next_power_of_2(ps), BD=triton.next_power_of_2(D), num_warps=4)
 
 
