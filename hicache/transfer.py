@@ -23,7 +23,7 @@ hot path. On a CPU-only machine every copy is synchronous and handles are comple
 
 An FP8 host pool (``HostKVPool(host_kv_dtype="fp8_e4m3")``) holds pages with per-page
 scales: loads dequantise any slot list (``hicache.kernels.fp8_token_load``); writes take
-whole pages only (``store_pages``, ``store_completed_pages_now``), which quantise each page
+whole pages only (``store_pages``, ``completed_pages + store_pages_now``), which quantise each page
 and round its device rows to the stored values. The token-wise ``backup*`` calls refuse.
 """
 from __future__ import annotations
@@ -261,7 +261,7 @@ class KVTransferEngine:
     def _refuse_token_writes(self, call: str) -> None:
         if self.fp8:
             raise ValueError(f"{call} writes single tokens, which an FP8 host pool cannot take (a page's scale needs "
-                             f"all of its tokens): use store_pages / store_completed_pages_now")
+                             f"all of its tokens): use store_pages / completed_pages + store_pages_now")
 
     def store_pages(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
         """FP8 host pools: whole pages of every layer, ``device_pages [P]`` -> ``host_pages
@@ -273,26 +273,31 @@ class KVTransferEngine:
         fp8_page_store(self._dev_view, self._on_device(device_pages), hp.fp8_values, hp.fp8_scales,
                        self._on_device(host_pages), 0, self.spec.num_layers, round_device=True)
 
-    def store_completed_pages_now(self, layer: int, device_slots: torch.Tensor, host_slots: torch.Tensor,
-                                  pool: DeviceKVPool | None = None, pool_layer: int | None = None) -> None:
-        """FP8 host pools, one layer, on the current stream (CUDA-graph safe): for each ``i``
-        whose ``host_slots[i]`` is the last slot of its host page, the whole page holding
-        device slot ``device_slots[i]`` (in ``pool``'s layer ``pool_layer``; default this
-        engine's device pool and ``layer``) is quantised into that host page's ``layer``,
-        and its device rows are rounded to the stored values. Other entries, and ``-1``, do
-        nothing."""
-        if not self.fp8:
-            raise ValueError("store_completed_pages_now is for FP8 host pools (host_kv_dtype='fp8_e4m3')")
-        layer = self._layers(layer)[0]
-        pool = self.device_pool if pool is None else pool
-        pool_layer = layer if pool_layer is None else pool_layer
+    def completed_pages(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(host_pages, device_pages)``, each ``[N] int64``: for each ``i`` whose
+        ``host_slots[i]`` is the last slot of its host page, that host page and the device
+        page holding ``device_slots[i]``; ``-1`` host page elsewhere. Graph-safe; the same
+        for every layer, so a step makes it once (``store_pages_now`` per layer)."""
         ps = self.spec.page_size
         h = self._on_device(host_slots).long()
         d = self._on_device(device_slots).long()
         last = (h >= 0) & (h % ps == ps - 1) & (d >= 0)
-        host_pages = torch.where(last, h // ps, -1)
+        return torch.where(last, h // ps, -1), d // ps
+
+    def store_pages_now(self, layer: int, device_pages: torch.Tensor, host_pages: torch.Tensor,
+                        pool: DeviceKVPool | None = None, pool_layer: int | None = None) -> None:
+        """FP8 host pools, one layer, one launch on the current stream (CUDA-graph safe):
+        device page ``device_pages[i]`` (``[N] int64``, of ``pool``'s layer ``pool_layer``;
+        default this engine's device pool and ``layer``) quantised into host page
+        ``host_pages[i]``'s ``layer`` and rounded in place to the stored values; ``-1``
+        host pages are skipped."""
+        if not self.fp8:
+            raise ValueError("store_pages_now is for FP8 host pools (host_kv_dtype='fp8_e4m3')")
+        layer = self._layers(layer)[0]
+        pool = self.device_pool if pool is None else pool
+        pool_layer = layer if pool_layer is None else pool_layer
         hp = self.host_pool
-        fp8_page_store(pool.paged_view()[:, :, pool_layer:pool_layer + 1], d // ps, hp.fp8_values[:, layer:layer + 1],
+        fp8_page_store(pool.paged_view()[:, :, pool_layer:pool_layer + 1], device_pages, hp.fp8_values[:, layer:layer + 1],
                        hp.fp8_scales[:, layer:layer + 1], host_pages, 0, 1, round_device=True)
 
     # --- execution ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ With ``SparseConfig.host_kv_dtype="fp8_e4m3"`` a page is quantised once, when it
 complete (at the end of its prompt's prefill, or at the decode step that writes its last
 token, after that layer's attention), and from then on every tier holds the same values:
 the host pool and L3 the FP8 record, the GPU its copy rounded to ``q * scale``
-(``KVTransferEngine.store_pages`` / ``store_completed_pages_now``). ``sparse-gpu`` has no
+(``KVTransferEngine.store_pages`` / ``completed_pages`` + ``store_pages_now``). ``sparse-gpu`` has no
 host pool; it rounds its pages at the same moments with ``round_pages``, which makes it the
 exact reference of ``sparse-hier`` with FP8 host KV: both attend the same values at every
 step.

@@ -502,11 +502,17 @@ class SparseDecoder:
         host pages (hierarchical) or rounded in place (gpu_only)."""
         own_pool = self._layer_pool[layer][3]
         if self.hierarchical:
+            if state.completed_pages is None:  # once per step: the same pages in every layer
+                host_pages, main_pages = self.transfer.completed_pages(state.out_loc, state.host_loc)
+                dense_pages = (None if state.dense_loc is None
+                               else self.transfer.completed_pages(state.dense_loc, state.host_loc)[1])
+                state.completed_pages = (host_pages, main_pages, dense_pages)
+            host_pages, main_pages, dense_pages = state.completed_pages
             if own_pool:
-                self.transfer.store_completed_pages_now(layer, state.dense_loc, state.host_loc, pool=self._dense_pool,
-                                                        pool_layer=self.dense_layers.index(layer))
+                self.transfer.store_pages_now(layer, dense_pages, host_pages, pool=self._dense_pool,
+                                              pool_layer=self.dense_layers.index(layer))
             else:
-                self.transfer.store_completed_pages_now(layer, state.out_loc, state.host_loc)
+                self.transfer.store_pages_now(layer, main_pages, host_pages)
             return
         ps = self.sizes.page_size
         complete = state.live & (state.seq_lens % ps == 0)

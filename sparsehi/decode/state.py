@@ -73,6 +73,9 @@ class DecodeState:
     dense_layer_selection:  every page of every row for the dense layers, and
     dense_layer_metadata:   its adaptor metadata.
     dense_row_selection:    every page of every row for the sparse layers' dense rows.
+    completed_pages:        FP8 host KV (hierarchical): ``(host_pages, main_pool_pages,
+                            dense_pool_pages)``, each ``[B] int64``, the pages this step's
+                            token completes (``-1`` where none), made once for every layer.
     """
 
     rows: torch.Tensor
@@ -92,3 +95,4 @@ class DecodeState:
     dense_layer_selection: Optional[SparseSelection] = None
     dense_layer_metadata: Any = None
     dense_row_selection: Optional[SparseSelection] = None
+    completed_pages: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
