@@ -280,10 +280,10 @@ class SparseKVCacheManager:
 
     def _chunk_checks(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int],
                       more: list[bool]) -> list[int]:
-        """Each row's ``chunk_start`` after checking that the forward may end its chunk:
-        a live row not yet prefilled, continuing where its last chunk ended, a chunk with
-        more to come ending on a page boundary, a chunked prompt long enough to decode
-        sparsely. ValueError otherwise, nothing changed."""
+        """Each row's chunk start (the tokens its earlier chunks placed) after checking that
+        the forward may end its chunk: a live row not yet prefilled, continuing where its
+        last chunk ended, a chunk with more to come ending on a page boundary, a chunked
+        prompt long enough to decode sparsely. ValueError otherwise, nothing changed."""
         ps = self.sizes.page_size
         starts = []
         for r, seq, pre, mo in zip(rows, seq_lens, prefix_lens, more):
