@@ -16,6 +16,13 @@ benchmark does not time prefill. Host modes share one prompt's host pages across
 batch (as prefix reuse would), so pinned memory fits the benchmark machine; every request
 still has its own GPU buffer, representations, decode pages and loads.
 
+Contexts larger than a GPU holds (``--modes sparse-hier-fp8 --contexts 1048576``): a host
+mode synthesises such a prompt chunk by chunk (64k tokens of device KV at a time); one
+request that the scenario's GPU budget cannot hold is still measured at batch 1 when the
+device and the host budget hold it (its row says ``over_gpu_budget`` and what it holds),
+and the query trace is calibrated on that point's own representations when a sparse-gpu
+calibration (the whole context on the GPU) does not fit.
+
 Queries. ``trace85``: each sparse layer's selection query (GQA q; DSA index q) follows an
 AR(1) drift whose rho is calibrated per context so that the algorithm's own adjacent-step
 Top-k overlap on these representations is 85 % (003's figure for real models); every row
@@ -54,12 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d_copy_gbps, write_result  # noqa: E402
 from benchmarks.decode import point  # noqa: E402
-from benchmarks.decode.point import (ALL_MODES, HOST_POOLS, MODES, free_memory, log, run_point,  # noqa: E402
-                                     shared_host_pool)
+from benchmarks.decode.point import (ALL_MODES, FP8_MODE, HOST_POOLS, MODES, free_memory, log,  # noqa: E402
+                                     run_point, shared_host_pool)
 from benchmarks.decode.report import plot, summary, targets  # noqa: E402
-from benchmarks.decode.sizing import (GIB, LIMITS, batches_up_to, per_request_bytes,  # noqa: E402
+from benchmarks.decode.sizing import (GIB, LIMITS, admits_one_over_budget, batches_up_to, capacity,  # noqa: E402
+                                      device_room, gib_parts, per_request_bytes, per_request_parts,
                                       representation_bytes_per_request, sparse_extra_config)
-from benchmarks.decode.traces import calibrate, read_trace_prompt, record_real_trace  # noqa: E402
+from benchmarks.decode.traces import (calibrate, calibrate_on, calibration_fits, read_trace_prompt,  # noqa: E402
+                                      record_real_trace)
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
 from sparsehi.runtime.runtime_config import round_up  # noqa: E402
@@ -199,55 +208,82 @@ def main(argv: Optional[list[str]] = None) -> int:
               modes=MODES, scale: float = 1.0, real: bool = False) -> None:
         cfg = model.cfg
         steps = warmup + timed + profiled
+        room = device_room(device)  # before the probe below reserves (and caches) its representation pools
         rep = representation_bytes_per_request(model, sc, ctx + steps + 2, device)
-        probe = create_probe(model, sc)
-        n_dense = len(probe.dense_layers())
+        n_dense = len(create_probe(model, sc).dense_layers())
+        parts = {m: per_request_parts(model, m, ctx, sc, steps, rep, n_dense, dtype) for m in modes}
         cap: dict[str, int] = {}
+        over: list[str] = []  # measured at batch 1 beyond the GPU budget (sizing.admits_one_over_budget)
         for mode in modes:
-            g, h = per_request_bytes(model, mode, ctx, sc, steps, rep, n_dense, dtype)
-            c = int(gpu_budget // g)
-            if h:
-                c = min(c, int(host_budget // h))
-            cap[mode] = c
+            g, h = (sum(parts[mode][k].values()) for k in ("gpu", "host"))
+            cap[mode] = capacity(g, h, gpu_budget, host_budget)
+            if not cap[mode] and scen == "a" and admits_one_over_budget(g, h, host_budget, room):
+                over.append(mode)
+                notes.append(f"{cfg.name} {ctx} {scen}: one {mode} request holds {g / GIB:.2f} GiB on the GPU "
+                             f"({gib_parts(parts[mode]['gpu'])}) > the {gpu_budget / GIB:.1f} GiB budget; measured "
+                             "at batch 1 anyway (row over_gpu_budget)")
         caps[(cfg.name, ctx, scen)] = {**cap, "gpu_budget_gib": gpu_budget / GIB, "host_budget_gib": host_budget / GIB}
-        log(f"{cfg.name} {ctx} scenario {scen}: capacity {cap}")
-        rho = calib.get(f"{cfg.name}|{ctx}", {}).get("rho")
-        if rho is None:
+        log(f"{cfg.name} {ctx} scenario {scen}: capacity {cap}" + (f"; over the GPU budget at batch 1: {over}"
+                                                                    if over else ""))
+        key = f"{cfg.name}|{ctx}"
+        rho = calib.get(key, {}).get("rho")
+        in_point = None
+        if rho is None and calibration_fits(model, ctx, dtype, room):
             rho, got = calibrate(model, ctx, sc, 0.85, cal_iters, device, dtype)
-            calib[f"{cfg.name}|{ctx}"] = {"rho": rho, "calibrated_overlap": got}
+            calib[key] = {"rho": rho, "calibrated_overlap": got}
             log(f"trace calibrated: rho={rho:.5f} -> overlap {got:.3f}")
-        plan: list[tuple[str, int, Optional[float]]] = []
-        for mode in modes:
-            limit = 4 if mode == "offload-full" else max_batch
-            for b in batches_up_to(cap[mode], limit):
-                plan.append((mode, b, rho))
+        elif rho is None:  # sparse-gpu with all KV on the device does not fit: the first point's own representations
+            def in_point(runtime_mode, reqs):
+                return calibrate_on(runtime_mode, reqs, model, ctx, sc, 0.85, cal_iters, device, dtype)
+        plan = [(mode, b, True) for mode in modes
+                for b in batches_up_to(cap[mode], 4 if mode == "offload-full" else max_batch)]
+        plan += [(mode, 1, True) for mode in over]
         if scen == "a" and cap.get("sparse-hier"):
-            plan.append(("sparse-hier", batches_up_to(cap["sparse-hier"], max_batch)[-1], None))
-        for mode, b, r in plan:
+            plan.append(("sparse-hier", batches_up_to(cap["sparse-hier"], max_batch)[-1], False))
+        for mode, b, trace in plan:
             if deadline.left() < 20:
                 notes.append(f"skipped {cfg.name} {ctx} {scen} {mode} B={b}: time budget")
                 continue
             t = time.perf_counter()
+            cal = in_point if trace and rho is None else None
             try:
                 t_steps = timed if mode != "offload-full" else max(2, timed // 4)
-                row = run_point(model, mode, ctx, b, sc, r, warmup if mode != "offload-full" else 1, t_steps,
-                                profiled if mode != "offload-full" else 1, device, dtype)
+                row = run_point(model, mode, ctx, b, sc, rho if trace else None, warmup if mode != "offload-full" else 1,
+                                t_steps, profiled if mode != "offload-full" else 1, device, dtype, calibrate=cal)
             except Exception as e:  # a point that does not fit or fails is reported, not fatal
                 notes.append(f"{cfg.name} {ctx} {scen} {mode} B={b} failed: {type(e).__name__}: {e}")
                 log(notes[-1])
                 traceback.print_exc()
                 free_memory(device)
                 continue
-            src = "trace85" if r is not None else ("real" if real else "model")
+            if cal is not None and row.get("trace_rho") is not None:
+                rho = row["trace_rho"]
+                calib[key] = {"rho": rho, "calibrated_overlap": row["calibrated_overlap"], "calibrated_on": f"{mode} B={b}"}
+                log(f"trace calibrated on the point's representations: rho={rho:.5f} -> overlap "
+                    f"{row['calibrated_overlap']:.3f}")
+            src = "trace85" if trace and rho is not None else ("real" if real else "model")
             row.update({"scenario": scen, "model": cfg.name, "trace_source": src,
-                        "host_kv_gib": per_request_bytes(model, mode, ctx, sc, steps, rep, n_dense, dtype)[1] * b / GIB,
-                        "capacity": cap[mode], "budget_scale": scale})
+                        "host_kv_gib": sum(parts[mode]["host"].values()) * b / GIB, "capacity": cap[mode],
+                        "budget_scale": scale, "over_gpu_budget": b > cap[mode], "gpu_budget_gib": gpu_budget / GIB,
+                        "holds_per_request_gib": {k: gib_parts(v) for k, v in parts[mode].items()}})
             rows.append(row)
             sp = row["split_ms"]
             log(f"{scen} {cfg.name} {ctx:>6} {mode:>12} B={b:<4} {row['tokens_per_s']:9.1f} tok/s  "
                 f"step {row['step_ms']:.1f} ms  hit {row['hit_rate']}  ov {row['topk_overlap']}  "
                 f"split " + " ".join(f"{k}={v:.2f}" for k, v in sp.items()) + f"  ({time.perf_counter() - t:.1f}s)")
             save()
+
+    def pin_host_pools(model, sc: SparseConfig, ctxs: list[int], host_budget: float) -> None:
+        """One pinned host pool per host KV dtype the swept modes use, sized once (pinning
+        tens of GiB takes a while) for the largest context one of their requests fits in
+        the host budget, before any point."""
+        for group, host_dtype in ((("sparse-hier", "offload-full"), "auto"), ((FP8_MODE,), "fp8_e4m3")):
+            fit = [c for c in ctxs for m in group if m in sweep_modes
+                   and per_request_bytes(model, m, c, sc, steps_all, 0, 0, dtype)[1] <= host_budget]
+            if fit:
+                pps = sc.page_size
+                shared_host_pool(model, replace(sc, host_kv_dtype=host_dtype),
+                                 max(fit) + max_batch * round_up(steps_all + 2 * pps, pps) + 4 * pps, device, dtype)
 
     def create_probe(model, sc):
         from sparsehi.algorithms.registry import create_algorithm
@@ -260,9 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           sink_tokens=64 if not args.quick else 16, recent_tokens=64 if not args.quick else 16)
     free_b = None
     steps_all = warmup + timed + profiled
-    if {"sparse-hier", "offload-full"} & set(sweep_modes):  # pinned once, before the points need it
-        shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps, device,
-                         dtype)
+    pin_host_pools(gqa, sc_gqa, contexts, budget_a[1])
     real = args.model_path is not None
     if real:
         if args.trace_prompt:
@@ -297,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               recent_tokens=64 if not args.quick else 8)
         notes.append(f"dsv32-shape: {dsv.num_layers} of 61 layers, so its GPU/host budgets are scaled by "
                      f"{scale:.3f} (capacity as for the full model)")
-        shared_host_pool(mla, sc_dsa, dsv_ctx + max_batch * (steps_all + 4) + 8, device, dtype)
+        pin_host_pools(mla, sc_dsa, [dsv_ctx], budget_a[1] * scale)
         sweep(mla, dsv_ctx, sc_dsa, "a", budget_a[0] * scale, budget_a[1] * scale, modes=sweep_modes, scale=scale)
         del mla
         HOST_POOLS.clear()
@@ -306,8 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.skip_b and deadline.left() > 60:
         if gqa is None:
             gqa = build_model(model_path=args.model_path, config=llama, device=device, dtype=dtype)
-        shared_host_pool(gqa, sc_gqa, max(contexts) + max_batch * round_up(steps_all + 2 * ps, ps) + 4 * ps,
-                         device, dtype)
+        pin_host_pools(gqa, sc_gqa, contexts, budget_a[1])
         if cuda:
             free_b = torch.cuda.mem_get_info()[0] - 8 * GIB
         else:

@@ -195,6 +195,13 @@ class SparseCoordinator:
         batch.out_cache_loc = state.out_loc
         batch.decode_state = state
 
+    @staticmethod
+    def _rows_cpu(batch: ForwardBatch) -> list[int]:
+        """``batch.req_pool_indices`` on the host, read once per forward."""
+        if batch.req_pool_indices_cpu is None:
+            batch.req_pool_indices_cpu = [int(x) for x in batch.req_pool_indices.tolist()]
+        return batch.req_pool_indices_cpu
+
     def _state(self, batch: ForwardBatch) -> DecodeState:
         if batch.decode_state is None:
             raise ValueError("decode batch has not been through forward_begin")
@@ -214,6 +221,12 @@ class SparseCoordinator:
         self._check_layer(layer_id)
         if batch.mode == "prefill":
             if self.algorithm.is_sparse_layer(layer_id):
+                starts = self.kv.chunk_starts(self._rows_cpu(batch)) if self.kv.has_chunked_rows() else None
+                if starts is not None:
+                    if not self.algorithm.supports_chunked_prefill:
+                        raise ValueError(f"{type(self.algorithm).__name__} does not build representations chunk by "
+                                         "chunk (supports_chunked_prefill is False): prefill its prompts whole")
+                    algo_kw = {**algo_kw, "represented_lens": torch.tensor(starts, dtype=torch.int32)}
                 self.algorithm.construct_representations(
                     layer_id, batch.req_pool_indices, batch.seq_lens, self.device_pool.get_key_buffer(layer_id),
                     batch.token_slots, **algo_kw,
@@ -225,13 +238,16 @@ class SparseCoordinator:
         self.decoder.finish_layer(layer_id, state, k, v, batch.req_pool_indices, batch.positions, algo_kw)
 
     def forward_end(self, batch: ForwardBatch, host_slots: Optional[list[torch.Tensor]] = None,
-                    free_device_kv: bool = True) -> None:
-        """Prefill: offload / set up buffers (see docs). Decode: close the step's counters."""
+                    free_device_kv: bool = True, more_chunks: Optional[list[bool]] = None) -> None:
+        """Prefill: offload / set up buffers (see docs); ``more_chunks[b]``: row ``b``'s
+        prompt goes on in a later prefill chunk (chunked prefill). Decode: close the
+        step's counters."""
         if batch.mode == "prefill":
-            rows = [int(x) for x in batch.req_pool_indices.tolist()]
-            self.kv.finish_prefill(rows, batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.token_slots,
-                                   host_slots=host_slots, free_device_kv=free_device_kv)
+            self.kv.finish_prefill(self._rows_cpu(batch), batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.token_slots,
+                                   host_slots=host_slots, free_device_kv=free_device_kv, more_chunks=more_chunks)
             return
+        if more_chunks is not None:
+            raise ValueError("more_chunks is for prefill batches")
         self._state(batch)
         self.decoder.end_step()
         batch.decode_state = None

@@ -63,6 +63,9 @@ class ForwardBatch:
     prepared: bool = False
     has_dense_rows: bool = False
     decode_state: Optional["DecodeState"] = None
+    req_pool_indices_cpu: Optional[list[int]] = None
+    """Host copy of ``req_pool_indices``; the coordinator fills it when a prefill hook
+    first needs it (one read per forward)."""
     extra: dict = field(default_factory=dict)
     """Free-form per-forward data for algorithms or the runtime (the coordinator ignores it)."""
 

@@ -19,6 +19,14 @@ manager allocates no host memory, writes nothing to it, and the decode step read
 request's token ``t`` from host slot ``tables.host_token_slots[row, t]``, which the engine
 fills (``adopt_prompt`` for the prompt, ``PageTables.record_host_tokens`` each decode step).
 
+Chunked prefill (hierarchical, as SGLang's: each chunk an extend whose ``prefix_lens``
+are the tokens done). ``finish_prefill(..., more_chunks=...)`` ends a chunk after which the
+prompt goes on: the chunk's KV is offloaded and its part of the GPU buffer (sink pages,
+recent window so far) and of the dense-layer pool placed, its device pages released; the
+row is CHUNKED (``chunk_starts`` gives the tokens done, the algorithm builds only the
+later positions' representations). The last chunk leaves the row as a prefill of the
+whole prompt would.
+
 Dense rows. A request whose prompt is shorter than ``SparseConfig.min_sparse_prompt_len``
 is decoded densely in every layer, as SGLang's sparse coordinator does: its whole KV stays
 in the device pool (hierarchical mode still backs it up to host, for the radix tree) and
@@ -43,8 +51,8 @@ from hicache.triton_support import cdiv
 from sparsehi.config import SparseConfig
 from sparsehi.fp8_pages import round_pages
 from sparsehi.page_tables import BufferSizes, PageTables, page_entries
-from sparsehi.prefill import HostPrefill
-from sparsehi.request_table import FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
+from sparsehi.prefill import HostPrefill, PrefillRow
+from sparsehi.request_table import CHUNKED, FREE, LIVE, PREFILLED, RequestBuffers, RequestTable
 
 COORDINATOR_MODES = ("hierarchical", "gpu_only")
 HOST_ADDRESSING = ("pages", "tokens")
@@ -215,20 +223,28 @@ class SparseKVCacheManager:
 
     # ------------------------------------------------------------------ prefill
     def finish_prefill(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int], token_slots: torch.Tensor,
-                       host_slots: Optional[list[torch.Tensor]] = None, free_device_kv: bool = True) -> None:
+                       host_slots: Optional[list[torch.Tensor]] = None, free_device_kv: bool = True,
+                       more_chunks: Optional[Sequence[bool]] = None) -> None:
         """After a dense prefill forward: record pages; hierarchical mode offloads every
         layer to host in one pass, builds the GPU buffers and releases the prompt's pages
         (dense rows keep theirs: they decode from them).
 
-        token_slots: ``[B, max_len] int64`` device slot of every position.
+        token_slots: ``[B, max_len] int64`` device slot of every position (hierarchical:
+                     from the row's chunk start on, see ``chunk_starts``; ``-1`` may stand
+                     before it).
         host_slots:  per row ``[>= seq_len] int64`` host slots (tree-owned, page aligned);
-                     only ``[prefix_len, seq_len)`` is written. None: allocate, write all.
+                     only ``[prefix_len, seq_len)`` is written. None: allocate, write all
+                     (from the row's chunk start).
+        more_chunks: per row, whether its prompt goes on in a later prefill chunk (chunked
+                     prefill, see ``chunk_starts``); such a chunk ends on a page boundary,
+                     and its row stays CHUNKED until its last chunk. None: no row does.
         """
         ps = self.sizes.page_size
         b = len(rows)
-        if len(seq_lens) != b or len(prefix_lens) != b:
-            raise ValueError(f"req_pool_indices ({b} rows), seq_lens ({len(seq_lens)}) and prefix_lens "
-                             f"({len(prefix_lens)}) must have one entry per batch row")
+        more = [False] * b if more_chunks is None else [bool(x) for x in more_chunks]
+        if len(seq_lens) != b or len(prefix_lens) != b or len(more) != b:
+            raise ValueError(f"req_pool_indices ({b} rows), seq_lens ({len(seq_lens)}), prefix_lens "
+                             f"({len(prefix_lens)}) and more_chunks ({len(more)}) must have one entry per batch row")
         if len(set(rows)) != b:
             raise ValueError(f"req_pool_indices must be distinct within a batch, got {list(rows)}")
         if token_slots.dim() != 2 or token_slots.shape[0] != b:
@@ -238,10 +254,7 @@ class SparseKVCacheManager:
         if self.host_tokens:
             raise ValueError("host_addressing='tokens': the engine keeps the prompt's host copy; register it with "
                              "adopt_prompt instead of finish_prefill")
-        reqs = [self._req(r) for r in rows]
-        for r, req in zip(rows, reqs):
-            if req.prefilled:
-                raise ValueError(f"req_pool_index={r} was already prefilled (chunked prefill is not supported)")
+        starts = self._chunk_checks(rows, seq_lens, prefix_lens, more)
         ts_cpu = token_slots.detach().to("cpu", torch.int64)
         dev_pages: list[torch.Tensor] = []
         for i, (seq, req_row) in enumerate(zip(seq_lens, rows)):
@@ -249,29 +262,82 @@ class SparseKVCacheManager:
                 raise ValueError(f"seq_len={seq} of req_pool_index={req_row} exceeds max_context_len={self.max_context_len}")
             pos = ts_cpu[i, :seq]
             pages = pos[::ps] // ps
+            first = starts[i] if self.hierarchical else 0  # gpu_only keeps (and names) every chunk's KV
             if self.validate:
                 want = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)[:seq]
-                if not torch.equal(pos, want):
+                if not torch.equal(pos[first:], want[first:]):
                     raise ValueError("token_slots must be page aligned: position p*page_size starts a device page and a "
                                      "page's positions use its consecutive slots")
-            dev_pages.append(pages)
-        dense = [seq < self.config.min_sparse_prompt_len for seq in seq_lens]
+            dev_pages.append(torch.where(torch.arange(pages.numel()) * ps < first, -1, pages))
+        dense = [seq < self.config.min_sparse_prompt_len and not (st or mo)
+                 for seq, st, mo in zip(seq_lens, starts, more)]
         if self.mode == "gpu_only":
-            for i, r in enumerate(rows):
-                P = dev_pages[i].numel()
-                self.requests.device[r, :P] = dev_pages[i].numpy()
-                self._mark_prefilled(r, seq_lens[i], dense[i])
-                self.tables.context_pages[r, :P] = dev_pages[i].to(self.device, torch.int32)
-            if self.config.host_kv_dtype == "fp8_e4m3":
-                self._round_complete_pages(seq_lens, dev_pages)
+            self._record_device_pages(rows, seq_lens, starts, more, dev_pages, dense)
             return
-        self._host_prefill.offload(rows, seq_lens, prefix_lens, ts_cpu, dev_pages, dense, host_slots, free_device_kv)
+        self._host_prefill.offload([PrefillRow(r, seq_lens[i], prefix_lens[i], starts[i], more[i], dense[i],
+                                               dev_pages[i]) for i, r in enumerate(rows)],
+                                   ts_cpu, host_slots, free_device_kv)
 
-    def _round_complete_pages(self, seq_lens: list[int], dev_pages: list[torch.Tensor]) -> None:
-        """gpu_only with FP8 host KV (the exact reference of sparse-hier's): every complete
-        prompt page rounded in place, every layer, as FP8 host pages would store it."""
+    def _chunk_checks(self, rows: list[int], seq_lens: list[int], prefix_lens: list[int],
+                      more: list[bool]) -> list[int]:
+        """Each row's chunk start (the tokens its earlier chunks placed) after checking that
+        the forward may end its chunk: a live row not yet prefilled, continuing where its
+        last chunk ended, a chunk with more to come ending on a page boundary, a chunked
+        prompt long enough to decode sparsely. ValueError otherwise, nothing changed."""
         ps = self.sizes.page_size
-        pages = torch.cat([dp[: seq // ps] for seq, dp in zip(seq_lens, dev_pages)]).to(self.device)
+        starts = []
+        for r, seq, pre, mo in zip(rows, seq_lens, prefix_lens, more):
+            req = self._req(r)
+            if req.prefilled:
+                raise ValueError(f"req_pool_index={r} was already prefilled")
+            start = req.seq_len if req.chunked else 0
+            if pre < start:
+                raise ValueError(f"req_pool_index={r} continues its prompt after the {start} tokens of its earlier "
+                                 f"chunks: prefix_lens must be >= {start}, got {pre}")
+            if mo and seq % ps:
+                raise ValueError(f"seq_len={seq} of req_pool_index={r} must be a multiple of page_size={ps}: a prefill "
+                                 "chunk with more_chunks ends on a page boundary")
+            if start and not mo and seq < self.config.min_sparse_prompt_len:
+                raise ValueError(f"req_pool_index={r}: a prompt prefilled in chunks decodes sparsely; its seq_len={seq} "
+                                 f"is below min_sparse_prompt_len={self.config.min_sparse_prompt_len}")
+            starts.append(start)
+        return starts
+
+    def has_chunked_rows(self) -> bool:
+        """Whether a live row is part-way through its prompt (chunked prefill)."""
+        return bool((self.requests.state == CHUNKED).any())
+
+    def chunk_starts(self, rows: Sequence[int]) -> Optional[list[int]]:
+        """Per row, the prompt tokens its earlier prefill chunks placed (0: none), or None
+        when no row of ``rows`` is part-way through its prompt (no host read otherwise)."""
+        t = self.requests
+        if not self.has_chunked_rows():
+            return None
+        out = [int(t.seq[r]) if t.state[r] == CHUNKED else 0 for r in rows]
+        return out if any(out) else None
+
+    def _record_device_pages(self, rows: list[int], seq_lens: list[int], starts: list[int], more: list[bool],
+                             dev_pages: list[torch.Tensor], dense: list[bool]) -> None:
+        """gpu_only: a row's page table from its last chunk's ``token_slots`` (the caller
+        keeps every chunk's KV on the device); a chunk with more to come only counts its
+        tokens. FP8 host KV: the chunk's complete pages rounded."""
+        for i, r in enumerate(rows):
+            if more[i]:
+                self.requests.mark_chunk(r, seq_lens[i])
+                continue
+            P = dev_pages[i].numel()
+            self.requests.device[r, :P] = dev_pages[i].numpy()
+            self._mark_prefilled(r, seq_lens[i], dense[i])
+            self.tables.context_pages[r, :P] = dev_pages[i].to(self.device, torch.int32)
+        if self.config.host_kv_dtype == "fp8_e4m3":
+            self._round_complete_pages(seq_lens, starts, dev_pages)
+
+    def _round_complete_pages(self, seq_lens: list[int], starts: list[int], dev_pages: list[torch.Tensor]) -> None:
+        """gpu_only with FP8 host KV (the exact reference of sparse-hier's): every complete
+        prompt page from ``starts`` (an earlier chunk rounded those before) rounded in place,
+        every layer, as FP8 host pages would store it."""
+        ps = self.sizes.page_size
+        pages = torch.cat([dp[st // ps: seq // ps] for seq, st, dp in zip(seq_lens, starts, dev_pages)]).to(self.device)
         if pages.numel():
             round_pages(self.device_pool.paged_view(), pages, ps, torch.ones_like(pages, dtype=torch.bool))
 

@@ -11,11 +11,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-FREE, LIVE, PREFILLED = 0, 1, 2
+FREE, LIVE, PREFILLED, CHUNKED = 0, 1, 2, 3
+"""Row states: FREE (no request), LIVE (begun, nothing prefilled), PREFILLED (prompt in
+place, decoding), CHUNKED (part of the prompt prefilled, ``seq`` tokens so far; more
+prefill chunks follow)."""
 
 
 class RequestTable:
-    """Per-row state: ``state`` (FREE / LIVE / PREFILLED), ``seq`` tokens in context,
+    """Per-row state: ``state`` (FREE / LIVE / PREFILLED / CHUNKED), ``seq`` tokens in context
+    (CHUNKED: the prompt's tokens prefilled so far),
     ``dense`` (decoded densely: prompt shorter than ``min_sparse_prompt_len``), and the
     pages of each logical page ``[rows, max_pages] int64`` (-1 none): ``host`` (host pool),
     ``dense_pool`` (hierarchical dense-layer pool), ``device`` (main device pool: gpu_only,
@@ -43,6 +47,10 @@ class RequestTable:
         """``row``'s prompt is in place: ``seq_len`` tokens, decoded densely or not."""
         self.seq[row], self.dense[row], self.state[row] = seq_len, dense, PREFILLED
 
+    def mark_chunk(self, row: int, seq_len: int) -> None:
+        """``row``'s prompt is prefilled up to ``seq_len`` tokens; more chunks follow."""
+        self.seq[row], self.state[row] = seq_len, CHUNKED
+
     def num_pages(self, row: int, page_size: int) -> int:
         return -(-int(self.seq[row]) // page_size)
 
@@ -58,7 +66,7 @@ def _pages(a: np.ndarray) -> Optional[torch.Tensor]:
 class RequestBuffers:
     """Read view of one row of a :class:`RequestTable` (what tests and callers inspect).
 
-    seq_len / prefilled; host_pages, dense_pages, device_pages: ``list[int]`` of the
+    seq_len / prefilled / chunked; host_pages, dense_pages, device_pages: ``list[int]`` of the
     request's logical pages; sink_pages / ring_pages / lru_pages: ``int64`` (CPU) device
     pages of its GPU buffer (hierarchical sparse rows), None when it holds none.
     """
@@ -73,6 +81,11 @@ class RequestBuffers:
     @property
     def prefilled(self) -> bool:
         return bool(self._t.state[self._row] == PREFILLED)
+
+    @property
+    def chunked(self) -> bool:
+        """Part of the prompt is prefilled (``seq_len`` tokens); more chunks follow."""
+        return bool(self._t.state[self._row] == CHUNKED)
 
     @property
     def dense(self) -> bool:

@@ -3,9 +3,11 @@ synthesised prefill, its timed steps (tokens/s, host time, device gaps), its pro
 step split, its hit rate, Top-k overlap and roofline."""
 from __future__ import annotations
 
+import os
+import resource
 import time
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,6 +24,16 @@ MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
 FP8_MODE = "sparse-hier-fp8"
 """sparse-hier with FP8 host KV (``--host-kv-dtype fp8_e4m3``); swept only when asked."""
 ALL_MODES = MODES + (FP8_MODE,)
+
+
+SYNTH_CHUNK_TOKENS = 65536
+"""The host modes synthesise a longer prompt chunk after chunk through a device staging
+area of this many tokens (``synth_prefill``'s ``chunk_tokens``), so the device pool holds
+the requests' buffers and one chunk, not the whole prompt."""
+
+Calibrate = Callable[[Any, list], tuple[float, float]]
+"""``(runtime mode, requests) -> (rho, overlap)``: calibrates the query trace on a point's
+own representations (contexts whose sparse-gpu calibration does not fit the device)."""
 
 
 def runtime_mode_of(mode: str) -> tuple[str, str]:
@@ -79,7 +91,22 @@ def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps:
         need = ctx + batch * round_up(steps + 2 * sc.page_size, sc.page_size) + 4 * sc.page_size
         rt.host_kv_tokens = need
         rt.host_pool = shared_host_pool(model, sc, need, device, dtype)
+        if ctx > SYNTH_CHUNK_TOKENS:  # the buffers (sparse-hier) and one chunk of the synthesised prompt
+            buffers = batch * rt.buffer_tokens_per_request() if mode == "sparse-hier" else 0
+            rt.device_kv_tokens = buffers + SYNTH_CHUNK_TOKENS + 4 * sc.page_size
     return ModelRunner(model, rt)
+
+
+def host_memory_gib() -> tuple[float, float]:
+    """``(resident set now, its peak)`` of this process in GiB (pinned host pools are
+    resident: their pages are locked)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss: KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
+    except OSError:  # pragma: no cover - not Linux
+        now = peak
+    return now, peak
 
 
 def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tuple[dict[str, float], float]:
@@ -148,13 +175,25 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
 
 
 def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rho: Optional[float],
-              warmup: int, timed: int, profiled: int, device, dtype) -> dict[str, Any]:
+              warmup: int, timed: int, profiled: int, device, dtype,
+              calibrate: Optional[Calibrate] = None) -> dict[str, Any]:
+    """One row. ``calibrate``: find the trace's rho on this point's representations first
+    (the row then carries ``trace_rho`` and ``calibrated_overlap``) instead of ``trace_rho``."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     steps_total = warmup + timed + profiled
     runner = make_runner(model, mode, ctx, batch, sc, steps_total, device, dtype)
     runtime_mode = runner.mode
     reqs = runner.new_requests([[0]] * batch)
-    synth_prefill(runtime_mode, reqs, ctx, seed=1)
+    t_synth = time.perf_counter()
+    synth_prefill(runtime_mode, reqs, ctx, seed=1, chunk_tokens=SYNTH_CHUNK_TOKENS)
+    sync_device(device)
+    t_synth = time.perf_counter() - t_synth
     dsa = model.cfg.family == "mla"
+    calibrated = calibrate(runtime_mode, reqs) if calibrate is not None else None
+    if calibrated is not None:
+        trace_rho = calibrated[0]
     if trace_rho is not None:
         runtime_mode.query_hook = QueryTrace(trace_rho, seed=2, dsa=dsa)
     rec_layer = None
@@ -189,20 +228,7 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
                            "overlap_schedule": runner.rt.overlap_schedule,
                            "device_gap_ms_max": max(gaps) if gaps else None}
     if hasattr(runtime_mode, "coord"):
-        runtime_mode.record_layers = frozenset()
-        if mode in ("sparse-hier", FP8_MODE):
-            st = runtime_mode.coord.stats()
-            row["hit_rate"] = st["hit_rate"]
-            row["misses_per_step"] = st["misses"] / max(1, st["steps"])
-            row["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
-        rec = runtime_mode.recorded.get(rec_layer, [])
-        if len(rec) >= 2:
-            ps = sc.page_size
-            lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
-            hi = torch.full((batch,), ctx // ps - sc.recent_units, device=rec[0].device)
-            ov = [topk_overlap(a, b, lo, hi).mean().item() for a, b in zip(rec[:-1], rec[1:])]
-            row["topk_overlap"] = sum(ov) / len(ov)
-        runtime_mode.recorded.clear()
+        row.update(_selection_fields(runtime_mode, mode, rec_layer, ctx, batch, sc))
     if mode == "offload-full":
         row["mib_loaded_per_step"] = runtime_mode.step_bytes[-1] / (1 << 20)
     n_dense = len(runtime_mode.algorithm.dense_layers()) if hasattr(runtime_mode, "algorithm") else 0
@@ -215,13 +241,52 @@ def run_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, trace_rh
     split, prof_ms = profiled_split(runner, reqs, profiled)
     row["split_ms"] = split
     row["profiled_step_ms"] = prof_ms
-    mem = runtime_mode.memory()
-    row["gpu_kv_gib"] = (mem.get("gpu_kv_bytes", 0) + mem.get("representation_bytes", 0)) / GIB
-    row["gpu_kv_only_gib"] = mem.get("gpu_kv_bytes", 0) / GIB
-    row["representation_gib"] = mem.get("representation_bytes", 0) / GIB
+    row.update(synth_s=t_synth, timed_steps=timed, warmup_steps=warmup)
+    if calibrated is not None:
+        row.update(trace_rho=calibrated[0], calibrated_overlap=calibrated[1])
+    row.update(_memory_fields(runtime_mode, device))
     del runner, runtime_mode, reqs
     free_memory(device)
     return row
+
+
+def _selection_fields(runtime_mode, mode: str, rec_layer: Optional[int], ctx: int, batch: int,
+                      sc: SparseConfig) -> dict[str, Any]:
+    """A coordinator mode's row fields after its timed steps: hit rate and loads
+    (sparse-hier), the recorded layer's adjacent-step Top-k overlap."""
+    out: dict[str, Any] = {}
+    runtime_mode.record_layers = frozenset()
+    if mode in ("sparse-hier", FP8_MODE):
+        st = runtime_mode.coord.stats()
+        out["hit_rate"] = st["hit_rate"]
+        out["misses_per_step"] = st["misses"] / max(1, st["steps"])
+        out["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
+    rec = runtime_mode.recorded.get(rec_layer, [])
+    if len(rec) >= 2:
+        ps = sc.page_size
+        lo = torch.full((batch,), sc.sink_units, device=rec[0].device)
+        hi = torch.full((batch,), ctx // ps - sc.recent_units, device=rec[0].device)
+        ov = [topk_overlap(a, b, lo, hi).mean().item() for a, b in zip(rec[:-1], rec[1:])]
+        out["topk_overlap"] = sum(ov) / len(ov)
+    runtime_mode.recorded.clear()
+    return out
+
+
+def _memory_fields(runtime_mode, device) -> dict[str, Any]:
+    """A row's memory: the mode's peak KV and representation bytes, the device's peak
+    allocation over the row (``torch.cuda.max_memory_allocated``: weights, pools,
+    synthesis staging, graphs; None off CUDA), the pinned host pool and the process's
+    resident set (now and its peak; it includes the pinned pool)."""
+    mem = runtime_mode.memory()
+    out = {"gpu_kv_gib": (mem.get("gpu_kv_bytes", 0) + mem.get("representation_bytes", 0)) / GIB,
+           "gpu_kv_only_gib": mem.get("gpu_kv_bytes", 0) / GIB,
+           "representation_gib": mem.get("representation_bytes", 0) / GIB,
+           "gpu_peak_gib": (torch.cuda.max_memory_allocated(device) / GIB
+                            if torch.device(device).type == "cuda" else None)}
+    host = getattr(runtime_mode, "host", None)
+    out["host_pinned_pool_gib"] = host.nbytes() / GIB if host is not None else 0.0
+    out["host_rss_gib"], out["host_rss_peak_gib"] = host_memory_gib()
+    return out
 
 
 def sync_device(device) -> None:

@@ -3,7 +3,7 @@ plot."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from benchmarks.decode.point import ALL_MODES, FP8_MODE, MODES
 
@@ -85,9 +85,23 @@ def targets(rows: list[dict], caps: dict, ctx: int, model: str) -> list[str]:
     return out
 
 
+MILLION = 1 << 20
+
+
+def million_row(rows: list[dict], model: str) -> Optional[dict]:
+    """The scenario-a ``sparse-hier-fp8`` batch-1 row at 1,048,576 tokens (the trace85 one
+    when there is one), or None."""
+    sel = [r for r in rows if r["model"] == model and r["context"] == MILLION and r["scenario"] == "a"
+           and r["mode"] == FP8_MODE and r["batch"] == 1]
+    sel.sort(key=lambda r: r.get("trace_source") != "trace85")
+    return sel[0] if sel else None
+
+
 def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) -> dict[str, Any]:
     """Scenario a at ``ctx`` (the 64k run): best and batch-1 tokens/s per mode, rooflines,
-    the largest host time per step, sparse-hier's hit rate at its best batch."""
+    the largest host time per step, sparse-hier's hit rate at its best batch; and
+    ``b1_tok_s_1m``, sparse-hier-fp8's batch-1 tokens/s at 1,048,576 tokens (None
+    without that row)."""
     sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
            and r.get("trace_source") == "trace85"]
 
@@ -118,6 +132,7 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     out["fp8_best_tok_s"] = get(best(FP8_MODE), "tokens_per_s")
     out["fp8_best_batch"] = get(best(FP8_MODE), "batch")
     out["fp8_b1_tok_s"] = get(b1(FP8_MODE), "tokens_per_s")
+    out["b1_tok_s_1m"] = get(million_row(rows, model), "tokens_per_s")
     cap = caps.get((model, ctx, "a"), {})
     out["batch_held"] = {m: cap.get(m) for m in ALL_MODES if m in MODES or cap.get(m) is not None}
     return out

@@ -35,26 +35,69 @@ def sparse_extra_config(model, sc: SparseConfig) -> dict:
     return extra
 
 
-def per_request_bytes(model, mode: str, ctx: int, sc: SparseConfig, steps: int, rep_bytes: int,
-                      n_dense_layers: int, dtype) -> tuple[int, int]:
-    """(GPU bytes, host bytes) one request of ``ctx`` tokens holds in ``mode``."""
+def kv_bytes_per_token_layer(model, dtype) -> int:
+    """Device KV bytes of one token in one layer (K and V for GQA, the latent for MLA)."""
     cfg = model.cfg
     es = torch.empty((), dtype=dtype).element_size()
-    per_layer = cfg.cache_heads * cfg.cache_head_dim * es * (2 if cfg.family == "gqa" else 1)
+    return cfg.cache_heads * cfg.cache_head_dim * es * (2 if cfg.family == "gqa" else 1)
+
+
+def per_request_parts(model, mode: str, ctx: int, sc: SparseConfig, steps: int, rep_bytes: int,
+                      n_dense_layers: int, dtype) -> dict[str, dict[str, int]]:
+    """What one request of ``ctx`` tokens holds in ``mode``: ``{"gpu": {part: bytes},
+    "host": {part: bytes}}``. GPU parts: ``kv`` (the whole context, every layer),
+    ``buffer`` (sink + recent ring + LRU region, every layer), ``dense_layer_pool`` (the
+    dense layers' whole context), ``representations`` (the selection's pools: Quest page
+    bounds, DSA index keys), ``staging`` (offload-full's one layer); host part: ``kv`` in
+    the host pool's page format."""
+    cfg = model.cfg
+    per_layer = kv_bytes_per_token_layer(model, dtype)
     tb = per_layer * cfg.num_layers
     ps = sc.page_size
     tokens = round_up(ctx + steps + 1, ps) + ps
-    if mode == "sparse-hier-fp8":  # FP8 host pages: one byte a value, plus a page's scales
-        buf = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
-        return buf + n_dense_layers * per_layer * tokens + rep_bytes, tokens * host_token_bytes(cfg, dtype, "fp8_e4m3", ps)
+    buffer = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
+    if mode in ("sparse-hier", "sparse-hier-fp8"):
+        # FP8 host pages: one byte a value, plus a page's scales
+        host = tokens * (host_token_bytes(cfg, dtype, "fp8_e4m3", ps) if mode == "sparse-hier-fp8" else tb)
+        return {"gpu": {"buffer": buffer, "dense_layer_pool": n_dense_layers * per_layer * tokens,
+                        "representations": rep_bytes}, "host": {"kv": host}}
     if mode == "dense":
-        return tokens * tb, 0
+        return {"gpu": {"kv": tokens * tb}, "host": {}}
     if mode == "sparse-gpu":
-        return tokens * tb + rep_bytes, 0
-    if mode == "sparse-hier":
-        buf = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
-        return buf + n_dense_layers * per_layer * tokens + rep_bytes, tokens * tb
-    return tokens * per_layer, tokens * tb  # offload-full: one-layer staging on GPU
+        return {"gpu": {"kv": tokens * tb, "representations": rep_bytes}, "host": {}}
+    return {"gpu": {"staging": tokens * per_layer}, "host": {"kv": tokens * tb}}  # offload-full
+
+
+def per_request_bytes(model, mode: str, ctx: int, sc: SparseConfig, steps: int, rep_bytes: int,
+                      n_dense_layers: int, dtype) -> tuple[int, int]:
+    """(GPU bytes, host bytes) one request of ``ctx`` tokens holds in ``mode``."""
+    parts = per_request_parts(model, mode, ctx, sc, steps, rep_bytes, n_dense_layers, dtype)
+    return sum(parts["gpu"].values()), sum(parts["host"].values())
+
+
+def gib_parts(parts: dict[str, int]) -> dict[str, float]:
+    """``per_request_parts``' bytes as GiB (6 decimals), the form rows report them in."""
+    return {k: round(v / GIB, 6) for k, v in parts.items()}
+
+
+def capacity(gpu_bytes: int, host_bytes: int, gpu_budget: float, host_budget: float) -> int:
+    """Requests of these per-request bytes the budgets hold."""
+    c = int(gpu_budget // gpu_bytes)
+    return min(c, int(host_budget // host_bytes)) if host_bytes else c
+
+
+def device_room(device) -> Optional[int]:
+    """Device bytes free now, less a 4 GiB working margin (None off CUDA: no limit known)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0] - 4 * GIB
+
+
+def admits_one_over_budget(gpu_bytes: int, host_bytes: int, host_budget: float, room: Optional[int]) -> bool:
+    """A single request that the GPU budget cannot hold is still measured (batch 1, its row
+    marked ``over_gpu_budget``) when the host budget holds it and the device has room for
+    it (``room``: free device bytes, None: unknown, taken as enough)."""
+    return host_bytes <= host_budget and (room is None or gpu_bytes <= room)
 
 
 LIMITS: dict[str, Optional[float]] = {"hbm_gbps": None, "h2d_gbps": None}

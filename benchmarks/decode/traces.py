@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from benchmarks.decode.point import free_memory, make_runner
+from benchmarks.decode.sizing import kv_bytes_per_token_layer
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.synth import synth_prefill
 from sparsehi.runtime.traces import QueryTrace, calibrate_rho, topk_overlap
@@ -81,11 +82,27 @@ def topk_overlap_per_layer(selections: dict[int, list[torch.Tensor]], ctx: int, 
 # ----------------------------------------------------------------------------- calibration
 def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, device, dtype) -> tuple[float, float]:
     """rho of the query trace whose adjacent-step Top-k overlap (the algorithm's own, on
-    synthesised representations, one sparse layer, 2 requests) is ``target``."""
+    synthesised representations, one sparse layer, 2 requests of a sparse-gpu runner) is
+    ``target``."""
     runner = make_runner(model, "sparse-gpu", ctx, 2, sc, 4, device, dtype)
-    runtime_mode = runner.mode
     reqs = runner.new_requests([[0]] * 2)
-    synth_prefill(runtime_mode, reqs, ctx, seed=1)
+    synth_prefill(runner.mode, reqs, ctx, seed=1)
+    out = calibrate_on(runner.mode, reqs, model, ctx, sc, target, iters, device, dtype)
+    del runner, reqs
+    free_memory(device)
+    return out
+
+
+def calibration_fits(model, ctx: int, dtype, room: Optional[int]) -> bool:
+    """Whether ``calibrate``'s sparse-gpu runner (2 requests of ``ctx`` tokens, all KV on
+    the device) fits in ``room`` device bytes (None: unknown, taken as yes)."""
+    return room is None or 2 * (ctx + 8) * kv_bytes_per_token_layer(model, dtype) * model.cfg.num_layers <= room
+
+
+def calibrate_on(runtime_mode, reqs: list, model, ctx: int, sc: SparseConfig, target: float, iters: int, device,
+                 dtype) -> tuple[float, float]:
+    """``calibrate``'s search on the representations a runner holds for ``reqs`` (prefilled,
+    ``ctx`` tokens each): ``(rho, overlap measured at it)``."""
     algo = runtime_mode.algorithm
     layer = [x for x in range(model.cfg.num_layers) if algo.is_sparse_layer(x)][0]
     cfg = model.cfg
@@ -119,7 +136,4 @@ def calibrate(model, ctx: int, sc: SparseConfig, target: float, iters: int, devi
             prev = sel
         return sum(ovs) / len(ovs)
 
-    rho, got = calibrate_rho(measure, target, iters=iters)
-    del runner, runtime_mode
-    free_memory(device)
-    return rho, got
+    return calibrate_rho(measure, target, iters=iters)

@@ -43,6 +43,10 @@ class BaseSparseAlgorithm(ABC):
     selects_ascending: bool = False
     """Set True when ``retrieve_topk`` returns each row's ids in ascending order (the
     contract allows any order): the coordinator then skips its sort of the selection."""
+    supports_chunked_prefill: bool = False
+    """Set True when ``construct_representations`` honours ``represented_lens`` (see there):
+    only then may a hierarchical prompt be prefilled in chunks whose earlier KV has left the
+    GPU (the coordinator refuses such a chunk otherwise)."""
 
     def __init__(self, config: "SparseConfig", device: torch.device, **kwargs: Any) -> None:
         self.config = config
@@ -111,7 +115,13 @@ class BaseSparseAlgorithm(ABC):
         token_slots:      ``[B, max_len] int64`` device slot of each token position
                           (row ``b`` valid up to ``seq_lens[b]``).
         kwargs:           algorithm-specific model outputs, e.g. DSA's ``index_keys``
-                          ``[B, max_len, index_head_dim]``.
+                          ``[B, max_len, index_head_dim]``; and, for a chunk of a prompt
+                          prefilled in chunks (only to algorithms that set
+                          ``supports_chunked_prefill``), ``represented_lens`` ``[B] int32``
+                          (CPU): row ``b``'s positions below it were represented by an
+                          earlier chunk (a multiple of ``page_size``; 0: none) and are kept;
+                          ``token_slots`` and ``index_keys`` are valid (and read) only from
+                          there (``token_slots`` holds ``-1`` before it).
         """
 
     @abstractmethod
@@ -194,6 +204,22 @@ def check_pool_args(start_layer: int, end_layer: int, **sizes: int) -> None:
             raise ValueError(f"{name}={v!r} is invalid: an integer > 0")
     if not (0 <= start_layer < end_layer):
         raise ValueError(f"layers [start_layer={start_layer}, end_layer={end_layer}) must be a non-empty range >= 0")
+
+
+def represented_lens_of(kwargs: dict, batch: int, page_size: int) -> list[int]:
+    """``construct_representations``' ``represented_lens`` kwarg as a list of ``batch`` ints
+    (all 0 when absent). Raises ValueError unless it is ``[B]`` integer, each value ``>= 0``
+    and a multiple of ``page_size``."""
+    lens = kwargs.get("represented_lens")
+    if lens is None:
+        return [0] * batch
+    if not isinstance(lens, torch.Tensor) or lens.shape != (batch,) or lens.is_floating_point():
+        got = tuple(lens.shape) if isinstance(lens, torch.Tensor) else type(lens).__name__
+        raise ValueError(f"represented_lens must be [B={batch}] int32, got {got}")
+    out = [int(x) for x in lens.tolist()]
+    if any(x < 0 or x % page_size for x in out):
+        raise ValueError(f"represented_lens={out} must be multiples of page_size={page_size}, >= 0")
+    return out
 
 
 def check_selection(

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args, represented_lens_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
                                    raise_if_any, selection_kwargs)
@@ -72,6 +72,7 @@ class DSAAlgorithm(BaseSparseAlgorithm):
 
     mode = SparseMode.TOKEN_WISE
     selects_ascending = True  # topk_select returns each row's ids in ascending order
+    supports_chunked_prefill = True
     default_dense_layers: tuple[int, ...] = ()
 
     def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:
@@ -167,7 +168,8 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         **kwargs: Any,
     ) -> None:
         """Store ``index_keys [B, max_len, index_head_dim]`` (kwarg) for positions
-        ``< seq_lens[b]``; ``key_buffer`` / ``token_slots`` are not used."""
+        ``[represented_lens[b], seq_lens[b])`` (``represented_lens``: 0 when absent; see the
+        base class); ``key_buffer`` / ``token_slots`` are not used."""
         pool = self._layer(layer_id)
         if pool is None:
             return
@@ -186,7 +188,8 @@ class DSAAlgorithm(BaseSparseAlgorithm):
                            f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         live = live_rows(req, self.max_num_reqs)
         pos = torch.arange(max_len, device=dev)[None, :]
-        valid = (pos < seq[:, None]) & live[:, None]
+        start = torch.tensor(represented_lens_of(kwargs, b, 1), dtype=torch.int64, device=dev)
+        valid = (pos < seq[:, None]) & (pos >= start[:, None]) & live[:, None]
         rows = req[:, None].expand(b, max_len)[valid]
         cols = pos.expand(b, max_len)[valid]
         self._store(layer_id, rows, cols, ik.to(dev)[valid])

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args, represented_lens_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
                                    host_checks_enabled, live_rows, raise_if_any, selection_kwargs)
@@ -81,6 +81,7 @@ class OracleAlgorithm(BaseSparseAlgorithm):
     default_dense_layers: tuple[int, ...] = ()
 
     selects_ascending = True  # topk_select returns each row's ids in ascending order
+    supports_chunked_prefill = True
 
     def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:
         # The oracle serves both granularities, so its mode follows the config.
@@ -147,7 +148,9 @@ class OracleAlgorithm(BaseSparseAlgorithm):
             raise_if_any([(req >= self.max_num_reqs,
                            f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         pos = torch.arange(max_len, device=token_slots.device)[None, :]
-        valid = (pos < seq_lens.to(token_slots.device).long()[:, None]) & live_rows(req, self.max_num_reqs)[:, None]
+        start = torch.tensor(represented_lens_of(kwargs, b, self.config.page_size), device=token_slots.device)
+        valid = ((pos < seq_lens.to(token_slots.device).long()[:, None]) & (pos >= start[:, None])
+                 & live_rows(req, self.max_num_reqs)[:, None])
         rows = req[:, None].expand(b, max_len)[valid]
         cols = pos.expand(b, max_len)[valid]
         slots = token_slots[valid].long()

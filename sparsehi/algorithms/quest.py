@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args
+from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args, represented_lens_of
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
@@ -51,6 +51,7 @@ class QuestAlgorithm(BaseSparseAlgorithm):
 
     mode = SparseMode.PAGE_WISE
     selects_ascending = True  # topk_select returns each row's ids in ascending order
+    supports_chunked_prefill = True
     default_dense_layers: tuple[int, ...] = (0, 1)
 
     def __init__(self, config: Any, device: torch.device, **kwargs: Any) -> None:
@@ -118,8 +119,10 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         token_slots: torch.Tensor,
         **kwargs: Any,
     ) -> None:
-        """Recompute min/max of every page covering ``[0, seq_lens[b])`` (so a re-call after
-        a further prefill chunk is correct too)."""
+        """Recompute min/max of every page covering ``[represented_lens[b], seq_lens[b])``
+        (``represented_lens``: 0 when absent; see the base class), so a re-call after a
+        further prefill chunk is correct too, whether or not the earlier chunk's keys are
+        still on the device."""
         pools = self._pools(layer_id)
         if pools is None:
             return
@@ -134,21 +137,22 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         # lengths and rows on the host (one read; none when the caller passes CPU tensors)
         seq = [int(x) for x in seq_lens.tolist()]
         req = [int(x) for x in req_pool_indices.tolist()]
+        starts = represented_lens_of(kwargs, b, ps)
         # One request at a time bounds the temporary to one row's keys.
         for i in range(b):
-            n, r = seq[i], req[i]
-            if n <= 0 or r < 0:  # empty or padding row
+            n, r, s0 = seq[i], req[i], starts[i]
+            if n <= s0 or r < 0:  # nothing new, or a padding row
                 continue
             if r >= self.max_num_reqs:
                 raise ValueError(f"req_pool_indices[{i}]={r} is invalid: < max_num_reqs={self.max_num_reqs} (negative: padding)")
-            k = key_buffer[token_slots[i, :n].to(key_buffer.device).long()].to(kmin.device)
-            full = n // ps
-            if full:
-                kp = k[: full * ps].view(full, ps, *k.shape[1:])
-                kmin[r, :full] = kp.amin(dim=1).to(kmin.dtype)
-                kmax[r, :full] = kp.amax(dim=1).to(kmax.dtype)
+            k = key_buffer[token_slots[i, s0:n].to(key_buffer.device).long()].to(kmin.device)
+            p0, full = s0 // ps, n // ps
+            if full > p0:
+                kp = k[: (full - p0) * ps].view(full - p0, ps, *k.shape[1:])
+                kmin[r, p0:full] = kp.amin(dim=1).to(kmin.dtype)
+                kmax[r, p0:full] = kp.amax(dim=1).to(kmax.dtype)
             if n % ps:
-                tail = k[full * ps:]
+                tail = k[(full - p0) * ps:]
                 kmin[r, full] = tail.amin(dim=0).to(kmin.dtype)
                 kmax[r, full] = tail.amax(dim=0).to(kmax.dtype)
 

@@ -178,6 +178,19 @@ def _quest_score_kernel(
     tl.store(out_ptr + b * stride_ob + offs_p, acc, mask=offs_p < P)
 
 
+MAX_GRID_Y = 65535
+"""CUDA's bound on a launch grid's second (and third) dimension."""
+
+
+def score_block_pages(pages: int, block_p: int) -> int:
+    """Pages per program of the score kernel: ``block_p``, doubled until the grid's page
+    blocks (its second dimension) stay within ``MAX_GRID_Y`` (past ``4 * 65535`` pages, a
+    4M-token context at page size 16, the small-batch tiles would not launch)."""
+    while -(-pages // block_p) > MAX_GRID_Y:
+        block_p *= 2
+    return block_p
+
+
 def quest_score_triton(
     q: torch.Tensor,
     kmin: torch.Tensor,
@@ -200,7 +213,7 @@ def quest_score_triton(
     # below a few dozen rows the grid is short and each program's latency counts: small
     # tiles with every group's loads issued up front (measured: docs/kernels.md)
     small = b < 32
-    block_p = block_p if block_p is not None else (4 if small else 16)
+    block_p = score_block_pages(kmin.shape[1], block_p if block_p is not None else (4 if small else 16))
     num_warps = num_warps if num_warps is not None else (2 if small else 4)
     unroll = unroll if unroll is not None else small
     r, p, hkv, _ = kmin.shape
