@@ -63,7 +63,8 @@ from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d
 from benchmarks.decode import point  # noqa: E402
 from benchmarks.decode.point import (ALL_MODES, FP8_MODE, HOST_POOLS, MODES, free_memory, log,  # noqa: E402
                                      run_point, shared_host_pool)
-from benchmarks.decode.report import plot, summary, targets  # noqa: E402
+from benchmarks.decode.report import SECTION_SUMMARY_KEYS, plot, summary, summary_context, targets  # noqa: E402
+from benchmarks.decode.sections import write_section  # noqa: E402
 from benchmarks.decode.sizing import (GIB, LIMITS, admits_one_over_budget, batches_up_to, capacity,  # noqa: E402
                                       device_room, gib_parts, per_request_bytes, per_request_parts,
                                       representation_bytes_per_request, sparse_extra_config)
@@ -107,6 +108,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--modes", default=None,
                     help=f"comma list of modes to sweep (default: the four of {MODES}; also sparse-hier-fp8: "
                          "sparse-hier with FP8 host KV)")
+    ap.add_argument("--section", default=None,
+                    help="keep this run as decode.json[SECTION] beside the file's full run (lifting "
+                         "fp8_best_tok_s_64k, b1_tok_s_1m and prefetch_hidden_frac into its summary) "
+                         "instead of replacing the file")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch swept per mode")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
@@ -186,7 +191,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "model": llama.name, "models": {llama.name: llama.note, dsv.name: dsv.note},
             "prefill": PREFILL_NOTE, "rows": rows, "capacity": {f"{m}|{c}|{s}": v for (m, c, s), v in caps.items()},
             "calibration": calib, "h2d_gbps": h2d, "hbm_gbps": hbm, "notes": notes, "trace_sources": TRACE_SOURCES,
-            "summary": summary(rows, caps, max(contexts), llama.name, point.CUDA_GRAPH and cuda),
+            "summary": summary(rows, caps, summary_context(contexts), llama.name, point.CUDA_GRAPH and cuda),
             "roofline": "roofline_ms = (weights + the KV the mode reads + selection representations + loaded "
                         "pages written) / hbm_gbps + host->device bytes (sparse-hier misses, offload-full's whole "
                         "context) / h2d_gbps, both limits measured in this run; frac_roofline = roofline_ms / step_ms",
@@ -202,7 +207,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         }
         if real_trace is not None:
             payload["real_trace"] = real_trace
-        write_result("decode.json", payload, out_dir)
+        if args.section:
+            write_section(out_dir / "decode.json", args.section,
+                          {"device": info["device"], "date": info["date"], "env": info, **payload},
+                          lift=SECTION_SUMMARY_KEYS)
+        else:
+            write_result("decode.json", payload, out_dir)
 
     def sweep(model, ctx: int, sc: SparseConfig, scen: str, gpu_budget: float, host_budget: float,
               modes=MODES, scale: float = 1.0, real: bool = False) -> None:
@@ -371,8 +381,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for line in lines:
         log(line)
     save(final=True)
-    plot(rows, out_dir / "decode.png")
-    log(f"wrote {out_dir / 'decode.json'} and decode.png; {deadline.left():.0f}s of budget left")
+    png = f"decode_{args.section}.png" if args.section else "decode.png"
+    plot(rows, out_dir / png)
+    where = f"section {args.section!r} of " if args.section else ""
+    log(f"wrote {where}{out_dir / 'decode.json'} and {png}; {deadline.left():.0f}s of budget left")
     return 0
 
 

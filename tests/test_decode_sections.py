@@ -28,3 +28,22 @@ def test_section_sits_beside_the_full_run_and_lifts_summary_keys(tmp_path):
 def test_section_name_is_checked(tmp_path, name):
     with pytest.raises(ValueError, match="section name"):
         write_section(tmp_path / "decode.json", name, {"rows": []})
+
+
+def test_summary_describes_64k_and_lifts_fp8_and_million_rows():
+    from benchmarks.decode.report import SECTION_SUMMARY_KEYS, summary, summary_context
+
+    assert summary_context([65536, 131072, 1 << 20]) == 65536
+    assert summary_context([512, 1024]) == 1024
+
+    def row(mode, ctx, batch, tok_s):
+        return {"model": "m", "scenario": "a", "trace_source": "trace85", "mode": mode, "context": ctx,
+                "batch": batch, "tokens_per_s": tok_s}
+
+    rows = [row("sparse-hier", 65536, 10, 740.0), row("sparse-hier-fp8", 65536, 1, 170.0),
+            row("sparse-hier-fp8", 65536, 10, 830.0), row("sparse-hier-fp8", 131072, 6, 505.0),
+            row("sparse-hier-fp8", 1 << 20, 1, 120.0)]
+    s = summary(rows, {}, 65536, "m", graphs=True)
+    assert s["context"] == 65536 and s["sparse_hier_best_tok_s"] == 740.0
+    assert s["fp8_best_tok_s_64k"] == 830.0 and s["b1_tok_s_1m"] == 120.0
+    assert set(SECTION_SUMMARY_KEYS) <= set(s)

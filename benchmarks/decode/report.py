@@ -97,11 +97,21 @@ def million_row(rows: list[dict], model: str) -> Optional[dict]:
     return sel[0] if sel else None
 
 
+SECTION_SUMMARY_KEYS = ("fp8_best_tok_s_64k", "b1_tok_s_1m", "prefetch_hidden_frac")
+"""What a run kept as a section of decode.json (``--section``) lifts into the file's summary."""
+
+
+def summary_context(contexts: list[int]) -> int:
+    """The context the summary describes: 64k when the run has it, else the largest."""
+    return 65536 if 65536 in contexts else max(contexts)
+
+
 def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) -> dict[str, Any]:
     """Scenario a at ``ctx`` (the 64k run): best and batch-1 tokens/s per mode, rooflines,
     the largest host time per step, sparse-hier's hit rate at its best batch; and
-    ``b1_tok_s_1m``, sparse-hier-fp8's batch-1 tokens/s at 1,048,576 tokens (None
-    without that row)."""
+    ``b1_tok_s_1m``, sparse-hier-fp8's batch-1 tokens/s at 1,048,576 tokens, and
+    ``fp8_best_tok_s_64k``, its best at 65,536 (None without those rows);
+    ``prefetch_hidden_frac`` is None: no miss is loaded ahead of the layer that needs it."""
     sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
            and r.get("trace_source") == "trace85"]
 
@@ -133,6 +143,10 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     out["fp8_best_batch"] = get(best(FP8_MODE), "batch")
     out["fp8_b1_tok_s"] = get(b1(FP8_MODE), "tokens_per_s")
     out["b1_tok_s_1m"] = get(million_row(rows, model), "tokens_per_s")
+    at_64k = [r for r in rows if r["model"] == model and r["context"] == 65536 and r["scenario"] == "a"
+              and r.get("trace_source") == "trace85" and r["mode"] == FP8_MODE]
+    out["fp8_best_tok_s_64k"] = max((r["tokens_per_s"] for r in at_64k), default=None)
+    out["prefetch_hidden_frac"] = None  # misses are not loaded ahead of their layer (not built)
     cap = caps.get((model, ctx, "a"), {})
     out["batch_held"] = {m: cap.get(m) for m in ALL_MODES if m in MODES or cap.get(m) is not None}
     return out
