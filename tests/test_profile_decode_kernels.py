@@ -1,0 +1,28 @@
+"""benchmarks/profile_decode_kernels.py: kernels grouped by name per step; the CPU path runs."""
+import json
+import types
+
+import torch
+
+from benchmarks import profile_decode_kernels as pdk
+
+
+def _ev(name, us, cuda=True):
+    dt = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return types.SimpleNamespace(name=name, device_type=dt, device_time_total=us)
+
+
+def test_kernel_times_groups_by_name_per_step():
+    prof = types.SimpleNamespace(events=lambda: [_ev("quest_score", 30.0), _ev("topk", 10.0), _ev("quest_score", 50.0),
+                                                 _ev("aten::mm", 999.0, cuda=False)])
+    rows = pdk.kernel_times(prof, steps=2)
+    assert [r["name"] for r in rows] == ["quest_score", "topk"]
+    assert rows[0]["us_per_step"] == 40.0 and rows[0]["calls_per_step"] == 1.0
+    assert rows[1]["us_per_step"] == 5.0
+
+
+def test_quick_run_writes_the_result(tmp_path):
+    out = tmp_path / "prof.json"
+    assert pdk.main(["--quick", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["mode"] == "sparse-hier-fp8" and res["profiled_steps"] == 2 and res["step_wall_ms_profiled"] > 0
