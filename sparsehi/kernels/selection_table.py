@@ -46,6 +46,27 @@ class SelectionTable:
     num_valid: torch.Tensor
     attended: torch.Tensor
 
+    @classmethod
+    def empty(cls, b: int, w: int, device: torch.device) -> "SelectionTable":
+        """Uninitialised buffers for ``b`` rows of ``w`` entries."""
+        return cls(*(torch.empty(b, w, dtype=torch.int32, device=device) for _ in range(3)),
+                   *(torch.empty(b, dtype=torch.int32, device=device) for _ in range(2)))
+
+    def fill(self, out: Optional["SelectionTable"]) -> "SelectionTable":
+        """``out`` with this table's values copied in, or this table when ``out`` is None."""
+        if out is None:
+            return self
+        for name in ("logical", "physical", "page_table", "num_valid", "attended"):
+            getattr(out, name).copy_(getattr(self, name))
+        return out
+
+
+def table_blocks(width: int) -> tuple[int, int]:
+    """``(BLOCK_W, blocks)``: the entries one table program writes, and the programs a row
+    of ``width`` entries takes."""
+    block_w = min(512, triton.next_power_of_2(width))
+    return block_w, cdiv(width, block_w)
+
 
 def _check(topk, valid, num_pages, seq_lens, rows, own_table, sink_table, ring_table, topk_phys, sink, recent,
            slot_table=None):
@@ -237,16 +258,14 @@ def selection_table_triton(topk, valid, num_pages, seq_lens, rows, *, sink, rece
     b, k = topk.shape
     w = sink + k + recent
     if out is None:
-        out = SelectionTable(torch.empty(b, w, dtype=torch.int32, device=dev), torch.empty(b, w, dtype=torch.int32, device=dev),
-                             torch.empty(b, w, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev),
-                             torch.empty(b, dtype=torch.int32, device=dev))
+        out = SelectionTable.empty(b, w, dev)
     if b == 0:
         return out
     hier = sink_table is not None
     dummy = topk
     own = own_table if own_table is not None else dummy
-    block_w = min(512, triton.next_power_of_2(w))
-    _selection_table_kernel[(b, cdiv(w, block_w))](
+    block_w, wblocks = table_blocks(w)
+    _selection_table_kernel[(b, wblocks)](
         topk, valid, num_pages, seq_lens, rows,
         own, sink_table if hier else dummy, ring_table if hier else dummy, topk_phys if topk_phys is not None else dummy,
         slot_table if slot_table is not None else dummy,

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from hicache.triton_support import cdiv, dispatch
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
-                                              choice_args, selection_table_reference)
+                                              choice_args, selection_table_reference, table_blocks)
 from sparsehi.kernels.swap_in_fp8 import (_check as _check_copy, _swap_in_fp8_block, copy_args,
                                           swap_in_fp8_copy_reference)
 
@@ -126,11 +126,7 @@ def swap_in_fp8_copy_and_table_reference(values, scales, dev, layer: int, load_i
     table = selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
                                       page_size=values.shape[3], sink_table=sink_table, ring_table=ring_table,
                                       topk_phys=device_slots, slot_table=slot_pages, choice=choice)
-    if out is None:
-        return table
-    for name in ("logical", "physical", "page_table", "num_valid", "attended"):
-        getattr(out, name).copy_(getattr(table, name))
-    return out
+    return table.fill(out)
 
 
 def swap_in_fp8_copy_and_table_triton(values, scales, dev, layer: int, load_ids, load_slots, num_loads, rows,
@@ -144,16 +140,14 @@ def swap_in_fp8_copy_and_table_triton(values, scales, dev, layer: int, load_ids,
     b, k = topk.shape
     w = sink + k + recent
     if out is None:
-        out = SelectionTable(*(torch.empty(b, w, dtype=torch.int32, device=topk.device) for _ in range(3)),
-                             *(torch.empty(b, dtype=torch.int32, device=topk.device) for _ in range(2)))
+        out = SelectionTable.empty(b, w, topk.device)
     if b == 0:
         return out
     _, _, nb, ps, h, d = values.shape
     bt = tokens_per_program(ps, d, dev.element_size(), block_bytes)
     parts = cdiv(ps, bt)
     g = load_ids.shape[1] * parts
-    block_w = min(512, triton.next_power_of_2(w))
-    wblocks = cdiv(w, block_w)
+    block_w, wblocks = table_blocks(w)
     _swap_in_fp8_and_table_kernel[(max(g, wblocks), b, nb * h + 1)](
         values, scales, dev, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
         *copy_args(values, scales, dev, layer, load_ids, load_slots, host_pages, slot_pages),

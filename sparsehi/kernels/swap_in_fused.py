@@ -33,7 +33,7 @@ import triton.language as tl
 
 from hicache.triton_support import cdiv, dispatch
 from sparsehi.kernels.selection_table import (SelectionTable, _check as _check_table, _selection_table_block,
-                                              choice_args, selection_table_reference)
+                                              choice_args, selection_table_reference, table_blocks)
 from sparsehi.kernels.swap_in_copy import (DEFAULT_BLOCK_BYTES, _check as _check_copy, _swap_in_copy_block,
                                            copy_geometry, source_args, swap_in_copy_reference)
 
@@ -77,11 +77,6 @@ def _swap_in_and_table_kernel(
                                    K, SINK, RECENT, PAGE, W, BLOCK_W, True, True, True, HAS_ALT)
 
 
-def _empty_table(b: int, w: int, dev: torch.device) -> SelectionTable:
-    return SelectionTable(*(torch.empty(b, w, dtype=torch.int32, device=dev) for _ in range(3)),
-                          torch.empty(b, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev))
-
-
 def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
                                      page_size, topk, valid, num_pages, seq_lens, table_rows, *, sink, recent,
                                      sink_table, ring_table, device_slots,
@@ -96,11 +91,7 @@ def swap_in_copy_and_table_reference(src, dst, layer, load_ids, load_slots, num_
     table = selection_table_reference(topk, valid, num_pages, seq_lens, table_rows, sink=sink, recent=recent,
                                       page_size=page_size, sink_table=sink_table, ring_table=ring_table,
                                       topk_phys=device_slots, slot_table=slot_pages, choice=choice)
-    if out is None:
-        return table
-    for name in ("logical", "physical", "page_table", "num_valid", "attended"):
-        getattr(out, name).copy_(getattr(table, name))
-    return out
+    return table.fill(out)
 
 
 def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages,
@@ -123,7 +114,7 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
     if load_ids.shape[0] != b:
         raise ValueError(f"load lists have {load_ids.shape[0]} rows, topk {b}: one batch")
     w = sink + k + recent
-    out = out if out is not None else _empty_table(b, w, topk.device)
+    out = out if out is not None else SelectionTable.empty(b, w, topk.device)
     if b == 0:
         return out
     kl = load_ids.shape[1]
@@ -131,8 +122,7 @@ def swap_in_copy_and_table_triton(src, dst, layer, load_ids, load_slots, num_loa
     ws, wd, nseg, li, ls = g.src, g.dst, g.nseg, g.load_ids, g.load_slots
     seg, parts, toks, tile = g.seg, g.parts, g.toks, g.tile
     runs = max(1, cdiv(kl * page_size, toks))
-    block_w = min(512, triton.next_power_of_2(w))
-    wblocks = cdiv(w, block_w)
+    block_w, wblocks = table_blocks(w)
     nsegs = src.shape[3] * nseg
     (hp, hp_cols, stride_hp), extra, flags = source_args(host_pages, slot_pages, host_tokens, resident)
     _swap_in_and_table_kernel[(max(runs, wblocks), b, nsegs + 1)](
