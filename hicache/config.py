@@ -16,6 +16,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional
 
+from hicache.kv_page_format import HOST_KV_DTYPES, namespace_suffix
 from hicache.storage.dynamic import DYNAMIC_KEYS, missing_dynamic_keys
 from hicache.storage.registry import BUILTIN_BACKENDS, check_storage_backend_name, storage_backend_names
 
@@ -96,6 +97,10 @@ class HiCacheConfig:
     hicache_write_policy: str = "write_through"
     hicache_io_backend: str = "kernel"
     hicache_mem_layout: str = "layer_first"
+    hicache_host_kv_dtype: str = "auto"
+    """KV in the host pool and L3 pages: ``auto`` (the model's dtype) or ``fp8_e4m3`` (E4M3
+    page records with per-page, per-head scales, ``hicache.kv_page_format``; needs
+    ``hicache_mem_layout="page_first"`` and ``hicache_io_backend="kernel"``)."""
     hicache_storage_backend: Optional[str] = None
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_backend_extra_config: Optional[str] = None
@@ -130,6 +135,14 @@ class HiCacheConfig:
             bad("hicache-io-backend", self.hicache_io_backend, f"one of {IO_BACKENDS}")
         if self.hicache_mem_layout not in MEM_LAYOUTS:
             bad("hicache-mem-layout", self.hicache_mem_layout, f"one of {MEM_LAYOUTS}")
+        if self.hicache_host_kv_dtype not in HOST_KV_DTYPES:
+            bad("hicache-host-kv-dtype", self.hicache_host_kv_dtype, f"one of {HOST_KV_DTYPES}")
+        if self.hicache_host_kv_dtype == "fp8_e4m3" and (self.hicache_mem_layout, self.hicache_io_backend) != (
+                "page_first", "kernel"):
+            bad("hicache-host-kv-dtype", self.hicache_host_kv_dtype,
+                "fp8_e4m3 pages are whole page records the kernel io backend reads and writes: use "
+                "--hicache-mem-layout page_first and --hicache-io-backend kernel (got "
+                f"{self.hicache_mem_layout} and {self.hicache_io_backend}), or auto")
         if self.hicache_storage_backend is not None:
             check_storage_backend_name(self.hicache_storage_backend)
         if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
@@ -160,11 +173,15 @@ class HiCacheConfig:
                        model_name: Optional[str] = None) -> "StorageConfig":
         """What ``hicache.storage.registry.create_storage_backend(self.hicache_storage_backend, ...)``
         is given: this rank's place in the TP group, whether pages are MLA (shared by all ranks),
-        the model name that namespaces the keys, and the parsed extra config."""
+        the model name that namespaces the keys (with the host page format's suffix, so FP8
+        pages and pages in the model's dtype never share a namespace), and the parsed extra
+        config."""
         from hicache.storage.base import StorageConfig
 
         if self.hicache_storage_backend is None:
             raise ValueError("storage_config needs --hicache-storage-backend to be set")
+        if model_name is not None:
+            model_name += namespace_suffix(self.hicache_host_kv_dtype)
         return StorageConfig(tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla, model_name=model_name,
                              extra=self.storage_extra_config())
 
@@ -195,6 +212,9 @@ class HiCacheConfig:
         g.add_argument("--hicache-write-policy", choices=WRITE_POLICIES, default=d["hicache_write_policy"].default)
         g.add_argument("--hicache-io-backend", choices=IO_BACKENDS, default=d["hicache_io_backend"].default)
         g.add_argument("--hicache-mem-layout", choices=MEM_LAYOUTS, default=d["hicache_mem_layout"].default)
+        g.add_argument("--hicache-host-kv-dtype", choices=HOST_KV_DTYPES, default=d["hicache_host_kv_dtype"].default,
+                       help="KV in the host pool and L3: auto (the model's dtype) or fp8_e4m3 (needs "
+                            "--hicache-mem-layout page_first, --hicache-io-backend kernel)")
         g.add_argument("--hicache-storage-backend", type=_storage_backend_arg, default=None,
                        metavar="{" + ",".join(storage_backend_names()) + "}",
                        help="L3 storage backend (names registered with hicache.storage.registry count too)")

@@ -118,6 +118,9 @@ class HiCacheController:
         if config.hicache_mem_layout != host_pool.layout:
             raise ValueError(f"--hicache-mem-layout={config.hicache_mem_layout} but the host pool was built "
                              f"with layout={host_pool.layout}")
+        if config.hicache_host_kv_dtype != host_pool.kv_format.host_kv_dtype:
+            raise ValueError(f"--hicache-host-kv-dtype={config.hicache_host_kv_dtype} but the host pool was built "
+                             f"with host_kv_dtype={host_pool.kv_format.host_kv_dtype}")
         return cls(device_pool, host_pool, config.hicache_write_policy, config.hicache_io_backend, tp_group)
 
     # ------------------------------------------------------------------ slots

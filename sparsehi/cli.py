@@ -144,14 +144,14 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-backend", choices=IO_BACKENDS, default=None,
                    help="host->device loads: kernel (Triton zero-copy gather) or direct (default kernel; SGLang's "
                         "name: --hicache-io-backend)")
-    g.add_argument("--host-kv-dtype", choices=HOST_KV_DTYPES, default="auto",
-                   help="KV in the host pool and L3: auto (the model's dtype) or fp8_e4m3 (E4M3 pages with per-page, "
-                        "per-head power-of-two scales: half the host and PCIe bytes; the host layout defaults to "
-                        "page_first)")
+    g.add_argument("--host-kv-dtype", choices=HOST_KV_DTYPES, default=None,
+                   help="KV in the host pool and L3: auto (the model's dtype, the default) or fp8_e4m3 (E4M3 pages "
+                        "with per-page, per-head power-of-two scales: half the host and PCIe bytes; the host layout "
+                        "defaults to page_first; also spelt --hicache-host-kv-dtype)")
     HiCacheConfig.add_cli_args(p)
     # The layout and io flags above are the same settings under SGLang's names: unset here,
     # so _hicache_config can tell a given flag from a default and reject two that disagree.
-    p.set_defaults(hicache_mem_layout=None, hicache_io_backend=None)
+    p.set_defaults(hicache_mem_layout=None, hicache_io_backend=None, hicache_host_kv_dtype=None)
     # unset too, so a flag the user gave can be checked against the modes it applies to
     p.set_defaults(hicache_ratio=None, hicache_size=None)
     _reword_hicache_help(p)
@@ -165,8 +165,11 @@ def _reword_hicache_help(p: argparse.ArgumentParser) -> None:
                       "the next instead of recomputed (default: none)")
         elif a.dest == "hicache_storage_prefetch_policy":
             a.help = "when a prefetch from L3 is taken: best_effort, wait_complete or timeout (default best_effort)"
-        elif a.dest in ("hicache_mem_layout", "hicache_io_backend"):
-            a.help = f"SGLang's name for --{'host-layout' if a.dest == 'hicache_mem_layout' else 'io-backend'}"
+        elif a.dest in ("hicache_mem_layout", "hicache_io_backend", "hicache_host_kv_dtype"):
+            ours = {"hicache_mem_layout": "host-layout", "hicache_io_backend": "io-backend",
+                    "hicache_host_kv_dtype": "host-kv-dtype"}[a.dest]
+            a.help = (f"the --hicache-* spelling of --{ours}" if a.dest == "hicache_host_kv_dtype"
+                      else f"SGLang's name for --{ours}")
         elif a.dest == "hicache_write_policy":
             a.help = ("when device KV is copied to host: only write_through here (the host modes write every "
                       "prefilled page to the host pool at once; write_through_selective and write_back need a "
@@ -393,7 +396,8 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
     """The ``--hicache-*`` flags as a validated HiCacheConfig (page size: the run's). Also
     settles ``args.host_layout`` / ``args.io_backend`` from either name of each."""
     _check_hicache_modes(args, parser)
-    fp8 = getattr(args, "host_kv_dtype", "auto") == "fp8_e4m3"  # FP8 page records live in page_first
+    args.host_kv_dtype = _same_setting(args, parser, "host_kv_dtype", "hicache_host_kv_dtype", "auto")
+    fp8 = args.host_kv_dtype == "fp8_e4m3"  # FP8 page records live in page_first
     args.host_layout = _same_setting(args, parser, "host_layout", "hicache_mem_layout",
                                      "page_first" if fp8 else "layer_first")
     args.io_backend = _same_setting(args, parser, "io_backend", "hicache_io_backend", "kernel")
@@ -407,6 +411,7 @@ def _hicache_config(args: argparse.Namespace, parser: argparse.ArgumentParser, p
             hicache_ratio=2.0 if args.hicache_ratio is None else args.hicache_ratio,
             hicache_size=0 if args.hicache_size is None else args.hicache_size, page_size=page, hicache_write_policy=args.hicache_write_policy,
             hicache_io_backend=args.io_backend, hicache_mem_layout=args.host_layout,
+            hicache_host_kv_dtype=args.host_kv_dtype,
             hicache_storage_backend=args.hicache_storage_backend,
             hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
             hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config)

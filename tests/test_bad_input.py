@@ -61,6 +61,7 @@ HICACHE_BAD = [
     ("hicache_write_policy", "sometimes", "hicache-write-policy", "one of"),
     ("hicache_io_backend", "dma", "hicache-io-backend", "one of"),
     ("hicache_mem_layout", "diagonal", "hicache-mem-layout", "one of"),
+    ("hicache_host_kv_dtype", "int4", "hicache-host-kv-dtype", "one of"),
     ("hicache_storage_backend", "../etc", "hicache-storage-backend", "one of"),
     ("hicache_storage_prefetch_policy", "eager", "hicache-storage-prefetch-policy", "one of"),
 ]
@@ -219,6 +220,7 @@ CLI_BAD = [
     ([*L3, EXTRA, '{"file_path": 5}'], "file_path must be a directory path"),
     ([*L3, EXTRA, '{"file_max_bytes": "x"}'], "file_max_bytes must be an int >= 0"),
     (["--host-layout", "page_first", "--hicache-mem-layout", "page_head"], "name the same setting and disagree"),
+    (["--host-kv-dtype", "auto", "--hicache-host-kv-dtype", "fp8_e4m3"], "name the same setting and disagree"),
     (["--cache-salt", ""], "--cache-salt must be a non-empty string"),
 ]
 

@@ -182,3 +182,37 @@ def test_storage_backend_names_come_from_the_registry():
     assert STORAGE_BACKENDS is BUILTIN_BACKENDS == ("file", "mooncake", "lmcache", "dynamic")
     with pytest.raises(ValueError, match="--hicache-storage-backend='hf3fs'"):
         HiCacheConfig(hicache_storage_backend="hf3fs", hicache_mem_layout="page_first")
+
+
+def test_host_kv_dtype_fp8_needs_page_first_and_kernel_and_names_the_flag():
+    HiCacheConfig(hicache_host_kv_dtype="fp8_e4m3", hicache_mem_layout="page_first", hicache_io_backend="kernel")
+    with pytest.raises(ValueError, match="hicache-host-kv-dtype"):
+        HiCacheConfig(hicache_host_kv_dtype="fp8_e4m3")  # layer_first
+    with pytest.raises(ValueError, match="hicache-host-kv-dtype.*one of"):
+        HiCacheConfig(hicache_host_kv_dtype="int8")
+
+
+def test_fp8_pages_get_their_own_l3_namespace():
+    base = dict(hicache_mem_layout="page_first", hicache_io_backend="kernel", hicache_storage_backend="file")
+    bf16 = HiCacheConfig(**base).storage_config(model_name="m")
+    fp8 = HiCacheConfig(hicache_host_kv_dtype="fp8_e4m3", **base).storage_config(model_name="m")
+    assert bf16.model_name == "m" and fp8.model_name != "m" and fp8.model_name.startswith("m")
+
+
+def test_controller_refuses_a_host_pool_of_another_kv_dtype():
+    import torch
+
+    from hicache.controller import HiCacheController
+    from hicache.device_pool import DeviceKVPool
+    from hicache.host_pool import HostKVPool
+    from hicache.kv_spec import KVCacheSpec
+
+    spec = KVCacheSpec(attention="mha", num_layers=1, kv_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=4)
+    dev = DeviceKVPool(spec, 16, "cpu")
+    host = HostKVPool(dev, hicache_ratio=2.0, layout="page_first", host_kv_dtype="fp8_e4m3")
+    cfg = HiCacheConfig(hicache_mem_layout="page_first", page_size=4)
+    with pytest.raises(ValueError, match="hicache-host-kv-dtype=auto"):
+        HiCacheController.from_config(cfg, dev, host)
+    ok = HiCacheController.from_config(HiCacheConfig(hicache_mem_layout="page_first", page_size=4,
+                                                     hicache_host_kv_dtype="fp8_e4m3"), dev, host)
+    ok.close()
