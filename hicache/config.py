@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional
 
-from hicache.kv_page_format import HOST_KV_DTYPES, namespace_suffix
+from hicache.host_kv_dtype import HOST_KV_DTYPES, namespace_suffix
 from hicache.storage.dynamic import DYNAMIC_KEYS, missing_dynamic_keys
 from hicache.storage.registry import BUILTIN_BACKENDS, check_storage_backend_name, storage_backend_names
 

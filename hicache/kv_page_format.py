@@ -20,26 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache.host_kv_dtype import HOST_KV_DTYPES, check_host_kv_dtype, namespace_suffix
 from hicache.kernels.fp8_page_dequantize import fp8_page_dequantize
 from hicache.kernels.fp8_page_quantize import fp8_page_quantize
 from hicache.kv_spec import KVCacheSpec
 
-HOST_KV_DTYPES = ("auto", "fp8_e4m3")
-"""``auto``: the model's KV dtype; ``fp8_e4m3``: E4M3 values with per-page, per-head scales."""
+__all__ = ["HOST_KV_DTYPES", "KVPageFormat", "check_host_kv_dtype", "fp8_round_trip", "namespace_suffix"]
+
 _FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def check_host_kv_dtype(value: object, name: str = "host_kv_dtype") -> str:
-    """``value`` if it names a host KV dtype, else a ``ValueError`` listing them."""
-    if value not in HOST_KV_DTYPES:
-        raise ValueError(f"{name} must be one of {HOST_KV_DTYPES}, got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-def namespace_suffix(host_kv_dtype: str) -> str:
-    """What an L3 namespace adds for pages in ``host_kv_dtype``: nothing for the model's
-    dtype, ``-kv-fp8e4m3-p2s`` for FP8 pages (see ``KVPageFormat.namespace_tag``)."""
-    return "" if check_host_kv_dtype(host_kv_dtype) == "auto" else "-kv-fp8e4m3-p2s"
 
 
 @dataclass(frozen=True)

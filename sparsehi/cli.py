@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from hicache.config import HOST_LAYOUTS, HiCacheConfig, check_layout_io
-from hicache.kv_page_format import HOST_KV_DTYPES
+from hicache.host_kv_dtype import HOST_KV_DTYPES
 from sparsehi.config import IO_BACKENDS, SparseConfig
 from sparsehi.kernels.lru_diff import MAX_SLOTS
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 SPARSE_BACKENDS = ("flashattention", "triton", "dsa")
 from hicache.config import IO_BACKENDS  # noqa: E402  (defined once, in hicache)
-from hicache.kv_page_format import HOST_KV_DTYPES  # noqa: E402
+from hicache.host_kv_dtype import HOST_KV_DTYPES  # noqa: E402
 from sparsehi.kernels.lru_diff import MAX_SLOTS  # noqa: E402  (the kernel's limit)
 
 
