@@ -20,7 +20,6 @@ follow the benchmark's AR(1) trace (``sparsehi.runtime.traces``) with rho calibr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import device_info  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 from sparsehi.kernels.quest_score import quest_score_reference  # noqa: E402
 from sparsehi.runtime.traces import calibrate_rho  # noqa: E402
 
@@ -131,13 +130,11 @@ def main(argv=None) -> int:
         print(f"runners_up({r['m']:3d}): misses/step {r['misses_per_step']:6.2f}  hidden {r['hidden_frac']:.3f}  "
               f"copied ahead/step {r['copied_ahead_per_step']:6.2f}  host pages x{r['host_pages_per_step_over_no_rule']:.2f}"
               f"  hit rate {r['hit_rate']:.3f}")
-    info = device_info()
-    result = {"device": info["device"], "date": info["date"], "context": ctx, "page_size": ps, "top_k_pages": top_k,
+    result = {"context": ctx, "page_size": ps, "top_k_pages": top_k,
               "lru_slots": slots, "query_heads": hq, "kv_heads": hkv, "head_dim": d, "trace_rho": rho,
               "measured_overlap": ov, "steps": steps, "warmup_steps": warmup, "rule": "runners_up(m)", "rows": rows}
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(a.out.name, result, a.out.parent)  # device and date added
     return 0
 
 

@@ -13,7 +13,6 @@ total device time per step, grouped by name, and their sum beside the step's wal
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import device_info  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 from benchmarks.decode.point import make_runner  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
@@ -87,16 +86,14 @@ def main(argv=None) -> int:
     wall_ms = (time.perf_counter() - t) * 1e3 / a.steps
     kernels = kernel_times(prof, a.steps) if cuda else []
     total = sum(k["us_per_step"] for k in kernels)
-    info = device_info()
-    result = {"device": info["device"], "date": info["date"], "mode": a.mode, "context": ctx, "batch": a.batch,
+    result = {"mode": a.mode, "context": ctx, "batch": a.batch,
               "rho": a.rho, "profiled_steps": a.steps, "graphs": runner.graphs.enabled,
               "step_wall_ms_profiled": wall_ms, "kernel_us_per_step_sum": total, "kernels": kernels[:40]}
     for k in kernels[:25]:
         print(f"{k['us_per_step']:10.1f} us/step {k['calls_per_step']:7.1f} calls  {k['name'][:110]}")
     print(f"kernels: {total / 1e3:.2f} ms/step of device time; step wall (profiled) {wall_ms:.2f} ms")
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(a.out.name, result, a.out.parent)  # device and date added
     return 0
 
 

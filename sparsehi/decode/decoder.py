@@ -163,7 +163,8 @@ class SparseDecoder:
         self.fp8 = config.host_kv_dtype == "fp8_e4m3"
         """FP8 host KV: complete pages are quantised to host (hierarchical) or rounded in
         place (gpu_only) after their last token's layer (``fp8_pages``); misses load
-        through the engine's dequantising copy."""
+        through the dequantising copy that also builds the selection table
+        (``swap_in_fp8_fused``)."""
         if self.fp8 and host_tokens:
             raise ValueError("host_kv_dtype='fp8_e4m3' needs host_addressing='pages' (whole host pages)")
         self._dense_pool = dense_pool
