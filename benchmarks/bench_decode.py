@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d_copy_gbps, write_result  # noqa: E402
 from benchmarks.decode import point  # noqa: E402
+from benchmarks.decode import modes  # noqa: E402
 from benchmarks.decode.point import (ALL_MODES, FP8_MODE, HOST_POOLS, MODES, free_memory, log,  # noqa: E402
                                      run_point, shared_host_pool)
 from benchmarks.decode.report import SECTION_SUMMARY_KEYS, plot, summary, summary_context, targets  # noqa: E402
@@ -107,7 +108,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run decode steps eagerly (default: CUDA-graph replays, as the runtime does)")
     ap.add_argument("--modes", default=None,
                     help=f"comma list of modes to sweep (default: the four of {MODES}; also sparse-hier-fp8: "
-                         "sparse-hier with FP8 host KV)")
+                         "sparse-hier with FP8 host KV; sparse-hier-ahead, sparse-hier-fp8-ahead: loading "
+                         "--lookahead-pages pages ahead per layer)")
+    ap.add_argument("--lookahead-pages", type=int, default=modes.LOOKAHEAD_PAGES,
+                    help="pages ranked after the top-k that the -ahead modes load per layer for the next step "
+                         f"(default {modes.LOOKAHEAD_PAGES}; top-k plus these must fit the buffer of 2 x top-k)")
     ap.add_argument("--section", default=None,
                     help="keep this run as decode.json[SECTION] beside the file's full run (lifting "
                          "fp8_best_tok_s_64k, b1_tok_s_1m and prefetch_hidden_frac into its summary) "
@@ -127,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="greedy decode steps of the real trace (default 32; 6 with --quick)")
     args = ap.parse_args(argv)
     point.CUDA_GRAPH = not args.no_cuda_graph
+    modes.LOOKAHEAD_PAGES = args.lookahead_pages
     sweep_modes = tuple(args.modes.split(",")) if args.modes else MODES
     bad = [m for m in sweep_modes if m not in ALL_MODES]
     if bad:
@@ -199,7 +205,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "copy, graph launch or eager launches, bookkeeping after the tokens came back), mean and max "
                          "over the timed steps; with the overlap schedule it runs while the previous step replays, "
                          "and device_gap_ms_max is what the device waited between two steps (CUDA events)",
-            "settings": {"graphs": point.CUDA_GRAPH and cuda, "top_k_tokens": K, "buffer_tokens": 2 * K, "page_size_gqa": ps, "sink_tokens": 64,
+            "settings": {"graphs": point.CUDA_GRAPH and cuda, "top_k_tokens": K, "buffer_tokens": 2 * K,
+                         "lookahead_pages": modes.LOOKAHEAD_PAGES, "page_size_gqa": ps, "sink_tokens": 64,
                          "recent_tokens": 64, "warmup_steps": warmup, "timed_steps": timed,
                          "profiled_steps": profiled, "quick": args.quick,
                          "scenario_a": {"gpu_kv_gib": budget_a[0] / GIB, "host_kv_gib": budget_a[1] / GIB}},
@@ -287,7 +294,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         """One pinned host pool per host KV dtype the swept modes use, sized once (pinning
         tens of GiB takes a while) for the largest context one of their requests fits in
         the host budget, before any point."""
-        for group, host_dtype in ((("sparse-hier", "offload-full"), "auto"), ((FP8_MODE,), "fp8_e4m3")):
+        groups = ((("sparse-hier", "sparse-hier-ahead", "offload-full"), "auto"),
+                  ((FP8_MODE, FP8_MODE + modes.AHEAD_SUFFIX), "fp8_e4m3"))
+        for group, host_dtype in groups:
             fit = [c for c in ctxs for m in group if m in sweep_modes
                    and per_request_bytes(model, m, c, sc, steps_all, 0, 0, dtype)[1] <= host_budget]
             if fit:

@@ -7,7 +7,11 @@ buffer for the next step; a miss of the next step that such a copy already broug
 bytes whether it is used or not. Rule measured:
 
 - ``runners_up(m)``: the pages ranked ``K+1 .. K+m`` by this step's Quest score that are not
-  resident (the pages closest to entering the Top-k).
+  resident (the pages closest to entering the Top-k), in two LRU orders:
+  ``behind``: a page copied ahead ranks just behind this step's selection, and runners-up
+  already resident keep their place; ``with_selection`` (what ``SparseConfig.lookahead_tokens``
+  builds: one LRU diff of the Top-(K+m) with the step's stamp): every runner-up, copied or
+  resident, ranks with the selection, so the buffer keeps the Top-(K+m) of recent steps.
 
 The layer is the Llama-8B shape (32 query heads over 8 KV heads, dim 128), Quest bounds of
 random keys at page 16, top-k ``K`` pages, an LRU buffer of ``2K`` slots, and queries that
@@ -74,9 +78,10 @@ def overlap_at(rho: float, kmin, kmax, q_shape, top_k: int, steps: int = 12) -> 
     return sum(got) / len(got)
 
 
-def run_rule(m: int, rho: float, kmin, kmax, q_shape, top_k: int, slots: int, steps: int, warmup: int) -> dict:
+def run_rule(m: int, rho: float, kmin, kmax, q_shape, top_k: int, slots: int, steps: int, warmup: int,
+             order_rule: str = "behind") -> dict:
     """Misses per step, the share of them a ``runners_up(m)`` copy had brought in, and the
-    pages it copied per step."""
+    pages it copied per step (``order_rule``: ``behind`` or ``with_selection``, above)."""
     tr = Trace(rho, q_shape, seed=5)
     last_used: dict[int, float] = {}  # resident page -> step of its last use (prefetched: step - 0.5)
     ahead: set[int] = set()  # resident because a load-ahead copied it, not used since
@@ -92,17 +97,21 @@ def run_rule(m: int, rho: float, kmin, kmax, q_shape, top_k: int, slots: int, st
                 hidden += timed
             ahead.discard(p)
             last_used[p] = t
-        extra = [p for p in order[top_k:top_k + m].tolist() if p not in last_used]
+        runners = order[top_k:top_k + m].tolist()
+        extra = [p for p in runners if p not in last_used]
         copied += len(extra) * timed
         for p in extra:
-            last_used[p] = t - 0.5  # behind this step's selection in LRU order
+            last_used[p] = t - 0.5 if order_rule == "behind" else t
             ahead.add(p)
-        while len(last_used) > slots:  # evict the least recently used
-            victim = min(last_used, key=last_used.__getitem__)
+        if order_rule == "with_selection":
+            for p in runners:
+                last_used[p] = t
+        while len(last_used) > slots:  # evict the least recently used (lower page id first on a tie)
+            victim = min(last_used, key=lambda p: (last_used[p], p))
             del last_used[victim]
             ahead.discard(victim)
     would_miss = misses + hidden
-    return {"m": m, "misses_per_step": misses / steps, "hidden_per_step": hidden / steps,
+    return {"m": m, "order_rule": order_rule, "misses_per_step": misses / steps, "hidden_per_step": hidden / steps,
             "hidden_frac": hidden / would_miss if would_miss else 0.0, "copied_ahead_per_step": copied / steps,
             "hit_rate": 1.0 - misses / (steps * top_k),
             "host_pages_per_step_over_no_rule": None}
@@ -123,16 +132,22 @@ def main(argv=None) -> int:
     q_shape = (hq, d)
     rho, ov = calibrate_rho(lambda r: overlap_at(r, kmin, kmax, q_shape, top_k), 0.85, iters=6 if a.quick else 9)
     ms = (0, 4, 8, 16) if a.quick else (0, 16, 32, 64, 128)
-    rows = [run_rule(m, rho, kmin, kmax, q_shape, top_k, slots, steps, warmup) for m in ms]
+    rows = [run_rule(m, rho, kmin, kmax, q_shape, top_k, slots, steps, warmup, rule)
+            for rule in ("behind", "with_selection") for m in ms if m or rule == "behind"]
     base = rows[0]["misses_per_step"] or 1.0
     for r in rows:
         r["host_pages_per_step_over_no_rule"] = (r["misses_per_step"] + r["copied_ahead_per_step"]) / base
-        print(f"runners_up({r['m']:3d}): misses/step {r['misses_per_step']:6.2f}  hidden {r['hidden_frac']:.3f}  "
+        print(f"{r['order_rule']:>14} runners_up({r['m']:3d}): misses/step {r['misses_per_step']:6.2f}  hidden {r['hidden_frac']:.3f}  "
               f"copied ahead/step {r['copied_ahead_per_step']:6.2f}  host pages x{r['host_pages_per_step_over_no_rule']:.2f}"
               f"  hit rate {r['hit_rate']:.3f}")
     result = {"context": ctx, "page_size": ps, "top_k_pages": top_k,
               "lru_slots": slots, "query_heads": hq, "kv_heads": hkv, "head_dim": d, "trace_rho": rho,
-              "measured_overlap": ov, "steps": steps, "warmup_steps": warmup, "rule": "runners_up(m)", "rows": rows}
+              "measured_overlap": ov, "steps": steps, "warmup_steps": warmup, "rule": "runners_up(m)",
+              "order_rules": {"behind": "a page copied ahead ranks behind the step's selection; resident runners-up "
+                                        "keep their place",
+                              "with_selection": "every runner-up ranks with the step's selection (what "
+                                                "SparseConfig.lookahead_tokens builds)"},
+              "rows": rows}
     if a.out is not None:
         write_result(a.out.name, result, a.out.parent)  # device and date added
     return 0

@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_result  # noqa: E402
+from benchmarks.decode import modes  # noqa: E402
+from benchmarks.decode.modes import ALL_MODES, is_hierarchical, loads_ahead  # noqa: E402
 from benchmarks.decode.point import make_runner  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
@@ -31,6 +33,7 @@ from sparsehi.runtime.traces import QueryTrace  # noqa: E402
 from sparsehi.runtime.weights import build_model  # noqa: E402
 
 SYNTH_CHUNK = 65536
+PROFILED_MODES = ("sparse-gpu",) + tuple(m for m in ALL_MODES if is_hierarchical(m))
 
 
 def kernel_times(prof, steps: int) -> list[dict]:
@@ -48,16 +51,19 @@ def kernel_times(prof, steps: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=65536)
-    ap.add_argument("--mode", default="sparse-hier-fp8", help="sparse-gpu, sparse-hier or sparse-hier-fp8")
+    ap.add_argument("--mode", default="sparse-hier-fp8", help=f"one of {PROFILED_MODES}")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--lookahead-pages", type=int, default=None,
+                    help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; 2 with --quick)")
     ap.add_argument("--rho", type=float, default=0.9893, help="query trace rho (bench_decode's calibration)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU: the path only")
     ap.add_argument("--out", type=Path, default=None, help="JSON result file")
     a = ap.parse_args(argv)
-    if a.mode not in ("sparse-gpu", "sparse-hier", "sparse-hier-fp8"):
-        ap.error(f"--mode must be sparse-gpu, sparse-hier or sparse-hier-fp8, got {a.mode!r}")
+    if a.mode not in PROFILED_MODES:
+        ap.error(f"--mode must be one of {PROFILED_MODES}, got {a.mode!r}")
+    modes.LOOKAHEAD_PAGES = a.lookahead_pages if a.lookahead_pages is not None else (2 if a.quick else modes.LOOKAHEAD_PAGES)
     cuda = torch.cuda.is_available() and not a.quick
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -87,6 +93,7 @@ def main(argv=None) -> int:
     kernels = kernel_times(prof, a.steps) if cuda else []
     total = sum(k["us_per_step"] for k in kernels)
     result = {"mode": a.mode, "context": ctx, "batch": a.batch,
+              "lookahead_pages": modes.LOOKAHEAD_PAGES if loads_ahead(a.mode) else 0,
               "rho": a.rho, "profiled_steps": a.steps, "graphs": runner.graphs.enabled,
               "step_wall_ms_profiled": wall_ms, "kernel_us_per_step_sum": total, "kernels": kernels[:40]}
     for k in kernels[:25]:

@@ -16,7 +16,8 @@ from sparsehi.kernels.lru_diff import MAX_SLOTS
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLAG_OF = {"device_buffer_size": "--buffer-size", "top_k": "--top-k", "page_size": "--page-size",
             "sink_tokens": "--sink-tokens", "recent_tokens": "--recent-tokens", "io_backend": "--io-backend",
-            "host_to_device_ratio": "--hicache-ratio", "host_kv_dtype": "--host-kv-dtype"}
+            "host_to_device_ratio": "--hicache-ratio", "host_kv_dtype": "--host-kv-dtype",
+            "lookahead_tokens": "--lookahead-tokens"}
 
 
 def _positive(name: str):
@@ -131,6 +132,10 @@ def _add_sparse_args(p: argparse.ArgumentParser) -> None:
                    help="leading tokens always attended (default 64)")
     g.add_argument("--recent-tokens", type=_positive("--recent-tokens"), default=64,
                    help="trailing tokens always attended (default 64)")
+    g.add_argument("--lookahead-tokens", type=_nonneg("--lookahead-tokens"), default=0,
+                   help="sparse-hier: tokens (whole pages) ranked after the top-k that each sparse layer loads into "
+                        "its GPU buffer on a side stream for the next step, off the critical path; top-k plus this "
+                        "must fit in --buffer-size (default 0: off)")
     g.add_argument("--adaptor", choices=ADAPTORS, default=None,
                    help="attention backend adaptor for sparse decode: none = the coordinator's torch attention over "
                         "the selected pages; auto = flashattention (GQA) / dsa (MLA) (default: auto on CUDA, none "
@@ -280,7 +285,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
         ratio = {} if hc.hicache_size > 0 else {"host_to_device_ratio": float(hc.hicache_ratio)}
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
-                          io_backend=args.io_backend, host_kv_dtype=args.host_kv_dtype, **ratio)
+                          io_backend=args.io_backend, host_kv_dtype=args.host_kv_dtype,
+                          lookahead_tokens=args.lookahead_tokens, **ratio)
     except ValueError as e:
         msg = str(e)
         for field_name, flag in _FLAG_OF.items():

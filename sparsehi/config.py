@@ -75,6 +75,12 @@ class SparseConfig:
     (E4M3 pages with one power-of-two scale per layer, buffer and head; half the bytes).
     Complete pages are quantised once, and their GPU copies rounded to the stored values;
     ``sparse-gpu`` with ``fp8_e4m3`` rounds its pages the same way (the exact reference)."""
+    lookahead_tokens: int = 0
+    """Hierarchical mode: after each sparse layer's selection, the pages ranked just after
+    ``top_k`` (this many tokens of them, whole pages) that are not in the layer's GPU buffer
+    are copied in on a side stream, off the step's critical path, for the next step to find
+    resident (docs/load_ahead.md). 0: off. ``top_k + lookahead_tokens`` must fit in
+    ``device_buffer_size``. gpu_only mode has no host tier and ignores it."""
     sparse_extra_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +94,10 @@ class SparseConfig:
     @property
     def buffer_units(self) -> int:
         return max(1, self.device_buffer_size // self.page_size)
+
+    @property
+    def lookahead_units(self) -> int:
+        return self.lookahead_tokens // self.page_size
 
     @property
     def sink_units(self) -> int:
@@ -142,5 +152,13 @@ class SparseConfig:
         if self.host_kv_dtype == "fp8_e4m3" and self.io_backend != "kernel":
             bad("host_kv_dtype", "'auto' with io_backend='direct' (FP8 pages are read and written by the kernel "
                                  "io backend's copy kernels)")
+        if not _is_int(self.lookahead_tokens) or self.lookahead_tokens < 0 or self.lookahead_tokens % self.page_size:
+            bad("lookahead_tokens", f"an integer >= 0, a multiple of page_size={self.page_size} (tokens; not a bool)")
+        if self.lookahead_tokens and self.top_k + self.lookahead_tokens > self.device_buffer_size:
+            bad("lookahead_tokens", f"at most device_buffer_size - top_k = {self.device_buffer_size - self.top_k} "
+                                    "(the pages loaded ahead share the LRU buffer with the selection)")
+        if self.lookahead_tokens and self.io_backend != "kernel":
+            bad("lookahead_tokens", "0 with io_backend='direct' (pages are loaded ahead by the kernel io backend's "
+                                    "copy kernel, inside the step's CUDA graph)")
         if not isinstance(self.sparse_extra_config, dict):
             bad("sparse_extra_config", "a dict")

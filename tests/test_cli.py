@@ -59,6 +59,10 @@ def test_help_explains_every_option(capsys):
     (["bench", "--contexts", "256,1024", "--top-k", "256"], "--top-k 256 must be below every --contexts value"),
     (["run", "--context", "1000000", "--top-k", "262160"], "--top-k 262160 is above the LRU buffer limit"),
     (["run", "--context", "16"], "--context 16 is too short"),
+    (["run", "--lookahead-tokens", "8"], "--lookahead-tokens=8 is invalid: an integer >= 0, a multiple of --page-size=16"),
+    (["run", "--top-k", "256", "--buffer-size", "512", "--lookahead-tokens", "512"],
+     "--lookahead-tokens=512 is invalid: at most --buffer-size - --top-k = 256"),
+    (["run", "--lookahead-tokens", "-16"], "--lookahead-tokens must be >= 0"),
 ])
 def test_bad_options_get_clear_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -310,3 +314,10 @@ def test_no_cuda_graph_reaches_the_runtime(monkeypatch, tmp_path, flag, want):
     monkeypatch.setattr("sparsehi.runtime.demo.run_demo", lambda cfg: seen.append(cfg.cuda_graph) or {})
     main(["run", "--context", "512", "--output-dir", str(tmp_path), *flag])
     assert seen == [want]
+
+
+def test_lookahead_tokens_reach_the_sparse_config(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr("sparsehi.runtime.demo.run_demo", lambda cfg: seen.append(cfg.sparse.lookahead_tokens) or {})
+    main(["run", "--context", "512", "--output-dir", str(tmp_path), "--lookahead-tokens", "32"])
+    assert seen == [32]

@@ -8,11 +8,12 @@ def test_quick_run_accounts_hidden_misses_and_copies(tmp_path):
     out = tmp_path / "r.json"
     assert lr.main(["--quick", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    rows = {r["m"]: r for r in res["rows"]}
-    none = rows[0]
+    rows = {(r["order_rule"], r["m"]): r for r in res["rows"]}
+    none = rows[("behind", 0)]
     assert none["hidden_per_step"] == 0 and none["copied_ahead_per_step"] == 0
     assert none["host_pages_per_step_over_no_rule"] == 1.0
-    for m, r in rows.items():
+    assert {rule for rule, m in rows if m} == {"behind", "with_selection"}
+    for (_, m), r in rows.items():
         assert 0.0 <= r["hidden_frac"] <= 1.0 and 0.0 <= r["hit_rate"] <= 1.0
         if m:
             assert r["copied_ahead_per_step"] > 0

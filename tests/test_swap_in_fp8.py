@@ -23,8 +23,10 @@ def _host(n_pages: int, device, seed: int):
 
 
 @pytest.mark.parametrize("device", DEVS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_equals_reference_and_writes_only_the_misses(device, dtype):
+@pytest.mark.parametrize("dtype,programs_per_row", [(torch.bfloat16, None), (torch.float32, None),
+                                                    (torch.bfloat16, 1), (torch.bfloat16, 2)])
+def test_kernel_equals_reference_and_writes_only_the_misses(device, dtype, programs_per_row):
+    """Also with few programs per row, each looping over the row's misses (loading ahead)."""
     values, scales = _host(10, device, seed=1)
     host_pages = torch.tensor([[3, 7, 1, 9, -1], [0, 2, 4, 6, 8]], device=device)  # [R, M]
     slot_pages = torch.tensor([[5, 6, 7], [8, 9, 10]], dtype=torch.int32, device=device)  # [R, S]
@@ -35,7 +37,7 @@ def test_kernel_equals_reference_and_writes_only_the_misses(device, dtype):
     outs = []
     for fn in (swap_in_fp8_copy_reference, swap_in_fp8_copy_triton):
         dev = torch.full((12, PS, L, NB, H, D), 7.0, dtype=dtype, device=device)
-        fn(values, scales, dev, 1, load_ids, load_slots, num_loads, rows, host_pages, slot_pages)
+        fn(values, scales, dev, 1, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, programs_per_row)
         outs.append(dev)
     assert torch.equal(outs[0], outs[1])
     dev = outs[1]

@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from benchmarks.decode import modes
+from benchmarks.decode.modes import ALL_MODES, FP8_MODE, MODES, is_hierarchical, loads_ahead, runtime_mode_of  # noqa: F401
 from benchmarks.decode.sizing import GIB, roofline_ms, sparse_extra_config, step_traffic
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.runtime_mode import Request
@@ -20,10 +22,6 @@ from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.synth import synth_prefill
 from sparsehi.runtime.traces import QueryTrace, topk_overlap
 
-MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
-FP8_MODE = "sparse-hier-fp8"
-"""sparse-hier with FP8 host KV (``--host-kv-dtype fp8_e4m3``); swept only when asked."""
-ALL_MODES = MODES + (FP8_MODE,)
 
 
 SYNTH_CHUNK_TOKENS = 65536
@@ -34,11 +32,6 @@ the requests' buffers and one chunk, not the whole prompt."""
 Calibrate = Callable[[Any, list], tuple[float, float]]
 """``(runtime mode, requests) -> (rho, overlap)``: calibrates the query trace on a point's
 own representations (contexts whose sparse-gpu calibration does not fit the device)."""
-
-
-def runtime_mode_of(mode: str) -> tuple[str, str]:
-    """A benchmark mode -> (the runtime's mode, its host KV dtype)."""
-    return ("sparse-hier", "fp8_e4m3") if mode == FP8_MODE else (mode, "auto")
 
 
 def log(msg: str) -> None:
@@ -80,8 +73,10 @@ CUDA_GRAPH = True
 
 
 def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> ModelRunner:
+    ahead = modes.LOOKAHEAD_PAGES * sc.page_size if loads_ahead(mode) else 0
     mode, host_kv_dtype = runtime_mode_of(mode)
-    sc = replace(sc, host_kv_dtype=host_kv_dtype, sparse_extra_config=sparse_extra_config(model, sc))
+    sc = replace(sc, host_kv_dtype=host_kv_dtype, lookahead_tokens=ahead,
+                 sparse_extra_config=sparse_extra_config(model, sc))
     rt = RuntimeConfig(mode=mode, sparse=sc, device=str(device),
                        dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
                        adaptor="auto" if torch.device(device).type == "cuda" else "none",
@@ -123,6 +118,8 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     orig_fp8 = decoder_mod.swap_in_fp8_copy_and_table
     if coord is not None:
         undo.append(wrap_method(runtime_mode.algorithm, "retrieve_topk", timer, "scoring"))
+        if coord.decoder.load_ahead is not None:  # its Top-k (the lookahead set runs on the side stream: other)
+            undo.append(wrap_method(runtime_mode.algorithm, "retrieve_topk_and_lookahead", timer, "scoring"))
         if coord.transfer is not None:
             undo.append(wrap_method(coord.transfer, "load_layer_now", timer, "io"))
         undo.append(wrap_method(coord.decoder, "backup_token", timer, "io"))
@@ -258,11 +255,19 @@ def _selection_fields(runtime_mode, mode: str, rec_layer: Optional[int], ctx: in
     (sparse-hier), the recorded layer's adjacent-step Top-k overlap."""
     out: dict[str, Any] = {}
     runtime_mode.record_layers = frozenset()
-    if mode in ("sparse-hier", FP8_MODE):
+    if is_hierarchical(mode):
         st = runtime_mode.coord.stats()
+        steps = max(1, st["steps"])
         out["hit_rate"] = st["hit_rate"]
-        out["misses_per_step"] = st["misses"] / max(1, st["steps"])
-        out["mib_loaded_per_step"] = st["bytes_loaded"] / max(1, st["steps"]) / (1 << 20)
+        out["misses_per_step"] = st["misses"] / steps
+        out["mib_loaded_per_step"] = st["bytes_loaded"] / steps / (1 << 20)
+        if "ahead_loads" in st:  # pages loaded ahead: off the critical path
+            out["lookahead_pages"] = modes.LOOKAHEAD_PAGES
+            out["ahead_pages_per_step"] = st["ahead_loads"] / steps
+            out["ahead_mib_loaded_per_step"] = st["ahead_bytes_loaded"] / steps / (1 << 20)
+            out["hidden_misses_per_step"] = st["hidden_misses"] / steps
+            out["prefetch_hidden_frac"] = st["hidden_frac"]
+            out["ahead_precision"] = st["ahead_precision"]
     rec = runtime_mode.recorded.get(rec_layer, [])
     if len(rec) >= 2:
         ps = sc.page_size

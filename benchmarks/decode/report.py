@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.decode.point import ALL_MODES, FP8_MODE, MODES
+from benchmarks.decode.modes import AHEAD_MODES, ALL_MODES, FP8_MODE, MODES
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -20,7 +20,8 @@ def plot(rows: list[dict], path: Path) -> None:
     if not groups:
         return
     fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4), squeeze=False)
-    colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3", FP8_MODE: "C4"}
+    colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3", FP8_MODE: "C4",
+              AHEAD_MODES[0]: "C5", AHEAD_MODES[1]: "C6"}
     for ax, (model, ctx) in zip(axes[0], groups):
         for scen, style in (("a", "-"), ("b", "--")):
             for mode in ALL_MODES:
@@ -111,7 +112,9 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     the largest host time per step, sparse-hier's hit rate at its best batch; and
     ``b1_tok_s_1m``, sparse-hier-fp8's batch-1 tokens/s at 1,048,576 tokens, and
     ``fp8_best_tok_s_64k``, its best at 65,536 (None without those rows);
-    ``prefetch_hidden_frac`` is None: no miss is loaded ahead of the layer that needs it."""
+    ``prefetch_hidden_frac``: the share of miss bytes loaded ahead (off the critical path),
+    the smaller of the batch-1 and best-batch rows of the modes that load ahead (details
+    per mode in ``prefetch``; None without such rows)."""
     sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
            and r.get("trace_source") == "trace85"]
 
@@ -146,7 +149,17 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     at_64k = [r for r in rows if r["model"] == model and r["context"] == 65536 and r["scenario"] == "a"
               and r.get("trace_source") == "trace85" and r["mode"] == FP8_MODE]
     out["fp8_best_tok_s_64k"] = max((r["tokens_per_s"] for r in at_64k), default=None)
-    out["prefetch_hidden_frac"] = None  # misses are not loaded ahead of their layer (not built)
+    prefetch = {}
+    for mode in AHEAD_MODES:
+        pair = {"b1": b1(mode), "best": best(mode)}
+        if pair["best"] is not None:
+            prefetch[mode] = {k: {f: get(r, f) for f in ("batch", "tokens_per_s", "prefetch_hidden_frac",
+                                                          "ahead_precision", "hit_rate")}
+                              for k, r in pair.items() if r is not None}
+    fracs = [v["prefetch_hidden_frac"] for p in prefetch.values() for v in p.values()
+             if v.get("prefetch_hidden_frac") is not None]
+    out["prefetch_hidden_frac"] = min(fracs) if fracs else None
+    out["prefetch"] = prefetch
     cap = caps.get((model, ctx, "a"), {})
     out["batch_held"] = {m: cap.get(m) for m in ALL_MODES if m in MODES or cap.get(m) is not None}
     return out

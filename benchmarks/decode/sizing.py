@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from benchmarks.decode.modes import is_hierarchical, runtime_mode_of
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.runtime_config import round_up
 from sparsehi.runtime.runtime_mode import host_token_bytes
@@ -56,9 +57,10 @@ def per_request_parts(model, mode: str, ctx: int, sc: SparseConfig, steps: int, 
     ps = sc.page_size
     tokens = round_up(ctx + steps + 1, ps) + ps
     buffer = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
-    if mode in ("sparse-hier", "sparse-hier-fp8"):
+    if is_hierarchical(mode):
         # FP8 host pages: one byte a value, plus a page's scales
-        host = tokens * (host_token_bytes(cfg, dtype, "fp8_e4m3", ps) if mode == "sparse-hier-fp8" else tb)
+        fp8 = runtime_mode_of(mode)[1] == "fp8_e4m3"
+        host = tokens * (host_token_bytes(cfg, dtype, "fp8_e4m3", ps) if fp8 else tb)
         return {"gpu": {"buffer": buffer, "dense_layer_pool": n_dense_layers * per_layer * tokens,
                         "representations": rep_bytes}, "host": {"kv": host}}
     if mode == "dense":
@@ -133,9 +135,11 @@ def step_traffic(model, mode: str, ctx: int, batch: int, sc: SparseConfig, n_den
     kv = batch * (n_dense_layers * ctx + (L - n_dense_layers) * min(ctx, sel_tokens)) * per_tok
     hbm = w + kv + batch * rep_bytes
     h2d = 0.0
-    if mode in ("sparse-hier", "sparse-hier-fp8"):
+    if is_hierarchical(mode):
+        # the critical path's misses (pages loaded ahead overlap the step)
         page = ps * per_tok
-        wire = page if mode == "sparse-hier" else host_token_bytes(cfg, dtype, "fp8_e4m3", ps) / L * ps  # a layer's page
+        fp8 = runtime_mode_of(mode)[1] == "fp8_e4m3"
+        wire = host_token_bytes(cfg, dtype, "fp8_e4m3", ps) / L * ps if fp8 else page  # a layer's page
         h2d = (misses_per_step or 0.0) * wire
         hbm += (misses_per_step or 0.0) * page  # written into the buffer in the model's dtype
     return {"hbm": hbm, "h2d": h2d}

@@ -21,7 +21,7 @@ them once, for ``max_num_reqs`` request slots of up to ``max_context_len`` token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -165,6 +165,31 @@ class BaseSparseAlgorithm(ABC):
         candidate_end)``, unique per row, ``-1`` padded, in any order,
         ``valid_lengths [B] int32)``.
         """
+
+    def retrieve_topk_and_lookahead(
+        self,
+        queries: torch.Tensor,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        sparse_mask: torch.Tensor,
+        *,
+        lookahead_top_k: int,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+        """``retrieve_topk`` (same arguments and results), and a function that returns the
+        Top-``lookahead_top_k`` ids of the same call ``(ids [B, lookahead_top_k] int32,
+        valid [B] int32)``: the pages the coordinator loads ahead for the next step
+        (``SparseConfig.lookahead_tokens``). That set must contain every id of the
+        selection (a ranking cut further down). The function may run later and on another
+        CUDA stream; it must not depend on state the next layer changes.
+
+        Default: ``retrieve_topk`` again with ``top_k=lookahead_top_k``, which holds the
+        contract for any algorithm whose selection is the best ``top_k`` of a deterministic
+        ranking; an algorithm that can cut one ranking twice overrides this (Quest: one
+        scoring pass)."""
+        sel, val = self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kwargs)
+        ahead_kw = {**kwargs, "top_k": lookahead_top_k}
+        return sel, val, lambda: self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **ahead_kw)
 
     # ------------------------------------------------------------------ per-token state
     def token_state_bytes(self) -> int:

@@ -31,7 +31,7 @@ shape / dtype checks always run.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -43,6 +43,7 @@ from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_te
 from sparsehi.kernels.quest_score import quest_score
 from sparsehi.kernels.quest_select import quest_retrieve
 from sparsehi.kernels.quest_update_bounds import quest_update_bounds
+from sparsehi.kernels.topk import topk_select
 
 
 @register_algorithm("quest")
@@ -213,6 +214,35 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         """Top ``top_k`` pages by the Quest bound among ``[candidate_start, candidate_end)``.
         queries ``[B, Hq, D]`` (post-RoPE, as the keys in the cache). Padding rows
         (``req_pool_indices < 0``) return ``valid_lengths == 0``."""
+        q, kmin, kmax, req, seq_lens, cs, ce, top_k, mask = self._retrieve_args(queries, layer_id, req_pool_indices,
+                                                                                sparse_mask, kwargs)
+        # fused score + chunk shortlists, then the merge, when a small batch splits the
+        # select; else the score kernel and topk_select (same ids either way)
+        return quest_retrieve(q, kmin, kmax, req, seq_lens, self.head_reduce, self.page_size, top_k, cs, ce, mask)
+
+    def retrieve_topk_and_lookahead(
+        self,
+        queries: torch.Tensor,
+        layer_id: int,
+        req_pool_indices: torch.Tensor,
+        sparse_mask: torch.Tensor,
+        *,
+        lookahead_top_k: int,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+        """One scoring pass cut twice: the Top-``top_k`` now, the Top-``lookahead_top_k``
+        when the returned function runs (it holds the scores; the same ids as two
+        ``retrieve_topk`` calls)."""
+        q, kmin, kmax, req, seq_lens, cs, ce, top_k, mask = self._retrieve_args(queries, layer_id, req_pool_indices,
+                                                                                sparse_mask, kwargs)
+        scores = quest_score(q, kmin, kmax, req, seq_lens, self.head_reduce, page_size=self.page_size)
+        sel, val = topk_select(scores, top_k, cs, ce, mask)
+        return sel, val, lambda: topk_select(scores, lookahead_top_k, cs, ce, mask)
+
+    def _retrieve_args(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                       sparse_mask: torch.Tensor, kwargs: dict) -> tuple:
+        """The checked inputs of a selection: ``(q, kmin, kmax, req_pool_indices, seq_lens,
+        candidate_start, candidate_end, top_k, row_mask)`` on the pools' device."""
         b = check_batch_rows(req_pool_indices, sparse_mask)
         if self._pools(layer_id) is None:
             raise ValueError(f"layer_id={layer_id} is dense for quest (dense_layers={self.dense_layers()}): no retrieve_topk there")
@@ -229,10 +259,8 @@ class QuestAlgorithm(BaseSparseAlgorithm):
                            f"req_pool_indices must be < max_num_reqs={self.max_num_reqs} (negative: padding row)")])
         kmin, kmax = self._pools(layer_id)
         dev = kmin.device
-        # fused score + chunk shortlists, then the merge, when a small batch splits the
-        # select; else the score kernel and topk_select (same ids either way)
-        return quest_retrieve(queries.to(dev), kmin, kmax, req_pool_indices.to(dev), seq_lens.to(dev), self.head_reduce,
-                              self.page_size, top_k, cs, ce, as_row_mask(sparse_mask, dev))
+        return (queries.to(dev), kmin, kmax, req_pool_indices.to(dev), seq_lens.to(dev), cs, ce, top_k,
+                as_row_mask(sparse_mask, dev))
 
     def on_request_end(self, req_pool_index: int) -> None:
         """Nothing to clear: a page's bounds are reset when its first token is written."""

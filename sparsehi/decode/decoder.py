@@ -28,6 +28,7 @@ import torch
 from hicache.triton_support import INT32_MAX
 from sparsehi.algorithms.base import check_selection
 from sparsehi.config import SparseConfig
+from sparsehi.decode.load_ahead import LoadAhead
 from sparsehi.decode.state import CandidateTables, DecodeState
 from sparsehi.fp8_pages import round_pages
 from sparsehi.kernels.dense_pages import DensePages, dense_pages
@@ -198,6 +199,18 @@ class SparseDecoder:
                                 or getattr(transfer, "io_backend", "kernel") == "kernel")
             if host_tokens and not self._fused_copy:
                 raise ValueError("host_addressing='tokens' needs io_backend='kernel' (the swap-in's own copy kernel)")
+        self.load_ahead: Optional[LoadAhead] = None
+        """Hierarchical with ``SparseConfig.lookahead_tokens``: the pages ranked after each
+        layer's selection, loaded on a side stream for the next step (load_ahead.py)."""
+        if hierarchical and config.lookahead_units and sparse_layers:
+            if not self._fused_copy:
+                raise ValueError("lookahead_tokens > 0 needs io_backend='kernel' (pages are loaded ahead by the "
+                                 "swap-in's own copy kernel)")
+            if sizes.top_k + config.lookahead_units > sizes.lru_slots:
+                raise ValueError(f"top_k + lookahead = {sizes.top_k} + {config.lookahead_units} pages exceed the LRU "
+                                 f"buffer's {sizes.lru_slots} slots: raise device_buffer_size or lower lookahead_tokens")
+            self.load_ahead = LoadAhead(config.lookahead_units, len(sparse_layers), max_num_reqs, sizes.max_pages,
+                                        device, self._copy_misses, config.host_kv_dtype)
         self.reset_stats()
 
     @classmethod
@@ -213,7 +226,10 @@ class SparseDecoder:
     def reset_row(self, row: int) -> None:
         """A new request in ``row``: its LRU buffers are empty in every layer."""
         if self.lru is not None:
-            self.lru.reset_rows(torch.tensor([row], device=self.device))
+            rows = torch.tensor([row], device=self.device)
+            self.lru.reset_rows(rows)
+            if self.load_ahead is not None:
+                self.load_ahead.reset_rows(rows)
 
     # ------------------------------------------------------------------ step
     def begin_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, has_dense_rows: bool, step: int,
@@ -232,7 +248,7 @@ class SparseDecoder:
                     dense_pool_table=t.dense_pool_pages) if self.hierarchical else {}
         s = step_setup(rows, seq, t.context_pages, page_size=z.page_size, top_k=z.top_k, sink=z.sink,
                        recent=z.recent, dense_rows_t=t.dense_rows if has_dense_rows else None,
-                       zero_cols=counts.table.view(2 * n_sparse, B) if n_sparse else None, **hier)
+                       zero_cols=counts.table.view(StepCounts.CHANNELS * n_sparse, B) if n_sparse else None, **hier)
         cand = CandidateTables(candidate_start=s.cs, candidate_end=s.ce, num_candidates=s.ncand,
                                all_candidates=s.all_ids, sparse_rows=s.sparse_mask, uses_selection=s.use,
                                columns=self._columns)
@@ -246,6 +262,8 @@ class SparseDecoder:
     def end_step(self) -> None:
         """Close the open step: fold its per-layer hits / misses (no host sync)."""
         state, self._open = self._open, None
+        if self.load_ahead is not None:
+            self.load_ahead.join()  # the side stream's counts and buffer slots are the step's
         if state is not None:
             self.counters.close_step(state.counts, self.step_counter, state.live)
 
@@ -263,8 +281,14 @@ class SparseDecoder:
         """One decode layer: select, make the selection resident, build the plan."""
         bufs, kbuf, vbuf, _ = self._layer_pool[layer]
         if layer in self.sparse_index:
-            topk, valid, choice = self.select(layer, state, q, req_pool_indices, algo_kw)
-            selection = self._with_dense_rows(layer, state, self.build_table(layer, state, topk, valid, choice))
+            topk, valid, choice, lookahead = self.select(layer, state, q, req_pool_indices, algo_kw)
+            table = self.build_table(layer, state, topk, valid, choice)
+            if lookahead is not None:
+                li = self.sparse_index[layer]
+                out = state.lru_out[li]
+                self.load_ahead.launch(li, layer, state, self._lru_planes[li], self.step_counter, topk, valid,
+                                       LruDiffResult(out[0], out[1], out[2], state.counts.loads[li]), lookahead)
+            selection = self._with_dense_rows(layer, state, table)
             meta = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
             sparse = True
         else:
@@ -276,21 +300,26 @@ class SparseDecoder:
         return LayerPlan(layer, bufs, kbuf, vbuf, self.write_loc(layer, state), selection, meta, sparse, self.adaptor)
 
     def select(self, layer: int, state: DecodeState, q: torch.Tensor, req_pool_indices: torch.Tensor,
-               algo_kw: dict) -> tuple[torch.Tensor, torch.Tensor, Optional[RowChoice]]:
-        """The algorithm's Top-k: ``(topk [B, K] int32, valid [B] int32, choice)``. With
-        ``choice`` set, rows that do not use the selection (``uses_selection`` False) take
-        their plain candidate list, read per row by the kernels that come next; with
-        ``choice`` None, ``topk`` is already that substituted selection, ascending."""
+               algo_kw: dict) -> tuple[torch.Tensor, torch.Tensor, Optional[RowChoice], Optional[Any]]:
+        """The algorithm's Top-k: ``(topk [B, K] int32, valid [B] int32, choice, lookahead)``.
+        With ``choice`` set, rows that do not use the selection (``uses_selection`` False)
+        take their plain candidate list, read per row by the kernels that come next; with
+        ``choice`` None, ``topk`` is already that substituted selection, ascending.
+        ``lookahead`` (loading ahead on, else None): returns the Top-(K + lookahead) set."""
         K = self.sizes.top_k
         dev = state.rows.device
         B = int(state.rows.shape[0])
         c = state.candidates
         # retrieve_topk runs for every batch (no host-side "is any row sparse"): rows that
         # are not sparse take their plain candidate list below
-        sel, val = self.algorithm.retrieve_topk(
-            q, layer, req_pool_indices, c.sparse_rows, seq_lens=state.seq_lens, candidate_start=c.candidate_start,
-            candidate_end=c.candidate_end, top_k=K, **algo_kw,
-        )
+        kw = dict(seq_lens=state.seq_lens, candidate_start=c.candidate_start, candidate_end=c.candidate_end, top_k=K,
+                  **algo_kw)
+        lookahead = None
+        if self.load_ahead is None:
+            sel, val = self.algorithm.retrieve_topk(q, layer, req_pool_indices, c.sparse_rows, **kw)
+        else:
+            sel, val, lookahead = self.algorithm.retrieve_topk_and_lookahead(
+                q, layer, req_pool_indices, c.sparse_rows, lookahead_top_k=K + self.load_ahead.lookahead, **kw)
         name = type(self.algorithm).__name__
         if not isinstance(sel, torch.Tensor) or not isinstance(val, torch.Tensor):
             raise ValueError(f"retrieve_topk of {name} must return two torch.Tensors (selected_indices [B, top_k] "
@@ -324,7 +353,7 @@ class SparseDecoder:
         self.check_topk(state, topk, valid, c.candidate_end)
         if choice is not None:  # the kernels read the algorithm's selection and choose per row
             topk, valid = sel, val
-        return topk, valid, choice
+        return topk, valid, choice, lookahead
 
     def check_topk(self, state: DecodeState, topk: torch.Tensor, valid: torch.Tensor,
                    candidate_end: Optional[torch.Tensor] = None) -> None:
@@ -411,15 +440,24 @@ class SparseDecoder:
         ``choice``: rows that do not use ``topk`` take ``choice.ids`` (row_choice.py).
         Value checks are the caller's (``check_topk``)."""
         r = self._lru_diff(layer, state, topk, valid, choice)
-        if self.fp8:
-            swap_in_fp8_copy(*self._host_fp8, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
-                             self.tables.host_pages, self.tables.lru_pages)
-        elif self._fused_copy:
-            swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
-                         self.tables.host_pages, self.tables.lru_pages, self.sizes.page_size, **self._host_addressing())
+        if self._fused_copy:
+            self._copy_misses(layer, state, r)
         else:  # io_backend "direct" on CUDA: the engine's host-side path (not graph-capturable)
             self._load_through_engine(layer, state, r)
         return r.device_slots
+
+    def _copy_misses(self, layer: int, state: DecodeState, r: LruDiffResult,
+                     programs_per_row: Optional[int] = None) -> None:
+        """The copy kernel of a diff's loads, host pages into their buffer slots of ``layer``
+        (FP8 host KV: dequantised on the way); ``programs_per_row`` bounds the programs in
+        flight per row (and head or segment), for a copy beside other work."""
+        if self.fp8:
+            swap_in_fp8_copy(*self._host_fp8, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
+                             self.tables.host_pages, self.tables.lru_pages, programs_per_row)
+            return
+        swap_in_copy(self._host_view, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
+                     self.tables.host_pages, self.tables.lru_pages, self.sizes.page_size,
+                     programs_per_row=programs_per_row, **self._host_addressing())
 
     def selected_pages(self, layer: int, state: DecodeState, topk: torch.Tensor, valid: torch.Tensor,
                        candidate_end: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -458,7 +496,13 @@ class SparseDecoder:
         res, lu, so = self._lru_planes[li]  # (resident, last_used, slot_of) of the layer
         B, K = topk.shape
         out = state.lru_out
-        if out is None or out.shape[1:] != (B, K):
+        if self.load_ahead is not None:
+            # one plane per layer: the side stream reads a layer's diff after the next one ran
+            if out is None or out.shape != (len(self.sparse_layers), 3, B, K):
+                out = state.lru_out = torch.empty(len(self.sparse_layers), 3, B, K, dtype=torch.int32,
+                                                  device=topk.device)
+            out = out[li]
+        elif out is None or out.shape[1:] != (B, K):
             out = state.lru_out = torch.empty(3, B, K, dtype=torch.int32, device=topk.device)
         counts = state.counts
         return lru_diff(topk, valid, res, lu, so, self.step_counter, rows=state.rows,
@@ -533,18 +577,6 @@ class SparseDecoder:
     def stats(self) -> dict:
         """Counters (syncs with the device): totals and per-layer hit rates over every
         closed decode step since ``reset_stats``; ``per_step`` holds the last
-        ``STATS_HISTORY`` steps only."""
-        steps, lh, lm, kept = self.counters.read()
-        per_step = []
-        for step, h, m in kept:
-            sh, sm = sum(h), sum(m)
-            per_step.append({"step": step, "hits": h, "misses": m,
-                             "bytes_loaded": [x * self._page_bytes for x in m],
-                             "hit_rate": sh / (sh + sm) if sh + sm else 1.0})
-        tot_h, tot_m = sum(lh), sum(lm)
-        return {
-            "steps": steps, "hits": tot_h, "misses": tot_m, "bytes_loaded": tot_m * self._page_bytes,
-            "hit_rate": tot_h / (tot_h + tot_m) if tot_h + tot_m else 1.0,
-            "per_layer_hit_rate": [h / (h + m) if h + m else 1.0 for h, m in zip(lh, lm)],
-            "per_step": per_step,
-        }
+        ``STATS_HISTORY`` steps only; with loading ahead, its counters too
+        (``SwapInCounters.report``)."""
+        return self.counters.report(self._page_bytes, with_ahead=self.load_ahead is not None)

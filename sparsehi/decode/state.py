@@ -69,7 +69,9 @@ class DecodeState:
     Built by the first layer that needs them, then shared by the others:
     lru_out:                ``[3, B, K] int32`` the LRU diff's outputs (device slots, load
                             ids, load slots); each sparse layer's copy reads them before
-                            the next layer's diff is queued on the same stream.
+                            the next layer's diff is queued on the same stream. Loading
+                            ahead on: ``[n_sparse, 3, B, K]``, one plane per sparse layer
+                            (the side stream reads a layer's after the next layer's diff).
     dense_layer_selection:  every page of every row for the dense layers, and
     dense_layer_metadata:   its adaptor metadata.
     dense_row_selection:    every page of every row for the sparse layers' dense rows.

@@ -1,13 +1,15 @@
 """Close a decode step's hit / miss counters in one launch.
 
-A step's swap-ins leave ``counts [2, n_sparse, B] int32``: ids each sparse layer attended per
-row (``counts[0]``) and how many of them it loaded from host (``counts[1]``). Closing the
-step folds them, per model layer ``l`` with sparse index ``s = layer_slot[l]`` (-1: not a
-sparse layer, counted as 0), into
+A step's swap-ins leave ``counts [C, n_sparse, B] int32`` (``C >= 2``): ids each sparse layer
+attended per row (``counts[0]``), how many of them it loaded from host (``counts[1]``), and
+``C - 2`` further per-row counts summed as they are (the load-ahead's pages and the misses
+it hid). Closing the step folds them, per model layer ``l`` with sparse index
+``s = layer_slot[l]`` (-1: not a sparse layer, counted as 0), into
 
-- ``hm = [hits, misses]`` with ``misses = sum_b counts[1, s, b]``,
-  ``hits = sum_b counts[0, s, b] - misses``;
-- ``totals [2, L] int64 += hm``; ``ring[slot] = hm`` with ``slot = step_t % history``;
+- ``hm [C]`` with ``hm[1] = misses = sum_b counts[1, s, b]``,
+  ``hm[0] = hits = sum_b counts[0, s, b] - misses``, ``hm[c] = sum_b counts[c, s, b]``
+  for ``c >= 2``;
+- ``totals [C, L] int64 += hm``; ``ring[slot] = hm`` with ``slot = step_t % history``;
 - ``steps_closed [1] int64 += any(live)``; ``ring_step[slot] = step_t`` if any row is live,
   else -1 (a capture warm-up step, skipped by readers).
 
@@ -27,10 +29,10 @@ from hicache.triton_support import dispatch
 
 
 def _check(counts, step_t, live, layer_slot, totals, ring, ring_step, steps_closed) -> None:
-    if counts.dim() != 3 or counts.shape[0] != 2 or counts.dtype != torch.int32 or not counts.is_contiguous():
-        raise ValueError(f"counts must be a contiguous [2, n_sparse, B] int32 tensor, got {tuple(counts.shape)} "
+    if counts.dim() != 3 or counts.shape[0] < 2 or counts.dtype != torch.int32 or not counts.is_contiguous():
+        raise ValueError(f"counts must be a contiguous [C >= 2, n_sparse, B] int32 tensor, got {tuple(counts.shape)} "
                          f"{counts.dtype}")
-    B, L = counts.shape[2], layer_slot.shape[0]
+    C, B, L = counts.shape[0], counts.shape[2], layer_slot.shape[0]
     if live.shape != (B,) or live.dtype != torch.bool:
         raise ValueError(f"live must be [B={B}] bool, got {tuple(live.shape)} {live.dtype}")
     if step_t.shape != (1,) or step_t.dtype not in (torch.int32, torch.int64):
@@ -38,7 +40,7 @@ def _check(counts, step_t, live, layer_slot, totals, ring, ring_step, steps_clos
     if layer_slot.dim() != 1 or layer_slot.dtype != torch.int32:
         raise ValueError(f"layer_slot must be [L] int32, got {tuple(layer_slot.shape)} {layer_slot.dtype}")
     H = ring_step.shape[0]
-    for name, t, shape in (("totals", totals, (2, L)), ("ring", ring, (H, 2, L)), ("ring_step", ring_step, (H,)),
+    for name, t, shape in (("totals", totals, (C, L)), ("ring", ring, (H, C, L)), ("ring_step", ring_step, (H,)),
                            ("steps_closed", steps_closed, (1,))):
         if tuple(t.shape) != shape or t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {list(shape)} int64 tensor, got {tuple(t.shape)} {t.dtype}")
@@ -52,15 +54,15 @@ def close_step_counts_reference(counts: torch.Tensor, step_t: torch.Tensor, live
                                 ring_step: torch.Tensor, steps_closed: torch.Tensor) -> None:
     """Torch reference (see the module docstring)."""
     _check(counts, step_t, live, layer_slot, totals, ring, ring_step, steps_closed)
-    L, H = layer_slot.shape[0], ring_step.shape[0]
-    hm = torch.zeros(2, L, dtype=torch.int64, device=totals.device)
+    C, L, H = counts.shape[0], layer_slot.shape[0], ring_step.shape[0]
+    hm = torch.zeros(C, L, dtype=torch.int64, device=totals.device)
     if counts.shape[1]:
         sparse_idx = torch.nonzero(layer_slot >= 0).flatten()  # layers in sparse-index order
-        v = counts[0].sum(1, dtype=torch.int64)
-        nl = counts[1].sum(1, dtype=torch.int64)
+        sums = counts.sum(2, dtype=torch.int64)  # [C, n_sparse]
+        sums[0] -= sums[1]  # attended - loaded = hits
         order = layer_slot[sparse_idx].long()
-        hm[0].index_add_(0, sparse_idx, (v - nl)[order])
-        hm[1].index_add_(0, sparse_idx, nl[order])
+        for c in range(C):
+            hm[c].index_add_(0, sparse_idx, sums[c][order])
     any_live = live.any().to(torch.int64)
     totals += hm
     steps_closed += any_live
@@ -71,8 +73,20 @@ def close_step_counts_reference(counts: torch.Tensor, step_t: torch.Tensor, live
 
 
 @triton.jit
+def _channel_sums(cnt_ptr, s, ob, c, NS, B, BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``[BLOCK_L] int64`` sums over the batch of channel ``c`` for sparse slots ``s`` (-1: 0)."""
+    acc = tl.zeros([BLOCK_L], dtype=tl.int64)
+    for b0 in range(0, B, BLOCK_B):
+        bb = b0 + ob
+        m2 = (s >= 0)[:, None] & (bb < B)[None, :]
+        at = c * NS * B + s[:, None] * B + bb[None, :]
+        acc += tl.sum(tl.load(cnt_ptr + at, mask=m2, other=0).to(tl.int64), 1)
+    return acc
+
+
+@triton.jit
 def _close_step_kernel(cnt_ptr, step_ptr, live_ptr, slot_ptr, tot_ptr, ring_ptr, rstep_ptr, closed_ptr, NS, B, L, H,
-                       BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr):
+                       C: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr):
     step = tl.load(step_ptr).to(tl.int64)
     slot = ((step % H) + H) % H  # floor modulo, as torch's
     ob = tl.arange(0, BLOCK_B)
@@ -81,26 +95,19 @@ def _close_step_kernel(cnt_ptr, step_ptr, live_ptr, slot_ptr, tot_ptr, ring_ptr,
         lv = tl.load(live_ptr + b0 + ob, mask=b0 + ob < B, other=0)
         acc = tl.maximum(acc, (lv != 0).to(tl.int32))
     any_live = tl.max(acc, 0).to(tl.int64)
-    ring_row = ring_ptr + slot * 2 * L
+    ring_row = ring_ptr + slot * C * L
     for l0 in range(0, L, BLOCK_L):
         lay = l0 + tl.arange(0, BLOCK_L)
         lm = lay < L
         s = tl.load(slot_ptr + lay, mask=lm, other=-1).to(tl.int64)
-        v = tl.zeros([BLOCK_L], dtype=tl.int64)
-        nl = tl.zeros([BLOCK_L], dtype=tl.int64)
-        for b0 in range(0, B, BLOCK_B):
-            bb = b0 + ob
-            m2 = (s >= 0)[:, None] & (bb < B)[None, :]
-            at = s[:, None] * B + bb[None, :]
-            v += tl.sum(tl.load(cnt_ptr + at, mask=m2, other=0).to(tl.int64), 1)
-            nl += tl.sum(tl.load(cnt_ptr + NS * B + at, mask=m2, other=0).to(tl.int64), 1)
-        hits = v - nl
-        t0 = tl.load(tot_ptr + lay, mask=lm, other=0)
-        t1 = tl.load(tot_ptr + L + lay, mask=lm, other=0)
-        tl.store(tot_ptr + lay, t0 + hits, mask=lm)
-        tl.store(tot_ptr + L + lay, t1 + nl, mask=lm)
-        tl.store(ring_row + lay, hits, mask=lm)
-        tl.store(ring_row + L + lay, nl, mask=lm)
+        nl = _channel_sums(cnt_ptr, s, ob, 1, NS, B, BLOCK_L, BLOCK_B)
+        for c in tl.static_range(C):
+            acc_c = _channel_sums(cnt_ptr, s, ob, c, NS, B, BLOCK_L, BLOCK_B)
+            if c == 0:
+                acc_c = acc_c - nl  # attended - loaded = hits
+            t = tl.load(tot_ptr + c * L + lay, mask=lm, other=0)
+            tl.store(tot_ptr + c * L + lay, t + acc_c, mask=lm)
+            tl.store(ring_row + c * L + lay, acc_c, mask=lm)
     tl.store(closed_ptr, tl.load(closed_ptr) + any_live)
     tl.store(rstep_ptr + slot, tl.where(any_live > 0, step, -1))
 
@@ -116,7 +123,7 @@ def close_step_counts_triton(counts: torch.Tensor, step_t: torch.Tensor, live: t
     # as no layer then has a sparse slot)
     cnt = counts if counts.numel() else live
     _close_step_kernel[(1,)](cnt, step_t, live, layer_slot, totals, ring, ring_step, steps_closed, NS, B, L,
-                             ring_step.shape[0], BLOCK_L=min(64, triton.next_power_of_2(max(L, 1))),
+                             ring_step.shape[0], C=counts.shape[0], BLOCK_L=min(64, triton.next_power_of_2(max(L, 1))),
                              BLOCK_B=min(128, triton.next_power_of_2(max(B, 1))), num_warps=4)
 
 
@@ -125,9 +132,9 @@ def close_step_counts(counts: torch.Tensor, step_t: torch.Tensor, live: torch.Te
                       steps_closed: torch.Tensor) -> None:
     """Fold one step's counters (see the module docstring).
 
-    counts ``[2, n_sparse, B] int32``; step_t ``[1] int32/int64``; live ``[B] bool``;
+    counts ``[C, n_sparse, B] int32``; step_t ``[1] int32/int64``; live ``[B] bool``;
     layer_slot ``[L] int32`` (sparse index of each layer, -1 for others; each sparse index
-    at most once); totals ``[2, L]``, ring ``[H, 2, L]``, ring_step ``[H]``, steps_closed
+    at most once); totals ``[C, L]``, ring ``[H, C, L]``, ring_step ``[H]``, steps_closed
     ``[1]``: int64, updated in place.
     """
     impl = dispatch("close_step_counts", counts, close_step_counts_triton, close_step_counts_reference)

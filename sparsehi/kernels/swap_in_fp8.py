@@ -18,12 +18,17 @@ padding rows) or out of range on either side are skipped.
 (pinned; read in place from the GPU); ``dev`` is the device pool's 6-D view ``[pages,
 view_page_size, layers, buffers, heads, dim]``. One program per miss
 and head block: no index list is built between the diff and the copy, no host sync
-(CUDA-graph safe).
+(CUDA-graph safe). ``programs_per_row`` instead gives each row and head that many programs,
+each copying the row's misses ``g, g + G, ...``: few programs in flight, for a copy that
+runs beside other work (loading ahead) and should hold few SM slots while it waits on
+host memory.
 
 Entry points: ``swap_in_fp8_copy`` (dispatch), ``swap_in_fp8_copy_triton``,
 ``swap_in_fp8_copy_reference``.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -58,8 +63,9 @@ def _check(values, scales, dev, layer, load_ids, load_slots, num_loads, rows, ho
 
 
 def swap_in_fp8_copy_reference(values, scales, dev, layer: int, load_ids, load_slots, num_loads, rows, host_pages,
-                               slot_pages) -> None:
-    """Plain-torch ``swap_in_fp8_copy`` (same arguments and result; reads indices on the host)."""
+                               slot_pages, programs_per_row: Optional[int] = None) -> None:
+    """Plain-torch ``swap_in_fp8_copy`` (same arguments and result; reads indices on the
+    host; ``programs_per_row`` only shapes the kernel's grid)."""
     _check(values, scales, dev, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages)
     n, k = load_ids.shape
     ids, slots = load_ids.cpu().long(), load_slots.cpu().long()
@@ -115,16 +121,28 @@ def _swap_in_fp8_block(b, j, head, buf0, t0,
 
 @triton.jit
 def _swap_in_fp8_kernel(v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
-                        K, n_host, n_dev, VPS, R, M, S, layer, D,
+                        K, G, n_host, n_dev, VPS, R, M, S, layer, D,
                         svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
-                        NB: tl.constexpr, PS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    # grid (row x miss, head): a program moves a whole page of one head, every buffer
+                        NB: tl.constexpr, PS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                        LOOP: tl.constexpr):
+    # grid (row x miss, head): a program moves a whole page of one head, every buffer; with
+    # LOOP, (row x G, head): program g of a row moves its misses g, g + G, ...
     x = tl.program_id(0)
-    _swap_in_fp8_block(x // K, x % K, tl.program_id(1).to(tl.int64), 0, 0,
-                       v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
-                       n_host, n_dev, VPS, R, M, S, layer, D,
-                       svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
-                       NB, PS, BT, BD)
+    head = tl.program_id(1).to(tl.int64)
+    if LOOP:
+        b = x // G
+        for j in range(x % G, tl.minimum(tl.load(nload_ptr + b), K), G):
+            _swap_in_fp8_block(b, j, head, 0, 0,
+                               v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+                               n_host, n_dev, VPS, R, M, S, layer, D,
+                               svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots,
+                               s_hp, s_sp, NB, PS, BT, BD)
+    else:
+        _swap_in_fp8_block(x // K, x % K, head, 0, 0,
+                           v_ptr, s_ptr, d_ptr, ids_ptr, slots_ptr, nload_ptr, rows_ptr, hp_ptr, sp_ptr,
+                           n_host, n_dev, VPS, R, M, S, layer, D,
+                           svp, svl, svb, svt, svh, ssp, ssl, ssb, sdp, sdt, sdl, sdb, sdh, s_ids, s_slots, s_hp, s_sp,
+                           NB, PS, BT, BD)
 
 
 def copy_args(values, scales, dev, layer: int, load_ids, load_slots, host_pages, slot_pages) -> tuple:
@@ -138,21 +156,26 @@ def copy_args(values, scales, dev, layer: int, load_ids, load_slots, host_pages,
 
 
 def swap_in_fp8_copy_triton(values, scales, dev, layer: int, load_ids, load_slots, num_loads, rows, host_pages,
-                            slot_pages) -> None:
-    """Triton launcher: one program per (row, miss) and head, every buffer of the page."""
+                            slot_pages, programs_per_row: Optional[int] = None) -> None:
+    """Triton launcher: one program per (row, miss) and head, every buffer of the page; or
+    ``programs_per_row`` programs per row and head (module docstring)."""
     _check(values, scales, dev, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages)
+    if programs_per_row is not None and (not isinstance(programs_per_row, int) or programs_per_row < 1):
+        raise ValueError(f"programs_per_row={programs_per_row!r} is invalid: None or an int >= 1")
     n, k = load_ids.shape
     _, _, B, ps, H, D = values.shape
     if n == 0 or k == 0:
         return
-    _swap_in_fp8_kernel[(n * k, H)](
-        values, scales, dev, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, k,
+    g = k if programs_per_row is None else min(k, programs_per_row)
+    _swap_in_fp8_kernel[(n * g, H)](
+        values, scales, dev, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, k, g,
         *copy_args(values, scales, dev, layer, load_ids, load_slots, host_pages, slot_pages),
-        NB=B, PS=ps, BT=triton.next_power_of_2(ps), BD=triton.next_power_of_2(D), num_warps=4)
+        NB=B, PS=ps, BT=triton.next_power_of_2(ps), BD=triton.next_power_of_2(D), LOOP=programs_per_row is not None,
+        num_warps=4)
 
 
 def swap_in_fp8_copy(values, scales, dev, layer: int, load_ids, load_slots, num_loads, rows, host_pages,
-                     slot_pages) -> None:
+                     slot_pages, programs_per_row: Optional[int] = None) -> None:
     """See the module docstring."""
     dispatch("swap_in_fp8_copy", dev, swap_in_fp8_copy_triton, swap_in_fp8_copy_reference)(
-        values, scales, dev, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages)
+        values, scales, dev, layer, load_ids, load_slots, num_loads, rows, host_pages, slot_pages, programs_per_row)

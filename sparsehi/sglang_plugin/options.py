@@ -44,6 +44,10 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--sparsehi-max-sparse-requests", "max_sparse_requests", int,
      "Requests decoding sparsely at once (their GPU buffers come out of SGLang's KV memory); default: as many as "
      "half of it holds, at most --max-running-requests."),
+    ("--sparsehi-lookahead-tokens", "lookahead_tokens", int,
+     "Tokens (whole selection pages) ranked after the top-k that each sparse layer loads into its GPU buffer on a "
+     "side stream for the next decode step, off the critical path (top-k plus this must fit the device buffer); "
+     "default 0: off."),
     ("--sparsehi-dense-layers", "dense_layers", str,
      "Comma-separated layers that attend densely (their whole context stays on the GPU for each sparse request); "
      "default: none, every layer sparse."),

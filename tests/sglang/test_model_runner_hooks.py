@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 
 from sparsehi.sglang_plugin import hooks  # noqa: E402
-from sgl_kit import HKV, HQ, LORA, ROPE, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
+from sgl_kit import HKV, HQ, LORA, PS, ROPE, D, L, ReferenceHier, World, qkv, sparse_config  # noqa: E402
 
 
 def _prefill(world: World, row: int, n: int, gen: torch.Generator):
@@ -23,8 +23,10 @@ def _prefill(world: World, row: int, n: int, gen: torch.Generator):
     return [k for _, k, _ in layers], [v for _, _, v in layers]
 
 
-def test_hooked_decode_equals_runtime_sparse_hier():
-    cfg = sparse_config()
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_hooked_decode_equals_runtime_sparse_hier(lookahead):
+    """Also loading pages ahead (``--sparsehi-lookahead-tokens``): the same outputs."""
+    cfg = sparse_config(lookahead_tokens=lookahead * PS)
     world, ref = World(cfg), ReferenceHier(cfg)
     gen = torch.Generator().manual_seed(0)
     lens = {1: 61, 2: 50}
@@ -47,6 +49,7 @@ def test_hooked_decode_equals_runtime_sparse_hier():
     assert b.registered[[1, 2]].all() and b.registrations == 2  # at the first decode
     st = b.coord.stats()
     assert st["steps"] == 6 and st["misses"] > 0  # pages really came back from host
+    assert ("ahead_loads" in st) == bool(lookahead)
     # every token's KV is in the host pool at its SGLang slot (its radix cache can keep the
     # request), and of SGLang's pages only each row's newest token's is on the GPU
     for r in rows:

@@ -55,9 +55,11 @@ def test_flags_parse_into_sparse_config(loaded):
     assert sa.page_size == 16
     assert cfg.dense_layers == ()  # no layer keeps a whole context on the GPU unless asked
     sa = _parse(["--sparsehi-algorithm", "quest", "--sparsehi-page-size", "16", "--sparsehi-dense-layers", "0,1",
-                 "--sparsehi-max-sparse-requests", "12", "--sparsehi-host-to-device-ratio", "4"])
+                 "--sparsehi-max-sparse-requests", "12", "--sparsehi-host-to-device-ratio", "4",
+                 "--sparsehi-lookahead-tokens", "32"])
     cfg = getattr(sa, ATTR)
     assert (cfg.page_size, cfg.dense_layers, cfg.max_sparse_requests, cfg.host_to_device_ratio) == (16, (0, 1), 12, 4.0)
+    assert cfg.lookahead_tokens == 32
     assert sa.page_size in (None, 1)  # SGLang's default page size (resolved to 1 later)
 
 
@@ -70,6 +72,7 @@ def test_flags_parse_into_sparse_config(loaded):
     (["--sparsehi-top-k", "256"], "--sparsehi-algorithm"),
     (["--sparsehi-algorithm", "quest", "--sparsehi-dense-layers", "0,x"], "--sparsehi-dense-layers"),
     (["--sparsehi-algorithm", "quest", "--sparsehi-max-sparse-requests", "0"], "--sparsehi-max-sparse-requests"),
+    (["--sparsehi-algorithm", "quest", "--sparsehi-lookahead-tokens", "20"], "--sparsehi-lookahead-tokens"),
 ])
 def test_bad_values_are_rejected_naming_the_flag(loaded, argv, flag):
     with pytest.raises(ValueError, match=flag):
