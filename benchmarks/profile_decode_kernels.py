@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.mode not in PROFILED_MODES:
         ap.error(f"--mode must be one of {PROFILED_MODES}, got {a.mode!r}")
-    modes.LOOKAHEAD_PAGES = a.lookahead_pages if a.lookahead_pages is not None else (2 if a.quick else modes.LOOKAHEAD_PAGES)
+    if a.lookahead_pages is not None or a.quick:
+        modes.LOOKAHEAD_PAGES = a.lookahead_pages if a.lookahead_pages is not None else 2
     cuda = torch.cuda.is_available() and not a.quick
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
