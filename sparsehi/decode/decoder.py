@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from hicache.kernels.kv_copy import word_rows
 from hicache.triton_support import INT32_MAX
 from sparsehi.algorithms.base import check_selection
 from sparsehi.config import SparseConfig
@@ -192,6 +193,10 @@ class SparseDecoder:
             self._host_view = None if self.fp8 else host_pool.paged_view()
             self._host_fp8 = (host_pool.fp8_values, host_pool.fp8_scales) if self.fp8 else None
             self._dev_view = device_pool.paged_view()
+            # the copy kernels' programs per row and program slot: heads (FP8), or buffers x
+            # row segments (one segment may span every head)
+            self._copy_units_per_row = (device_pool.spec.kv_heads if self.fp8 else
+                                        device_pool.spec.num_buffers * word_rows(self._host_view, self._dev_view).nseg)
             # the swap-in's own copy kernel reads pinned host memory from the GPU (the
             # ``kernel`` io backend; FP8 pages always, through their dequantising form);
             # ``direct`` on CUDA keeps the engine's path
@@ -210,7 +215,7 @@ class SparseDecoder:
                 raise ValueError(f"top_k + lookahead = {sizes.top_k} + {config.lookahead_units} pages exceed the LRU "
                                  f"buffer's {sizes.lru_slots} slots: raise device_buffer_size or lower lookahead_tokens")
             self.load_ahead = LoadAhead(config.lookahead_units, len(sparse_layers), max_num_reqs, sizes.max_pages,
-                                        device, self._copy_misses, config.host_kv_dtype)
+                                        device, self._copy_misses)
         self.reset_stats()
 
     @classmethod
@@ -446,11 +451,14 @@ class SparseDecoder:
             self._load_through_engine(layer, state, r)
         return r.device_slots
 
-    def _copy_misses(self, layer: int, state: DecodeState, r: LruDiffResult,
-                     programs_per_row: Optional[int] = None) -> None:
+    def _copy_misses(self, layer: int, state: DecodeState, r: LruDiffResult, programs: Optional[int] = None) -> None:
         """The copy kernel of a diff's loads, host pages into their buffer slots of ``layer``
-        (FP8 host KV: dequantised on the way); ``programs_per_row`` bounds the programs in
-        flight per row (and head or segment), for a copy beside other work."""
+        (FP8 host KV: dequantised on the way). ``programs``: about this many programs in all,
+        each looping over misses (at least one per row and head or row segment), for a copy
+        beside other work; None: one program per miss and head or block."""
+        programs_per_row = None
+        if programs is not None:
+            programs_per_row = max(1, programs // (int(state.rows.shape[0]) * self._copy_units_per_row))
         if self.fp8:
             swap_in_fp8_copy(*self._host_fp8, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
                              self.tables.host_pages, self.tables.lru_pages, programs_per_row)

@@ -11,7 +11,7 @@ stream), ``LoadAhead.launch`` queues on a side stream:
    runners-up that were not resident (the kernel and its reference agree on a second diff
    of a step whose set contains the first; tests/test_load_ahead.py);
 3. the copy of those pages from host (the swap-in's copy kernel, without a table, in a
-   few programs per row: ``COPY_PROGRAMS_PER_ROW``);
+   few looping programs: ``COPY_PROGRAMS_PER_ROW``);
 4. the counters: the selection's hits that an earlier load ahead brought in (``hidden``,
    misses taken off the critical path) and this step's loads ahead, through per-row marks
    (``sparsehi/kernels/lookahead_marks.py``).
@@ -37,16 +37,17 @@ from sparsehi.kernels.lru_diff import LruDiffResult, lru_diff
 __all__ = ["LoadAhead"]
 
 CopyMisses = Callable[..., None]
-"""``copy(layer, state, diff, programs_per_row)``: the host -> GPU copy of a diff's loads
-(the decoder's)."""
+"""``copy(layer, state, diff, programs)``: the host -> GPU copy of a diff's loads in about
+``programs`` programs (the decoder's)."""
 
-COPY_PROGRAMS_PER_ROW = {"fp8_e4m3": 1, "auto": 4}
-"""Programs per batch row (and head, FP8; or buffer and segment of a row, the model's dtype:
-a segment may span every head) of the copy ahead, by host KV dtype. The copy waits on host
+COPY_PROGRAMS_PER_ROW, COPY_PROGRAMS_MIN = 8, 32
+"""The copy ahead runs in about ``max(COPY_PROGRAMS_MIN, COPY_PROGRAMS_PER_ROW x B)``
+programs (``B`` batch rows), each looping over misses. The copy waits on host
 memory most of its time; a program per page (the critical path's copy) would fill the
 GPU's slots and delay the step's own kernels beside it, while a few looping programs hold
 few slots and still finish within the layers that follow (H200, 64k, batch 10: the step's
-attention and split merge ran 2 ms longer per step beside a copy of one program per page)."""
+attention and split merge ran 2 ms longer per step beside a copy of one program per page;
+of 8 to 64 programs per row at batch 1 and 10, these counts were fastest)."""
 
 
 class LoadAhead:
@@ -55,13 +56,12 @@ class LoadAhead:
     stream."""
 
     def __init__(self, lookahead: int, n_sparse: int, max_num_reqs: int, max_pages: int, device: torch.device,
-                 copy: CopyMisses, host_kv_dtype: str = "auto") -> None:
+                 copy: CopyMisses) -> None:
         if lookahead <= 0:
             raise ValueError(f"lookahead={lookahead} is invalid: pages loaded ahead per layer, an integer > 0")
         self.lookahead = lookahead
         """Pages ranked after the selection that each sparse layer loads ahead (at most)."""
         self.copy = copy
-        self.copy_programs_per_row = COPY_PROGRAMS_PER_ROW[host_kv_dtype]
         self.marks = torch.zeros(n_sparse, max_num_reqs, max_pages, dtype=torch.uint8, device=device)
         self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._held: list = []
@@ -98,7 +98,7 @@ class LoadAhead:
             out = torch.empty(3, b, ka, dtype=torch.int32, device=ids.device)
             ahead = lru_diff(ids, valid, *planes, step_counter, rows=state.rows,
                              out=LruDiffResult(out[0], out[1], out[2], counts.ahead_loads[li]))
-            self.copy(layer, state, ahead, self.copy_programs_per_row)
+            self.copy(layer, state, ahead, max(COPY_PROGRAMS_MIN, COPY_PROGRAMS_PER_ROW * b))
             fold_lookahead_marks(self.marks[li], state.rows, selected, num_selected, uses, missed.load_ids,
                                  missed.num_loads, ahead.load_ids, ahead.num_loads, counts.hidden[li])
             self._held.append((ids, valid, out))
