@@ -16,12 +16,20 @@ def test_section_sits_beside_the_full_run_and_lifts_summary_keys(tmp_path):
     doc = json.loads(path.read_text())
     assert doc["rows"] == full["rows"] and doc["date"] == "2026-11-25"
     assert doc["fp8_host_kv"] == run
-    assert doc["summary"] == {"dense_b1_tok_s": 144.0, "fp8_best_tok_s_64k": 820.0, "b1_tok_s_1m": None}
-    run2 = {**run, "summary": {"fp8_best_tok_s_64k": 900.0}}
-    write_section(path, "fp8_host_kv", run2, lift=("fp8_best_tok_s_64k",))
+    # a figure the section has no rows for (None) is not lifted
+    assert doc["summary"] == {"dense_b1_tok_s": 144.0, "fp8_best_tok_s_64k": 820.0,
+                              "lifted_from": {"fp8_best_tok_s_64k": "fp8_host_kv"}}
+    run2 = {**run, "summary": {"fp8_best_tok_s_64k": 900.0, "b1_tok_s_1m": 87.0}}
+    write_section(path, "fp8_host_kv", run2, lift=("fp8_best_tok_s_64k", "b1_tok_s_1m"))
     doc = json.loads(path.read_text())
-    assert doc["fp8_host_kv"]["summary"] == {"fp8_best_tok_s_64k": 900.0}
+    assert doc["fp8_host_kv"]["summary"] == run2["summary"]
     assert doc["summary"]["fp8_best_tok_s_64k"] == 900.0 and doc["rows"] == full["rows"]
+    # a later, narrower section leaves the 1M figure of the earlier one standing
+    write_section(path, "lookahead", {"summary": {"fp8_best_tok_s_64k": 950.0, "b1_tok_s_1m": None}},
+                  lift=("fp8_best_tok_s_64k", "b1_tok_s_1m"))
+    top = json.loads(path.read_text())["summary"]
+    assert (top["fp8_best_tok_s_64k"], top["b1_tok_s_1m"]) == (950.0, 87.0)
+    assert top["lifted_from"] == {"fp8_best_tok_s_64k": "lookahead", "b1_tok_s_1m": "fp8_host_kv"}
 
 
 @pytest.mark.parametrize("name", ["", "rows", "summary", "bad name"])

@@ -42,12 +42,10 @@ CopyMisses = Callable[..., None]
 
 COPY_PROGRAMS_PER_ROW, COPY_PROGRAMS_MIN = 8, 32
 """The copy ahead runs in about ``max(COPY_PROGRAMS_MIN, COPY_PROGRAMS_PER_ROW x B)``
-programs (``B`` batch rows), each looping over misses. The copy waits on host
-memory most of its time; a program per page (the critical path's copy) would fill the
-GPU's slots and delay the step's own kernels beside it, while a few looping programs hold
-few slots and still finish within the layers that follow (H200, 64k, batch 10: the step's
-attention and split merge ran 2 ms longer per step beside a copy of one program per page;
-of 8 to 64 programs per row at batch 1 and 10, these counts were fastest)."""
+programs (``B`` batch rows), each looping over misses. The copy waits on host memory most
+of its time; a program per page (as the critical path's copy has) would fill the GPU's
+slots and delay the step's own kernels beside it, while a few looping programs hold few
+slots and still finish within the layers that follow (measurements: docs/load_ahead.md)."""
 
 
 class LoadAhead:
