@@ -232,6 +232,25 @@ def test_load_ahead_in_cuda_graphs_keeps_tokens(host_kv_dtype):
 
 
 @pytest.mark.gpu
+def test_load_ahead_of_dsa_in_cuda_graphs_keeps_tokens():
+    """DSA through the default lookahead (a second selection, on the side stream, beside
+    the layer's index-key update on the step's stream): tokens equal sparse-gpu's."""
+    model = model_for("tiny-dsa", "cuda", torch.bfloat16)
+    prompts = prompts_of((700, 640))
+    kw = dict(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=128, sink_tokens=8, recent_tokens=8,
+              min_sparse_prompt_len=0)
+
+    def go(mode, sc):
+        return run(model, mode, sc, prompts, 32, device="cuda", dtype=torch.bfloat16, adaptor="auto",
+                   cuda_graph=True)
+
+    gpu = go("sparse-gpu", SparseConfig(**kw))
+    ahead = go("sparse-hier", SparseConfig(**kw, lookahead_tokens=32))
+    assert ahead.tokens == gpu.tokens
+    assert ahead.stats["hidden_misses"] > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 3])
 def test_lookahead_marks_cuda_matches_reference(seed):
     a, b = _marks_case(seed), _marks_case(seed)
