@@ -56,6 +56,9 @@ def test_fp8_sparse_hier_generates_exactly_what_fp8_sparse_gpu_does(name, algo, 
     assert hier.tokens == gpu.tokens
     st = hier.stats
     assert st["misses"] > 0 and st["bytes_loaded"] > 0  # pages came back from the FP8 host pool
+    # the bytes a miss moved are the FP8 page's (one byte a value, plus its scales)
+    bf16_st = run(model, "sparse-hier", SparseConfig(**kw), prompts, steps).stats
+    assert st["bytes_loaded"] / st["misses"] < 0.3 * bf16_st["bytes_loaded"] / bf16_st["misses"]
     plain = run(model, "sparse-hier", SparseConfig(**kw), prompts, steps=2)
     assert plain.memory["host_kv_bytes"] > hier.memory["host_kv_bytes"]
     if name == "tiny-gqa":  # the rounding is real: here it changes the tokens (tiny-dsa's it does not)

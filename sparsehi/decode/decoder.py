@@ -184,6 +184,7 @@ class SparseDecoder:
         self._columns = torch.arange(sizes.top_k, dtype=torch.int32, device=device)[None, :]
         self._offsets = torch.arange(sizes.page_size, dtype=torch.int64, device=device)
         self._page_bytes = device_pool.spec.page_bytes_per_layer
+        """Bytes a missed page of one layer moves from host (``stats()["bytes_loaded"]``)."""
         self._diff_step: dict[int, int] = {}  # sparse layer -> step of its last checked LRU diff
         self._open: Optional[DecodeState] = None
         self.lru: Optional[LruState] = None
@@ -192,6 +193,8 @@ class SparseDecoder:
             self._lru_planes = [self.lru.layer(i) for i in range(len(sparse_layers))]
             self._host_view = None if self.fp8 else host_pool.paged_view()
             self._host_fp8 = (host_pool.fp8_values, host_pool.fp8_scales) if self.fp8 else None
+            if self.fp8:  # a miss moves one layer of an FP8 page record: its values and scales
+                self._page_bytes = sum(t[0, 0].numel() * t.element_size() for t in self._host_fp8)
             self._dev_view = device_pool.paged_view()
             # the copy kernels' programs per row and program slot: heads (FP8), or buffers x
             # row segments (one segment may span every head)
