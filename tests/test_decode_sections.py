@@ -55,3 +55,24 @@ def test_summary_describes_64k_and_lifts_fp8_and_million_rows():
     assert s["context"] == 65536 and s["sparse_hier_best_tok_s"] == 740.0
     assert s["fp8_best_tok_s_64k"] == 830.0 and s["b1_tok_s_1m"] == 120.0
     assert set(SECTION_SUMMARY_KEYS) <= set(s)
+
+
+def test_prefetch_share_is_the_smaller_of_batch_one_and_best_and_is_judged():
+    from benchmarks.decode.report import summary, targets
+
+    def row(mode, batch, tok_s, hidden=None, hit=0.92):
+        r = {"model": "m", "scenario": "a", "trace_source": "trace85", "mode": mode, "context": 65536,
+             "batch": batch, "tokens_per_s": tok_s, "hit_rate": hit, "split_ms": {"other": 1.0}}
+        if hidden is not None:
+            r.update(prefetch_hidden_frac=hidden, ahead_precision=0.5)
+        return r
+
+    rows = [row("sparse-hier", 1, 200.0), row("sparse-hier", 10, 800.0),
+            row("sparse-hier-ahead", 1, 210.0, 0.86, 0.988), row("sparse-hier-ahead", 10, 870.0, 0.81, 0.989),
+            row("sparse-hier-fp8-ahead", 1, 215.0, 0.79, 0.98), row("sparse-hier-fp8-ahead", 10, 1020.0, 0.83, 0.99)]
+    s = summary(rows, {}, 65536, "m", graphs=True)
+    assert s["prefetch_hidden_frac"] == 0.79  # the smallest of the batch-1 and best rows
+    assert s["prefetch"]["sparse-hier-ahead"]["best"]["batch"] == 10
+    lines = [x for x in targets(rows, {}, 65536, "m") if "loaded ahead" in x]
+    assert len(lines) == 2 and lines[0].endswith("MET") and lines[1].endswith("MISSED")
+    assert summary(rows[:2], {}, 65536, "m", graphs=True)["prefetch_hidden_frac"] is None

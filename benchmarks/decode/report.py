@@ -83,6 +83,24 @@ def targets(rows: list[dict], caps: dict, ctx: int, model: str) -> list[str]:
         bound = max(sp, key=sp.get)
         out.append("sparse-hier split at its best batch (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in sp.items())
                    + f"; largest term: {bound}")
+    out += _ahead_lines(sel)
+    return out
+
+
+def _ahead_lines(sel: list[dict]) -> list[str]:
+    """Per mode that loads ahead: the share of miss bytes loaded ahead at batch 1 and at its
+    best batch against the 0.80 target, with the buffer hit rate (target >= 0.90)."""
+    out = []
+    for mode in AHEAD_MODES:
+        rs = [r for r in sel if r["mode"] == mode and r.get("prefetch_hidden_frac") is not None]
+        if not rs:
+            continue
+        top = max(rs, key=lambda r: r["tokens_per_s"])
+        pair = [r for r in rs if r["batch"] == 1][:1] + ([top] if top["batch"] != 1 else [])
+        ok = all(r["prefetch_hidden_frac"] >= 0.8 and r["hit_rate"] >= 0.9 for r in pair)
+        out.append(f"{mode}: miss bytes loaded ahead " + ", ".join(
+            f"{r['prefetch_hidden_frac']:.3f} at B={r['batch']} (hit rate {r['hit_rate']:.3f})" for r in pair)
+            + f" (target >= 0.80, hit rate >= 0.90): {'MET' if ok else 'MISSED'}")
     return out
 
 
