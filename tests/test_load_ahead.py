@@ -101,8 +101,9 @@ def _ranked_sets(g, rows, ids, k, m, prev):
 
 
 @needs_interp
-@pytest.mark.parametrize("slots,k,m", [(24, 8, 6), (48, 16, 32)])
+@pytest.mark.parametrize("slots,k,m", [(24, 8, 6), (48, 16, 32), (64, 8, 6), (32, 8, 24)])
 def test_second_diff_of_a_step_matches_reference(slots, k, m):
+    """Victim-side and miss-side installs (S >= 4K), and a set that fills the buffer."""
     """Each step: the selection's diff, then the diff of the Top-(k+m) set with the same
     stamp, on the kernel and on the reference: identical outputs and state throughout."""
     R, M = 3, 96
@@ -187,6 +188,57 @@ def test_lookahead_marks_kernel_matches_reference(seed):
     assert torch.equal(a[0], b[0]) and torch.equal(a[9], b[9])
     assert b[9][1] == 0 and b[9][2] == 0  # a padding row and a row that does not use its selection
     assert (b[9] >= 0).all()
+
+
+@needs_interp
+def test_lookahead_marks_kernel_matches_reference_on_unvalidated_input():
+    """Repeated ids, ids out of range, negative counts and counts past a list's width: the
+    kernel and the reference agree (ids clamp into the row, counts into the list)."""
+    g = torch.Generator().manual_seed(9)
+    R, M, B, K, KA = 3, 12, 4, 6, 7
+    for _ in range(12):
+        args = [torch.randint(0, 2, (R, M), generator=g, dtype=torch.uint8), torch.tensor([2, -1, 0, 1]),
+                torch.randint(-3, M + 4, (B, K), generator=g, dtype=torch.int32),
+                torch.randint(-2, K + 5, (B,), generator=g, dtype=torch.int32),
+                torch.randint(0, 2, (B,), generator=g).bool(),
+                torch.randint(-3, M + 4, (B, K), generator=g, dtype=torch.int32),
+                torch.randint(-2, K + 5, (B,), generator=g, dtype=torch.int32),
+                torch.randint(-3, M + 4, (B, KA), generator=g, dtype=torch.int32),
+                torch.randint(-2, KA + 5, (B,), generator=g, dtype=torch.int32),
+                torch.full((B,), -7, dtype=torch.int32)]
+        a = [t.clone() for t in args]
+        fold_lookahead_marks_triton(*a)
+        fold_lookahead_marks_reference(*args)
+        assert torch.equal(a[0], args[0]) and torch.equal(a[9], args[9])
+
+
+def test_an_empty_decode_step_with_loading_ahead():
+    """A step of no rows (B = 0) runs with loading ahead as without."""
+    from hicache.device_pool import DeviceKVPool
+    from hicache.host_pool import HostKVPool
+    from hicache.kv_spec import KVCacheSpec
+    from sparsehi.algorithms.quest import QuestAlgorithm
+    from sparsehi.coordinator import SparseCoordinator
+    from sparsehi.forward_batch import ForwardBatch
+
+    dev = torch.device("cpu")
+    cfg = SparseConfig(algorithm="quest", page_size=4, top_k=16, device_buffer_size=32, sink_tokens=4,
+                       recent_tokens=8, dense_layers=(0,), min_sparse_prompt_len=0, lookahead_tokens=8)
+    pool = DeviceKVPool(KVCacheSpec("mha", 3, 2, 8, torch.float32, 4), 4 * 64, dev)
+    host = HostKVPool(pool, hicache_ratio=2.0, pin_memory=False)
+    coord = SparseCoordinator(cfg, QuestAlgorithm(cfg, dev), pool, mode="hierarchical", host_pool=host,
+                              max_num_reqs=4, max_context_len=64, validate=False)
+    coord.prepare_decode([], [])
+    batch = ForwardBatch.decode(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), prepared=True,
+                                has_dense_rows=False)
+    coord.forward_begin(batch)
+    for layer in range(3):
+        q, k, v = torch.randn(0, 4, 8), torch.randn(0, 2, 8), torch.randn(0, 2, 8)
+        plan = coord.attention_begin(layer, batch, q=q)
+        plan.write_kv(k, v)
+        coord.attention_end(layer, batch, k=k, v=v)
+    coord.forward_end(batch)
+    assert coord.stats()["ahead_loads"] == 0
 
 
 def test_lookahead_marks_reference_by_hand():

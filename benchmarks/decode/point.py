@@ -118,8 +118,11 @@ def profiled_split(runner: ModelRunner, reqs: list[Request], steps: int) -> tupl
     orig_fp8 = decoder_mod.swap_in_fp8_copy_and_table
     if coord is not None:
         undo.append(wrap_method(runtime_mode.algorithm, "retrieve_topk", timer, "scoring"))
-        if coord.decoder.load_ahead is not None:  # its Top-k (the lookahead set runs on the side stream: other)
-            undo.append(wrap_method(runtime_mode.algorithm, "retrieve_topk_and_lookahead", timer, "scoring"))
+        algo = runtime_mode.algorithm
+        # an algorithm with its own lookahead selects there (the lookahead set runs on the side
+        # stream: other); the base class's calls retrieve_topk, timed already
+        if coord.decoder.load_ahead is not None and "retrieve_topk_and_lookahead" in type(algo).__dict__:
+            undo.append(wrap_method(algo, "retrieve_topk_and_lookahead", timer, "scoring"))
         if coord.transfer is not None:
             undo.append(wrap_method(coord.transfer, "load_layer_now", timer, "io"))
         undo.append(wrap_method(coord.decoder, "backup_token", timer, "io"))

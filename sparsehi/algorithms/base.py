@@ -185,8 +185,11 @@ class BaseSparseAlgorithm(ABC):
 
         Default: ``retrieve_topk`` again with ``top_k=lookahead_top_k``, which holds the
         contract for any algorithm whose selection is the best ``top_k`` of a deterministic
-        ranking; an algorithm that can cut one ranking twice overrides this (Quest: one
-        scoring pass)."""
+        ranking whose ties break the same way at every ``top_k`` (``topk_select``: the lower
+        id first; ``torch.topk`` does not promise it); an algorithm that can cut one ranking
+        twice overrides this (Quest: one scoring pass). Checked eager steps verify the
+        containment; without checks a set that misses a selected page lets the load ahead
+        evict it while the layer attends it."""
         sel, val = self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kwargs)
         ahead_kw = {**kwargs, "top_k": lookahead_top_k}
         return sel, val, lambda: self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **ahead_kw)

@@ -233,6 +233,8 @@ class SparseDecoder:
 
     def reset_row(self, row: int) -> None:
         """A new request in ``row``: its LRU buffers are empty in every layer."""
+        if self.load_ahead is not None:
+            self.load_ahead.join()  # a step left open may still load into this row
         if self.lru is not None:
             rows = torch.tensor([row], device=self.device)
             self.lru.reset_rows(rows)
@@ -245,6 +247,8 @@ class SparseDecoder:
         """The step's tables from ``rows [B] int64`` (``-1`` padding) and ``seq_lens [B]
         int32`` (new token included) after the host part ran for the live rows; ``step``
         its host step number. One launch."""
+        if self.load_ahead is not None:
+            self.load_ahead.join()  # the previous step's loads ahead, if it was left open
         dev = self.device
         z = self.sizes
         rows = rows.to(dev, torch.int64)
@@ -461,7 +465,7 @@ class SparseDecoder:
         beside other work; None: one program per miss and head or block."""
         programs_per_row = None
         if programs is not None:
-            programs_per_row = max(1, programs // (int(state.rows.shape[0]) * self._copy_units_per_row))
+            programs_per_row = max(1, programs // (max(1, int(state.rows.shape[0])) * self._copy_units_per_row))
         if self.fp8:
             swap_in_fp8_copy(*self._host_fp8, self._dev_view, layer, r.load_ids, r.load_slots, r.num_loads, state.rows,
                              self.tables.host_pages, self.tables.lru_pages, programs_per_row)

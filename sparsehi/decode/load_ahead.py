@@ -103,10 +103,12 @@ class LoadAhead:
 
     def join(self) -> None:
         """The step's stream waits for every load ahead queued since the last join."""
-        if self._pending:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        try:
+            if self._pending:
+                torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        finally:
             self._pending = False
-        self._held.clear()
+            self._held.clear()
 
 
 def check_contains(ids: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor, num_selected: torch.Tensor) -> None:

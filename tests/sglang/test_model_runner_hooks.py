@@ -50,6 +50,8 @@ def test_hooked_decode_equals_runtime_sparse_hier(lookahead):
     st = b.coord.stats()
     assert st["steps"] == 6 and st["misses"] > 0  # pages really came back from host
     assert ("ahead_loads" in st) == bool(lookahead)
+    if lookahead:
+        assert st["ahead_loads"] > 0  # pages were loaded ahead through the hooks
     # every token's KV is in the host pool at its SGLang slot (its radix cache can keep the
     # request), and of SGLang's pages only each row's newest token's is on the GPU
     for r in rows:
