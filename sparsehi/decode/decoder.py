@@ -207,19 +207,22 @@ class SparseDecoder:
                                 or getattr(transfer, "io_backend", "kernel") == "kernel")
             if host_tokens and not self._fused_copy:
                 raise ValueError("host_addressing='tokens' needs io_backend='kernel' (the swap-in's own copy kernel)")
-        self.load_ahead: Optional[LoadAhead] = None
+        self.load_ahead: Optional[LoadAhead] = (self._load_ahead_of(config, max_num_reqs)
+                                                 if hierarchical and config.lookahead_units and sparse_layers else None)
         """Hierarchical with ``SparseConfig.lookahead_tokens``: the pages ranked after each
         layer's selection, loaded on a side stream for the next step (load_ahead.py)."""
-        if hierarchical and config.lookahead_units and sparse_layers:
-            if not self._fused_copy:
-                raise ValueError("lookahead_tokens > 0 needs io_backend='kernel' (pages are loaded ahead by the "
-                                 "swap-in's own copy kernel)")
-            if sizes.top_k + config.lookahead_units > sizes.lru_slots:
-                raise ValueError(f"top_k + lookahead = {sizes.top_k} + {config.lookahead_units} pages exceed the LRU "
-                                 f"buffer's {sizes.lru_slots} slots: raise device_buffer_size or lower lookahead_tokens")
-            self.load_ahead = LoadAhead(config.lookahead_units, len(sparse_layers), max_num_reqs, sizes.max_pages,
-                                        device, self._copy_misses)
         self.reset_stats()
+
+    def _load_ahead_of(self, config: SparseConfig, max_num_reqs: int) -> LoadAhead:
+        if not self._fused_copy:
+            raise ValueError("lookahead_tokens > 0 needs io_backend='kernel' (pages are loaded ahead by the "
+                             "swap-in's own copy kernel)")
+        z = self.sizes
+        if z.top_k + config.lookahead_units > z.lru_slots:
+            raise ValueError(f"top_k + lookahead = {z.top_k} + {config.lookahead_units} pages exceed the LRU "
+                             f"buffer's {z.lru_slots} slots: raise device_buffer_size or lower lookahead_tokens")
+        return LoadAhead(config.lookahead_units, len(self.sparse_layers), max_num_reqs, z.max_pages, self.device,
+                         self._copy_misses)
 
     @classmethod
     def over(cls, kv, algorithm=None, adaptor=None, validate: Optional[bool] = None) -> "SparseDecoder":
