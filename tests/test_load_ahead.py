@@ -335,3 +335,36 @@ def test_second_diff_of_a_step_matches_reference_on_cuda():
             assert torch.equal(a.load_slots.cpu(), b.load_slots) and torch.equal(a.num_loads.cpu(), b.num_loads)
             for x, y in zip(kern, ref):
                 assert torch.equal(x.cpu(), y), step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_slow_side_stream_changes_no_token(monkeypatch, graphs):
+    """Races show when the side stream lags: each layer's load ahead starts after a spin of
+    about a millisecond; the step's stream must neither read what it writes nor leave the
+    step before it ends (tokens equal sparse-gpu's, the counters eager's)."""
+    from sparsehi.decode.load_ahead import LoadAhead
+
+    real = LoadAhead.launch
+
+    def slow(self, li, layer, state, planes, step_counter, selected, num_selected, missed, lookahead):
+        def late():
+            torch.cuda._sleep(2_000_000)  # on the side stream, before its first kernel
+            return lookahead()
+        return real(self, li, layer, state, planes, step_counter, selected, num_selected, missed, late)
+
+    model = model_for("tiny-gqa", "cuda", torch.bfloat16)
+    prompts = prompts_of((700, 640))
+    kw = dict(top_k=128, device_buffer_size=256)
+
+    def go(mode, sc):
+        return run(model, mode, sc, prompts, 16, device="cuda", dtype=torch.bfloat16, adaptor="auto",
+                   cuda_graph=graphs)
+
+    gpu = go("sparse-gpu", _quest(**kw))
+    fast = go("sparse-hier", _quest(**kw, lookahead_tokens=64))
+    monkeypatch.setattr(LoadAhead, "launch", slow)
+    lagging = go("sparse-hier", _quest(**kw, lookahead_tokens=64))
+    assert lagging.tokens == gpu.tokens
+    for key in ("hidden_misses", "ahead_loads", "misses"):
+        assert lagging.stats[key] == fast.stats[key], key
