@@ -316,15 +316,17 @@ def triton_launches_unwatched(mode):
         interp.InterpretedFunction.run = original
 
 
-def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels):
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels, lookahead):
     """The plugin's per-layer decode path (selection, LRU diff, swap-in from host, adaptor
     metadata, attention, backup, representation update) with the Triton kernels, run on
     the path it takes under CUDA-graph capture: no torch call reads a tensor back to the
     host or has a data-dependent shape (what ``torch.cuda.set_sync_debug_mode`` would
-    stop on a GPU). Only the model runner's hook, outside the layers, does host work."""
+    stop on a GPU). Only the model runner's hook, outside the layers, does host work.
+    Also with a page loaded ahead per layer (the side stream's work runs in order here)."""
     from sparsehi.algorithms.graph_safety import HostSyncDetector, simulated_capture
 
-    cfg = sparse_config(backend="triton")
+    cfg = sparse_config(backend="triton", lookahead_tokens=lookahead * PS)
     world = World(cfg)
     gen = torch.Generator().manual_seed(11)
     lens = {1: 61, 2: 50}
@@ -352,6 +354,10 @@ def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels):
     assert watched == list(range(L)) * 5
     assert world.bridge.coord.stats()["misses"] > 0  # the swap-in really loaded pages
     assert {"_lru_diff_kernel", "_swap_in_and_table_kernel"} <= set(launched), launched
+    if lookahead:
+        assert world.bridge.coord.stats()["ahead_loads"] > 0
+        assert {"_fold_marks_kernel", "_swap_in_copy_kernel"} <= set(launched), launched
+        return
     # the detector does watch this path: a planted read-back in the selection is caught
     from sparsehi.algorithms.graph_safety import CaptureUnsafe
 
