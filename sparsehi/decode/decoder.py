@@ -214,15 +214,13 @@ class SparseDecoder:
         self.reset_stats()
 
     def _load_ahead_of(self, config: SparseConfig, max_num_reqs: int) -> LoadAhead:
+        # SparseConfig checks that top_k + lookahead_tokens fit the buffer; the io backend
+        # here is the transfer engine's, which the config does not see
         if not self._fused_copy:
             raise ValueError("lookahead_tokens > 0 needs io_backend='kernel' (pages are loaded ahead by the "
                              "swap-in's own copy kernel)")
-        z = self.sizes
-        if z.top_k + config.lookahead_units > z.lru_slots:
-            raise ValueError(f"top_k + lookahead = {z.top_k} + {config.lookahead_units} pages exceed the LRU "
-                             f"buffer's {z.lru_slots} slots: raise device_buffer_size or lower lookahead_tokens")
-        return LoadAhead(config.lookahead_units, len(self.sparse_layers), max_num_reqs, z.max_pages, self.device,
-                         self._copy_misses)
+        return LoadAhead(config.lookahead_units, len(self.sparse_layers), max_num_reqs, self.sizes.max_pages,
+                         self.device, self._copy_misses)
 
     @classmethod
     def over(cls, kv, algorithm=None, adaptor=None, validate: Optional[bool] = None) -> "SparseDecoder":

@@ -81,9 +81,8 @@ class LoadAhead:
         result; lookahead: returns the Top-(K + lookahead) set (``[B, Ka] int32``, ``[B]``)."""
         uses = state.candidates.uses_selection
         self._held.append((selected, num_selected, missed, lookahead))
-        main = torch.cuda.current_stream(self.stream.device) if self.stream is not None else None
         if self.stream is not None:
-            self.stream.wait_stream(main)
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             self._pending = True
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             ids, valid = lookahead()
