@@ -1,7 +1,7 @@
 """Sparse decode attention kernels vs the HBM roofline.
 
 Kernels: ``paged_decode`` (Llama-8B layer shape: 32 q / 8 kv heads, d=128, pages of 64 and
-16 tokens), ``ragged_decode`` (same shape, token slots = the TritonAdaptor path),
+16 tokens), ``ragged_decode`` (same shape, token slots = the TritonAdapter path),
 ``sparse_mla_decode`` (DeepSeek MLA: 128 heads, 576 = 512 latent + 64 rope, token mode;
 ``sparse_mla_decode_gluon`` = the same op through the Hopper Gluon kernel, ``MlaGluonConfig``),
 and torch SDPA over the same KV already gathered dense (the bytes-equal baseline).
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 us = timed(lambda: paged_decode_triton(q, k, v, pt, sl, page_size=ps, sm_scale=D ** -0.5))
                 rows.append(row(f"paged_decode_p{ps}", B, K, us, nbytes, roof))
                 if ps == page_sizes[-1]:
-                    # token slots (TritonAdaptor path) over the same pages
+                    # token slots (TritonAdapter path) over the same pages
                     slots = (pt.long()[:, :, None] * ps + torch.arange(ps, device=DEV)).reshape(-1).int()
                     indptr = torch.arange(B + 1, device=DEV, dtype=torch.int32) * K
                     us = timed(lambda: ragged_decode_triton(q, k, v, indptr, slots, max_kv_len=K, sm_scale=D ** -0.5))

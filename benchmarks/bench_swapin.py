@@ -5,7 +5,7 @@ What is timed: one sparse layer's way from a Top-k selection ``[B, K] int32`` (a
 in hierarchical mode: ``SparseDecoder.build_table``: the LRU diff (one launch), then
 the copy of the misses from the pinned host pool and the selection table (the page table /
 token indices of sink, selected and recent ids; at page size 1 its physical ids are the
-token indices the DSA adaptor hands to attention) together in one launch, captured in one
+token indices the DSA adapter hands to attention) together in one launch, captured in one
 CUDA graph. The step's shared
 tables (``SparseDecoder.begin_step``: write locations, page counts; once per decode
 step for all layers, not per layer) are captured in a graph of their own, replayed just

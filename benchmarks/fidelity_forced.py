@@ -72,7 +72,7 @@ def _generate(model: Any, mode: str, sc: SparseConfig, prompts: list[list[int]],
               dtype: torch.dtype, force: Optional[list[list[int]]] = None) -> GenerationResult:
     rt = RuntimeConfig(mode=mode, sparse=sc, device=device, dtype=dtype, max_num_reqs=len(prompts),
                        max_context_len=max(map(len, prompts)) + steps + 1, host_layout="page_first",
-                       adaptor="auto" if device == "cuda" else "none", validate=device != "cuda")
+                       adapter="auto" if device == "cuda" else "none", validate=device != "cuda")
     runner = ModelRunner(model, rt)
     try:
         return runner.generate(prompts, steps, force_tokens=force)

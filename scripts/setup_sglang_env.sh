@@ -15,7 +15,7 @@
 #   behind SGLang's own platform guards (`if _is_cuda:` in triton_backend, `if _is_xpu:` in
 #   memory_pool, the AMX store only with SGLANG_USE_CPU_ENGINE=1), which are off on CPU torch;
 #   layers/attention/flashattention_backend imports sgl_kernel unguarded, and neither the
-#   plugin nor the tests import it (our flashattention adaptor builds its own metadata and
+#   plugin nor the tests import it (our flashattention adapter builds its own metadata and
 #   falls back from sgl_kernel.flash_attn to Triton / torch on CPU);
 # - torchvision==0.28.0 (torch 2.13's release) without dependencies: sglang.srt.configs, which
 #   memory_pool imports, imports torchvision.transforms for its vision-model configs. PyPI has

@@ -111,7 +111,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sparse_args(p: argparse.ArgumentParser) -> None:
-    from sparsehi.runtime.runtime_config import ADAPTORS, MODE_HELP
+    from sparsehi.runtime.runtime_config import ADAPTERS, MODE_HELP
 
     g = p.add_argument_group("sparse attention")
     g.add_argument("--modes", type=_modes, default=None,
@@ -136,8 +136,8 @@ def _add_sparse_args(p: argparse.ArgumentParser) -> None:
                    help="sparse-hier: tokens (whole pages) ranked after the top-k that each sparse layer loads into "
                         "its GPU buffer on a side stream for the next step, off the critical path; top-k plus this "
                         "must fit in --buffer-size (default 0: off)")
-    g.add_argument("--adaptor", choices=ADAPTORS, default=None,
-                   help="attention backend adaptor for sparse decode: none = the coordinator's torch attention over "
+    g.add_argument("--adapter", choices=ADAPTERS, default=None,
+                   help="attention backend adapter for sparse decode: none = the coordinator's torch attention over "
                         "the selected pages; auto = flashattention (GQA) / dsa (MLA) (default: auto on CUDA, none "
                         "on CPU)")
 
@@ -312,8 +312,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
         prepare_output_dir(args.output_dir, output_files)
     except ValueError as e:
         _fail(parser, f"--output-dir {e}")
-    if args.adaptor is None:
-        args.adaptor = "auto" if device.startswith("cuda") else "none"
+    if args.adapter is None:
+        args.adapter = "auto" if device.startswith("cuda") else "none"
     return device, dtype, sc
 
 
@@ -533,7 +533,7 @@ def _setup_kwargs(args: argparse.Namespace, modes: list[str], sparse, device: st
     """The :class:`~sparsehi.runtime.run_setup.RunSetup` fields both commands take from the
     common options."""
     return dict(model=args.model, model_path=args.model_path, num_layers=args.num_layers, modes=modes,
-                sparse=sparse, device=device, dtype=dtype, adaptor=args.adaptor, host_layout=args.host_layout,
+                sparse=sparse, device=device, dtype=dtype, adapter=args.adapter, host_layout=args.host_layout,
                 seed=args.seed, output_dir=args.output_dir, cuda_graph=not args.no_cuda_graph,
                 overlap_schedule=not args.disable_overlap_schedule,
                 hicache=args.hicache_config)

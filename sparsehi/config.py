@@ -38,7 +38,7 @@ class SparseConfig:
     """Registered algorithm name (``quest``, ``dsa``, ``oracle``, ...) or an import path
     ``package.module:ClassName`` of a third-party ``BaseSparseAlgorithm`` subclass."""
     backend: str = "flashattention"
-    """Backend adaptor the runtime builds (``RuntimeConfig.adaptor="auto"``): one of
+    """Backend adapter the runtime builds (``RuntimeConfig.adapter="auto"``): one of
     SPARSE_BACKENDS; an MHA cache takes ``flashattention`` or ``triton``, the MLA latent
     cache always goes through ``dsa``."""
     top_k: int = 2048

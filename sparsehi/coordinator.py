@@ -1,6 +1,6 @@
 """SparseCoordinator: the lifecycle hooks that join an algorithm (what to attend), the
 KV manager (where the KV is) and the decode path (``sparsehi.decode``: selection, swap-in,
-page tables, attention through an attention-backend adaptor).
+page tables, attention through an attention-backend adapter).
 
 Hook names follow SGLang's sparse framework. The exact API the runtime uses is in
 ``docs/coordinator.md``. The coordinator is the one door from the runtime and the SGLang
@@ -42,7 +42,7 @@ class SparseCoordinator:
         mode: str = "hierarchical",
         host_pool=None,
         transfer=None,
-        adaptor=None,
+        adapter=None,
         max_num_reqs: int,
         max_context_len: int,
         init_algorithm: bool = True,
@@ -57,7 +57,7 @@ class SparseCoordinator:
             raise ValueError(f"token-wise algorithm needs SparseConfig.page_size=1, got {config.page_size}")
         self.config = config
         self.algorithm = algorithm
-        self.adaptor = adaptor
+        self.adapter = adapter
         self.mode = mode
         self.validate = validate
         self.device_pool = device_pool
@@ -73,7 +73,7 @@ class SparseCoordinator:
             validate=validate, host_addressing=host_addressing,
         )
         kv.tables.defer_entries = defer_page_entries
-        self.decoder = SparseDecoder.over(kv, algorithm, adaptor, validate=validate)
+        self.decoder = SparseDecoder.over(kv, algorithm, adapter, validate=validate)
         if init_algorithm:
             spec = device_pool.spec
             algorithm.initialize_representation_pool(

@@ -1,4 +1,4 @@
-"""Argument checks the algorithms and adaptors share: shapes and dtypes of the per-row
+"""Argument checks the algorithms and adapters share: shapes and dtypes of the per-row
 tensors the coordinator passes (no host sync), value checks that read back to the host
 (only where ``host_checks_enabled``), and the row masks derived from them.
 """

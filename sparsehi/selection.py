@@ -1,5 +1,5 @@
 """SparseSelection: what one decode layer attends to, handed from the decode path to an
-attention-backend adaptor. Pure data, no policy.
+attention-backend adapter. Pure data, no policy.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class SparseSelection:
     mode:         page or token.
     page_table:   optional ``[B, N] int32``: ``physical_ids`` with 0 padding, and
     attended:     optional ``[B] int32`` tokens attended per row — both filled by the
-                  coordinator's one-launch selection table, so adaptors build nothing.
+                  coordinator's one-launch selection table, so adapters build nothing.
     """
 
     logical_ids: torch.Tensor

@@ -20,14 +20,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("sparsehi.config", "sparsehi.selection", "sparsehi.forward_batch", "sparsehi.request_table",
               "sparsehi.page_tables", "sparsehi.lru_buffer", "sparsehi.swap_in_stats", "sparsehi.row_choice",
               "sparsehi.input_checks")),
-    ("policies", ("sparsehi.algorithms", "sparsehi.adaptors")),
+    ("policies", ("sparsehi.algorithms", "sparsehi.adapters")),
     ("sparse state", ("sparsehi.fp8_pages", "sparsehi.prefill", "sparsehi.kv_manager", "sparsehi.decode")),
     ("door", ("sparsehi.coordinator",)),
     ("engines", ("sparsehi.runtime", "sparsehi.sglang_plugin", "sparsehi.cli", "sparsehi.__main__")),
 ]
-# Within the policies layer: algorithms decide what to attend, adaptors how attention reads
+# Within the policies layer: algorithms decide what to attend, adapters how attention reads
 # it; neither knows the other.
-APART = [("sparsehi.adaptors", "sparsehi.algorithms"), ("sparsehi.algorithms", "sparsehi.adaptors")]
+APART = [("sparsehi.adapters", "sparsehi.algorithms"), ("sparsehi.algorithms", "sparsehi.adapters")]
 
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80

@@ -1,11 +1,11 @@
-"""One decode layer (adaptor build_metadata + forward_decode) captured in a CUDA graph and
+"""One decode layer (adapter build_metadata + forward_decode) captured in a CUDA graph and
 replayed with new selections written into the same input tensors (GPU only)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparsehi.adaptors import create_adaptor
+from sparsehi.adapters import create_adapter
 from sparsehi.selection import SparseSelection
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ def _write(dst: SparseSelection, src: SparseSelection) -> None:
 
 @pytest.mark.parametrize("name,ps", [("flashattention", 16), ("flashattention", 64), ("triton", 16), ("dsa", 1), ("dsa", 16)])
 def test_decode_layer_graph_replay(name, ps):
-    from test_adaptors import make_selection, sdpa_truth
+    from test_adapters import make_selection, sdpa_truth
 
     dtype = torch.bfloat16
     B, width = 4, 2048 // ps + 4
@@ -36,7 +36,7 @@ def test_decode_layer_graph_replay(name, ps):
         H, Dl, Dr = 128, 512, 64
         kv = torch.randn(num_pages * ps, 1, Dl + Dr, generator=g).to("cuda", dtype)
         cache = (kv,)
-        ad = create_adaptor("dsa", kv_lora_rank=Dl, impl="triton")
+        ad = create_adapter("dsa", kv_lora_rank=Dl, impl="triton")
         q_a, q_b = (torch.randn(B, H, Dl + Dr, generator=g).to("cuda", dtype) for _ in range(2))
         truth_fn = lambda q, t: sdpa_truth(q, kv, kv[..., :Dl], t, 0.07)  # noqa: E731
     else:
@@ -44,7 +44,7 @@ def test_decode_layer_graph_replay(name, ps):
         k = torch.randn(num_pages * ps, Hkv, D, generator=g).to("cuda", dtype)
         v = torch.randn(num_pages * ps, Hkv, D, generator=g).to("cuda", dtype)
         cache = (k, v)
-        ad = create_adaptor(name, impl="auto")
+        ad = create_adapter(name, impl="auto")
         q_a, q_b = (torch.randn(B, Hq, D, generator=g).to("cuda", dtype) for _ in range(2))
         truth_fn = lambda q, t: sdpa_truth(q, k, v, t, 0.07)  # noqa: E731
 

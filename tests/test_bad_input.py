@@ -2,7 +2,7 @@
 storage extra-config files and the registry, the tree's insert/match. Each bad input must
 give a ValueError (or argparse's exit 2) whose message names the parameter and what it
 accepts, and leave the state as it was. (Broken ``retrieve_topk`` results:
-tests/test_bad_selection.py; adaptors fed inconsistent metadata: tests/test_bad_metadata.py.)"""
+tests/test_bad_selection.py; adapters fed inconsistent metadata: tests/test_bad_metadata.py.)"""
 from __future__ import annotations
 
 import math
@@ -206,7 +206,7 @@ CLI_BAD = [
     (["--buffer-size", "16", "--top-k", "32"], "--buffer-size=16 is invalid: an integer >= --top-k=32"),
     (["--page-size", "3"], r"--page-size=3 is invalid: a power of two in \[1, 256\]"),
     (["--sink-tokens", "-1"], "--sink-tokens"), (["--recent-tokens", "0"], "--recent-tokens"),
-    (["--adaptor", "x"], "argument --adaptor: invalid choice"),
+    (["--adapter", "x"], "argument --adapter: invalid choice"),
     (["--host-layout", "x"], "argument --host-layout: invalid choice"),
     (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto"),
     (["--dtype", "int8"], "argument --dtype: invalid choice"),
@@ -299,7 +299,7 @@ def test_storage_policy_and_runtime_arguments():
     (dict(dtype="float32"), "a floating torch.dtype"),
     (dict(device="tpu"), "RuntimeConfig.device='tpu' is invalid: 'cpu', 'cuda' or 'cuda:N'"),
     (dict(host_layout="diagonal"), r"RuntimeConfig.host_layout='diagonal' is invalid: one of \('layer_first'"),
-    (dict(adaptor="cudnn"), "RuntimeConfig.adaptor='cudnn': allowed"),
+    (dict(adapter="cudnn"), "RuntimeConfig.adapter='cudnn': allowed"),
 ])
 def test_runtime_config_names_the_field(kw, message):
     from sparsehi.runtime.runtime_config import RuntimeConfig

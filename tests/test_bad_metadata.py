@@ -1,4 +1,4 @@
-"""Adaptors fed inconsistent metadata. With ``validate=True`` (the runtime's eager path)
+"""Adapters fed inconsistent metadata. With ``validate=True`` (the runtime's eager path)
 each inconsistency is a ValueError naming the field; without it (what a CUDA graph runs)
 nothing is checked, but no row reads outside the cache, a good row's output is what it
 would be alone, and the cache buffers are never written."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsehi.adaptors import create_adaptor
+from sparsehi.adapters import create_adapter
 from sparsehi.selection import SparseMode
 from sparsehi.selection import SparseSelection
 
@@ -50,28 +50,28 @@ def _pool():
 
 @pytest.mark.parametrize("name", ["flashattention", "triton"])
 @pytest.mark.parametrize("case", sorted(BAD_ROWS))
-def test_validating_adaptor_names_the_inconsistent_field(name, case):
+def test_validating_adapter_names_the_inconsistent_field(name, case):
     bad, message = BAD_ROWS[case]
     with pytest.raises(ValueError, match=message):
-        create_adaptor(name, impl="reference", validate=True).build_metadata(_batch(bad))
+        create_adapter(name, impl="reference", validate=True).build_metadata(_batch(bad))
 
 
 @pytest.mark.parametrize("name", ["flashattention", "triton"])
-def test_validating_adaptor_rejects_pages_outside_the_cache(name):
+def test_validating_adapter_rejects_pages_outside_the_cache(name):
     sel = _batch(([0, 1], [2, PAGES + 3], 2, 6))
-    ad = create_adaptor(name, impl="reference", validate=True)
+    ad = create_adapter(name, impl="reference", validate=True)
     md = ad.build_metadata(sel)  # the selection is consistent; the cache is too small for it
     k, v = _pool()
     with pytest.raises(ValueError, match=r"metadata\.(page_table|kv_indices) must be -1 or a (page|slot) in \[0, "):
         ad.forward_decode(torch.randn(2, 4, D), (k, v), md, sm_scale=0.3)
 
 
-def test_validating_dsa_adaptor():
+def test_validating_dsa_adapter():
     sel = _selection([[0, 1, 2], [0, 2]], [[3, 9, 1], [4, 4]], [3, 2], [3, 2], ps=1)
     with pytest.raises(ValueError, match="selection.seq_lens must be inside the last selected token"):
-        create_adaptor("dsa", kv_lora_rank=4, impl="reference", validate=True).build_metadata(sel)
+        create_adapter("dsa", kv_lora_rank=4, impl="reference", validate=True).build_metadata(sel)
     sel = _selection([[0, 1, 2]], [[3, 9, 1000]], [3], [3], ps=1)
-    ad = create_adaptor("dsa", kv_lora_rank=4, impl="reference", validate=True)
+    ad = create_adapter("dsa", kv_lora_rank=4, impl="reference", validate=True)
     md = ad.build_metadata(sel)
     with pytest.raises(ValueError, match=r"metadata.indices must be -1 or a slot in \[0, 32\)"):
         ad.forward_decode(torch.randn(1, 2, 6), (torch.randn(32, 1, 6),), md, sm_scale=0.3)
@@ -84,7 +84,7 @@ def test_unchecked_inconsistent_row_cannot_disturb_a_good_row(name, case):
     k, v = _pool()
     k0, v0 = k.clone(), v.clone()
     q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(3))
-    ad = create_adaptor(name, impl="reference")
+    ad = create_adapter(name, impl="reference")
     out = ad.forward_decode(q, (k, v), ad.build_metadata(_batch(bad)), sm_scale=0.3)
     alone = ad.forward_decode(q[:1], (k, v), ad.build_metadata(_selection(*[[x] for x in GOOD])), sm_scale=0.3)
     assert torch.isfinite(out).all()

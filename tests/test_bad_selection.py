@@ -67,7 +67,7 @@ def _runner(validate: bool, how: str, prefix_cache: bool = False) -> ModelRunner
                       min_sparse_prompt_len=0, sink_tokens=PS, recent_tokens=PS, io_backend="direct",
                       dense_layers=(0,))
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, device="cpu", dtype=torch.float32, max_num_reqs=2,
-                       max_context_len=256, adaptor="none", host_layout="page_first_direct", prefix_cache=prefix_cache,
+                       max_context_len=256, adapter="none", host_layout="page_first_direct", prefix_cache=prefix_cache,
                        cuda_graph=False, validate=validate)
     return ModelRunner(model, rt)
 

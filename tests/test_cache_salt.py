@@ -176,7 +176,7 @@ def test_runtime_requests_isolated_by_salt(one_thread):
     sc = SparseConfig(algorithm="quest", top_k=32, device_buffer_size=64, page_size=16, min_sparse_prompt_len=0,
                       sink_tokens=16, recent_tokens=16, io_backend="direct")
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, device="cpu", dtype=torch.float32, max_num_reqs=2,
-                       max_context_len=160, adaptor="none", host_layout="page_first_direct", prefix_cache=True,
+                       max_context_len=160, adapter="none", host_layout="page_first_direct", prefix_cache=True,
                        cuda_graph=False)
     runner = ModelRunner(model, rt)
     g = torch.Generator().manual_seed(0)

@@ -69,9 +69,9 @@ def _prompts(lengths, seed=0, vocab=512):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def _runner(name, mode, sc, prompts, graph, adaptor="auto"):
+def _runner(name, mode, sc, prompts, graph, adapter="auto"):
     rt = RuntimeConfig(mode=mode, sparse=sc, device="cuda", dtype=torch.bfloat16, max_num_reqs=len(prompts) + 2,
-                       max_context_len=max(map(len, prompts)) + STEPS + 1, adaptor=adaptor, validate=False,
+                       max_context_len=max(map(len, prompts)) + STEPS + 1, adapter=adapter, validate=False,
                        cuda_graph=graph)
     return ModelRunner(_model(name), rt)
 

@@ -114,13 +114,13 @@ class _UntracedModel:
 
 
 def _trace_decode_step(validate: bool) -> dict[str, list[str]]:
-    """Files of one sparse-hier decode step (Quest, the FlashAttention adaptor, io backend
+    """Files of one sparse-hier decode step (Quest, the FlashAttention adapter, io backend
     ``kernel``, Triton kernels): ``layer`` while layer TRACED_LAYER's attention function
     runs, ``step`` in ``ModelRunner.decode_step`` outside the model."""
     model = build_model(config=get_model_config("tiny-gqa", num_layers=TRACED_LAYER + 1))
     sc = SparseConfig(algorithm="quest", page_size=16, top_k=64, device_buffer_size=128, sink_tokens=16,
                       recent_tokens=16, min_sparse_prompt_len=0, io_backend="kernel")
-    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=1, max_context_len=400, adaptor="auto",
+    rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=1, max_context_len=400, adapter="auto",
                        validate=validate)
     runner = ModelRunner(model, rt)
     assert runner.mode.algorithm.is_sparse_layer(TRACED_LAYER)

@@ -158,7 +158,7 @@ def test_synthesised_prefill_gives_identical_decode_in_both_sparse_modes(name, a
 @pytest.mark.parametrize("name,algo,ps", [("tiny-gqa", "quest", 16), ("tiny-dsa", "dsa", 1)])
 def test_cuda_triton_path_sparse_hier_equals_sparse_gpu(name, algo, ps):
     """On CUDA (Triton LRU diff, kv_copy gather, paged / sparse-MLA decode via the backend
-    adaptor, bf16) the tiering still adds no error."""
+    adapter, bf16) the tiering still adds no error."""
     model = build_model(config=get_model_config(name, num_layers=3), device="cuda", dtype=torch.bfloat16)
     sc = SparseConfig(algorithm=algo, page_size=ps, top_k=64 if ps == 1 else 128,
                       device_buffer_size=128 if ps == 1 else 256, sink_tokens=max(ps, 8), recent_tokens=max(ps, 8),
@@ -167,7 +167,7 @@ def test_cuda_triton_path_sparse_hier_equals_sparse_gpu(name, algo, ps):
     toks = {}
     for mode in ("sparse-gpu", "sparse-hier"):
         rt = RuntimeConfig(mode=mode, sparse=sc, device="cuda", dtype=torch.bfloat16, max_num_reqs=2,
-                           max_context_len=800, adaptor="auto")
+                           max_context_len=800, adapter="auto")
         res = ModelRunner(model, rt).generate(prompts, STEPS)
         toks[mode] = res.tokens
         if mode == "sparse-hier":

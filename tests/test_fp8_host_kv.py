@@ -127,7 +127,7 @@ def test_cuda_fp8_sparse_hier_equals_fp8_sparse_gpu(name, algo, ps):
     prompts = prompts_of((700, 645))
     toks = {}
     for mode in ("sparse-gpu", "sparse-hier"):
-        res = run(model, mode, sc, prompts, steps=64, device="cuda", dtype=torch.bfloat16, adaptor="auto")
+        res = run(model, mode, sc, prompts, steps=64, device="cuda", dtype=torch.bfloat16, adapter="auto")
         toks[mode] = res.tokens
         if mode == "sparse-hier":
             assert res.stats["misses"] > 0

@@ -258,7 +258,7 @@ def test_lookahead_marks_reference_by_hand():
 @pytest.mark.gpu
 @pytest.mark.parametrize("host_kv_dtype", ["auto", "fp8_e4m3"])
 def test_load_ahead_in_cuda_graphs_keeps_tokens(host_kv_dtype):
-    """On the GPU (Triton kernels, the attention adaptor, bf16) with decode CUDA graphs: the
+    """On the GPU (Triton kernels, the attention adapter, bf16) with decode CUDA graphs: the
     side stream is captured with the step; the tokens equal sparse-gpu's and eager's, and
     the loads ahead are counted the same way in both."""
     model = model_for("tiny-gqa", "cuda", torch.bfloat16)
@@ -267,7 +267,7 @@ def test_load_ahead_in_cuda_graphs_keeps_tokens(host_kv_dtype):
     layout = "page_first" if host_kv_dtype == "fp8_e4m3" else "layer_first"
 
     def go(mode, sc, graphs):
-        return run(model, mode, sc, prompts, 32, device="cuda", dtype=torch.bfloat16, adaptor="auto",
+        return run(model, mode, sc, prompts, 32, device="cuda", dtype=torch.bfloat16, adapter="auto",
                    cuda_graph=graphs, host_layout=layout)
 
     on = _quest(**kw, lookahead_tokens=64)
@@ -293,7 +293,7 @@ def test_load_ahead_of_dsa_in_cuda_graphs_keeps_tokens():
               min_sparse_prompt_len=0)
 
     def go(mode, sc):
-        return run(model, mode, sc, prompts, 32, device="cuda", dtype=torch.bfloat16, adaptor="auto",
+        return run(model, mode, sc, prompts, 32, device="cuda", dtype=torch.bfloat16, adapter="auto",
                    cuda_graph=True)
 
     gpu = go("sparse-gpu", SparseConfig(**kw))
@@ -358,7 +358,7 @@ def test_a_slow_side_stream_changes_no_token(monkeypatch, graphs):
     kw = dict(top_k=128, device_buffer_size=256)
 
     def go(mode, sc):
-        return run(model, mode, sc, prompts, 16, device="cuda", dtype=torch.bfloat16, adaptor="auto",
+        return run(model, mode, sc, prompts, 16, device="cuda", dtype=torch.bfloat16, adapter="auto",
                    cuda_graph=graphs)
 
     gpu = go("sparse-gpu", _quest(**kw))

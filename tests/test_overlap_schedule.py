@@ -39,7 +39,7 @@ def _prompts(lengths, seed=0, vocab=512):
 def _runner(name, mode, kw, prompts, steps, device="cpu", overlap=True, **rt_kw):
     rt = RuntimeConfig(mode=mode, sparse=SparseConfig(min_sparse_prompt_len=0, **kw), device=device,
                        dtype=torch.bfloat16 if device == "cuda" else torch.float32, max_num_reqs=len(prompts) + 1,
-                       max_context_len=max(map(len, prompts)) + steps + 1, adaptor="auto" if device == "cuda" else "none",
+                       max_context_len=max(map(len, prompts)) + steps + 1, adapter="auto" if device == "cuda" else "none",
                        validate=device != "cuda", overlap_schedule=overlap, **rt_kw)
     return ModelRunner(_model(name, device), rt)
 

@@ -311,24 +311,24 @@ def test_llama3_rope_scaling_slows_only_long_wavelengths():
         hf_config_to_model_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
 
 
-def test_sparse_config_backend_chooses_the_adaptor():
-    from sparsehi.adaptors import DSAAdaptor, FlashAttentionAdaptor, TritonAdaptor
+def test_sparse_config_backend_chooses_the_adapter():
+    from sparsehi.adapters import DSAAdapter, FlashAttentionAdapter, TritonAdapter
     from sparsehi.config import SparseConfig
     from sparsehi.runtime.model_config import get_model_config
     from sparsehi.runtime.runtime_config import RuntimeConfig
     from sparsehi.runtime.sparse_mode import SparseCoordinatorMode
 
     gqa, mla = get_model_config("tiny-gqa", num_layers=2), get_model_config("tiny-dsa", num_layers=2)
-    for backend, cls in (("flashattention", FlashAttentionAdaptor), ("triton", TritonAdaptor)):
+    for backend, cls in (("flashattention", FlashAttentionAdapter), ("triton", TritonAdapter)):
         sc = SparseConfig(page_size=16, top_k=64, device_buffer_size=128, backend=backend)
-        mode = SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
-        assert type(mode.coord.adaptor) is cls
+        mode = SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=sc, adapter="auto", max_context_len=256))
+        assert type(mode.coord.adapter) is cls
     sc = SparseConfig(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=128, backend="flashattention")
-    mode = SparseCoordinatorMode(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adaptor="auto", max_context_len=256))
-    assert type(mode.coord.adaptor) is DSAAdaptor  # the latent cache always goes through dsa
+    mode = SparseCoordinatorMode(mla, RuntimeConfig(mode="sparse-gpu", sparse=sc, adapter="auto", max_context_len=256))
+    assert type(mode.coord.adapter) is DSAAdapter  # the latent cache always goes through dsa
     with pytest.raises(ValueError, match="backend='dsa' needs an MLA model"):
         SparseCoordinatorMode(gqa, RuntimeConfig(mode="sparse-gpu", sparse=SparseConfig(page_size=16, top_k=64,
-                           device_buffer_size=128, backend="dsa"), adaptor="auto", max_context_len=256))
+                           device_buffer_size=128, backend="dsa"), adapter="auto", max_context_len=256))
 
 
 def test_host_pool_is_sized_by_the_host_to_device_ratio():

@@ -160,9 +160,9 @@ def test_dense_pages_kernel_matches_reference(dtype, with_table):
 
 
 def test_dense_pages_table_is_the_attention_backends():
-    """The page table and lengths built with the pages are what the FlashAttention adaptor
+    """The page table and lengths built with the pages are what the FlashAttention adapter
     would build from the selection itself."""
-    from sparsehi.adaptors.flash_attention import build_page_table
+    from sparsehi.adapters.flash_attention import build_page_table
     from sparsehi.selection import SparseMode
     from sparsehi.selection import SparseSelection
 

@@ -79,7 +79,7 @@ def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps:
                  sparse_extra_config=sparse_extra_config(model, sc))
     rt = RuntimeConfig(mode=mode, sparse=sc, device=str(device),
                        dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
-                       adaptor="auto" if torch.device(device).type == "cuda" else "none",
+                       adapter="auto" if torch.device(device).type == "cuda" else "none",
                        prefix_cache=False, validate=False, cuda_graph=CUDA_GRAPH,
                        host_layout="page_first" if host_kv_dtype == "fp8_e4m3" else "layer_first")
     if mode in ("sparse-hier", "offload-full"):

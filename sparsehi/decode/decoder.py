@@ -9,7 +9,7 @@ candidate tables (one launch). Then, per sparse layer (``plan_layer``):
    in the layer's GPU buffer and yields the misses to load from host;
 3. **build_table**: the misses' copy and the selection table (sink + selected + recent
    ids, their device pages, the attention backend's page table) in one launch;
-4. **attend**: the returned :class:`LayerPlan` writes the new token and runs the adaptor
+4. **attend**: the returned :class:`LayerPlan` writes the new token and runs the adapter
    (or the torch fallback ``gathered_attention``);
 5. **backup / update** (``finish_layer``): the new token to host, then the algorithm's
    representations.
@@ -62,8 +62,8 @@ def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def gathered_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, selection: SparseSelection,
                        sm_scale: float) -> torch.Tensor:
-    """Torch decode attention over the selected pages (fallback while no adaptor is given;
-    also the reference adaptors are tested against).
+    """Torch decode attention over the selected pages (fallback while no adapter is given;
+    also the reference adapters are tested against).
 
     q: ``[B, Hq, D]``; k_buffer ``[slots, Hkv, D]``; v_buffer ``[slots, Hkv, Dv]``.
     Returns ``[B, Hq, Dv]`` in q's dtype; softmax in float32.
@@ -102,7 +102,7 @@ class LayerPlan:
     selection: SparseSelection
     metadata: Any
     is_sparse: bool
-    adaptor: Any = None
+    adapter: Any = None
 
     def write_kv(self, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
         """Write the new token: MHA ``k, v [B, Hkv, D]``; MLA ``k [B, 1, C]`` (v None).
@@ -120,8 +120,8 @@ class LayerPlan:
 
     def attend(self, q: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """``[B, Hq, Dv]`` decode attention over the selection."""
-        if self.adaptor is not None:
-            return self.adaptor.forward_decode(q, self.layer_cache, self.metadata, sm_scale=sm_scale)
+        if self.adapter is not None:
+            return self.adapter.forward_decode(q, self.layer_cache, self.metadata, sm_scale=sm_scale)
         return gathered_attention(q, self.k_buffer, self.v_buffer, self.selection, sm_scale)
 
 
@@ -138,13 +138,13 @@ class SparseDecoder:
     STATS_HISTORY = 4096
     """Closed steps kept individually for ``stats()["per_step"]``; totals cover every step."""
 
-    def __init__(self, config: SparseConfig, algorithm, adaptor, *, sizes: BufferSizes, tables: PageTables,
+    def __init__(self, config: SparseConfig, algorithm, adapter, *, sizes: BufferSizes, tables: PageTables,
                  device_pool, dense_pool, host_pool, transfer, sparse_layers: tuple[int, ...],
                  step_counter: torch.Tensor, hierarchical: bool, host_tokens: bool, max_num_reqs: int,
                  validate: bool) -> None:
         self.config = config
         self.algorithm = algorithm
-        self.adaptor = adaptor
+        self.adapter = adapter
         self.sizes = sizes
         self.tables = tables
         self.device_pool = device_pool
@@ -223,10 +223,10 @@ class SparseDecoder:
                          self.device, self._copy_misses)
 
     @classmethod
-    def over(cls, kv, algorithm=None, adaptor=None, validate: Optional[bool] = None) -> "SparseDecoder":
+    def over(cls, kv, algorithm=None, adapter=None, validate: Optional[bool] = None) -> "SparseDecoder":
         """The decode path over a ``SparseKVCacheManager``'s pools, page tables and step
         counter (what ``SparseCoordinator`` wires)."""
-        return cls(kv.config, algorithm, adaptor, sizes=kv.sizes, tables=kv.tables, device_pool=kv.device_pool,
+        return cls(kv.config, algorithm, adapter, sizes=kv.sizes, tables=kv.tables, device_pool=kv.device_pool,
                    dense_pool=kv.dense_pool, host_pool=kv.host_pool, transfer=kv.transfer,
                    sparse_layers=kv.sparse_layers, step_counter=kv.step_counter, hierarchical=kv.hierarchical,
                    host_tokens=kv.host_tokens, max_num_reqs=kv.max_num_reqs,
@@ -302,15 +302,15 @@ class SparseDecoder:
                 self.load_ahead.launch(li, layer, state, self._lru_planes[li], self.step_counter, topk, valid,
                                        LruDiffResult(out[0], out[1], out[2], state.counts.loads[li]), lookahead)
             selection = self._with_dense_rows(layer, state, table)
-            meta = self.adaptor.build_metadata(selection) if self.adaptor is not None else None
+            meta = self.adapter.build_metadata(selection) if self.adapter is not None else None
             sparse = True
         else:
             if state.dense_layer_selection is None:  # shared by the dense layers
                 state.dense_layer_selection = self._all_pages(layer, state, with_table=True)
-                state.dense_layer_metadata = (self.adaptor.build_metadata(state.dense_layer_selection)
-                                              if self.adaptor is not None else None)
+                state.dense_layer_metadata = (self.adapter.build_metadata(state.dense_layer_selection)
+                                              if self.adapter is not None else None)
             selection, meta, sparse = state.dense_layer_selection, state.dense_layer_metadata, False
-        return LayerPlan(layer, bufs, kbuf, vbuf, self.write_loc(layer, state), selection, meta, sparse, self.adaptor)
+        return LayerPlan(layer, bufs, kbuf, vbuf, self.write_loc(layer, state), selection, meta, sparse, self.adapter)
 
     def select(self, layer: int, state: DecodeState, q: torch.Tensor, req_pool_indices: torch.Tensor,
                algo_kw: dict) -> tuple[torch.Tensor, torch.Tensor, Optional[RowChoice], Optional[Any]]:

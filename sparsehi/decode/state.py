@@ -73,7 +73,7 @@ class DecodeState:
                             ahead on: ``[n_sparse, 3, B, K]``, one plane per sparse layer
                             (the side stream reads a layer's after the next layer's diff).
     dense_layer_selection:  every page of every row for the dense layers, and
-    dense_layer_metadata:   its adaptor metadata.
+    dense_layer_metadata:   its adapter metadata.
     dense_row_selection:    every page of every row for the sparse layers' dense rows.
     completed_pages:        FP8 host KV (hierarchical): ``(host_pages, main_pool_pages,
                             dense_pool_pages)``, each ``[B] int64``, the pages this step's

@@ -13,7 +13,7 @@ first / last pages, selected ids ascending in ``[n_sink, recent_start)``):
     attended     = tokens attended: ``(num_valid - 1) * page_size`` + the tokens of the
                last (partial) page, 0 for empty rows
 
-This replaces a concatenation, a sort by id, two gathers and the adaptor's page-table
+This replaces a concatenation, a sort by id, two gathers and the adapter's page-table
 build (a dozen small launches per layer) when the selected ids already come ascending.
 
 ``choice`` (a ``sparsehi.row_choice.RowChoice``): rows that do not use

@@ -56,7 +56,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             prompts = make_prompts(model.cfg.vocab_size, b, ctx, cfg.seed)
             for mode in cfg.modes:
                 rt = RuntimeConfig(mode=mode, sparse=replace(sc), device=cfg.device, dtype=cfg.dtype, max_num_reqs=b,
-                                   max_context_len=ctx + cfg.decode_tokens + 1, adaptor=cfg.adaptor,
+                                   max_context_len=ctx + cfg.decode_tokens + 1, adapter=cfg.adapter,
                                    host_layout=cfg.host_layout, prefix_cache=False, validate=False,
                                    cuda_graph=cfg.cuda_graph, overlap_schedule=cfg.overlap_schedule,
                                    host_kv_gb=float(cfg.hicache.hicache_size) if cfg.hicache is not None else 0.0)

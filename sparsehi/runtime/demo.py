@@ -146,7 +146,7 @@ def _runtime_config(cfg: DemoConfig, mode: str, max_ctx: int, storage: Any, poli
     """The runner's config for ``mode``; ``storage`` / ``policy`` are the L3 backend and its
     prefetch policy, or None."""
     return RuntimeConfig(mode=mode, sparse=replace(cfg.sparse), device=cfg.device, dtype=cfg.dtype,
-                         max_num_reqs=cfg.batch, max_context_len=max_ctx, adaptor=cfg.adaptor,
+                         max_num_reqs=cfg.batch, max_context_len=max_ctx, adapter=cfg.adapter,
                          host_layout=cfg.host_layout, prefix_cache=True, cuda_graph=cfg.cuda_graph,
                          overlap_schedule=cfg.overlap_schedule,
                          storage=storage, storage_policy=policy,

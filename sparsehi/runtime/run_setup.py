@@ -20,7 +20,7 @@ class RunSetup:
     sparse: SparseConfig = field(default_factory=SparseConfig)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    adaptor: str = "none"
+    adapter: str = "none"
     host_layout: str = "layer_first"
     seed: int = 0
     output_dir: str = "outputs"

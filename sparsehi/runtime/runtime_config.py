@@ -20,7 +20,7 @@ from sparsehi.config import SparseConfig
 RUNTIME_MODES = ("dense", "sparse-gpu", "sparse-hier", "offload-full")
 SPARSE_MODES = ("sparse-gpu", "sparse-hier")
 HOST_MODES = ("sparse-hier", "offload-full")
-ADAPTORS = ("none", "auto", "flashattention", "triton", "dsa")
+ADAPTERS = ("none", "auto", "flashattention", "triton", "dsa")
 
 MODE_HELP = {
     "dense": "all KV on the GPU, full attention",
@@ -71,10 +71,10 @@ class RuntimeConfig:
     it overrides ``host_kv_tokens`` and ``sparse.host_to_device_ratio`` (``--hicache-ratio``)
     and must hold at least the live requests' KV (``min_host_tokens``)."""
     host_layout: str = "layer_first"
-    adaptor: str = "none"
-    """Backend adaptor for sparse decode: ``none`` = the coordinator's torch fallback,
+    adapter: str = "none"
+    """Backend adapter for sparse decode: ``none`` = the coordinator's torch fallback,
     ``auto`` = ``sparse.backend`` for GQA (flashattention / triton), dsa for MLA, or a name
-    for create_adaptor."""
+    for create_adapter."""
     prefix_cache: bool = True
     """sparse-hier: match prompts in the HiRadixTree and reuse host-resident prefixes."""
     validate: bool = True
@@ -109,8 +109,8 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.mode not in RUNTIME_MODES:
             raise ValueError(f"RuntimeConfig.mode={self.mode!r}: allowed {RUNTIME_MODES}")
-        if self.adaptor not in ADAPTORS:
-            raise ValueError(f"RuntimeConfig.adaptor={self.adaptor!r}: allowed {ADAPTORS}")
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"RuntimeConfig.adapter={self.adapter!r}: allowed {ADAPTERS}")
 
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)

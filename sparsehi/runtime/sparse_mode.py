@@ -71,13 +71,13 @@ class SparseGraphKey:
     recorded_layers: frozenset
 
 
-def adaptor_name(cfg: ModelConfig, sc) -> str:
-    """The adaptor ``auto`` means: ``SparseConfig.backend`` for an MHA (GQA) cache
+def adapter_name(cfg: ModelConfig, sc) -> str:
+    """The adapter ``auto`` means: ``SparseConfig.backend`` for an MHA (GQA) cache
     (``flashattention`` or ``triton``); ``dsa`` for the MLA latent cache, whatever
     ``backend`` says (as SGLang does for its DSA algorithm)."""
     if cfg.family != "gqa":
         if sc.backend != "dsa":
-            logger.info("MLA latent cache: sparse attention through the dsa adaptor (SparseConfig.backend=%s "
+            logger.info("MLA latent cache: sparse attention through the dsa adapter (SparseConfig.backend=%s "
                         "applies to MHA caches)", sc.backend)
         return "dsa"
     if sc.backend == "dsa":
@@ -103,13 +103,13 @@ class SparseCoordinatorMode(RuntimeMode):
         sc.sparse_extra_config = extra
         self.algorithm = create_algorithm(sc, self.device)
         self.is_dsa = cfg.family == "mla"
-        adaptor = None
-        if rt.adaptor != "none":
-            from sparsehi.adaptors import create_adaptor
+        adapter = None
+        if rt.adapter != "none":
+            from sparsehi.adapters import create_adapter
 
-            name = adaptor_name(cfg, sc) if rt.adaptor == "auto" else rt.adaptor
+            name = adapter_name(cfg, sc) if rt.adapter == "auto" else rt.adapter
             kw = {"kv_lora_rank": cfg.kv_lora_rank} if name == "dsa" else {}
-            adaptor = create_adaptor(name, validate=rt.value_checks, **kw)
+            adapter = create_adapter(name, validate=rt.value_checks, **kw)
         self.host = self.transfer = self.tree = None
         self.l3_interop: Optional[LMCacheL3Interop] = None
         """Set: the L3 is shared with LMCache's serving-engine connectors (runtime.l3_interop)."""
@@ -139,7 +139,7 @@ class SparseCoordinatorMode(RuntimeMode):
         host pool's state buffer for that)."""
         self.coord = SparseCoordinator(
             sc, self.algorithm, self.pool, mode="hierarchical" if self.hierarchical else "gpu_only",
-            host_pool=self.host, transfer=self.transfer, adaptor=adaptor, max_num_reqs=rt.max_num_reqs,
+            host_pool=self.host, transfer=self.transfer, adapter=adapter, max_num_reqs=rt.max_num_reqs,
             max_context_len=max_ctx, validate=rt.value_checks,
             dense_pool_tokens=rt.max_num_reqs * (max_ctx + ps) + 2 * ps,
             # the step writes the new pages' table entries itself (runner: DecodeInputs.page_entries)

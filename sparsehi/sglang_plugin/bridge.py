@@ -26,7 +26,7 @@ that will decode sparsely builds the algorithm's representations from the keys o
 its prompt is complete: it is registered (``adopt_prompts``: buffers set up from the prompt
 still on the GPU) and its prompt pages are demoted after that step; the first step's
 misses are read from GPU memory (``set_residency``). Decode steps of registered rows run
-the coordinator's layer path (selection, swap-in, adaptor attention) in SGLang's decode
+the coordinator's layer path (selection, swap-in, adapter attention) in SGLang's decode
 CUDA graphs (capture head / tail hooks), as before; SGLang's attention sees our rows as one
 token (``sglang_lengths``) and its output for them is replaced.
 
@@ -60,7 +60,7 @@ from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 
 logger = logging.getLogger(__name__)
 
-ATTEND_WITH = ("adaptor", "sglang_triton")
+ATTEND_WITH = ("adapter", "sglang_triton")
 
 
 def _check_options(config: SparseConfig, attend_with: str) -> None:
@@ -81,14 +81,14 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
     after ``alloc_memory_pool`` (``req_to_token_pool``, ``token_to_kv_pool``,
     ``token_to_kv_pool_allocator``, ``max_running_requests``, ``kv_index_translator``);
     the bridge replaces its allocator and KV buffers and switches its translator.
-    adaptor_impl: the adaptor's kernel choice (``auto``: Triton on CUDA, torch reference on
-    CPU). attend_with: ``adaptor`` or ``sglang_triton`` (``--sparsehi-backend triton``
+    adapter_impl: the adapter's kernel choice (``auto``: Triton on CUDA, torch reference on
+    CPU). attend_with: ``adapter`` or ``sglang_triton`` (``--sparsehi-backend triton``
     only: SGLang's Triton decode kernel over our ``kv_indptr`` / ``kv_indices``).
     validate: the coordinator's host-side value checks (syncs; tests only).
     """
 
-    def __init__(self, config: SparseConfig, runner: Any, *, adaptor_impl: str = "auto",
-                 attend_with: str = "adaptor", validate: bool = False) -> None:
+    def __init__(self, config: SparseConfig, runner: Any, *, adapter_impl: str = "auto",
+                 attend_with: str = "adapter", validate: bool = False) -> None:
         _check_options(config, attend_with)
         self.attend_with = attend_with
         self.config = config
@@ -118,13 +118,13 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
                                                    extra_bytes=extra)
         self.physical_pages = res_rows // self.sgl_ps - 1
         self._make_host_tier(runner, sgl_alloc, sgl_tokens, spec, dev)
-        adaptor = self._make_coordinator(spec, adaptor_impl, max_ctx, validate)
+        adapter = self._make_coordinator(spec, adapter_impl, max_ctx, validate)
         self._make_row_state(rows)
         self._make_step_buffers(rows, dev)
         logger.info("sparsehi: SGLang's %s KV memory (%d tokens) as %d GPU tokens for SGLang's kernels + buffers of %d "
-                    "sparse requests; %d host-backed KV slots (%.1f GB pinned); algorithm %s, adaptor %s",
+                    "sparse requests; %d host-backed KV slots (%.1f GB pinned); algorithm %s, adapter %s",
                     self.kv_kind.upper(), sgl_tokens, self.physical_pages * self.sgl_ps, self.max_sparse,
-                    self.virtual_tokens, self.host_pool.nbytes() / 1e9, type(self.algorithm).__name__, adaptor.name)
+                    self.virtual_tokens, self.host_pool.nbytes() / 1e9, type(self.algorithm).__name__, adapter.name)
 
     # ------------------------------------------------------------------ set-up
     def _make_host_tier(self, runner: Any, sgl_alloc: Any, sgl_tokens: int, spec: Any, dev: torch.device) -> None:
@@ -149,28 +149,28 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
         if translator is not None:
             sglang_api.make_translating(translator, self.allocator)
 
-    def _make_coordinator(self, spec: Any, adaptor_impl: str, max_ctx: int, validate: bool) -> Any:
-        """The coordinator over compact request slots [0, max_sparse); returns its adaptor."""
-        from sparsehi.adaptors import create_adaptor
+    def _make_coordinator(self, spec: Any, adapter_impl: str, max_ctx: int, validate: bool) -> Any:
+        """The coordinator over compact request slots [0, max_sparse); returns its adapter."""
+        from sparsehi.adapters import create_adapter
 
         config, ps = self.config, self.config.page_size
         self.kv_kind = spec.attention
         if self.kv_kind == "mla":
-            adaptor = create_adaptor("dsa", kv_lora_rank=spec.kv_lora_rank, impl=adaptor_impl)
+            adapter = create_adapter("dsa", kv_lora_rank=spec.kv_lora_rank, impl=adapter_impl)
         else:
             if config.backend == "dsa":
                 raise ValueError("--sparsehi-backend=dsa needs an MLA model; this model has an MHA cache: use "
                                  "'flashattention' or 'triton'")
-            adaptor = create_adaptor(config.backend, impl=adaptor_impl)
+            adapter = create_adapter(config.backend, impl=adapter_impl)
         dense_layers = [layer for layer in range(spec.num_layers) if not self.algorithm.is_sparse_layer(layer)]
         self.coord = SparseCoordinator(
             config, self.algorithm, self.device_pool, mode="hierarchical", host_pool=self.host_pool,
-            transfer=self.transfer, adaptor=adaptor, max_num_reqs=self.max_sparse, max_context_len=max_ctx,
+            transfer=self.transfer, adapter=adapter, max_num_reqs=self.max_sparse, max_context_len=max_ctx,
             validate=validate, host_addressing="tokens",
             dense_pool_tokens=(self.max_sparse * (max_ctx + ps) + 2 * ps) if dense_layers else None,
         )
         self.coord.set_residency(self.residency.v2p, self.sgl_ps)
-        return adaptor
+        return adapter
 
     def _make_row_state(self, rows: int) -> None:
         """Host-side state per SGLang row."""

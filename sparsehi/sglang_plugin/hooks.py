@@ -166,7 +166,7 @@ def capture_tail(graph_runner: Any, out: Any, forward_batch: Any, *args: Any) ->
 def around_radix_attention(original: Callable[..., Any], layer: Any, q: Any, k: Any, v: Any, forward_batch: Any,
                            save_kv_cache: bool = True, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``RadixAttention.forward``: inside a forward the bridge takes part in,
-    ``attention_begin`` / adaptor attention / ``attention_end`` for our rows; anywhere
+    ``attention_begin`` / adapter attention / ``attention_end`` for our rows; anywhere
     else SGLang's own call."""
     def call() -> Any:
         return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)

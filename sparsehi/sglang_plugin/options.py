@@ -27,7 +27,7 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
      "BaseSparseAlgorithm (e.g. sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm:QuestAlgorithm). "
      "Without it the other --sparsehi-* options are ignored."),
     ("--sparsehi-backend", "backend", str,
-     f"Attention backend adaptor that rewrites the page table: one of {SPARSE_BACKENDS}."),
+     f"Attention backend adapter that rewrites the page table: one of {SPARSE_BACKENDS}."),
     ("--sparsehi-top-k", "top_k", int, "Tokens selected per decode step and layer (multiple of the page size)."),
     ("--sparsehi-device-buffer-size", "device_buffer_size", int,
      "Tokens of GPU LRU buffer per request and layer (>= top-k, multiple of the page size)."),

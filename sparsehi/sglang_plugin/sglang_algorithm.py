@@ -12,7 +12,7 @@ construct / update hooks read keys out of a whole-pool ``k_buffer`` through
 any SGLang subclass unchanged:
 
 * **Address space.** The wrapped algorithm sees the slots of SGLang's real
-  ``ReqToTokenPool`` (the plugin hands SGLang's own; without one the adaptor builds a real
+  ``ReqToTokenPool`` (the plugin hands SGLang's own; without one the adapter builds a real
   ``ReqToTokenPool`` whose row ``r`` holds the stable ids ``r * M + position``, ``M`` the
   page-rounded context bound). In sparse-hier a token's KV is no longer at that slot (it
   was offloaded to host and the device page reused), so the ids are *names*, never read.
@@ -34,14 +34,14 @@ any SGLang subclass unchanged:
   never handed to construct/update (SGLang would read row -1).
 * **Selections.** SGLang returns logical page ids, ascending, its own recent window
   included, ``-1`` padded. Ours are the ids in ``[candidate_start, candidate_end)`` only
-  (the coordinator adds sink and recent pages), at most ``top_k``: the adaptor keeps those,
+  (the coordinator adds sink and recent pages), at most ``top_k``: the adapter keeps those,
   and when the wrapped algorithm's own budget (Quest: ``sparsity_ratio`` of the history)
   exceeds ``top_k`` it keeps the ``top_k`` highest ids and logs that once.
   ``sparse_extra_config["num_recent_pages"]`` defaults to our recent window in pages, so
   both windows agree.
 
 **Capture safety.** SGLang's algorithms read tensors back to the host (its Quest:
-``.item()``, ``nonzero``, a per-row Python loop), which breaks a CUDA graph. The adaptor
+``.item()``, ``nonzero``, a per-row Python loop), which breaks a CUDA graph. The adapter
 declares ``capture_safe = False`` unless the wrapped class sets
 ``sparsehi_capture_safe = True``; a caller that captures decode must then run it eagerly
 (:func:`requires_eager`). The first decode call of each hook runs under the author kit's
@@ -161,7 +161,7 @@ class SlotKeyView(torch.Tensor):
 
 class _ShapeOnlyKVPool:
     """What the wrapped algorithm gets as ``token_to_kv_pool`` when no SGLang pool is given
-    (our own runtime): the key buffers' shape over the adaptor's stable ids, no memory."""
+    (our own runtime): the key buffers' shape over the adapter's stable ids, no memory."""
 
     def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  page_size: int, start_layer: int, end_layer: int) -> None:
@@ -176,7 +176,7 @@ class _ShapeOnlyKVPool:
         return self._keys
 
 
-# ----------------------------------------------------------------------------- adaptor
+# ----------------------------------------------------------------------------- adapter
 @dataclass
 class _Probe:
     """First-call capture-safety findings per hook (recorded, not raised)."""
@@ -194,7 +194,7 @@ class _Recorder(HostSyncDetector):
 
     def _raise(self, call: str, why: str) -> None:
         where = caller_location(traceback.extract_stack()[:-1])  # the frame that called torch, not this one
-        if _THIS_NAME not in where:  # the adaptor's own value checks are not the algorithm's
+        if _THIS_NAME not in where:  # the adapter's own value checks are not the algorithm's
             self.out.append(CaptureFinding(self.hook, call, where, why))
 
 
@@ -266,7 +266,7 @@ class SGLangAlgorithm(BaseSparseAlgorithm):
         self.req_to_token_pool = req_to_token_pool or self.req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool or self.token_to_kv_pool
         if self.req_to_token_pool is None:
-            # stable ids r * M + position: a real ReqToTokenPool the adaptor fills itself
+            # stable ids r * M + position: a real ReqToTokenPool the adapter fills itself
             m = -(-max_context_len // ps) * ps
             if max_num_reqs * m >= INT32_MAX:
                 raise ValueError(f"max_num_reqs={max_num_reqs} x max_context_len={max_context_len} exceeds the int32 "

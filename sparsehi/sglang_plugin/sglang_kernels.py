@@ -1,6 +1,6 @@
-"""SGLang's own Triton decode kernel reading the metadata our Triton adaptor rewrote.
+"""SGLang's own Triton decode kernel reading the metadata our Triton adapter rewrote.
 
-``TritonAdaptor.build_metadata`` turns a selection into SGLang's Triton-backend contract
+``TritonAdapter.build_metadata`` turns a selection into SGLang's Triton-backend contract
 (``kv_indptr [B+1]`` / ``kv_indices`` token slots); :func:`sglang_triton_decode` hands
 that to ``sglang.kernels.ops.attention.decode_attention.decode_attention_fwd``, the
 kernel SGLang's ``TritonAttnBackend.forward_decode`` runs over its dense metadata. Imports
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsehi.adaptors.triton_backend import TritonMetadata
+from sparsehi.adapters.triton_backend import TritonMetadata
 
 NUM_KV_SPLITS = 8
 """Split-K factor of the decode kernel (static: the partial-result buffers' shape)."""
@@ -24,7 +24,7 @@ def sglang_triton_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 
     if not isinstance(meta, TritonMetadata):
-        raise ValueError(f"meta must be a TritonMetadata from TritonAdaptor.build_metadata, got {type(meta).__name__}")
+        raise ValueError(f"meta must be a TritonMetadata from TritonAdapter.build_metadata, got {type(meta).__name__}")
     b, hq, _ = q.shape
     dv = v_buffer.shape[-1]
     o = q.new_empty((b, hq, dv))

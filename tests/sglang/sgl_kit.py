@@ -40,7 +40,7 @@ from sglang.srt.runtime_context import get_parallel
 from hicache.device_pool import DeviceKVPool
 from hicache.host_pool import HostKVPool
 from hicache.kv_spec import KVCacheSpec
-from sparsehi.adaptors import create_adaptor
+from sparsehi.adapters import create_adapter
 from sparsehi.sglang_plugin.sglang_algorithm import create_plugin_algorithm
 from sparsehi.config import SparseConfig
 from sparsehi.coordinator import SparseCoordinator
@@ -301,14 +301,14 @@ class ReferenceHier:
         self.mla = mla
         if mla:
             spec = KVCacheSpec("mla", L, 1, LORA + ROPE, torch.float32, PS, kv_lora_rank=LORA)
-            adaptor = create_adaptor("dsa", kv_lora_rank=LORA)
+            adapter = create_adapter("dsa", kv_lora_rank=LORA)
         else:
             spec = KVCacheSpec("mha", L, HKV, D, torch.float32, PS)
-            adaptor = create_adaptor(cfg.backend)
+            adapter = create_adapter(cfg.backend)
         self.pool = DeviceKVPool(spec, POOL_TOKENS * 2, "cpu")
         self.host = HostKVPool(self.pool, hicache_ratio=4.0, pin_memory=False)
         self.coord = SparseCoordinator(cfg, create_plugin_algorithm(cfg, "cpu"), self.pool, mode="hierarchical",
-                                       host_pool=self.host, adaptor=adaptor,
+                                       host_pool=self.host, adapter=adapter,
                                        max_num_reqs=max_reqs + 1, max_context_len=MAX_CTX, validate=True,
                                        dense_pool_tokens=POOL_TOKENS * 2)
         self.seq: dict[int, int] = {}

@@ -64,7 +64,7 @@ def test_hooked_decode_equals_runtime_sparse_hier(lookahead):
 
 def test_hooked_mla_decode_equals_runtime_sparse_hier():
     """SGLang's MLA pool: the latent row is written, offloaded and attended through the dsa
-    adaptor; equal to the sparse-hier decode over hicache's MLA pool, and SGLang's own
+    adapter; equal to the sparse-hier decode over hicache's MLA pool, and SGLang's own
     attention (its CPU backend) for a short request beside it is untouched."""
     cfg = sparse_config(backend="dsa")
     world, ref, plain = World(cfg, mla=True), ReferenceHier(cfg, mla=True), World(None, mla=True)
@@ -90,7 +90,7 @@ def test_hooked_mla_decode_equals_runtime_sparse_hier():
 
 def test_sglangs_triton_kernel_reads_the_rewritten_metadata():
     """SGLang's own Triton decode kernel (run by the Triton interpreter on CPU) over the
-    kv_indptr / kv_indices our adaptor rewrote gives the runtime's sparse-hier output."""
+    kv_indptr / kv_indices our adapter rewrote gives the runtime's sparse-hier output."""
     cfg = sparse_config(backend="triton")
     world, ref = World(cfg), ReferenceHier(cfg)
     world.bridge.attend_with = "sglang_triton"
@@ -318,7 +318,7 @@ def triton_launches_unwatched(mode):
 
 @pytest.mark.parametrize("lookahead", [0, 1])
 def test_layer_hook_makes_no_host_sync_on_the_capture_path(triton_kernels, lookahead):
-    """The plugin's per-layer decode path (selection, LRU diff, swap-in from host, adaptor
+    """The plugin's per-layer decode path (selection, LRU diff, swap-in from host, adapter
     metadata, attention, backup, representation update) with the Triton kernels, run on
     the path it takes under CUDA-graph capture: no torch call reads a tensor back to the
     host or has a data-dependent shape (what ``torch.cuda.set_sync_debug_mode`` would

@@ -146,7 +146,7 @@ def expected_attention(data: Data, layer: int, reqs: list[int], q: torch.Tensor,
 def run_ours(mode: str, data: Data, sglang_pools_given: bool = True) -> tuple[SparseCoordinator, torch.Tensor, dict]:
     """QuestAlgorithm through SGLangAlgorithm and our coordinator in ``mode``: outputs
     ``[steps, L, B, Hq, D]`` and the selections per (step, layer). Without SGLang's pools
-    the adaptor builds its own (our runtime's case)."""
+    the adapter builds its own (our runtime's case)."""
     cfg = our_config()
     rtp, kvp = sglang_pools() if sglang_pools_given else (None, None)
     spec = KVCacheSpec("mha", L, HKV, D, torch.float32, PS)
@@ -287,7 +287,7 @@ def test_names_resolve_to_the_right_api():
 
 
 def test_builds_its_own_pools_without_sglang_ones(data, hier):
-    """Without SGLang's pools (our own runtime) the adaptor builds a real ReqToTokenPool
+    """Without SGLang's pools (our own runtime) the adapter builds a real ReqToTokenPool
     of stable ids and a shape-only key pool, and selects as with SGLang's pools."""
     _, out, sels = run_ours("hierarchical", data, sglang_pools_given=False)
     assert sels == hier[2]

@@ -74,8 +74,8 @@ class SoakConfig:
     recent_pages: int = 1
     dense_layers: Optional[tuple[int, ...]] = (0,)
     """Layers that attend densely; None: the algorithm's default."""
-    adaptor: str = "none"
-    """``RuntimeConfig.adaptor``: ``none`` (the coordinator's torch attention) or ``auto``."""
+    adapter: str = "none"
+    """``RuntimeConfig.adapter``: ``none`` (the coordinator's torch attention) or ``auto``."""
     single_bucket: bool = False
     """Pad every decode step, the references' too, to ``max_batch`` rows (one CUDA-graph
     bucket). GPU kernels pick their split-K and GEMM tiles by batch size, so a row alone
@@ -256,7 +256,7 @@ def runtime_config(cfg: SoakConfig, *, cached: bool, storage: Optional[HiCacheSt
     host = cfg.host_pages * ps if cached else 2 * max_ctx if cfg.single_bucket else None
     return RuntimeConfig(
         mode="sparse-hier", sparse=sparse_config(cfg), device=cfg.device, max_num_reqs=rows,
-        max_context_len=max_ctx, host_kv_tokens=host, adaptor=cfg.adaptor,
+        max_context_len=max_ctx, host_kv_tokens=host, adapter=cfg.adapter,
         # page layouts (the L3 page forms read and write host pages in place); CUDA's kernel io
         # backend takes page_first, the direct one page_first_direct
         host_layout="page_first" if torch.device(cfg.device).type == "cuda" else "page_first_direct",

@@ -138,7 +138,7 @@ def subrun_config(shape: SubRunShape, requests: int, scale: float, device: str, 
         page_size=ps, max_batch=batch, algorithm=shape.algorithm,
         top_k_pages=_scaled(shape.top_k_pages, scale, 2), buffer_pages=_scaled(shape.buffer_pages, scale, 2),
         sink_pages=-(-_scaled(64, scale) // ps), recent_pages=-(-_scaled(64, scale) // ps), dense_layers=None,
-        adaptor="auto", single_bucket=True, prefix_lengths=prefix_lengths(2, ps, scale, seed),
+        adapter="auto", single_bucket=True, prefix_lengths=prefix_lengths(2, ps, scale, seed),
         suffixes_per_prefix=SUFFIXES_PER_PREFIX, suffix_tokens=suffix, decode_steps=decode,
         hot_prefixes=HOT_PREFIXES, prefix_sweeps=PREFIX_SWEEPS, batch_invariant=True,
         arrival_rate=8.0 * batch / (sum(decode) / 2),  # 8x what a full batch finishes: a queue at once

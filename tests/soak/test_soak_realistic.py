@@ -1,7 +1,7 @@
 """The ``gpu-realistic`` soak (``realistic.py``): its full plan has the sizes users run, and
 the same plan at a CPU scale (few requests, prompts and decode lengths scaled down, page
 sizes 16 and 64 kept) runs through the same code path: Quest at both page sizes and DSA,
-8 layers, the attention adaptors, one graph bucket, admission by host room, a hot window
+8 layers, the attention adapters, one graph bucket, admission by host room, a hot window
 of prefixes sweeping over more than the host pool holds, bursts, an L3 file store under
 injected faults, every token checked and the accounting checked at every quiescent
 moment."""

@@ -1,4 +1,4 @@
-"""DSAAdaptor: a SparseSelection as token indices into the MLA latent buffer.
+"""DSAAdapter: a SparseSelection as token indices into the MLA latent buffer.
 
 DeepSeek sparse attention (DSA) decodes over ``[B, K]`` token slots of the MLA buffer
 ``kv[num_slots, 1, kv_lora_rank + rope_dim]``, ``-1`` padded. A token-wise selection maps
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from sparsehi.adaptors.base import BackendAdaptor
-from sparsehi.adaptors.flash_attention import _bad, check_sparse_selection
-from sparsehi.adaptors.triton_backend import expand_to_token_slots
+from sparsehi.adapters.base import BackendAdapter
+from sparsehi.adapters.flash_attention import _bad, check_sparse_selection
+from sparsehi.adapters.triton_backend import expand_to_token_slots
 from sparsehi.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
@@ -32,7 +32,7 @@ class DSAMetadata:
     indices: torch.Tensor
 
 
-class DSAAdaptor(BackendAdaptor):
+class DSAAdapter(BackendAdapter):
     """Sparse selection → sparse MLA decode over token indices.
 
     kv_lora_rank: latent width (DeepSeek: 512); the rest of the buffer's last dim is rope.
@@ -72,7 +72,7 @@ class DSAAdaptor(BackendAdaptor):
             n = len(layer_cache) if isinstance(layer_cache, (tuple, list)) else type(layer_cache)
             _bad("layer_cache", "(kv_buffer,) of an MLA layer (MHA caches go to 'flashattention' or 'triton')", n)
         if self._value_checks():
-            from sparsehi.adaptors.checks import check_pool_range
+            from sparsehi.adapters.checks import check_pool_range
 
             check_pool_range("metadata.indices", metadata.indices, layer_cache[0].shape[0], "slot")
         fn = {"auto": sparse_mla_decode, "triton": sparse_mla_decode_triton,

@@ -1,5 +1,5 @@
-"""Value checks of what an adaptor is fed (debug mode: they read tensors back to the host,
-so they run only when an adaptor is built with ``validate=True`` and no CUDA graph is
+"""Value checks of what an adapter is fed (debug mode: they read tensors back to the host,
+so they run only when an adapter is built with ``validate=True`` and no CUDA graph is
 being captured). Without them the kernels still mask every index outside the pool, so
 inconsistent metadata gives a wrong answer for its own row but never an out-of-bounds
 access; with them it is a ValueError naming the field and what it must hold."""
@@ -22,7 +22,7 @@ def check_selection_values(selection: SparseSelection) -> None:
     """``num_valid`` in ``[0, N]``; per row ``num_valid`` logical ids, strictly ascending and
     >= 0, then -1 padding; their physical ids >= 0; ``seq_lens`` inside the last selected
     page (the recent window always holds the token being decoded). Shapes and dtypes are
-    :func:`sparsehi.adaptors.flash_attention.check_sparse_selection`'s."""
+    :func:`sparsehi.adapters.flash_attention.check_sparse_selection`'s."""
     lid = selection.logical_ids.long()
     pid = selection.physical_ids.long()
     b, n = lid.shape

@@ -1,17 +1,17 @@
-"""Backend adaptors: SparseSelection → metadata → decode equals dense SDPA over the
-selected KV gathered independently of the adaptors."""
+"""Backend adapters: SparseSelection → metadata → decode equals dense SDPA over the
+selected KV gathered independently of the adapters."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsehi.adaptors import (
-    DSAAdaptor,
-    FlashAttentionAdaptor,
+from sparsehi.adapters import (
+    DSAAdapter,
+    FlashAttentionAdapter,
     FlashAttentionMetadata,
-    TritonAdaptor,
-    create_adaptor,
+    TritonAdapter,
+    create_adapter,
 )
 from sparsehi.selection import SparseMode
 from sparsehi.kernels.paged_decode import flash_attn_with_kvcache_reference
@@ -24,7 +24,7 @@ TOL = dict(atol=3e-3, rtol=3e-3)
 def make_selection(seq_lens, ps, num_pages, keep=0.5, seed=0, width=None):
     """Random selection (sink page, random middle pages, last page) with distinct
     physical pages (never page 0). Returns the selection and per-row token slot lists
-    in logical order (the ground truth an adaptor must reproduce)."""
+    in logical order (the ground truth an adapter must reproduce)."""
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
     phys_pool = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
@@ -76,12 +76,12 @@ def sdpa_truth(q, k, v, truth, scale):
 @pytest.mark.parametrize("name", ["flashattention", "triton"])
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("ps", [1, 4])
-def test_mha_adaptor_equals_sdpa_over_gathered_kv(name, impl, ps):
+def test_mha_adapter_equals_sdpa_over_gathered_kv(name, impl, ps):
     num_pages = 64 // ps * 4
     sel, truth = make_selection([0, 30, 17 if ps > 1 else 9, 4], ps, num_pages, seed=ps)
     k, v = mha_pool(num_pages * ps, 2, 16)
     q = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(9)).to(DEV, torch.float16)
-    ad = create_adaptor(name, impl=impl)
+    ad = create_adapter(name, impl=impl)
     md = ad.build_metadata(sel)
     out = ad.forward_decode(q, (k, v), md, sm_scale=0.25)
     torch.testing.assert_close(out.float(), sdpa_truth(q, k, v, truth, 0.25).float(), **TOL)
@@ -91,7 +91,7 @@ def test_mha_adaptor_equals_sdpa_over_gathered_kv(name, impl, ps):
 def test_flash_metadata_is_the_flash_attn_contract():
     ps = 4
     sel, truth = make_selection([0, 23, 8], ps, 32, seed=3, width=6)
-    md = FlashAttentionAdaptor(impl="triton").build_metadata(sel)
+    md = FlashAttentionAdapter(impl="triton").build_metadata(sel)
     assert isinstance(md, FlashAttentionMetadata)
     assert md.page_table.dtype == torch.int32 and md.page_table.shape == (3, 6)
     assert md.cache_seqlens.tolist() == [len(t) for t in truth]
@@ -100,10 +100,10 @@ def test_flash_metadata_is_the_flash_attn_contract():
     for b in range(3):
         assert md.page_table[b, : nv[b]].tolist() == sel.physical_ids[b, : nv[b]].tolist()
         assert md.page_table[b, nv[b]:].eq(0).all(), "padding is page 0"
-    # adaptor output == pure-torch flash_attn_with_kvcache over the same metadata
+    # adapter output == pure-torch flash_attn_with_kvcache over the same metadata
     k, v = mha_pool(32 * ps, 2, 16)
     q = torch.randn(3, 8, 16).to(DEV, torch.float16)
-    out = FlashAttentionAdaptor(impl="triton").forward_decode(q, (k, v), md, sm_scale=0.25)
+    out = FlashAttentionAdapter(impl="triton").forward_decode(q, (k, v), md, sm_scale=0.25)
     fa = flash_attn_with_kvcache_reference(q[:, None], k.view(32, ps, 2, 16), v.view(32, ps, 2, 16),
                                            md.cache_seqlens, md.page_table, softmax_scale=0.25)[:, 0]
     torch.testing.assert_close(out.float(), fa.float(), **TOL)
@@ -111,7 +111,7 @@ def test_flash_metadata_is_the_flash_attn_contract():
 
 def test_triton_metadata_is_packed_token_slots():
     sel, truth = make_selection([13, 0, 6], 4, 32, seed=5, width=5)
-    md = TritonAdaptor().build_metadata(sel)
+    md = TritonAdapter().build_metadata(sel)
     assert md.kv_indices.shape == (3 * 5 * 4,) and md.max_kv_len == 20
     ptr = md.kv_indptr.tolist()
     assert ptr == [0, 13, 13, 19]
@@ -134,7 +134,7 @@ def test_physical_permutation_gives_same_output():
     sel2 = SparseSelection(sel.logical_ids, torch.where(pid >= 0, perm[pid.clamp(min=0)], pid).int(),
                            sel.num_valid, sel.seq_lens, ps, sel.mode)
     for name in ("flashattention", "triton"):
-        ad = create_adaptor(name, impl="triton")
+        ad = create_adapter(name, impl="triton")
         o1 = ad.forward_decode(q, (k, v), ad.build_metadata(sel), sm_scale=0.25)
         o2 = ad.forward_decode(q, (k2, v2), ad.build_metadata(sel2), sm_scale=0.25)
         torch.testing.assert_close(o2.float(), o1.float(), atol=1e-3, rtol=1e-3)
@@ -142,14 +142,14 @@ def test_physical_permutation_gives_same_output():
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("ps", [1, 4])
-def test_dsa_adaptor_equals_sdpa_over_gathered_latents(impl, ps):
+def test_dsa_adapter_equals_sdpa_over_gathered_latents(impl, ps):
     Dl, Dr, H = 32, 16, 16
     num_pages = 128 // ps
     sel, truth = make_selection([0, 25, 9], ps, num_pages, seed=11 + ps)
     g = torch.Generator().manual_seed(4)
     kv = torch.randn(num_pages * ps, 1, Dl + Dr, generator=g).to(DEV, torch.float16)
     q = torch.randn(3, H, Dl + Dr, generator=g).to(DEV, torch.float16)
-    ad = create_adaptor("dsa", kv_lora_rank=Dl, impl=impl)
+    ad = create_adapter("dsa", kv_lora_rank=Dl, impl=impl)
     md = ad.build_metadata(sel)
     assert md.indices.dtype == torch.int32
     for b, slots in enumerate(truth):
@@ -167,7 +167,7 @@ def test_auto_impl_on_cpu_matches_triton():
     q = torch.randn(2, 2, 16).to(DEV, torch.float16)
     outs = []
     for impl in ("auto", "triton"):
-        ad = FlashAttentionAdaptor(impl=impl)
+        ad = FlashAttentionAdapter(impl=impl)
         outs.append(ad.forward_decode(q, (k, v), ad.build_metadata(sel), sm_scale=0.3))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), **TOL)
 
@@ -176,40 +176,40 @@ def test_errors_name_the_parameter():
     sel, _ = make_selection([9, 5], 4, 16)
     k, v = mha_pool(64, 2, 16)
     q = torch.randn(2, 4, 16).to(DEV, torch.float16)
-    fa = FlashAttentionAdaptor(impl="reference")
+    fa = FlashAttentionAdapter(impl="reference")
     md = fa.build_metadata(sel)
-    with pytest.raises(ValueError, match="adaptor name"):
-        create_adaptor("flashinfer")
+    with pytest.raises(ValueError, match="adapter name"):
+        create_adapter("flashinfer")
     with pytest.raises(ValueError, match="impl"):
-        TritonAdaptor(impl="cuda")
+        TritonAdapter(impl="cuda")
     with pytest.raises(ValueError, match="layer_cache"):
         fa.forward_decode(q, (k,), md, sm_scale=0.25)
     with pytest.raises(ValueError, match="layer_cache"):
-        DSAAdaptor(kv_lora_rank=8).forward_decode(q, (k, v), DSAAdaptor(8).build_metadata(sel), sm_scale=0.25)
+        DSAAdapter(kv_lora_rank=8).forward_decode(q, (k, v), DSAAdapter(8).build_metadata(sel), sm_scale=0.25)
     with pytest.raises(ValueError, match="q"):
         fa.forward_decode(q[:1], (k, v), md, sm_scale=0.25)
     with pytest.raises(ValueError, match="k_buffer"):
         fa.forward_decode(q, (k.float(), v), md, sm_scale=0.25)
     with pytest.raises(ValueError, match="metadata"):
-        fa.forward_decode(q, (k, v), TritonAdaptor().build_metadata(sel), sm_scale=0.25)
+        fa.forward_decode(q, (k, v), TritonAdapter().build_metadata(sel), sm_scale=0.25)
     bad = SparseSelection(sel.logical_ids, sel.physical_ids[:, :1], sel.num_valid, sel.seq_lens, 4, sel.mode)
     with pytest.raises(ValueError, match="physical_ids"):
         fa.build_metadata(bad)
     bad = SparseSelection(sel.logical_ids, sel.physical_ids, sel.num_valid[:1], sel.seq_lens, 4, sel.mode)
     with pytest.raises(ValueError, match="num_valid"):
-        TritonAdaptor().build_metadata(bad)
+        TritonAdapter().build_metadata(bad)
     bad = SparseSelection(sel.logical_ids.float(), sel.physical_ids, sel.num_valid, sel.seq_lens, 4, sel.mode)
     with pytest.raises(ValueError, match="logical_ids"):
-        DSAAdaptor(8).build_metadata(bad)
+        DSAAdapter(8).build_metadata(bad)
     bad = SparseSelection(sel.logical_ids, sel.physical_ids, sel.num_valid, sel.seq_lens, 4, SparseMode.TOKEN_WISE)
     with pytest.raises(ValueError, match="page_size"):
         fa.build_metadata(bad)
 
 
 def test_selection_checker_has_its_own_name():
-    """The adaptors' SparseSelection checker is ``check_sparse_selection``; the name
+    """The adapters' SparseSelection checker is ``check_sparse_selection``; the name
     ``check_selection`` belongs to sparsehi.algorithms.base (retrieve_topk results) only."""
-    import sparsehi.adaptors.flash_attention as fa_mod
+    import sparsehi.adapters.flash_attention as fa_mod
     from sparsehi.algorithms import base
 
     assert not hasattr(fa_mod, "check_selection")

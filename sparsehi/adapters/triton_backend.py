@@ -1,4 +1,4 @@
-"""TritonAdaptor: a SparseSelection as SGLang Triton / FlashInfer decode metadata.
+"""TritonAdapter: a SparseSelection as SGLang Triton / FlashInfer decode metadata.
 
 Those backends take token granularity: ``kv_indptr [B+1]`` and ``kv_indices [nnz]`` token
 slots, row ``b`` at ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Selected pages are
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from sparsehi.adaptors.base import BackendAdaptor
-from sparsehi.adaptors.flash_attention import (_bad, build_page_table, check_sparse_selection, cumulative_lengths,
+from sparsehi.adapters.base import BackendAdapter
+from sparsehi.adapters.flash_attention import (_bad, build_page_table, check_sparse_selection, cumulative_lengths,
                                                split_mha_cache)
 from sparsehi.kernels.paged_decode import check_decode_inputs
 from sparsehi.kernels.ragged_decode import ragged_decode, ragged_decode_reference, ragged_decode_triton
@@ -53,7 +53,7 @@ class TritonMetadata:
     max_kv_len: int
 
 
-class TritonAdaptor(BackendAdaptor):
+class TritonAdapter(BackendAdapter):
     """Sparse selection → ``kv_indptr`` / ``kv_indices`` ragged decode.
 
     impl: ``auto`` (Triton on CUDA, torch reference on CPU), ``triton`` or ``reference``.
@@ -86,12 +86,12 @@ class TritonAdaptor(BackendAdaptor):
         Returns ``[B, Hq, Dv]``."""
         if not isinstance(metadata, TritonMetadata):
             _bad("metadata", "a TritonMetadata from build_metadata", type(metadata))
-        k_buffer, v_buffer = split_mha_cache(layer_cache, "TritonAdaptor")
+        k_buffer, v_buffer = split_mha_cache(layer_cache, "TritonAdapter")
         B, *_ = check_decode_inputs(q, k_buffer, v_buffer, 1)
         if metadata.kv_indptr.shape[0] != B + 1:
             _bad("q", f"with batch {metadata.kv_indptr.shape[0] - 1} (the metadata's)", B)
         if self._value_checks():
-            from sparsehi.adaptors.checks import check_pool_range
+            from sparsehi.adapters.checks import check_pool_range
 
             check_pool_range("metadata.kv_indices", metadata.kv_indices[None], k_buffer.shape[0], "slot")
         fn = {"auto": ragged_decode, "triton": ragged_decode_triton, "reference": ragged_decode_reference}[self.impl]

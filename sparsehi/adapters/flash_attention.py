@@ -1,4 +1,4 @@
-"""FlashAttentionAdaptor: a SparseSelection as ``flash_attn_with_kvcache`` paged metadata.
+"""FlashAttentionAdapter: a SparseSelection as ``flash_attn_with_kvcache`` paged metadata.
 
 The selected pages (sink, Top-k, recent window) become one row of a page table in logical
 order; FlashAttention then sees a short contiguous sequence whose only partial page is the
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from hicache.triton_support import announce_path, use_triton
-from sparsehi.adaptors.base import BackendAdaptor
+from sparsehi.adapters.base import BackendAdapter
 from sparsehi.kernels.paged_decode import (
     check_decode_inputs,
     flash_attn_with_kvcache_triton,
@@ -35,7 +35,7 @@ def _bad(name: str, allowed: str, got: object) -> None:
 
 
 def check_sparse_selection(selection: SparseSelection) -> tuple[int, int]:
-    """Shape / dtype / device checks of a ``SparseSelection`` for the adaptors (no host
+    """Shape / dtype / device checks of a ``SparseSelection`` for the adapters (no host
     sync); returns (B, N). Not to be confused with
     :func:`sparsehi.algorithms.base.check_selection`, which checks a ``retrieve_topk`` result."""
     if not isinstance(selection, SparseSelection):
@@ -148,15 +148,15 @@ def _load_library() -> Optional[tuple[str, Callable[..., Any]]]:
         return None
 
 
-def split_mha_cache(layer_cache: Any, adaptor: str) -> tuple[torch.Tensor, torch.Tensor]:
+def split_mha_cache(layer_cache: Any, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_buffer, v_buffer)`` from a layer cache, or a ValueError saying what is allowed."""
     if not isinstance(layer_cache, (tuple, list)) or len(layer_cache) != 2:
         n = len(layer_cache) if isinstance(layer_cache, (tuple, list)) else type(layer_cache)
-        _bad("layer_cache", f"(k_buffer, v_buffer) for {adaptor} (MHA; MLA caches go to the 'dsa' adaptor)", n)
+        _bad("layer_cache", f"(k_buffer, v_buffer) for {adapter} (MHA; MLA caches go to the 'dsa' adapter)", n)
     return layer_cache[0], layer_cache[1]
 
 
-class FlashAttentionAdaptor(BackendAdaptor):
+class FlashAttentionAdapter(BackendAdapter):
     """Sparse selection → FlashAttention paged decode.
 
     impl: ``auto`` (library if importable and usable, else Triton on CUDA, torch reference
@@ -197,7 +197,7 @@ class FlashAttentionAdaptor(BackendAdaptor):
         Returns ``[B, Hq, Dv]``."""
         if not isinstance(metadata, FlashAttentionMetadata):
             _bad("metadata", "a FlashAttentionMetadata from build_metadata", type(metadata))
-        k_buffer, v_buffer = split_mha_cache(layer_cache, "FlashAttentionAdaptor")
+        k_buffer, v_buffer = split_mha_cache(layer_cache, "FlashAttentionAdapter")
         ps = metadata.page_size
         B, Hq, Hkv, D, Dv = check_decode_inputs(q, k_buffer, v_buffer, ps)
         if metadata.page_table.shape[0] != B:
@@ -206,7 +206,7 @@ class FlashAttentionAdaptor(BackendAdaptor):
             _bad("metadata", f"on q's device {q.device}", metadata.page_table.device)
         num_pages = k_buffer.shape[0] // ps
         if self._value_checks():
-            from sparsehi.adaptors.checks import check_pool_range
+            from sparsehi.adapters.checks import check_pool_range
 
             check_pool_range("metadata.page_table", metadata.page_table, num_pages, "page")
         k_cache = k_buffer.view(num_pages, ps, Hkv, D)
@@ -215,7 +215,7 @@ class FlashAttentionAdaptor(BackendAdaptor):
         path = self._path(q, ps)
         if path == "flash_attn":
             lib_name, fn = self._library  # type: ignore[misc]
-            announce_path("FlashAttentionAdaptor", lib_name)
+            announce_path("FlashAttentionAdapter", lib_name)
             if lib_name == "sgl_kernel.flash_attn":
                 out = fn(q4, k_cache, v_cache, cache_seqlens=metadata.cache_seqlens,
                          page_table=metadata.page_table, softmax_scale=sm_scale, causal=True)
@@ -225,11 +225,11 @@ class FlashAttentionAdaptor(BackendAdaptor):
             if isinstance(out, tuple):
                 out = out[0]
         elif path == "triton":
-            announce_path("FlashAttentionAdaptor", "triton paged_decode")
+            announce_path("FlashAttentionAdapter", "triton paged_decode")
             out = flash_attn_with_kvcache_triton(q4, k_cache, v_cache, metadata.cache_seqlens,
                                                  metadata.page_table, softmax_scale=sm_scale)
         else:
-            announce_path("FlashAttentionAdaptor", "torch reference")
+            announce_path("FlashAttentionAdapter", "torch reference")
             # vectorised (no per-row loop, no host sync); flash_attn_with_kvcache_reference
             # is the per-row ground truth the tests hold both against
             return paged_decode_reference(q, k_buffer, v_buffer, metadata.page_table,

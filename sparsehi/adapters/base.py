@@ -1,5 +1,5 @@
-"""BackendAdaptor: turns a SparseSelection into an attention backend's own metadata, and
-runs that backend. Adaptors know nothing of selection policies or buffers.
+"""BackendAdapter: turns a SparseSelection into an attention backend's own metadata, and
+runs that backend. Adapters know nothing of selection policies or buffers.
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 from sparsehi.selection import SparseSelection
 
 
-class BackendAdaptor(ABC):
+class BackendAdapter(ABC):
     """One attention backend's view of the sparse buffer."""
 
     name: str = "base"
     validate: bool = False
     """Debug mode: value checks of the selection and the tables against the pool
-    (``sparsehi.adaptors.checks``; host reads, skipped while a CUDA graph is captured)."""
+    (``sparsehi.adapters.checks``; host reads, skipped while a CUDA graph is captured)."""
 
     def _value_checks(self) -> bool:
         from sparsehi.input_checks import host_checks_enabled
@@ -25,9 +25,9 @@ class BackendAdaptor(ABC):
         return host_checks_enabled(self.validate)
 
     def check_values(self, selection: SparseSelection) -> None:
-        """``selection``'s values when this adaptor validates (see ``validate``)."""
+        """``selection``'s values when this adapter validates (see ``validate``)."""
         if self._value_checks():
-            from sparsehi.adaptors.checks import check_selection_values
+            from sparsehi.adapters.checks import check_selection_values
 
             check_selection_values(selection)
 
