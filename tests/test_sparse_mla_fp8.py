@@ -255,8 +255,8 @@ def _dsa_case(B, T, H, K, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     span = K + K // 4
     kv = torch.randn(B * span, 576, device="cuda", generator=g)
-    kv[:, :512] *= torch.rand(B * span, 4, 1, device="cuda", generator=g).mul(4).add(0.25).repeat_interleave(
-        128, dim=1).view(B * span, 512)
+    # tiles of different magnitudes (scales 4x apart) at the spread of the bf16 tests' rows
+    kv[:, :512] *= torch.rand(B * span, 4, device="cuda", generator=g).mul(1.5).add(0.5).repeat_interleave(128, dim=1)
     packed = quantize_mla_latents(kv.bfloat16())
     q = torch.randn(B * T, H, 576, device="cuda", generator=g).to(dtype)
     idx = torch.stack([torch.randperm(span, device="cuda", generator=g)[:K] + (r // T) * span
