@@ -102,7 +102,8 @@ def test_pool_shapes_and_empty():
     kv = _latents(5, 128, 64, seed=3).view(5, 1, 192)
     packed = quantize_mla_latents(kv, kv_lora_rank=128)
     assert packed.shape == (5, 1, 260)
-    assert torch.equal(dequantize_mla_latents(packed, kv_lora_rank=128), dequantize_mla_latents(packed[:, 0], 128)[:, None])
+    back = dequantize_mla_latents(packed, kv_lora_rank=128)
+    assert back.shape == (5, 1, 192) and torch.equal(back, dequantize_mla_latents(packed[:, 0], 128)[:, None])
     assert quantize_mla_latents(torch.zeros(0, 576, dtype=torch.bfloat16)).shape == (0, 656)
     assert dequantize_mla_latents(torch.zeros(0, 656, dtype=torch.uint8)).shape == (0, 576)
 

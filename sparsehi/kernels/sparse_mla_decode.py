@@ -37,14 +37,16 @@ import triton.language as tl
 
 from hicache.triton_support import announce_path, cdiv, dispatch, interpreter_enabled, sm_count
 from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, dot_in_fp32, fail, split_tokens, store_split_result
-from sparsehi.kernels.mla_fp8_latents import FP8_TILE, dequantize_mla_latents, load_fp8_latent_cols, load_fp8_latent_rows
+from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, load_fp8_latent_cols,
+                                              load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
 from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, gluon_ok, sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
-__all__ = ["FP8_MAX_STAGES", "GLUON_MIN_HEAD_BLOCKS", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig", "default_mla_config",
-           "mla_num_splits", "sparse_mla_decode", "sparse_mla_decode_reference", "sparse_mla_decode_triton"]
+__all__ = ["GLUON_MIN_HEAD_BLOCKS", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig", "default_mla_config",
+           "default_mla_fp8_config", "mla_num_splits", "sparse_mla_decode", "sparse_mla_decode_reference",
+           "sparse_mla_decode_triton"]
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,6 @@ class MlaLaunchConfig:
 # blocks (batch x ceil(heads / 64)); below it the fused Triton kernel's 16-head blocks keep
 # more SMs busy (measured: docs/kernels.md).
 GLUON_MIN_HEAD_BLOCKS = 4
-# FP8 rows are scaled in registers and stored again to shared memory for the dots, beside
-# the pipelined byte tiles: three stages of 64-token tiles and that buffer may not fit a
-# Hopper SM's shared memory (not measured yet), so the default stays at two.
-FP8_MAX_STAGES = 2
 
 
 def default_mla_config(device: torch.device, num_heads: int, batch: int = 1,
@@ -92,6 +90,19 @@ def default_mla_config(device: torch.device, num_heads: int, batch: int = 1,
             stages = 3 if cdiv(num_idx, splits) >= 8 * 64 else 2
         return MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages)
     return MlaLaunchConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, row_load=True)
+
+
+def default_mla_fp8_config(device: torch.device, num_heads: int, batch: int = 1) -> MlaLaunchConfig:
+    """Block sizes of the fused kernel over FP8 rows: as :func:`default_mla_config` (64-head
+    blocks for many rows, 16-head row-layout blocks for few) but 32-token tiles and 2 stages.
+    The latent tile is scaled in fp32 registers before the dots; with 64-token tiles the
+    sm_90 build spills (ptxas, Triton 3.9: 280 bytes at 64 heads / 8 warps, 828 at 16 heads
+    / 4 warps), with 32 it does not (16 and 0 bytes). Chosen by that, not yet by timing."""
+    if device.type != "cuda":
+        return MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    if batch * cdiv(num_heads, 64) >= 8:
+        return MlaLaunchConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    return MlaLaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, row_load=True)
 
 
 @triton.jit
@@ -220,7 +231,7 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         indices = indices.contiguous()
     fp8 = kv.dtype == torch.uint8
     if fp8:
-        cfg = _fp8_config(config, q.device, H, B, K)
+        cfg = _fp8_config(config, q.device, H, B)
     else:
         if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and gluon_ok(q, Dl, Dr):
             config = MlaGluonConfig()
@@ -248,16 +259,14 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_kv_operands(kv, Dl))
 
 
-def _fp8_config(config, device: torch.device, num_heads: int, batch: int,
-                num_idx: int) -> MlaLaunchConfig:
+def _fp8_config(config, device: torch.device, num_heads: int, batch: int) -> MlaLaunchConfig:
     """The fused kernel's config for FP8 rows, the only kernel that reads them: ``config``
-    itself, else :func:`default_mla_config` with at most ``FP8_MAX_STAGES`` stages (for a
-    Gluon or two-pass config with that config's split count; announced)."""
+    itself, else :func:`default_mla_fp8_config` (for a Gluon or two-pass config with that
+    config's split count; announced)."""
     announce_path("sparse_mla_decode", "triton (fp8 latents)")
     if isinstance(config, MlaLaunchConfig):
         return config
-    base = default_mla_config(device, num_heads, batch, num_idx)
-    base = replace(base, num_stages=min(base.num_stages, FP8_MAX_STAGES))
+    base = default_mla_fp8_config(device, num_heads, batch)
     if isinstance(config, (MlaGluonConfig, MlaTwoPassConfig)):
         announce_path("sparse_mla_decode", f"triton (fp8 latents: {type(config).__name__} has no fp8 kernel)")
         return replace(base, num_splits=config.num_splits)
