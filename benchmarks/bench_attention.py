@@ -12,7 +12,12 @@ launch overhead). ``gbps`` counts the unique bytes a kernel must read (KV + q) a
 Working sets below the L2 size (B=1, small K) can run above the roofline: they are
 L2-resident across replays.
 
-Usage: ``PYTHONPATH=. python benchmarks/bench_attention.py [--sweep] [--quick]``
+FP8 latent rows (``--parts mla_fp8``, ``attention_mla_fp8.json``): sparse MLA decode over the
+DeepSeek-V3.2 FP8 layout (656 bytes a token, ``mla_fp8_latents``) beside the same values in
+bf16 (default dispatch and the fused kernel), at 128, 64 and 16 heads, 1 and 2 query tokens
+per request (each its own top-k), K in {512, 2048, 8192, 32768}.
+
+Usage: ``PYTHONPATH=. python benchmarks/bench_attention.py [--sweep] [--quick] [--parts main mla_fp8]``
 (``--quick`` small shapes, runs on CPU under TRITON_INTERPRET=1 as a dry run).
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import bf16_gemm_tflops, cuda_time_us, hbm_copy_gbps, write_result
+from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, fp8_row_bytes, quantize_mla_latents
 from sparsehi.kernels.paged_decode import DecodeLaunchConfig, paged_decode_reference, paged_decode_triton
 from sparsehi.kernels.ragged_decode import ragged_decode_triton
 from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, MlaLaunchConfig, default_mla_config,
@@ -73,8 +79,12 @@ def mha_bytes(B, K, Hq, Hkv, D):
     return B * K * Hkv * D * 2 * 2 + 2 * B * Hq * D * 2
 
 
-def mla_bytes(B, K, H, Dl, Dr):
-    return B * K * ((Dl + Dr) * 2 + 4) + B * H * (Dl + Dr + Dl) * 2
+def mla_bytes(B, K, H, Dl, Dr, row_bytes=None):
+    """Unique bytes of a sparse MLA decode over ``B`` rows: each row's ``K`` KV rows of
+    ``row_bytes`` (default bf16 ``(Dl + Dr) * 2``; 656 for the FP8 layout) and int32 indices,
+    q in and out."""
+    row_bytes = (Dl + Dr) * 2 if row_bytes is None else row_bytes
+    return B * K * (row_bytes + 4) + B * H * (Dl + Dr + Dl) * 2
 
 
 def mla_flops(B, K, H, Dl, Dr):
@@ -148,6 +158,69 @@ def sweep(roof: float, shapes: dict, big_b: int = 64, K: int = 2048, parts: tupl
     return out
 
 
+# ----------------------------------------------------------------------------- FP8 latents
+# (B requests, query tokens per request, K) of the FP8-vs-bf16 rows; each at 128, 64, 16 heads
+MLA_FP8_CASES = [(b, t, k) for k in (512, 2048, 8192) for b in (1, 64) for t in (1, 2)] + \
+                [(b, t, 32768) for b in (1, 16) for t in (1, 2)]
+MLA_FP8_HEADS = (128, 64, 16)
+
+
+def dsa_case(B: int, T: int, K: int, H: int, Dl: int, Dr: int, seed: int = 0):
+    """DSA decode rows: ``B`` requests of ``T`` query tokens, each token its own top-``K``
+    over its request's ``1.25 K`` pool slots (a request's tokens overlap, as DSA's do).
+    Returns ``q [B*T, H, Dl+Dr]``, ``kv [N, 1, Dl+Dr]`` (the dequantised FP8 rows, so both
+    layouts hold the same values), ``packed [N, 1, bytes]`` uint8, ``idx [B*T, K]`` int32."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    span = K + K // 4
+    packed = quantize_mla_latents(torch.randn(B * span, 1, Dl + Dr, device=DEV, generator=g), kv_lora_rank=Dl)
+    kv = dequantize_mla_latents(packed, kv_lora_rank=Dl).to(DTYPE)
+    q = torch.randn(B * T, H, Dl + Dr, device=DEV, dtype=DTYPE, generator=g)
+    idx = torch.stack([torch.randperm(span, device=DEV, generator=g)[:K] + (r // T) * span
+                       for r in range(B * T)]).int()
+    return q, kv, packed, idx
+
+
+def mla_fp8_rows(roof: float, gemm: float, quick: bool) -> list[dict]:
+    """The FP8 latent layout beside bf16 rows: for every case and head count the default
+    dispatch over bf16 rows (the Gluon kernel where it applies), the fused kernel over bf16
+    rows, and the fused kernel over the FP8 rows (656 bytes a token at 512 + 64). Each row
+    carries ``max_diff_vs_fused`` (the same values in either layout: the outputs agree up to
+    bf16 rounding)."""
+    Dl, Dr = 512, 64
+    cases, heads_list = MLA_FP8_CASES, MLA_FP8_HEADS
+    if quick:
+        Dl, cases, heads_list = 128, [(1, 1, 64), (2, 2, 64)], (16,)
+    out: list[dict] = []
+    for B, T, K in cases:
+        q_all, kv, packed, idx = dsa_case(B, T, K, max(heads_list), Dl, Dr)
+        for H in heads_list:
+            out += _mla_fp8_case_rows(q_all[:, :H].contiguous(), kv, packed, idx, B, T, Dl, roof, gemm)
+        del q_all, kv, packed, idx
+        if CUDA:
+            torch.cuda.empty_cache()
+    return out
+
+
+def _mla_fp8_case_rows(q, kv, packed, idx, B: int, T: int, Dl: int, roof: float, gemm: float) -> list[dict]:
+    rows, H, K, Dr = q.shape[0], q.shape[1], idx.shape[1], q.shape[2] - Dl
+    fused = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1,
+                                     config=default_mla_config(q.device, H, rows, K)).float()
+    out = []
+    for name, buf, cfg in (("sparse_mla_bf16", kv, None),
+                           ("sparse_mla_bf16_fused", kv, default_mla_config(q.device, H, rows, K)),
+                           ("sparse_mla_fp8", packed, None)):
+        fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=Dl, sm_scale=0.1, config=cfg)  # noqa: E731
+        diff = (fn().float() - fused).abs().max().item()
+        us = timed(fn, iters=10)
+        row_bytes = fp8_row_bytes(Dl, Dr) if buf.dtype == torch.uint8 else (Dl + Dr) * 2
+        nbytes, flops = mla_bytes(rows, K, H, Dl, Dr, row_bytes), mla_flops(rows, K, H, Dl, Dr)
+        bound_us = max(nbytes / (roof * 1e9), flops / (gemm * 1e12)) * 1e6
+        out.append(row(name, B, K, us, nbytes, roof, heads=H, q_tokens=T, rows=rows, kv_bytes_per_token=row_bytes,
+                       tflops=round(flops / (us * 1e-6) / 1e12, 1), frac_roofline_model=round(bound_us / us, 3),
+                       max_diff_vs_fused=round(diff, 5)))
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -156,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="result dir (default benchmarks/results)")
     ap.add_argument("--sweep-only", default=None, choices=["paged", "mla"],
                     help="only sweep this kernel (no main rows); writes attention_sweep.json")
+    ap.add_argument("--parts", nargs="+", default=["main", "mla_fp8"], choices=["main", "mla_fp8"],
+                    help="main: the rows of attention.json; mla_fp8: sparse MLA over FP8 latent rows beside "
+                         "bf16 (128/64/16 heads, 1-2 query tokens, K 512..32768), attention_mla_fp8.json")
     args = ap.parse_args(argv)
 
     if args.quick:
@@ -176,6 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     H, Dl, Dr = shapes["mla"]
     gemm = bf16_gemm_tflops() if CUDA else 1.0
     print(f"compute ceiling (bf16 GEMM) {gemm:.1f} TFLOP/s", flush=True)
+    if "mla_fp8" in args.parts:
+        fp8_rows = mla_fp8_rows(roof, gemm, args.quick)
+        print("wrote", write_result("attention_mla_fp8.json", {
+            "rows": fp8_rows, "roofline_gbps": round(roof, 1), "compute_ceiling_tflops": round(gemm, 1),
+            "method": "CUDA-graph replays; gbps counts each row's K KV rows (kv_bytes_per_token) + int32 indices "
+                      "+ q and out; frac_roofline_model = max(byte time at the copy rate, flop time at the bf16 "
+                      "GEMM rate) / time; a request's query tokens share most of their rows, so re-reads hit L2",
+            "dtype": str(DTYPE), "quick": args.quick}, args.out))
+    if "main" not in args.parts:
+        return 0
 
     def mla_row(name: str, B: int, K: int, heads: int, us: float) -> dict:
         # roofline model: the larger of the byte time at the copy rate and the flop time at

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from hicache.triton_support import cdiv
 from sparsehi.kernels.flash_decoding import FLOAT_DTYPES, MAX_SPLITS, fail, merge_splits, split_buffers
+from sparsehi.kernels.mla_fp8_latents import FP8_TILE, fp8_row_bytes
 
 
 def mla_num_splits(work_items: int, num_idx: int, block_n: int, num_sms: int) -> int:
@@ -45,21 +46,25 @@ def index_tile(Idx, b, stride_ib, n0, end, num_slots, BLOCK_N: tl.constexpr):
 
 def check_mla(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     """Validate the arguments of a sparse MLA decode (``q [B, H, Dl + Dr]``, ``kv_buffer
-    [num_slots, (1,) Dl + Dr]``, ``indices [B, K]``); returns kv as a 2-D ``[num_slots, Dl + Dr]``
-    view."""
+    [num_slots, (1,) Dl + Dr]`` in q's dtype or ``[num_slots, (1,) bytes_per_token]`` uint8 in
+    the FP8 latent layout (``mla_fp8_latents``), ``indices [B, K]``); returns kv as a 2-D
+    ``[num_slots, last dim]`` view."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         fail("q", "a [B, H, kv_lora_rank + rope_dim] tensor", getattr(q, "shape", type(q)))
     if q.dtype not in FLOAT_DTYPES:
         fail("q", f"of dtype in {FLOAT_DTYPES}", q.dtype)
     if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.dim() not in (2, 3) or (
             kv_buffer.dim() == 3 and kv_buffer.shape[1] != 1):
-        fail("kv_buffer", "a [num_slots, 1, kv_lora_rank + rope_dim] tensor", getattr(kv_buffer, "shape", type(kv_buffer)))
+        fail("kv_buffer", "a [num_slots, 1, kv_lora_rank + rope_dim] tensor (or [num_slots, 1, bytes_per_token] "
+             "uint8, the FP8 latent layout)", getattr(kv_buffer, "shape", type(kv_buffer)))
     kv = kv_buffer.reshape(kv_buffer.shape[0], kv_buffer.shape[-1]) if kv_buffer.dim() == 3 else kv_buffer
-    if kv.dtype != q.dtype:
-        fail("kv_buffer", f"of q's dtype {q.dtype}", kv.dtype)
+    if kv.dtype == torch.uint8:
+        _check_fp8_rows(q, kv, kv_lora_rank)
+    elif kv.dtype != q.dtype:
+        fail("kv_buffer", f"of q's dtype {q.dtype} or uint8 (the FP8 latent layout)", kv.dtype)
     if kv.device != q.device:
         fail("kv_buffer", f"on q's device {q.device}", kv.device)
-    if kv.shape[1] != q.shape[2]:
+    if kv.dtype != torch.uint8 and kv.shape[1] != q.shape[2]:
         fail("kv_buffer", f"with last dim {q.shape[2]} (q's)", kv.shape[1])
     if not isinstance(kv_lora_rank, int) or not (0 < kv_lora_rank < q.shape[2]):
         fail("kv_lora_rank", f"an int in (0, {q.shape[2]})", kv_lora_rank)
@@ -72,6 +77,32 @@ def check_mla(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, k
     if indices.device != q.device:
         fail("indices", f"on q's device {q.device}", indices.device)
     return kv
+
+
+def _check_fp8_rows(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int) -> None:
+    """The FP8 latent layout's constraints on ``kv [num_slots, bytes]`` uint8 and q."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        fail("q", "bfloat16 or float16 with an FP8 (uint8) kv_buffer", q.dtype)
+    if not isinstance(kv_lora_rank, int) or not (0 < kv_lora_rank < q.shape[2]) or kv_lora_rank % FP8_TILE:
+        fail("kv_lora_rank", f"a multiple of {FP8_TILE} in (0, {q.shape[2]}) with an FP8 kv_buffer", kv_lora_rank)
+    rope_dim = q.shape[2] - kv_lora_rank
+    if rope_dim % 2:
+        fail("q", "of an even rope_dim (q's last dim - kv_lora_rank) with an FP8 kv_buffer", rope_dim)
+    want = fp8_row_bytes(kv_lora_rank, rope_dim)
+    if kv.shape[1] != want:
+        fail("kv_buffer", f"uint8 with last dim {want} (FP8 layout bytes for kv_lora_rank={kv_lora_rank}, "
+             f"rope_dim={rope_dim})", kv.shape[1])
+    if kv.stride(0) % 4 or kv.storage_offset() % 4:
+        fail("kv_buffer", "FP8 rows starting on 4-byte boundaries (row stride and offset multiples of 4)",
+             (kv.stride(), kv.storage_offset()))
+
+
+def fp8_row_views(kv: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales [num_slots, Dl / 128] float32, rope [num_slots, rope_dim] bfloat16)`` views of
+    the FP8 rows ``kv [num_slots, bytes]`` uint8 (checked by :func:`check_mla`)."""
+    tiles = kv_lora_rank // FP8_TILE
+    rope_at = kv_lora_rank + 4 * tiles
+    return kv[:, kv_lora_rank:rope_at].view(torch.float32), kv[:, rope_at:].view(torch.bfloat16)
 
 
 def launch_split(kernel, grid: tuple[int, int, int], q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,

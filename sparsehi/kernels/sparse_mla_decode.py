@@ -18,12 +18,17 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there) and :class:`MlaTwoPassConfig`
 (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
+FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
+``mla_fp8_latents``): the fused kernel loads each tile's E4M3 bytes and float32 scales,
+scales them in registers and runs the same dots in q's dtype (no dequantised copy in
+memory); the Gluon and two-pass kernels have no FP8 form, so FP8 always runs here.
+
 Entry points: ``sparse_mla_decode`` (dispatch), ``sparse_mla_decode_triton``,
 ``sparse_mla_decode_reference``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -32,12 +37,16 @@ import triton.language as tl
 
 from hicache.triton_support import announce_path, cdiv, dispatch, interpreter_enabled, sm_count
 from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, dot_in_fp32, fail, split_tokens, store_split_result
-from sparsehi.kernels.sparse_mla_common import check_mla, index_tile, launch_split, load_rows, mla_num_splits
+from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, load_fp8_latent_cols,
+                                              load_fp8_latent_rows)
+from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
+                                                mla_num_splits)
 from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, gluon_ok, sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
 __all__ = ["GLUON_MIN_HEAD_BLOCKS", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig", "default_mla_config",
-           "mla_num_splits", "sparse_mla_decode", "sparse_mla_decode_reference", "sparse_mla_decode_triton"]
+           "default_mla_fp8_config", "mla_num_splits", "sparse_mla_decode", "sparse_mla_decode_reference",
+           "sparse_mla_decode_triton"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,19 @@ def default_mla_config(device: torch.device, num_heads: int, batch: int = 1,
     return MlaLaunchConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, row_load=True)
 
 
+def default_mla_fp8_config(device: torch.device, num_heads: int, batch: int = 1) -> MlaLaunchConfig:
+    """Block sizes of the fused kernel over FP8 rows: as :func:`default_mla_config` (64-head
+    blocks for many rows, 16-head row-layout blocks for few) but 32-token tiles and 2 stages.
+    The latent tile is scaled in fp32 registers before the dots; with 64-token tiles the
+    sm_90 build spills (ptxas, Triton 3.9: 280 bytes at 64 heads / 8 warps, 828 at 16 heads
+    / 4 warps), with 32 it does not (16 and 0 bytes). Chosen by that, not yet by timing."""
+    if device.type != "cuda":
+        return MlaLaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    if batch * cdiv(num_heads, 64) >= 8:
+        return MlaLaunchConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    return MlaLaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, row_load=True)
+
+
 @triton.jit
 def _load_cols(KV, idx, valid, stride_kvn, offs_d, d_mask, col0):
     """[D, N] = rows transposed at load time."""
@@ -115,11 +137,15 @@ def _mla_stage1(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     num_heads, num_idx, tokens_per_split, num_slots,
+    Scales, Rope, stride_sn, stride_rn,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROW_LOAD: tl.constexpr,
+    KV_FP8: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr,
 ):
+    # KV_FP8: KV is the uint8 FP8 rows (mla_fp8_latents), Scales / Rope their float32 / bf16
+    # views; the latent tile is scaled in registers and cast to q's dtype for the dots
     hb = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,7 +171,18 @@ def _mla_stage1(
 
     for n0 in range(start, end, BLOCK_N):
         idx, valid = index_tile(Idx, b, stride_ib, n0, end, num_slots, BLOCK_N)
-        if ROW_LOAD:
+        if KV_FP8:
+            if ROW_LOAD:
+                kv_lat = load_fp8_latent_rows(KV, Scales, idx, valid, stride_kvn, stride_sn,
+                                              NUM_TILES, BLOCK_T, TILE, BLOCK_N).to(Q.dtype.element_ty)
+                k_lat = tl.trans(kv_lat)
+                k_pe = tl.trans(load_rows(Rope, idx, valid, stride_rn, offs_dr, dr_mask, 0)).to(Q.dtype.element_ty)
+            else:
+                k_lat = load_fp8_latent_cols(KV, Scales, idx, valid, stride_kvn, stride_sn,
+                                             NUM_TILES, BLOCK_T, TILE, BLOCK_N).to(Q.dtype.element_ty)
+                kv_lat = tl.trans(k_lat)
+                k_pe = _load_cols(Rope, idx, valid, stride_rn, offs_dr, dr_mask, 0).to(Q.dtype.element_ty)
+        elif ROW_LOAD:
             # rows as loaded [N, D]; the score dot takes the transposed view
             kv_lat = load_rows(KV, idx, valid, stride_kvn, offs_dl, dl_mask, 0)
             k_lat = tl.trans(kv_lat)
@@ -172,7 +209,10 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     """Triton sparse MLA decode.
 
     q:          ``[B, H, kv_lora_rank + rope_dim]`` fp16/bf16 absorbed query.
-    kv_buffer:  ``[num_slots, 1, kv_lora_rank + rope_dim]`` (or ``[num_slots, Dl+Dr]``).
+    kv_buffer:  ``[num_slots, 1, kv_lora_rank + rope_dim]`` (or ``[num_slots, Dl+Dr]``) in q's
+                dtype, or ``[num_slots, (1,) bytes_per_token]`` uint8 rows in the FP8 latent
+                layout (``mla_fp8_latents``: 656 bytes for 512 + 64), which only the fused
+                kernel reads (a Gluon or two-pass config runs it with that config's splits).
     indices:    ``[B, K]`` int32 slots, ``-1`` padding (masked wherever it is).
     config:     :class:`MlaLaunchConfig` (fused kernel), :class:`MlaGluonConfig` (Hopper
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
@@ -189,9 +229,13 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         return out
     if indices.stride(1) != 1:
         indices = indices.contiguous()
-    if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and gluon_ok(q, Dl, Dr):
-        config = MlaGluonConfig()
-    cfg = config or default_mla_config(q.device, H, B, K)
+    fp8 = kv.dtype == torch.uint8
+    if fp8:
+        cfg = _fp8_config(config, q.device, H, B)
+    else:
+        if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and gluon_ok(q, Dl, Dr):
+            config = MlaGluonConfig()
+        cfg = config or default_mla_config(q.device, H, B, K)
     if isinstance(cfg, MlaTwoPassConfig):
         return sparse_mla_two_pass(q, kv, indices, out, Dl, sm_scale, cfg)
     if isinstance(cfg, MlaGluonConfig):
@@ -212,7 +256,32 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
                         D_LAT=Dl, D_ROPE=Dr, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
                         BLOCK_DL=max(16, triton.next_power_of_2(Dl)), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
                         DOT_F32=dot_in_fp32(q), ROW_LOAD=cfg.row_load,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_kv_operands(kv, Dl))
+
+
+def _fp8_config(config, device: torch.device, num_heads: int, batch: int) -> MlaLaunchConfig:
+    """The fused kernel's config for FP8 rows, the only kernel that reads them: ``config``
+    itself, else :func:`default_mla_fp8_config` (for a Gluon or two-pass config with that
+    config's split count; announced)."""
+    announce_path("sparse_mla_decode", "triton (fp8 latents)")
+    if isinstance(config, MlaLaunchConfig):
+        return config
+    base = default_mla_fp8_config(device, num_heads, batch)
+    if isinstance(config, (MlaGluonConfig, MlaTwoPassConfig)):
+        announce_path("sparse_mla_decode", f"triton (fp8 latents: {type(config).__name__} has no fp8 kernel)")
+        return replace(base, num_splits=config.num_splits)
+    return config or base
+
+
+def _kv_operands(kv: torch.Tensor, kv_lora_rank: int) -> dict:
+    """The fused kernel's FP8 arguments: for uint8 rows their scale and rope views and tile
+    counts; for 16-bit rows placeholders (the kernel reads ``KV`` only)."""
+    if kv.dtype != torch.uint8:
+        return dict(Scales=kv, Rope=kv, stride_sn=0, stride_rn=0, KV_FP8=False, NUM_TILES=1, BLOCK_T=1, TILE=FP8_TILE)
+    scales, rope = fp8_row_views(kv, kv_lora_rank)
+    tiles = kv_lora_rank // FP8_TILE
+    return dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0), KV_FP8=True,
+                NUM_TILES=tiles, BLOCK_T=triton.next_power_of_2(tiles), TILE=FP8_TILE)
 
 
 def sparse_mla_decode_reference(q: torch.Tensor, kv_buffer: torch.Tensor, indices: torch.Tensor, *,
@@ -222,7 +291,11 @@ def sparse_mla_decode_reference(q: torch.Tensor, kv_buffer: torch.Tensor, indice
     kv = check_mla(q, kv_buffer, indices, kv_lora_rank)
     idx = indices.long()
     valid = (idx >= 0) & (idx < kv.shape[0])
-    rows = kv[torch.where(valid, idx, torch.zeros_like(idx))].float()      # [B, K, Dl+Dr]
+    rows = kv[torch.where(valid, idx, torch.zeros_like(idx))]              # [B, K, Dl+Dr] (or FP8 bytes)
+    if rows.dtype == torch.uint8:
+        rows = dequantize_mla_latents(rows, kv_lora_rank)
+    # padding reads slot 0, whatever it holds (NaN too): zero it so p = 0 keeps the sum clean
+    rows = rows.float().masked_fill(~valid[..., None], 0.0)
     s = torch.einsum("bhd,bkd->bhk", q.float(), rows) * sm_scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
