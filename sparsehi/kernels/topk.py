@@ -18,7 +18,6 @@ import triton.language as tl
 
 from hicache.triton_support import dispatch, sm_count
 from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
-from sparsehi.kernels.topk_floor import floor_plan, topk_select_floor
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
 
@@ -301,11 +300,9 @@ def topk_select_triton(
     num_warps: int = 8,
     split: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of :func:`topk_select`: one launch, one program per row, or two
-    launches with several programs per row (``split`` None: by plan; False: never): rows of
-    at least ``topk_floor.MIN_IDS`` ids by ``topk_floor.floor_plan`` (a sampled floor,
-    chunks filtered in parallel, one select per row), else a batch too small to fill the
-    GPU by ``topk_split.split_plan`` (chunk shortlists and a merge).
+    """Triton launcher of :func:`topk_select`: one launch, one program per row, or, for a
+    batch too small to fill the GPU (``split`` None: by ``topk_split.split_plan``; False:
+    never), two launches with several programs per row (``sparsehi.kernels.topk_split``).
 
     A row whose candidate range fits in ``sample`` ids is loaded once and selected in
     registers (radix select on the keys, 8-bit digits below the bits all candidates share).
@@ -322,11 +319,7 @@ def topk_select_triton(
     bsz, n = scores.shape
     dev = scores.device
     if split is not False:
-        sms = sm_count(dev)
-        long_plan = floor_plan(bsz, n, top_k, sms)
-        if long_plan is not None:
-            return topk_select_floor(scores, top_k, candidate_start, candidate_end, row_mask, long_plan)
-        plan = split_plan(bsz, n, top_k, sms)
+        plan = split_plan(bsz, n, top_k, sm_count(dev))
         if plan is not None:
             return topk_select_split(scores, top_k, candidate_start, candidate_end, row_mask, plan)
     scores, ids, valid = select_outputs(scores, top_k)
