@@ -93,6 +93,23 @@ def test_fp8_plugin_decode_equals_runtime_fp8_sparse_hier(chunked, lookahead):
         assert n % PS and (b.host_pool.fp8_scales[int(vids[-1]) // PS] == 0).all()
 
 
+def test_fp8_plugin_mla_decode_equals_runtime_fp8_sparse_hier():
+    """SGLang's MLA pool: FP8 latent pages (one scale per page and layer) through the dsa
+    adapter, equal to the runtime's sparse-hier with FP8 host KV over hicache's MLA pool."""
+    cfg = sparse_config(backend="dsa", host_kv_dtype=FP8)
+    world, ref = World(cfg, mla=True, sgl_page=PS), ReferenceHier(cfg, mla=True)
+    gen = torch.Generator().manual_seed(6)
+    layers = qkv(66, gen, mla=True)
+    world.run(world.extend([1], [66]), layers)
+    ref.prefill(1, [k for _, k, _ in layers], [v for _, _, v in layers])
+    for n in range(67, 74):
+        layers = qkv(1, gen, mla=True)
+        got, want = world.run(world.decode([1], [n]), layers), ref.decode([1], layers)
+        for i in range(L):
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert world.bridge.host_pool.kv_format.quantized and world.bridge.coord.stats()["misses"] > 0
+
+
 def test_fp8_prefix_hit_comes_back_rounded():
     """A request whose prompt starts with another's cached prefix, only in host memory: its
     pages come back dequantised (the FP8 rounding of the first request's keys) before its
