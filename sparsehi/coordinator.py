@@ -139,11 +139,14 @@ class SparseCoordinator:
         if tab is None:
             raise ValueError("rewrite_host_tokens is for host_addressing='tokens'")
         tab[req_pool_index, start:end] = host_slots
+        self.kv.tables.host_pages_from_tokens(req_pool_index, start, end)
 
     def set_residency(self, v2p: Optional[torch.Tensor], page_size: int = 1) -> None:
         """``host_addressing='tokens'``: the engine's virtual->GPU page map over host slots
         (``v2p [pages] int32``, 0 = not on the GPU; ``page_size`` tokens a page), so misses
-        still on the GPU are read from there. None: every miss reads host memory."""
+        still on the GPU are read from there. None: every miss reads host memory. FP8 host
+        pages are always read from host: the engine stores a page's record on the compute
+        stream once it is complete, so it is there before a step can miss it."""
         if not self.kv.host_tokens:
             raise ValueError("set_residency is for host_addressing='tokens'")
         self.decoder.engine_residency = None if v2p is None else (v2p, int(page_size))

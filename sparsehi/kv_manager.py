@@ -18,6 +18,10 @@ token's KV there (SGLang with the plugin: a token's host slot is its virtual KV 
 manager allocates no host memory, writes nothing to it, and the decode step reads a
 request's token ``t`` from host slot ``tables.host_token_slots[row, t]``, which the engine
 fills (``adopt_prompt`` for the prompt, ``PageTables.record_host_tokens`` each decode step).
+FP8 host KV with token addressing: the engine keeps a page's tokens on one host page, in
+order, and stores each page's FP8 record once it is complete (before a step may miss it);
+the decoder reads misses by host page (``tables.host_pages``, derived from the token
+table) and rounds the GPU copies it writes (ring, dense-layer pool) when a page completes.
 
 Chunked prefill (hierarchical, as SGLang's: each chunk an extend whose ``prefix_lens``
 are the tokens done). ``finish_prefill(..., more_chunks=...)`` ends a chunk after which the
@@ -148,7 +152,8 @@ class SparseKVCacheManager:
                 n = dense_pool_tokens if dense_pool_tokens is not None else device_pool.num_slots
                 self.dense_pool = DeviceKVPool(spec, n, dev)
         self.tables = PageTables(z, max_num_reqs, dev, hierarchical=self.hierarchical,
-                                 dense_pool=self.dense_pool is not None, host_tokens=self.host_tokens)
+                                 dense_pool=self.dense_pool is not None, host_tokens=self.host_tokens,
+                                 pages_from_tokens=config.host_kv_dtype == "fp8_e4m3")
         self._host_prefill = HostPrefill(z, device_pool, host_pool, self.transfer, self.dense_pool, self.dense_layers,
                                          self.requests, self.tables, validate) if self.hierarchical else None
 
@@ -366,7 +371,20 @@ class SparseKVCacheManager:
             if not self.config.min_sparse_prompt_len <= n <= self.max_context_len:
                 raise ValueError(f"seq_len={n} of req_pool_index={r} must lie in [min_sparse_prompt_len="
                                  f"{self.config.min_sparse_prompt_len}, max_context_len={self.max_context_len}]")
+        if self.validate and self.tables.pages_from_tokens:
+            self._check_host_pages_aligned(seq_lens, host_slots)
         self._host_prefill.adopt(list(rows), list(seq_lens), token_slots, host_slots)
+
+    def _check_host_pages_aligned(self, seq_lens: list[int], host_slots: torch.Tensor) -> None:
+        """FP8 host pages with token addressing: position ``p * page_size + t`` of a prompt
+        must live at host slot ``h * page_size + t`` of one host page ``h`` (host reads)."""
+        ps = self.sizes.page_size
+        for i, n in enumerate(seq_lens):
+            h = host_slots[i, :n].to("cpu", torch.int64)
+            want = torch.div(h[::ps], ps, rounding_mode="floor").repeat_interleave(ps)[:n] * ps + torch.arange(n) % ps
+            if not torch.equal(h, want):
+                raise ValueError("host_kv_dtype='fp8_e4m3' with host_addressing='tokens' needs each page's tokens on "
+                                 "one host page in order (host slot = host page * page_size + position % page_size)")
 
     def _mark_prefilled(self, row: int, seq_len: int, dense: bool) -> None:
         self.requests.mark_prefilled(row, seq_len, dense)

@@ -74,7 +74,10 @@ class PageTables:
     host_pages:       ``[R, M] int64`` host page of each logical page.
     host_token_slots: ``[R + 1, M * page_size] int32`` host slot of each token (engine-held
                       host KV, ``host_addressing='tokens'``); the last row absorbs padding
-                      rows' writes. None with page addressing.
+                      rows' writes. None with page addressing. With ``pages_from_tokens``
+                      (FP8 host pages, whose tokens the engine keeps on one host page in
+                      order) ``host_pages`` follows it: a page's host page is its first
+                      token's host slot // page_size.
     sink_pages:       ``[R, max(sink, 1)] int32`` device page of each sink page.
     ring_pages:       ``[R, recent] int32`` device page of each recent-ring slot (logical
                       page ``p >= sink`` lives in slot ``p % recent``).
@@ -88,15 +91,20 @@ class PageTables:
     """
 
     def __init__(self, sizes: BufferSizes, max_num_reqs: int, device: torch.device, *, hierarchical: bool,
-                 dense_pool: bool, host_tokens: bool) -> None:
+                 dense_pool: bool, host_tokens: bool, pages_from_tokens: bool = False) -> None:
         R, M, dev = max_num_reqs, sizes.max_pages, device
         self.sizes = sizes
         self.context_pages = torch.full((R, M), -1, dtype=torch.int32, device=dev)
         self.dense_rows = torch.zeros(R, dtype=torch.bool, device=dev)
         self.host_pages = self.host_token_slots = self.dense_pool_pages = None
         self.sink_pages = self.ring_pages = self.lru_pages = None
+        self.pages_from_tokens = bool(pages_from_tokens and hierarchical and host_tokens)
+        self._host_pages_padded: Optional[torch.Tensor] = None
         if hierarchical:
-            self.host_pages = torch.full((R, M), -1, dtype=torch.int64, device=dev)
+            # token addressing's host pages get a padding row too (decode steps write them)
+            self._host_pages_padded = torch.full((R + int(self.pages_from_tokens), M), -1, dtype=torch.int64,
+                                                 device=dev)
+            self.host_pages = self._host_pages_padded[:R]
             if host_tokens:
                 self.host_token_slots = torch.full((R + 1, M * sizes.page_size), -1, dtype=torch.int32, device=dev)
             self.lru_pages = torch.zeros(R, sizes.lru_slots, dtype=torch.int32, device=dev)
@@ -137,6 +145,21 @@ class PageTables:
         r = torch.where(rows >= 0, rows, tab.shape[0] - 1)
         p = positions.to(torch.int64).clamp(0, tab.shape[1] - 1)
         tab.index_put_((r, p), host_slots.to(tab.dtype))
+        if self.pages_from_tokens:
+            ps = self.sizes.page_size
+            self._host_pages_padded.index_put_((r, p // ps), torch.div(host_slots.to(torch.int64), ps,
+                                                                       rounding_mode="floor"))
+
+    def host_pages_from_tokens(self, row: int, start: int, end: int) -> None:
+        """With ``pages_from_tokens``: ``host_pages`` of the pages holding positions ``[start,
+        end)`` of ``row`` from ``host_token_slots`` (after the engine wrote or rewrote them;
+        -1 where a page's first token has no host slot). No host sync."""
+        if not self.pages_from_tokens or end <= start:
+            return
+        ps = self.sizes.page_size
+        first, last = start // ps, -(-end // ps)
+        firsts = self.host_token_slots[row, first * ps:last * ps:ps].to(torch.int64)
+        self.host_pages[row, first:last] = torch.div(firsts, ps, rounding_mode="floor")
 
     # ------------------------------------------------------------------ page-boundary entries
     def entry_tables(self) -> list[torch.Tensor]:

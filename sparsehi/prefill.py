@@ -304,6 +304,7 @@ class HostPrefill:
             t.sink[r], t.ring[r], t.lru[r] = sink_pages.numpy(), ring_pages.numpy(), lru_pages.numpy()
             self.tables.set_buffer(r, sink_pages, ring_pages, lru_pages)
             self.tables.host_token_slots[r, :n] = host_slots[i, :n].to(dev, torch.int32)
+            self.tables.host_pages_from_tokens(r, 0, n)
             # sink pages and the recent window's pages, token by token from where they are
             logical = list(range(min(sink, P))) + list(range(max(sink, P - recent), P))
             dst_pages = [int(sink_pages[p]) for p in logical[:min(sink, P)]] + \

@@ -164,11 +164,9 @@ class SparseDecoder:
         self.selection_mode = SparseMode.TOKEN_WISE if sizes.page_size == 1 else SparseMode.PAGE_WISE
         self.fp8 = config.host_kv_dtype == "fp8_e4m3"
         """FP8 host KV: complete pages are quantised to host (hierarchical) or rounded in
-        place (gpu_only) after their last token's layer (``fp8_pages``); misses load
-        through the dequantising copy that also builds the selection table
-        (``swap_in_fp8_fused``)."""
-        if self.fp8 and host_tokens:
-            raise ValueError("host_kv_dtype='fp8_e4m3' needs host_addressing='pages' (whole host pages)")
+        place (gpu_only; token addressing: the engine stores them) after their last token's
+        layer (``fp8_pages``); misses load through the dequantising copy that also builds
+        the selection table (``swap_in_fp8_fused``, by ``tables.host_pages``)."""
         self._dense_pool = dense_pool
         self.engine_residency: Optional[tuple[torch.Tensor, int]] = None
         """``(v2p, page_size)``: host slots whose KV the engine still holds on the GPU
@@ -560,9 +558,10 @@ class SparseDecoder:
 
     def _store_completed_pages(self, layer: int, state: DecodeState) -> None:
         """FP8 host KV: the pages whose last token this step wrote, of ``layer``, to their
-        host pages (hierarchical) or rounded in place (gpu_only)."""
+        host pages (hierarchical, page addressing) or rounded in place (gpu_only, token
+        addressing)."""
         own_pool = self._layer_pool[layer][3]
-        if self.hierarchical:
+        if self.hierarchical and not self.host_tokens:
             if state.completed_pages is None:  # once per step: the same pages in every layer
                 host_pages, main_pages = self.transfer.completed_pages(state.out_loc, state.host_loc)
                 dense_pages = (None if state.dense_loc is None
@@ -577,7 +576,9 @@ class SparseDecoder:
             return
         ps = self.sizes.page_size
         complete = state.live & (state.seq_lens % ps == 0)
-        round_pages(self.device_pool.paged_view()[:, :, layer:layer + 1], state.out_loc // ps, ps, complete)
+        pool, li, loc = ((self._dense_pool, self.dense_layers.index(layer), state.dense_loc) if own_pool
+                         else (self.device_pool, layer, state.out_loc))
+        round_pages(pool.paged_view()[:, :, li:li + 1], loc // ps, ps, complete)
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:

@@ -14,10 +14,11 @@ sparse requests' buffers. What stays on the GPU, page by page (pins):
   ``min_sparse_prompt_len``, or no sparse capacity left);
 - of a registered (sparse) request, only the page its newest token is written to.
 
-Everything a forward writes is copied to host after it (write-through), so a page whose
-pins drop to zero is demoted: its GPU page is freed, its KV stays in host memory, where the
-radix tree keeps finding it. A sparse request's GPU footprint after registration is its
-buffer (sink + LRU region + recent ring + a page) and one page.
+Everything a forward writes is copied to host after it (write-through; FP8 host KV,
+``--sparsehi-host-kv-dtype fp8_e4m3``: each page once it is complete, ``bridge_host_kv``),
+so a page whose pins drop to zero is demoted: its GPU page is freed, its KV stays in host
+memory, where the radix tree keeps finding it. A sparse request's GPU footprint after
+registration is its buffer (sink + LRU region + recent ring + a page) and one page.
 
 Forwards. Extend forwards are SGLang's own; around them the bridge pins the rows' pages
 (bringing a prefix hit back first), copies the new tokens to host after, and for a prompt
@@ -41,7 +42,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from hicache.host_pool import HostKVPool
 from hicache.residency import KVResidency
 from hicache.transfer import KVTransferEngine
 from sparsehi.config import SparseConfig
@@ -49,6 +49,7 @@ from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch as SparseBatch
 from sparsehi.sglang_plugin import sglang_api
 from sparsehi.sglang_plugin.bridge_attention import DecodeAttention
+from sparsehi.sglang_plugin.bridge_host_kv import check_fp8_page_size, host_token_bytes, make_host_pool, write_through
 from sparsehi.sglang_plugin.bridge_memory import (host_kv_tokens, representation_bytes, round_up,
                                                   sparse_request_count, table_bytes)
 from sparsehi.sglang_plugin.bridge_pages import GpuPagePins
@@ -63,7 +64,8 @@ logger = logging.getLogger(__name__)
 ATTEND_WITH = ("adapter", "sglang_triton")
 
 
-def _check_options(config: SparseConfig, attend_with: str) -> None:
+def _check_options(config: SparseConfig, attend_with: str, sglang_page_size: int) -> None:
+    check_fp8_page_size(config, sglang_page_size)
     if config.algorithm == "dsa":
         raise ValueError("--sparsehi-algorithm dsa needs the DeepSeek indexer's queries and keys, which SGLang's "
                          "RadixAttention does not hand the plugin: use quest, oracle or package.module:ClassName")
@@ -89,14 +91,14 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
 
     def __init__(self, config: SparseConfig, runner: Any, *, adapter_impl: str = "auto",
                  attend_with: str = "adapter", validate: bool = False) -> None:
-        _check_options(config, attend_with)
+        req_pool, kv_pool, sgl_alloc = sglang_api.runner_pools(runner)
+        lay = describe_kv_pool(kv_pool)
+        _check_options(config, attend_with, lay.page_size)
         self.attend_with = attend_with
         self.config = config
-        req_pool, kv_pool, sgl_alloc = sglang_api.runner_pools(runner)
         self.req_to_token_pool, self.kv_pool = req_pool, kv_pool
         rows, max_ctx = req_to_token_rows(req_pool)
         self.num_rows = rows
-        lay = describe_kv_pool(kv_pool)
         self.sgl_ps = lay.page_size
         ps = config.page_size
         max_ctx = round_up(max_ctx, ps)
@@ -136,10 +138,10 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
         # schedulers must decide alike)
         unit = max(ps, self.sgl_ps)
         tp = max(1, int(getattr(runner, "tp_size", 1) or 1))
-        host_tokens = host_kv_tokens(self.config, sgl_tokens, unit, spec.token_bytes, tp)
+        host_tokens = host_kv_tokens(self.config, sgl_tokens, unit, host_token_bytes(self.config, self.device_pool), tp)
         self.virtual_tokens = host_tokens - self.sgl_ps
         ratio = (host_tokens + ps) / self.device_pool.num_slots
-        self.host_pool = HostKVPool(self.device_pool, hicache_ratio=max(ratio, 1.0 + 1e-9))
+        self.host_pool = make_host_pool(self.config, self.device_pool, max(ratio, 1.0 + 1e-9))
         self.transfer = KVTransferEngine(self.device_pool, self.host_pool, io_backend="kernel", validate=False)
         self.residency = KVResidency(self.virtual_tokens // self.sgl_ps, self.physical_pages, dev)
         self.forwards = 0
@@ -267,32 +269,50 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
             got.append(int(r))
         return ExtendState(fb, rows, seq, self.slot_of_row[rows] >= 0, prev, got)
 
-    def _end_extend(self, state: ExtendState) -> None:
-        fb = state.fb
+    def _write_through(self, fb: Any) -> Any:
+        """The forward's new tokens to host (``bridge_host_kv.write_through``): the backup's
+        handle, or None (FP8 pages, stored on the current stream; nothing written)."""
         virt = getattr(fb, "out_cache_loc_virtual", None)
         if virt is None:
             virt = fb.out_cache_loc  # an untranslated batch (tests): virtual = GPU slots
-        if fb.out_cache_loc is not None and fb.out_cache_loc.numel():
-            handle = self.transfer.backup(fb.out_cache_loc, virt, allow_padding=True)
-            if self._wt_event is not None:
+        if fb.out_cache_loc is None or not fb.out_cache_loc.numel():
+            return None
+        return write_through(self.transfer, fb.out_cache_loc, virt)
+
+    def _end_extend(self, state: ExtendState) -> None:
+        if not self.transfer.fp8:  # the backup first: it overlaps the representations' build
+            if self._write_through(state.fb) is not None and self._wt_event is not None:
                 with torch.cuda.stream(self.transfer.stream):
                     self._wt_event.record()
-            del handle
         if state.sparse.any():
-            rows, seq = state.rows[state.sparse], state.seq[state.sparse]
-            r, p = self._row_positions(rows, np.zeros_like(seq), seq, every_token=True)
-            width = int(seq.max())
-            with self.residency.ordered():
-                phys = self.residency.physical_slots(self._vids(r, p), self.sgl_ps)
-            tab = torch.full((len(rows), width), -1, dtype=torch.int64, device=phys.device)
-            row_idx = np.repeat(np.arange(len(rows)), seq)
-            tab[torch.from_numpy(row_idx).to(phys.device), torch.from_numpy(p).to(phys.device)] = phys
-            slots = torch.from_numpy(self.slot_of_row[rows])
-            batch = SparseBatch.prefill(slots, torch.from_numpy(seq.astype(np.int32)), tab,
-                                        prefix_lens=torch.zeros(len(rows), dtype=torch.int32),
-                                        seq_lens_cpu=[int(x) for x in seq], prefix_lens_cpu=[0] * len(rows))
-            for layer in range(self.coord.num_layers):
-                self.coord.attention_end(layer, batch)
+            self._build_representations(state)
+        if self.transfer.fp8:  # after the build: bounds from the keys before rounding, as the runtime's prefill
+            self._write_through(state.fb)
+
+    def _build_representations(self, state: ExtendState) -> None:
+        """The algorithm's representations of the rows that will decode sparsely, from their
+        keys on the GPU. FP8: a prompt's pages before its last chunk were rounded when they
+        were stored, so they keep the representations built from the keys before rounding
+        (``represented_lens``: its earlier chunks' whole pages) where the algorithm takes them."""
+        rows, seq = state.rows[state.sparse], state.seq[state.sparse]
+        r, p = self._row_positions(rows, np.zeros_like(seq), seq, every_token=True)
+        width = int(seq.max())
+        with self.residency.ordered():
+            phys = self.residency.physical_slots(self._vids(r, p), self.sgl_ps)
+        tab = torch.full((len(rows), width), -1, dtype=torch.int64, device=phys.device)
+        row_idx = np.repeat(np.arange(len(rows)), seq)
+        tab[torch.from_numpy(row_idx).to(phys.device), torch.from_numpy(p).to(phys.device)] = phys
+        slots = torch.from_numpy(self.slot_of_row[rows])
+        batch = SparseBatch.prefill(slots, torch.from_numpy(seq.astype(np.int32)), tab,
+                                    prefix_lens=torch.zeros(len(rows), dtype=torch.int32),
+                                    seq_lens_cpu=[int(x) for x in seq], prefix_lens_cpu=[0] * len(rows))
+        kw = {}
+        if self.transfer.fp8 and getattr(self.algorithm, "supports_chunked_prefill", False):
+            ps = self.config.page_size
+            done = np.where(np.isin(rows, state.new_slots), 0, state.prev_pinned[state.sparse] // ps * ps)
+            kw["represented_lens"] = torch.from_numpy(done.astype(np.int32))
+        for layer in range(self.coord.num_layers):
+            self.coord.attention_end(layer, batch, **kw)
 
     def _begin_decode(self, fb: Any) -> Optional[DecodeState]:
         rows = host_rows(fb)
@@ -405,12 +425,9 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
             self.coord.forward_end(batch)
         if inner.recorded or inner.fb is None:
             return
-        fb = inner.fb
-        virt = getattr(fb, "out_cache_loc_virtual", None)
-        if virt is None:
-            virt = fb.out_cache_loc
-        if fb.out_cache_loc is not None and fb.out_cache_loc.numel():
-            self.transfer.backup(fb.out_cache_loc, virt, allow_padding=True).wait()
+        handle = self._write_through(inner.fb)
+        if handle is not None:
+            handle.wait()
         rows, seq, ours = inner.host_rows, inner.host_seq, inner.host_ours
         self._after_forwards()
         if ours.any():

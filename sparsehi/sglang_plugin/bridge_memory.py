@@ -47,10 +47,11 @@ def sparse_request_count(config: SparseConfig, budget: int, per_req: int, token_
     return int(max_sparse)
 
 
-def host_kv_tokens(config: SparseConfig, sgl_tokens: int, unit: int, token_bytes: int, tp: int) -> int:
+def host_kv_tokens(config: SparseConfig, sgl_tokens: int, unit: int, token_bytes: float, tp: int) -> int:
     """Tokens of the pinned host pool: SGLang's ``sgl_tokens`` times the host-to-device
     ratio, at most HOST_SHARE of the machine's memory per TP rank (the same on every rank:
-    their schedulers must decide alike), in whole ``unit`` s."""
+    their schedulers must decide alike), in whole ``unit`` s. ``token_bytes``: host bytes of
+    a token in the host pool's format (``bridge_host_kv.host_token_bytes``)."""
     host_tokens = round_up(int(sgl_tokens * config.host_to_device_ratio), unit)
     total = host_memory_bytes()
     if total is not None:

@@ -33,7 +33,7 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
      "Tokens of GPU LRU buffer per request and layer (>= top-k, multiple of the page size)."),
     ("--sparsehi-page-size", "page_size", int,
      "Selection page size in tokens (power of two <= 256; default 64), independent of SGLang's --page-size: "
-     "host KV is addressed per token."),
+     "host KV is addressed per token (with --sparsehi-host-kv-dtype fp8_e4m3 it must equal --page-size)."),
     ("--sparsehi-sink-tokens", "sink_tokens", int, "Leading tokens always attended."),
     ("--sparsehi-recent-tokens", "recent_tokens", int, "Trailing tokens always attended (>= 1)."),
     ("--sparsehi-min-sparse-prompt-len", "min_sparse_prompt_len", int,
@@ -48,6 +48,10 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
      "Tokens (whole selection pages) ranked after the top-k that each sparse layer loads into its GPU buffer on a "
      "side stream for the next decode step, off the critical path (top-k plus this must fit the device buffer); "
      "default 0: off."),
+    ("--sparsehi-host-kv-dtype", "host_kv_dtype", str,
+     "KV dtype of the pinned host pool: auto (the model's) or fp8_e4m3 (whole pages with one power-of-two scale per "
+     "page, layer and head: about half the host bytes and PCIe bytes of bf16; needs --page-size equal to "
+     "--sparsehi-page-size). Sparse decoding then attends the FP8-rounded values of every complete page."),
     ("--sparsehi-dense-layers", "dense_layers", str,
      "Comma-separated layers that attend densely (their whole context stays on the GPU for each sparse request); "
      "default: none, every layer sparse."),
@@ -80,8 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Optional[SparseConfig]:
     """The ``SparseConfig`` the parsed options ask for; None when ``--sparsehi-algorithm`` is unset.
-    ``sglang_page_size`` is accepted for callers of earlier versions and not used: the
-    selection page size is the plugin's own (host KV is addressed per token).
+    ``sglang_page_size`` (SGLang's ``--page-size``; None: not given) matters only with
+    ``--sparsehi-host-kv-dtype fp8_e4m3``, whose whole FP8 pages need it equal to the
+    selection page size; otherwise the selection page size is the plugin's own (host KV is
+    addressed per token).
 
     Raises ``ValueError`` naming the flag (not the dataclass field) on a bad value.
     """
@@ -113,7 +119,10 @@ def config_from_namespace(ns: Any, sglang_page_size: Optional[int] = None) -> Op
         for o in OPTIONS:
             msg = msg.replace(f"SparseConfig.{o.field}=", f"{o.flag}=")
         raise ValueError(msg) from None
+    from sparsehi.sglang_plugin.bridge_host_kv import check_fp8_page_size
     from sparsehi.sglang_plugin.sglang_algorithm import check_algorithm_name
+
+    check_fp8_page_size(cfg, sglang_page_size)
 
     try:  # a name or import path of ours, or an SGLang algorithm class (imported now, not at first request)
         check_algorithm_name(cfg.algorithm)

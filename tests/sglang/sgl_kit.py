@@ -306,7 +306,9 @@ class ReferenceHier:
             spec = KVCacheSpec("mha", L, HKV, D, torch.float32, PS)
             adapter = create_adapter(cfg.backend)
         self.pool = DeviceKVPool(spec, POOL_TOKENS * 2, "cpu")
-        self.host = HostKVPool(self.pool, hicache_ratio=4.0, pin_memory=False)
+        fp8 = cfg.host_kv_dtype == "fp8_e4m3"  # FP8 pages live in the page_first layout
+        self.host = HostKVPool(self.pool, hicache_ratio=4.0, pin_memory=False,
+                               layout="page_first" if fp8 else "layer_first", host_kv_dtype=cfg.host_kv_dtype)
         self.coord = SparseCoordinator(cfg, create_plugin_algorithm(cfg, "cpu"), self.pool, mode="hierarchical",
                                        host_pool=self.host, adapter=adapter,
                                        max_num_reqs=max_reqs + 1, max_context_len=MAX_CTX, validate=True,

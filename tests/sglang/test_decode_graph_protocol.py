@@ -20,7 +20,7 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sparsehi.algorithms.graph_safety import simulated_capture  # noqa: E402
 from sparsehi.sglang_plugin import hooks  # noqa: E402
 
-from sgl_kit import D, HKV, HQ, L, World, qkv, sparse_config  # noqa: E402
+from sgl_kit import D, HKV, HQ, L, PS, World, qkv, sparse_config  # noqa: E402
 
 
 class Recorded:
@@ -71,9 +71,13 @@ class Recorded:
         return [o[:b].clone() for o in out]
 
 
-def test_recorded_decode_equals_the_eager_one_with_sglangs_classes():
-    cfg = sparse_config(backend="triton")
-    eager, graphed = World(cfg), World(cfg)
+@pytest.mark.parametrize("host_kv_dtype", ["auto", "fp8_e4m3"])
+def test_recorded_decode_equals_the_eager_one_with_sglangs_classes(host_kv_dtype):
+    """FP8 host KV (SGLang's page size = the sparse page size): the recorded layer path
+    rounds the pages a step completes as the eager one does."""
+    cfg = sparse_config(backend="triton", host_kv_dtype=host_kv_dtype)
+    page = PS if host_kv_dtype == "fp8_e4m3" else 1
+    eager, graphed = World(cfg, sgl_page=page), World(cfg, sgl_page=page)
     assert graphed.runner.capture_head_hooks == [hooks.capture_head]
     assert graphed.runner.capture_tail_hooks == [hooks.capture_tail]
     recorded = Recorded(graphed)

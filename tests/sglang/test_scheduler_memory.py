@@ -778,3 +778,45 @@ def test_frees_deferred_past_the_row_free_reach_the_same_end_state():
                      sorted(srv.tree.all_values_flatten().tolist()), srv.free_pages(), srv.bridge.residency.counts()))
     assert ends[0] == ends[1]
     assert len(outs[0]) == len(outs[1]) and all(torch.equal(x, y) for x, y in zip(*outs))
+
+
+def _fp8_pages(k: torch.Tensor) -> torch.Tensor:
+    """``k [n, HKV*D]`` (whole pages of 4 tokens) as FP8 host pages store it."""
+    from hicache.kv_page_format import fp8_round_trip
+
+    return fp8_round_trip(k.view(-1, 1, 4, HKV, D)).reshape(k.shape)
+
+
+def test_fp8_host_pages_through_the_scheduler():
+    """FP8 host KV (``--sparsehi-host-kv-dtype fp8_e4m3``, SGLang's page size = the sparse
+    page size, 4): a finished request leaves the tree whole pages whose host records are the
+    FP8 rounding of its keys (its partial last page went back with its slots); a prefix hit
+    over them comes back to the GPU as those values; then the mixed workload (dedup at
+    checkpoint, retraction, tree eviction) — every step audited, nothing leaks, the server
+    ends idle."""
+    cfg = sparse_config(host_kv_dtype="fp8_e4m3", host_to_device_ratio=1.2)
+    srv = Server(cfg, sgl_page=4)
+    a_ids = prompt(1, 60)
+    a = srv.submit("a", a_ids, max_new=7)
+    srv.run()
+    assert a.finished() and all(s.spans[0].sparse for s in srv.steps[1:])
+    srv.assert_idle()
+    seq = list(a.origin_input_ids) + list(a.output_ids)
+    slots = srv.cached_slots(seq)
+    assert len(slots) == 64  # 66 tokens with KV, whole pages cached
+    k_all, _ = srv.model.kv(seq, 64)
+    host = srv.bridge.host_pool
+    assert host.kv_format.quantized
+    for i in range(L):
+        assert torch.equal(host.read_tokens(i, slots)[0].reshape(64, HKV * D), _fp8_pages(k_all[i]))
+    srv.submit("b", a_ids[:48] + prompt(2, 20), max_new=5)
+    step = srv.step()
+    assert step.mode == "extend" and step.spans[0].start == 48 and step.spans[0].prefix_resident
+    b = srv.bridge
+    phys = b.residency.physical_slots(slots[:48], 4)
+    for i in range(L):
+        assert torch.equal(b.device_pool.get_key_buffer(i)[phys].reshape(48, HKV * D), _fp8_pages(k_all[i][:48]))
+    srv.run()
+    srv.assert_idle()
+    _workload(srv)
+    srv.assert_idle()
