@@ -54,7 +54,14 @@ def test_summary_describes_64k_and_lifts_fp8_and_million_rows():
     s = summary(rows, {}, 65536, "m", graphs=True)
     assert s["context"] == 65536 and s["sparse_hier_best_tok_s"] == 740.0
     assert s["fp8_best_tok_s_64k"] == 830.0 and s["b1_tok_s_1m"] == 120.0
+    assert (s["fp8_best_mode_64k"], s["b1_mode_1m"]) == ("sparse-hier-fp8", "sparse-hier-fp8")
     assert set(SECTION_SUMMARY_KEYS) <= set(s)
+    # FP8 host KV with loading ahead counts too: the fastest FP8 mode gives each figure
+    rows += [row("sparse-hier-fp8-ahead", 65536, 10, 930.0), row("sparse-hier-fp8-ahead", 1 << 20, 1, 110.0),
+             row("sparse-hier-ahead", 65536, 10, 990.0)]
+    s = summary(rows, {}, 65536, "m", graphs=True)
+    assert (s["fp8_best_tok_s_64k"], s["fp8_best_mode_64k"]) == (930.0, "sparse-hier-fp8-ahead")
+    assert (s["b1_tok_s_1m"], s["b1_mode_1m"]) == (120.0, "sparse-hier-fp8")
 
 
 def test_prefetch_share_is_the_smaller_of_batch_one_and_best_and_is_judged():
