@@ -488,19 +488,22 @@ class SGLangSparseBridge(GpuPagePins, DecodeAttention):
                 ours = inner.host_ours
                 rows = [int(r) for r in inner.host_rows[ours]]
                 for r, seq in zip(rows, inner.host_seq[ours]):
+                    # pinned whole before the slot's pin on its newest page goes: that page
+                    # may have no host record yet (FP8 pages are stored once complete), so it
+                    # must not leave the GPU in between
+                    self._repin_whole(r, int(seq))
                     self._end_slot(r)
                     self.declined[r] = True
-                    self._repin_whole(r, int(seq))
                 if rows:
                     logger.warning("sparsehi: a decode forward raised; rows %s leave the sparse path and decode "
                                    "on SGLang's own attention", rows)
 
     def _repin_whole(self, row: int, seq: int) -> None:
-        """A row that goes back to SGLang's path needs its whole context on the GPU again."""
+        """A row that goes back to SGLang's path needs its whole context on the GPU again
+        (the pages still there stay; its slot, if any, is ended by the caller)."""
         self._bring_back(np.array([row]), np.array([seq]))
         self._pin(np.array([row]), np.array([0]), np.array([seq]))
         self.pinned_len[row] = seq
-        self.open_pos[row] = -1
 
     # ------------------------------------------------------------------ requests
     def _end_slot(self, row: int) -> None:

@@ -35,8 +35,9 @@ def check_fp8_page_size(config: SparseConfig, sglang_page_size: Optional[int]) -
     if config.host_kv_dtype != FP8 or sglang_page_size is None or int(sglang_page_size) == config.page_size:
         return
     raise ValueError(f"--sparsehi-host-kv-dtype {FP8} stores whole pages with one scale per page and head, so "
-                     f"SGLang's --page-size must equal --sparsehi-page-size: got --page-size {sglang_page_size} "
-                     f"and --sparsehi-page-size {config.page_size}; allowed: --page-size {config.page_size} (or "
+                     f"SGLang's --page-size must equal --sparsehi-page-size: SGLang's page size (--page-size, or its own "
+                     f"choice when that is not given) is {sglang_page_size} and --sparsehi-page-size is "
+                     f"{config.page_size}; allowed: --page-size {config.page_size} (or "
                      f"--sparsehi-page-size {sglang_page_size} if that is a power of two <= 256), or "
                      f"--sparsehi-host-kv-dtype auto")
 

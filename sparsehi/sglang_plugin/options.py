@@ -51,7 +51,8 @@ _OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--sparsehi-host-kv-dtype", "host_kv_dtype", str,
      "KV dtype of the pinned host pool: auto (the model's) or fp8_e4m3 (whole pages with one power-of-two scale per "
      "page, layer and head: about half the host bytes and PCIe bytes of bf16; needs --page-size equal to "
-     "--sparsehi-page-size). Sparse decoding then attends the FP8-rounded values of every complete page."),
+     "--sparsehi-page-size). A complete page is rounded in place on the GPU too, so every later reader (sparse "
+     "decoding, SGLang's own attention for short requests, later prefill chunks, prefix hits) sees the FP8 values."),
     ("--sparsehi-dense-layers", "dense_layers", str,
      "Comma-separated layers that attend densely (their whole context stays on the GPU for each sparse request); "
      "default: none, every layer sparse."),

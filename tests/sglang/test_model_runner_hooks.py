@@ -478,6 +478,44 @@ def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
             torch.testing.assert_close(got[i], want[i], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("host_kv_dtype", ["auto", "fp8_e4m3"])
+def test_a_raising_decode_forward_keeps_the_page_a_row_is_filling(host_kv_dtype):
+    """With whole SGLang pages the newest page of a registered row is partly filled; an FP8
+    host pool has no record of it yet (pages are stored once complete). When a decode
+    forward raises and the row goes back to SGLang's path, that page must stay on the GPU
+    with its KV (bf16 host pools hold every token, FP8 ones do not)."""
+    world = World(sparse_config(host_kv_dtype=host_kv_dtype), sgl_page=PS)
+    gen = torch.Generator().manual_seed(15)
+    layers = qkv(50, gen)  # the last page holds positions 48 and 49 only
+    world.run(world.extend([1], [50]), layers)
+    keys = [k for _, k, _ in layers]
+    step = qkv(1, gen)
+    world.run(world.decode([1], [51]), step)  # registered; position 50 into the same page
+    keys = [torch.cat([keys[i], step[i][1]]) for i in range(L)]
+    bridge, coord = world.bridge, world.bridge.coord
+    assert bridge.registered[1]
+    real = coord.attention_end
+
+    def failing(layer, *a, **kw):
+        if layer == 1:
+            raise RuntimeError("device fault")
+        return real(layer, *a, **kw)
+
+    coord.attention_end = failing
+    with pytest.raises(RuntimeError, match="device fault"):
+        world.run(world.decode([1], [52]), qkv(1, gen))
+    coord.attention_end = real
+    assert bridge.declined[1] and not bridge.registered[1]
+    vids = world.req_pool.req_to_token[1, 48:51].long()
+    phys = bridge.residency.physical_slots(vids, PS)
+    assert (phys >= 0).all()
+    for i in range(L):
+        got = bridge.device_pool.get_key_buffer(i)[phys].reshape(3, HKV * D)
+        torch.testing.assert_close(got, keys[i][48:51], rtol=0, atol=0)
+    # the pins: the whole context once, nothing left of the slot's own pin
+    assert bridge.residency.counts()["pinned"] == -(-51 // PS)
+
+
 def test_decode_batches_carry_the_schedulers_host_rows():
     """SGLang's ``ForwardBatch.init_new`` keeps ``req_pool_indices_cpu`` for extend batches
     only; the plugin's hook on it (applied by ``load_plugins()``) keeps the scheduler

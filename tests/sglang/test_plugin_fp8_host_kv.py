@@ -151,7 +151,7 @@ def test_fp8_host_pool_is_sized_by_fp8_bytes(monkeypatch):
 def test_fp8_needs_sglang_page_size_equal_to_the_sparse_page_size():
     """Refused at start-up (options) and when the bridge is built, naming both flags."""
     cfg = sparse_config(host_kv_dtype=FP8)
-    with pytest.raises(ValueError, match=r"--page-size 1 and --sparsehi-page-size 4.*allowed: --page-size 4"):
+    with pytest.raises(ValueError, match=r"is 1 and --sparsehi-page-size is 4.*allowed: --page-size 4"):
         World(cfg, sgl_page=1)
     parser = argparse.ArgumentParser()
     options.add_arguments(parser)
