@@ -151,6 +151,53 @@ def test_the_fp8_decode_kernel_reads_the_uint8_rows(monkeypatch):
     assert generate("sparse-gpu", sc, prompts, steps=4).tokens == hier.tokens
 
 
+def _shared_prompts(n=200, shared=150):
+    first, tail = prompts_of((n, n - shared), seed=7)
+    return first, first[:shared] + tail
+
+
+def _generate_one(runner, prompt, steps=12):
+    (req,) = runner.new_requests([prompt])
+    runner.prefill(req)
+    for _ in range(steps):
+        runner.decode_step([req])
+    runner.mode.end_request(req)
+    return req.output, req.prefix_hit
+
+
+@pytest.mark.parametrize("tier", ["host", "l3"])
+def test_a_reused_prefix_of_fp8_rows_generates_what_a_cold_run_does(tier, tmp_path):
+    """The prefix comes back as bytes (host pool, or L3 into a fresh runner's empty host
+    pool) and the prefill attends its dequantised rows: the cold run's tokens."""
+    from hicache.storage.base import StorageConfig
+    from hicache.storage.file_store import FileStorage
+    from hicache.storage_controller import StoragePolicy
+
+    first, second = _shared_prompts()
+    sc = sparse()
+
+    def runner(**kw):
+        return ModelRunner(model_for(), runtime("sparse-hier", sc, [first], 13, host_layout="page_first", **kw))
+
+    def store():
+        return FileStorage(StorageConfig(is_mla=True, model_name="fp8-rows", extra={"file_path": str(tmp_path)}))
+
+    l3 = dict(storage_policy=StoragePolicy(prefetch_policy="wait_complete", prefetch_threshold=16))
+    warm = runner(**({"storage": store(), **l3} if tier == "l3" else {}))
+    warm.generate([first], 4)
+    if tier == "l3":
+        assert warm.mode.l3_stats()["l3_pages_written"] >= 200
+        warm.mode.close()
+        warm = runner(storage=store(), **l3)  # an empty host pool: only L3 has the prefix
+    tokens, hit = _generate_one(warm, second)
+    assert hit == 150
+    if tier == "l3":
+        assert warm.mode.l3_stats()["l3_hit_tokens"] == 150
+        warm.mode.close()
+    cold_tokens, cold_hit = _generate_one(runner(prefix_cache=False), second)
+    assert cold_hit == 0 and tokens == cold_tokens
+
+
 def test_dense_mode_attends_the_fp8_rows_like_sparse_gpu_with_k_covering_the_context():
     prompts = prompts_of((60, 45), seed=6)
     sc = sparse(top_k=128, device_buffer_size=128, sink_tokens=0, recent_tokens=1)
