@@ -50,6 +50,10 @@ class DeviceKVPool:
     ``layer_buffers(l)`` are views ``[num_slots, heads, dim]`` (MHA: k, v; MLA: kv), the
     contract attention backends use. Keeping all layers in one tensor lets one kernel
     launch address any layer/buffer from a single base pointer.
+
+    An MLA spec of FP8 latent rows (``KVCacheSpec.mla_fp8``) makes ``kv_data`` uint8 rows
+    of the FP8 layout: ``set_kv`` takes rows already quantised, and only readers that know
+    the layout (the sparse MLA decode kernel, a dequantising reader) may read them.
     """
 
     def __init__(self, spec: KVCacheSpec, num_slots: int, device: torch.device | str):
@@ -84,7 +88,8 @@ class DeviceKVPool:
         return self.kv_data[0, layer]
 
     def get_value_buffer(self, layer: int) -> torch.Tensor:
-        """MHA: v. MLA: the latent part ``kv[..., :kv_lora_rank]`` (a view)."""
+        """MHA: v. MLA: the latent part ``kv[..., :kv_lora_rank]`` (a view; FP8 latent rows:
+        the latent's E4M3 bytes, without their scales)."""
         self._check_layer(layer)
         if self.spec.attention == "mha":
             return self.kv_data[1, layer]
@@ -101,8 +106,12 @@ class DeviceKVPool:
     # --- writes ------------------------------------------------------------------------
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Write ``k``/``v`` ``[N, heads, dim]`` (MLA: ``kv`` as ``k``, ``v`` None) at ``slots``
-        ``int64 [N]``. Values are cast to the pool dtype."""
+        ``int64 [N]``. Values are cast to the pool dtype; FP8 latent rows take uint8 rows
+        (``quantize_mla_latents``), never values to cast."""
         self._check_layer(layer)
+        if self.spec.fp8_latent_rows and getattr(k, "dtype", None) != torch.uint8:
+            raise ValueError(f"k must be uint8 FP8 latent rows [N, 1, {self.spec.head_dim}] for "
+                             f"kv_cache_dtype='fp8_e4m3' (quantise the latents first), got {getattr(k, 'dtype', k)}")
         check_slots(slots, "slots", self.num_slots, (self.device, torch.device("cpu")))
         n = slots.numel()
         want = (n, self.spec.kv_heads, self.spec.head_dim)

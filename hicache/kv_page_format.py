@@ -11,6 +11,11 @@ scales travel in the page, after its values:
 so an FP8 page read from L3 describes itself. The format is part of the page's identity
 (``namespace_tag``): an L3 namespace of FP8 pages is never read as the model's dtype.
 
+A KV cache of FP8 latent rows (``KVCacheSpec.kv_cache_dtype="fp8_e4m3"``, MLA) keeps its
+pages as they are on the GPU, ``[layers, 1, page_size, 1, row_bytes]`` uint8: each row carries
+its own scales, so the page has none (and ``host_kv_dtype="fp8_e4m3"`` is refused there);
+its namespace tag is ``kv-mla-fp8e4m3-t128``.
+
 Only complete pages are quantised (a page's scale depends on all its tokens); the tokens of
 a page still being filled stay in the model's dtype on the GPU until it is complete.
 """
@@ -39,6 +44,10 @@ class KVPageFormat:
 
     def __post_init__(self) -> None:
         check_host_kv_dtype(self.host_kv_dtype)
+        if self.quantized and self.spec.fp8_latent_rows:
+            raise ValueError("host_kv_dtype='fp8_e4m3' cannot be combined with kv_cache_dtype='fp8_e4m3': the KV "
+                             "cache's latent rows are FP8 already and go to host and L3 as they are; use "
+                             "host_kv_dtype='auto'")
         if self.quantized and self.spec.dtype not in _FP8_SOURCE_DTYPES:
             raise ValueError(f"host_kv_dtype='fp8_e4m3' needs a model KV dtype in {_FP8_SOURCE_DTYPES}, "
                              f"got {self.spec.dtype}")
@@ -84,7 +93,10 @@ class KVPageFormat:
     @property
     def namespace_tag(self) -> str:
         """Names the page format in an L3 namespace: ``kv-<dtype>`` or ``kv-fp8e4m3-p2s``
-        (power-of-two scales per layer, buffer and head)."""
+        (power-of-two scales per layer, buffer and head); ``kv-mla-fp8e4m3-t128`` for FP8
+        latent rows (power-of-two scales per 128 latent values, in each row)."""
+        if self.spec.fp8_latent_rows:
+            return "kv-mla-fp8e4m3-t128"
         if self.quantized:
             return "kv-fp8e4m3-p2s"
         return "kv-" + str(self.spec.dtype).removeprefix("torch.")

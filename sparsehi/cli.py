@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from hicache.config import HOST_LAYOUTS, HiCacheConfig, check_layout_io
-from hicache.host_kv_dtype import HOST_KV_DTYPES
+from hicache.host_kv_dtype import HOST_KV_DTYPES, KV_CACHE_DTYPES
 from sparsehi.config import IO_BACKENDS, SparseConfig
 from sparsehi.kernels.lru_diff import MAX_SLOTS
 
@@ -17,7 +17,7 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 _FLAG_OF = {"device_buffer_size": "--buffer-size", "top_k": "--top-k", "page_size": "--page-size",
             "sink_tokens": "--sink-tokens", "recent_tokens": "--recent-tokens", "io_backend": "--io-backend",
             "host_to_device_ratio": "--hicache-ratio", "host_kv_dtype": "--host-kv-dtype",
-            "lookahead_tokens": "--lookahead-tokens"}
+            "lookahead_tokens": "--lookahead-tokens", "kv_cache_dtype": "--kv-cache-dtype"}
 
 
 def _positive(name: str):
@@ -153,6 +153,8 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="KV in the host pool and L3: auto (the model's dtype, the default) or fp8_e4m3 (E4M3 pages "
                         "with per-page, per-head power-of-two scales: half the host and PCIe bytes; the host layout "
                         "defaults to page_first; also spelt --hicache-host-kv-dtype)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the KV cache on GPU, host "
+                   "and L3: auto or fp8_e4m3 (MLA: FP8 latent rows, FlashMLA's layout; docs/fp8_host_kv.md)")
     HiCacheConfig.add_cli_args(p)
     # The layout and io flags above are the same settings under SGLang's names: unset here,
     # so _hicache_config can tell a given flag from a default and reject two that disagree.
@@ -266,7 +268,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
         parser.error(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
     if not (device == "cpu" or device.startswith("cuda")):
         parser.error(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
-    dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    fp8_rows = args.kv_cache_dtype == "fp8_e4m3"  # the FP8 decode kernel's dots run in bf16 / fp16: its default
+    dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.startswith("cuda") or fp8_rows else torch.float32)
     if args.model_path is None:
         family = get_model_config(args.model).family
     else:
@@ -274,6 +277,9 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
             family = check_hf_checkpoint(args.model_path).family
         except CheckpointError as e:
             _fail(parser, f"--model-path {e}")
+    if fp8_rows and (family != "mla" or "offload-full" in (args.modes or ())):
+        parser.error("--kv-cache-dtype fp8_e4m3 is for MLA models in the modes dense, sparse-gpu and sparse-hier "
+                     "(FP8 host KV for GQA models: --host-kv-dtype fp8_e4m3)")
     algorithm = args.algorithm if args.algorithm != "auto" else ("dsa" if family == "mla" else "quest")
     page = args.page_size or (1 if family == "mla" else 16)
     if family == "mla" and page != 1:
@@ -286,7 +292,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
         sc = SparseConfig(algorithm=algorithm, top_k=top_k, device_buffer_size=buf, page_size=page,
                           min_sparse_prompt_len=0, sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens,
                           io_backend=args.io_backend, host_kv_dtype=args.host_kv_dtype,
-                          lookahead_tokens=args.lookahead_tokens, **ratio)
+                          lookahead_tokens=args.lookahead_tokens, kv_cache_dtype=args.kv_cache_dtype, **ratio)
     except ValueError as e:
         msg = str(e)
         for field_name, flag in _FLAG_OF.items():
@@ -313,7 +319,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, context_
     except ValueError as e:
         _fail(parser, f"--output-dir {e}")
     if args.adapter is None:
-        args.adapter = "auto" if device.startswith("cuda") else "none"
+        args.adapter = "auto" if device.startswith("cuda") or fp8_rows else "none"
     return device, dtype, sc
 
 
@@ -392,7 +398,7 @@ def _check_host_size(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, max_num_reqs=batch, max_context_len=max_context_len,
                        host_kv_gb=hc.hicache_size, host_layout=args.host_layout)
     try:
-        kv = host_token_bytes(mcfg, dtype, sc.host_kv_dtype, sc.page_size)
+        kv = host_token_bytes(mcfg, dtype, sc.host_kv_dtype, sc.page_size, sc.kv_cache_dtype)
         rt.host_tokens(kv + mcfg.num_layers * state, mcfg.name)
     except ValueError as e:
         parser.error(str(e))
@@ -547,7 +553,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from sparsehi.runtime.runtime_config import RUNTIME_MODES
     from sparsehi.runtime.weights import CheckpointError
 
-    modes = args.modes or list(RUNTIME_MODES)
+    modes = args.modes or [m for m in RUNTIME_MODES if m != "offload-full" or args.kv_cache_dtype == "auto"]
     try:
         if args.command == "run":
             from sparsehi.runtime.demo import RUN_FILES, DemoConfig, run_demo

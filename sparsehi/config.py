@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 SPARSE_BACKENDS = ("flashattention", "triton", "dsa")
 from hicache.config import IO_BACKENDS  # noqa: E402  (defined once, in hicache)
-from hicache.host_kv_dtype import HOST_KV_DTYPES  # noqa: E402
+from hicache.host_kv_dtype import HOST_KV_DTYPES, KV_CACHE_DTYPES  # noqa: E402
 from sparsehi.kernels.lru_diff import MAX_SLOTS  # noqa: E402  (the kernel's limit)
 
 
@@ -75,6 +75,13 @@ class SparseConfig:
     (E4M3 pages with one power-of-two scale per layer, buffer and head; half the bytes).
     Complete pages are quantised once, and their GPU copies rounded to the stored values;
     ``sparse-gpu`` with ``fp8_e4m3`` rounds its pages the same way (the exact reference)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's own format, on the GPU, in host memory and in L3 (SGLang's
+    ``--kv-cache-dtype``): ``auto`` (the model's dtype) or ``fp8_e4m3`` (MLA models with the
+    ``dsa`` algorithm: each token's latent row quantised once, when it is stored, to the
+    DeepSeek-V3.2 / FlashMLA FP8 layout, 656 bytes for 512 + 64; the sparse MLA decode
+    kernel reads those bytes, and offload and swap-in move them unchanged). Not with
+    ``host_kv_dtype="fp8_e4m3"`` (the rows are FP8 already). docs/fp8_host_kv.md."""
     lookahead_tokens: int = 0
     """Hierarchical mode: after each sparse layer's selection, the pages ranked just after
     ``top_k`` (this many tokens of them, whole pages) that are not in the layer's GPU buffer
@@ -152,6 +159,14 @@ class SparseConfig:
         if self.host_kv_dtype == "fp8_e4m3" and self.io_backend != "kernel":
             bad("host_kv_dtype", "'auto' with io_backend='direct' (FP8 pages are read and written by the kernel "
                                  "io backend's copy kernels)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.host_kv_dtype != "auto":
+            bad("kv_cache_dtype", "'auto' with host_kv_dtype='fp8_e4m3' (FP8 latent rows are FP8 already and go to "
+                                  "host as they are: keep host_kv_dtype='auto')")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.algorithm != "dsa":
+            bad("kv_cache_dtype", f"'auto' with algorithm={self.algorithm!r}: FP8 latent rows are for the 'dsa' "
+                                  "algorithm (it selects by its index keys; other algorithms read the stored keys)")
         if not _is_int(self.lookahead_tokens) or self.lookahead_tokens < 0 or self.lookahead_tokens % self.page_size:
             bad("lookahead_tokens", f"an integer >= 0, a multiple of page_size={self.page_size} (tokens; not a bool)")
         if self.lookahead_tokens and self.top_k + self.lookahead_tokens > self.device_buffer_size:

@@ -61,6 +61,9 @@ class SparseCoordinator:
         self.mode = mode
         self.validate = validate
         self.device_pool = device_pool
+        if device_pool.spec.fp8_latent_rows and adapter is None:
+            raise ValueError("adapter must be given for a device pool of FP8 latent rows (kv_cache_dtype='fp8_e4m3'): "
+                             "the dsa adapter's sparse MLA decode reads them; the torch fallback cannot")
         num_layers = device_pool.spec.num_layers
         self.num_layers = num_layers
         if config.dense_layers is not None and any(x >= num_layers for x in config.dense_layers):

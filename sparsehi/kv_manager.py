@@ -119,6 +119,10 @@ class SparseKVCacheManager:
             raise ValueError("mode='hierarchical' needs host_pool (a hicache.host_pool.HostKVPool)")
         if host_pool is not None and host_pool.page_size != device_pool.page_size:
             raise ValueError(f"host_pool.page_size={host_pool.page_size} must equal device_pool.page_size={device_pool.page_size}")
+        if config.kv_cache_dtype != device_pool.spec.kv_cache_dtype:
+            raise ValueError(f"SparseConfig.kv_cache_dtype={config.kv_cache_dtype!r} but the device pool holds "
+                             f"kv_cache_dtype={device_pool.spec.kv_cache_dtype!r} rows (KVCacheSpec.mla_fp8 builds "
+                             f"the FP8 latent pool)")
         num_layers = device_pool.spec.num_layers
         self.sparse_layers = tuple(sorted(set(int(x) for x in sparse_layers)))
         if any(not 0 <= x < num_layers for x in self.sparse_layers):

@@ -63,6 +63,12 @@ def test_help_explains_every_option(capsys):
     (["run", "--top-k", "256", "--buffer-size", "512", "--lookahead-tokens", "512"],
      "--lookahead-tokens=512 is invalid: at most --buffer-size - --top-k = 256"),
     (["run", "--lookahead-tokens", "-16"], "--lookahead-tokens must be >= 0"),
+    (["run", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["run", "--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3 is for MLA models"),
+    (["run", "--model", "tiny-dsa-fp8", "--kv-cache-dtype", "fp8_e4m3", "--modes", "offload-full"],
+     "--kv-cache-dtype fp8_e4m3 is for MLA models in the modes dense, sparse-gpu and sparse-hier"),
+    (["run", "--model", "tiny-dsa-fp8", "--kv-cache-dtype", "fp8_e4m3", "--host-kv-dtype", "fp8_e4m3"],
+     "--kv-cache-dtype='fp8_e4m3' is invalid: 'auto' with --host-kv-dtype='fp8_e4m3'"),
 ])
 def test_bad_options_get_clear_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -178,6 +184,22 @@ def test_run_writes_table_json_and_plot(tmp_path, capsys):
     assert (out / "run.png").stat().st_size > 1000
     for mode in rows:
         assert mode in text
+
+
+def test_run_with_fp8_latent_rows(tmp_path):
+    """``--kv-cache-dtype fp8_e4m3`` on an MLA model: bf16 and the dsa adapter by default,
+    offload-full left out of the default modes, sparse-hier as sparse-gpu, FP8 row bytes."""
+    out = tmp_path / "o"
+    rc = main(["run", "--model", "tiny-dsa-fp8", "--kv-cache-dtype", "fp8_e4m3", "--context", "96", "--batch", "1",
+               "--decode-tokens", "4", "--num-layers", "2", "--top-k", "32", "--sink-tokens", "8", "--recent-tokens",
+               "8", "--device", "cpu", "--output-dir", str(out), "--no-progress", "--no-forced"])
+    assert rc == 0
+    rows = {r["mode"]: r for r in json.loads((out / "run.json").read_text())["rows"]}
+    assert set(rows) == {"dense", "sparse-gpu", "sparse-hier"}
+    assert rows["sparse-hier"]["agree_sparse_gpu"] == 1.0
+    assert rows["sparse-hier"]["hit_rate"] < 1.0
+    # the host pool held 100 tokens x 2 layers of 164-byte rows (bf16 would be 288 bytes)
+    assert rows["sparse-hier"]["host_kv_mib"] * 2 ** 20 == pytest.approx(100 * 2 * 164)
 
 
 def _tiny_checkpoint(path) -> None:

@@ -103,6 +103,24 @@ def test_captured_step_replays_its_eager_step(mode, name, kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "sparse-gpu", "sparse-hier"])
+def test_captured_step_over_fp8_latent_rows_replays_its_eager_step(mode):
+    """``kv_cache_dtype='fp8_e4m3'``: the step quantises the new token's latent row inside
+    the graph (no host sync, fixed shapes) and attends the uint8 rows; replay == eager."""
+    sc = SparseConfig(min_sparse_prompt_len=0, kv_cache_dtype="fp8_e4m3", **DSA)
+    prompts = _prompts((300, 333, 290))
+    res = {}
+    for graph in (True, False):
+        runner = _runner("tiny-dsa-fp8", mode, sc, prompts, graph)
+        res[graph] = runner.generate(prompts, STEPS)
+        assert runner.mode.pool.kv_data.dtype == torch.uint8
+        assert bool(runner.graphs.captured) == graph
+    assert res[True].tokens == res[False].tokens
+    if mode == "sparse-hier":
+        assert res[True].stats["misses"] == res[False].stats["misses"] > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["sparse-gpu", "sparse-hier"])
 def test_captured_step_with_a_dense_row(mode):
     """A short prompt (< min_sparse_prompt_len) in the batch: the dense-row graph key of the

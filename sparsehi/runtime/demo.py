@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from hicache.host_kv_dtype import kv_cache_namespace_suffix
 from hicache.kv_page_format import namespace_suffix
 from sparsehi.runtime.checkpoint_identity import check_identity_mode, load_with_identity
 from sparsehi.runtime.model_config import ModelConfig
@@ -66,11 +67,12 @@ def l3_model_name(cfg: DemoConfig, mcfg: ModelConfig, checkpoint: Optional[str])
     model part is a built-in model's fixed name, or a checkpoint's directory name and its
     digest ``checkpoint`` (``checkpoint_identity.checkpoint_digest``), so two checkpoints
     never read each other's pages; then layers, dtype, page size, host layout and, for FP8
-    host KV, the page format (an FP8 page is never read as the model's dtype)."""
+    host KV or FP8 latent rows, the page format (an FP8 page is never read as the model's
+    dtype)."""
     model = mcfg.name if checkpoint is None else f"{mcfg.name}-{checkpoint[:32]}"
     dtype = str(cfg.dtype).replace("torch.", "")
     name = f"{model}-L{mcfg.num_layers}-{dtype}-p{cfg.sparse.page_size}-{cfg.host_layout}"
-    return name + namespace_suffix(cfg.sparse.host_kv_dtype)
+    return name + namespace_suffix(cfg.sparse.host_kv_dtype) + kv_cache_namespace_suffix(cfg.sparse.kv_cache_dtype)
 
 
 def _l3_backend(cfg: DemoConfig, name: str, is_mla: bool) -> tuple[Any, Any]:

@@ -63,6 +63,9 @@ def lmcache_interop_for(storage: Any, spec: KVCacheSpec, host: Any) -> Optional[
     path = getattr(storage, "interop_model_path", None)
     if not path:
         return None
+    if spec.fp8_latent_rows:
+        raise ValueError("interop_model_path needs KV in the model's dtype (LMCache's chunks hold it), got "
+                         "kv_cache_dtype='fp8_e4m3' (FP8 latent rows)")
     if host.kv_format.quantized:
         raise ValueError(f"interop_model_path needs host KV pages of the model's dtype (LMCache's chunks hold "
                          f"{spec.dtype}), got --host-kv-dtype {host.kv_format.host_kv_dtype}")

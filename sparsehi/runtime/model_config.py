@@ -129,6 +129,14 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         note="CPU-sized DeepSeek-V3.2-style MLA + lightning indexer (3 layers, 4 heads, "
              "kv_lora_rank 64, rope 16), fixed-seed random weights",
     ),
+    "tiny-dsa-fp8": ModelConfig(
+        name="tiny-dsa-fp8", family="mla", vocab_size=512, hidden_size=128, num_layers=3,
+        num_heads=4, intermediate_size=256, q_lora_rank=128, kv_lora_rank=128,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4,
+        index_head_dim=32, rope_theta=1e6, **_TINY_PEAKY,
+        note="tiny-dsa with kv_lora_rank 128 (and q_lora_rank 128), the smallest latent the FP8 "
+             "latent rows take (one scale per 128 values; --kv-cache-dtype fp8_e4m3)",
+    ),
     "llama-8b-shape": ModelConfig(
         name="llama-8b-shape", family="gqa", vocab_size=32000, hidden_size=4096, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=4096, rope_theta=500000.0,

@@ -18,6 +18,7 @@ from hicache.kv_spec import KVCacheSpec
 from hicache.req_to_token import ReqToTokenPool
 from sparsehi.kernels.store_kv import store_kv
 from sparsehi.runtime.attention import causal_attention
+from sparsehi.runtime.kv_cache_format import check_runtime_kv_cache_dtype, kv_cache_spec, readable_kv, stored_kv
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.runtime_config import RuntimeConfig, round_up
 from sparsehi.runtime.profiling import SectionTimer
@@ -65,20 +66,16 @@ class Request:
 
 
 def kv_spec_for(cfg: ModelConfig, rt: RuntimeConfig) -> KVCacheSpec:
-    return _kv_spec(cfg, rt.dtype, rt.page_size)
+    return kv_cache_spec(cfg, rt.dtype, rt.page_size, rt.sparse.kv_cache_dtype)
 
 
-def _kv_spec(cfg: ModelConfig, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
-    kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
-    return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
-                       head_dim=cfg.cache_head_dim, dtype=dtype, page_size=page_size, **kw)
-
-
-def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype, host_kv_dtype: str = "auto", page_size: int = 1) -> int:
+def host_token_bytes(cfg: ModelConfig, dtype: torch.dtype, host_kv_dtype: str = "auto", page_size: int = 1,
+                     kv_cache_dtype: str = "auto") -> int:
     """Host pool bytes of one token of ``cfg`` (all layers; FP8 pages: values and the page's
-    scales over its ``page_size`` tokens, rounded up): what ``--hicache-size`` GB are divided
-    by to size the host pool of a host mode."""
-    return -(-KVPageFormat(_kv_spec(cfg, dtype, page_size), host_kv_dtype).page_bytes // page_size)
+    scales over its ``page_size`` tokens, rounded up; FP8 latent rows: their bytes): what
+    ``--hicache-size`` GB are divided by to size the host pool of a host mode."""
+    spec = kv_cache_spec(cfg, dtype, page_size, kv_cache_dtype)
+    return -(-KVPageFormat(spec, host_kv_dtype).page_bytes // page_size)
 
 
 def free_page_row(allocator, row: np.ndarray) -> None:
@@ -103,6 +100,7 @@ class RuntimeMode:
         self.rt = rt
         self.device = torch.device(rt.device)
         self._page_entries: Optional[np.ndarray] = None  # prepare_decode -> take_page_entries
+        check_runtime_kv_cache_dtype(rt.sparse.kv_cache_dtype, rt.mode, rt.adapter)
         self.spec = kv_spec_for(cfg, rt)
         n_dev = rt.device_kv_tokens or rt.auto_device_tokens()
         self.pool = DeviceKVPool(self.spec, round_up(n_dev, rt.page_size), self.device)
@@ -117,7 +115,7 @@ class RuntimeMode:
 
     def host_token_bytes(self) -> int:
         """Host pool bytes of one token (all layers), what ``--hicache-size`` is divided by."""
-        return host_token_bytes(self.cfg, self.rt.dtype)
+        return host_token_bytes(self.cfg, self.rt.dtype, kv_cache_dtype=self.rt.sparse.kv_cache_dtype)
 
     # -- accounting ---------------------------------------------------------------------
     def device_tokens_in_use(self) -> int:
@@ -172,12 +170,14 @@ class RuntimeMode:
         slots = req.device_slots[:n]
         new = slots[prefix_len:n]
         scale = self.cfg.sm_scale
+        spec = self.spec
 
         def attn(layer: int, q, k, v, extra):
             self.before_prefill_layer(req, layer)
-            self.pool.set_kv(layer, new, k, v)
-            kb = self.pool.get_key_buffer(layer)[slots]
-            vb = self.pool.get_value_buffer(layer)[slots]
+            self.pool.set_kv(layer, new, stored_kv(spec, k), v)
+            # FP8 latent rows: attend the stored values, dequantised here (decode reads the bytes)
+            kb = readable_kv(spec, self.pool.get_key_buffer(layer)[slots], k.dtype)
+            vb = kb[..., :spec.value_dim] if spec.fp8_latent_rows else self.pool.get_value_buffer(layer)[slots]
             o = causal_attention(q, kb, vb, scale, prefix_len, self.rt.batch_invariant)
             self.after_prefill_layer(req, layer, k, v, extra, prefix_len)
             return o
@@ -334,7 +334,7 @@ class DenseMode(RuntimeMode):
                 q = self.query_hook(layer, q, extra)
             bufs = self.pool.layer_buffers(layer)
             # one launch for k and v (set_kv validates slot ranges with a host sync per layer)
-            store_kv(bufs, new_slots, (k,) if mla else (k, v))
+            store_kv(bufs, new_slots, (stored_kv(self.spec, k),) if mla else (k, v))
             if not mla:
                 with self.timer.section("attention"):
                     return paged_decode(q, bufs[0], bufs[1], table, lens, page_size=ps, sm_scale=scale)

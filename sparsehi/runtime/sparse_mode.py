@@ -45,6 +45,7 @@ from hicache.transfer import KVTransferEngine
 from sparsehi.algorithms.registry import create_algorithm
 from sparsehi.coordinator import SparseCoordinator
 from sparsehi.forward_batch import ForwardBatch
+from sparsehi.runtime.kv_cache_format import stored_kv
 from sparsehi.runtime.l3_interop import LMCacheL3Interop, lmcache_interop_for
 from sparsehi.runtime.runtime_mode import Request, RuntimeMode, host_token_bytes
 from sparsehi.runtime.model_config import ModelConfig
@@ -173,7 +174,8 @@ class SparseCoordinatorMode(RuntimeMode):
 
     def host_kv_token_bytes(self) -> int:
         """Host bytes of one token's KV, all layers, in the host pool's page format."""
-        return host_token_bytes(self.cfg, self.rt.dtype, self.rt.sparse.host_kv_dtype, self.rt.page_size)
+        sc = self.rt.sparse
+        return host_token_bytes(self.cfg, self.rt.dtype, sc.host_kv_dtype, self.rt.page_size, sc.kv_cache_dtype)
 
     def extra_gpu_bytes(self) -> int:
         dp = self.coord.dense_pool
@@ -413,6 +415,7 @@ class SparseCoordinatorMode(RuntimeMode):
                 q = self.query_hook(layer, q, extra)
             if self.is_dsa:
                 plan = coord.attention_begin(layer, batch, q=extra["index_q"], weights=extra["index_w"])
+                k = stored_kv(self.spec, k)  # FP8 latent rows: quantised once, here; backed up as stored
                 plan.write_kv(k)
             else:
                 plan = coord.attention_begin(layer, batch, q=q)

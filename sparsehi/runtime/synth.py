@@ -47,6 +47,9 @@ def fill_random(pool: DeviceKVPool, slots: torch.Tensor, seed: int, first_positi
     """Random N(0, 1) KV of prompt positions ``[first_position, first_position + n)`` into
     ``slots [n]`` of every layer: the positions of block ``j`` (``kv_block_tokens`` of them)
     from a generator seeded by ``(seed, j)``. ``first_position`` starts a block."""
+    if pool.spec.fp8_latent_rows:
+        raise ValueError("random synthetic KV is not written as FP8 latent rows: synthetic prefill needs "
+                         "kv_cache_dtype='auto'")
     block = kv_block_tokens(pool.page_size)
     if first_position % block:
         raise ValueError(f"first_position={first_position} must be a multiple of {block} (a block of random KV)")

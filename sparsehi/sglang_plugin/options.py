@@ -145,6 +145,8 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     ``--enable-mixed-chunk`` puts decode rows in extend batches, which the plugin cannot
     follow; speculative decoding verifies drafts in batches the plugin cannot follow either,
     nor the split micro-batches of two-batch overlap or DP attention's padded batches.
+    A quantised ``--kv-cache-dtype`` (fp8 / fp4) is refused: the plugin's pools and copies
+    carry SGLang's KV in the model's dtype.
     """
     import logging
 
@@ -156,6 +158,11 @@ def check_sglang_features(ns: Any, cfg: SparseConfig) -> None:
     if getattr(ns, "speculative_algorithm", None) is not None:
         raise ValueError(f"--speculative-algorithm={ns.speculative_algorithm!r} cannot be used with "
                          f"--sparsehi-algorithm (draft verification batches); leave it unset")
+    kv_dtype = str(getattr(ns, "kv_cache_dtype", None) or "auto")
+    if kv_dtype.startswith(("fp8", "fp4")):
+        raise ValueError(f"--kv-cache-dtype={kv_dtype!r} cannot be used with --sparsehi-algorithm (the plugin moves "
+                         f"SGLang's KV in the model's dtype; FP8 latent rows end to end are the sparsehi runtime's "
+                         f"--kv-cache-dtype fp8_e4m3, FP8 host KV here is --sparsehi-host-kv-dtype); allowed: auto")
     if getattr(ns, "enable_two_batch_overlap", False):
         raise ValueError("--enable-two-batch-overlap cannot be used with --sparsehi-algorithm (its layers run on "
                          "split micro-batches the plugin cannot follow); leave it off")

@@ -130,6 +130,14 @@ def test_two_batch_overlap_and_dp_attention_are_refused():
     _parse(["--enable-two-batch-overlap"])  # without sparsehi: SGLang's business
 
 
+def test_quantised_kv_cache_is_refused():
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype='fp8_e4m3' cannot be used with --sparsehi-algorithm.*"
+                                         r"allowed: auto"):
+        _parse(["--sparsehi-algorithm", "quest", "--kv-cache-dtype", "fp8_e4m3"])
+    _parse(["--sparsehi-algorithm", "quest", "--kv-cache-dtype", "auto"])
+    _parse(["--kv-cache-dtype", "fp8_e4m3"])  # without sparsehi: SGLang's business
+
+
 def test_mixed_chunk_is_refused():
     with pytest.raises(ValueError, match="--enable-mixed-chunk"):
         _parse(["--sparsehi-algorithm", "quest", "--enable-mixed-chunk"])
