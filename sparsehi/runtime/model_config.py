@@ -113,6 +113,15 @@ class ModelConfig:
 
 _TINY_PEAKY = dict(qk_tie=0.9, qk_gain=2.5, mix_gain=0.5)
 
+_TINY_DSA = ModelConfig(
+    name="tiny-dsa", family="mla", vocab_size=512, hidden_size=128, num_layers=3,
+    num_heads=4, intermediate_size=256, q_lora_rank=64, kv_lora_rank=64,
+    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4,
+    index_head_dim=32, rope_theta=1e6, **_TINY_PEAKY,
+    note="CPU-sized DeepSeek-V3.2-style MLA + lightning indexer (3 layers, 4 heads, "
+         "kv_lora_rank 64, rope 16), fixed-seed random weights",
+)
+
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
     "tiny-gqa": ModelConfig(
         name="tiny-gqa", family="gqa", vocab_size=512, hidden_size=128, num_layers=8,
@@ -121,19 +130,9 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         note="CPU-sized GQA (8 layers, 4 q / 2 kv heads, d=32), fixed-seed random weights with "
              "tied, scaled q/k projections so attention is peaky",
     ),
-    "tiny-dsa": ModelConfig(
-        name="tiny-dsa", family="mla", vocab_size=512, hidden_size=128, num_layers=3,
-        num_heads=4, intermediate_size=256, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4,
-        index_head_dim=32, rope_theta=1e6, **_TINY_PEAKY,
-        note="CPU-sized DeepSeek-V3.2-style MLA + lightning indexer (3 layers, 4 heads, "
-             "kv_lora_rank 64, rope 16), fixed-seed random weights",
-    ),
-    "tiny-dsa-fp8": ModelConfig(
-        name="tiny-dsa-fp8", family="mla", vocab_size=512, hidden_size=128, num_layers=3,
-        num_heads=4, intermediate_size=256, q_lora_rank=128, kv_lora_rank=128,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4,
-        index_head_dim=32, rope_theta=1e6, **_TINY_PEAKY,
+    "tiny-dsa": _TINY_DSA,
+    "tiny-dsa-fp8": replace(
+        _TINY_DSA, name="tiny-dsa-fp8", q_lora_rank=128, kv_lora_rank=128,
         note="tiny-dsa with kv_lora_rank 128 (and q_lora_rank 128), the smallest latent the FP8 "
              "latent rows take (one scale per 128 values; --kv-cache-dtype fp8_e4m3)",
     ),
