@@ -440,6 +440,23 @@ def test_mla_split_rope_form_equals_the_joined_row():
                                  world.decode([1], [n + 1]))
 
 
+@contextmanager
+def attention_end_raising_at_layer_1(coord):
+    """The coordinator's attention end raises at layer 1 (a fault part-way through a forward)."""
+    real = coord.attention_end
+
+    def failing(layer, *a, **kw):
+        if layer == 1:
+            raise RuntimeError("device fault")
+        return real(layer, *a, **kw)
+
+    coord.attention_end = failing
+    try:
+        yield
+    finally:
+        coord.attention_end = real
+
+
 def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
     """A decode forward raises after its first layers (here: the coordinator's attention end
     of layer 1): the rows of that step leave the coordinator (host pages given back) and
@@ -455,18 +472,9 @@ def test_a_decode_forward_raising_part_way_hands_its_rows_to_sglangs_path():
         w.run(w.decode([1], [51]), layers, hooked=w is world)
     assert world.bridge.registered[1] and world.bridge.residency.counts()["resident"] == 1
     coord = world.bridge.coord
-    real = coord.attention_end
-
-    def failing(layer, *a, **kw):
-        if layer == 1:
-            raise RuntimeError("device fault")
-        return real(layer, *a, **kw)
-
-    coord.attention_end = failing
     step, fb = qkv(1, gen), world.decode([1], [52])
-    with pytest.raises(RuntimeError, match="device fault"):
+    with attention_end_raising_at_layer_1(coord), pytest.raises(RuntimeError, match="device fault"):
         world.run(fb, step)
-    coord.attention_end = real
     assert not world.bridge.registered[1] and world.bridge.declined[1]
     assert 1 not in coord.live_rows() and len(world.bridge.free_slots) == world.bridge.max_sparse
     assert world.bridge.residency.counts()["pinned"] == 52  # brought back to the GPU for SGLang's path
@@ -492,19 +500,10 @@ def test_a_raising_decode_forward_keeps_the_page_a_row_is_filling(host_kv_dtype)
     step = qkv(1, gen)
     world.run(world.decode([1], [51]), step)  # registered; position 50 into the same page
     keys = [torch.cat([keys[i], step[i][1]]) for i in range(L)]
-    bridge, coord = world.bridge, world.bridge.coord
+    bridge = world.bridge
     assert bridge.registered[1]
-    real = coord.attention_end
-
-    def failing(layer, *a, **kw):
-        if layer == 1:
-            raise RuntimeError("device fault")
-        return real(layer, *a, **kw)
-
-    coord.attention_end = failing
-    with pytest.raises(RuntimeError, match="device fault"):
+    with attention_end_raising_at_layer_1(bridge.coord), pytest.raises(RuntimeError, match="device fault"):
         world.run(world.decode([1], [52]), qkv(1, gen))
-    coord.attention_end = real
     assert bridge.declined[1] and not bridge.registered[1]
     vids = world.req_pool.req_to_token[1, 48:51].long()
     phys = bridge.residency.physical_slots(vids, PS)
