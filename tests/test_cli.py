@@ -95,7 +95,10 @@ def test_default_sizes_stay_within_the_context(tmp_path, capsys):
     assert sc["top_k"] == 64 and sc["device_buffer_size"] == 112
     main(["run", "--context", "96", "--top-k", "64", "--buffer-size", "256", "--output-dir", str(tmp_path / "c"),
           *SMALL_RUN])
-    assert json.loads((tmp_path / "c" / "run.json").read_text())["sparse_config"]["device_buffer_size"] == 256
+    sc = json.loads((tmp_path / "c" / "run.json").read_text())["sparse_config"]
+    assert sc["device_buffer_size"] == 256
+    # the KV formats are part of what a result measured
+    assert (sc["host_kv_dtype"], sc["kv_cache_dtype"], sc["lookahead_tokens"]) == ("auto", "auto", 0)
 
 
 @pytest.fixture
@@ -194,7 +197,9 @@ def test_run_with_fp8_latent_rows(tmp_path):
                "--decode-tokens", "4", "--num-layers", "2", "--top-k", "32", "--sink-tokens", "8", "--recent-tokens",
                "8", "--device", "cpu", "--output-dir", str(out), "--no-progress", "--no-forced"])
     assert rc == 0
-    rows = {r["mode"]: r for r in json.loads((out / "run.json").read_text())["rows"]}
+    run = json.loads((out / "run.json").read_text())
+    assert run["sparse_config"]["kv_cache_dtype"] == "fp8_e4m3"  # the result names its KV format
+    rows = {r["mode"]: r for r in run["rows"]}
     assert set(rows) == {"dense", "sparse-gpu", "sparse-hier"}
     assert rows["sparse-hier"]["agree_sparse_gpu"] == 1.0
     assert rows["sparse-hier"]["hit_rate"] < 1.0

@@ -14,7 +14,7 @@ import torch
 
 from sparsehi.runtime.demo import CPU_THROUGHPUT_NOTE, make_prompts
 from sparsehi.runtime.runtime_config import RuntimeConfig
-from sparsehi.runtime.report import MIB, prepare_output_dir, write_json
+from sparsehi.runtime.report import MIB, RECORDED_SPARSE_FIELDS, prepare_output_dir, write_json
 from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import ModelRunner
 from sparsehi.runtime.weights import build_model
@@ -74,8 +74,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                       f"{'-' if hit is None else format(hit, '.3f'):>6} {row['gpu_kv_mib']:>11.2f} {row['host_kv_mib']:>11.2f}")
     payload = {"model": model.cfg.name, "model_note": model.cfg.note, "device": cfg.device,
                "device_name": torch.cuda.get_device_name() if str(cfg.device).startswith("cuda") else "cpu",
-               "sparse_config": {k: getattr(cfg.sparse, k) for k in ("algorithm", "top_k", "device_buffer_size",
-                                                                     "page_size")},
+               "sparse_config": {k: getattr(cfg.sparse, k) for k in RECORDED_SPARSE_FIELDS},
                "decode_tokens": cfg.decode_tokens, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     path = write_json(out / "bench.json", payload)
     print(f"wrote {path}")

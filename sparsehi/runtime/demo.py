@@ -23,7 +23,7 @@ from hicache.kv_page_format import namespace_suffix
 from sparsehi.runtime.checkpoint_identity import check_identity_mode, load_with_identity
 from sparsehi.runtime.model_config import ModelConfig
 from sparsehi.runtime.runtime_config import RuntimeConfig
-from sparsehi.runtime.report import (MIB, forced_agreement, free_running_agreement, plot_run,
+from sparsehi.runtime.report import (MIB, RECORDED_SPARSE_FIELDS, forced_agreement, free_running_agreement, plot_run,
                                      prepare_output_dir, summary_table, write_json)
 from sparsehi.runtime.run_setup import RunSetup
 from sparsehi.runtime.runner import GenerationResult, ModelRunner
@@ -297,8 +297,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "model": mcfg.name, "model_note": mcfg.note, "context": cfg.context, "batch": cfg.batch,
         "decode_tokens": cfg.decode_tokens, "device": str(cfg.device),
         "device_name": torch.cuda.get_device_name() if not on_cpu else "cpu",
-        "sparse_config": {k: getattr(cfg.sparse, k) for k in ("algorithm", "top_k", "device_buffer_size", "page_size",
-                                                              "sink_tokens", "recent_tokens", "io_backend")},
+        "sparse_config": {k: getattr(cfg.sparse, k) for k in RECORDED_SPARSE_FIELDS},
         "kernel_path": path_note, "rows": rows, "notes": notes,
         "per_step": {m: d.get("per_step") for m, d in per_mode.items() if d.get("per_step")},
         "tokens": {m: r.tokens for m, r in results.items()},

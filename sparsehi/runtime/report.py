@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 MIB = 1024 * 1024
+RECORDED_SPARSE_FIELDS = ("algorithm", "top_k", "device_buffer_size", "page_size", "sink_tokens", "recent_tokens",
+                          "io_backend", "host_kv_dtype", "kv_cache_dtype", "lookahead_tokens")
+"""The ``SparseConfig`` fields a run's result file (``run.json``, ``bench.json``) records,
+the storage formats among them, so a result says which KV format it measured."""
 
 
 def prepare_output_dir(path: str | os.PathLike, files: Sequence[str] = ()) -> Path:
