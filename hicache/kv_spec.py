@@ -10,6 +10,12 @@ from hicache.host_kv_dtype import check_kv_cache_dtype
 ATTENTION_KINDS = ("mha", "mla")
 FP8_LATENT_TILE = 128
 """Latent values per float32 scale in an FP8 latent row."""
+
+
+def fp8_latent_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one token's FP8 latent row: ``kv_lora_rank`` E4M3 values, a float32 scale per
+    ``FP8_LATENT_TILE`` of them, ``rope_dim`` bf16 values."""
+    return kv_lora_rank + 4 * (kv_lora_rank // FP8_LATENT_TILE) + 2 * rope_dim
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
 
 
@@ -42,7 +48,7 @@ class KVCacheSpec:
     def mla_fp8(cls, num_layers: int, kv_lora_rank: int, rope_dim: int, page_size: int) -> "KVCacheSpec":
         """The spec of an MLA cache of FP8 latent rows: ``kv_lora_rank + 4 * kv_lora_rank / 128
         + 2 * rope_dim`` uint8 bytes a token and layer."""
-        row = kv_lora_rank + 4 * (kv_lora_rank // FP8_LATENT_TILE) + 2 * rope_dim
+        row = fp8_latent_row_bytes(kv_lora_rank, rope_dim)
         return cls(attention="mla", num_layers=num_layers, kv_heads=1, head_dim=row, dtype=torch.uint8,
                    page_size=page_size, kv_lora_rank=kv_lora_rank, kv_cache_dtype="fp8_e4m3")
 
@@ -72,7 +78,7 @@ class KVCacheSpec:
             raise ValueError(f"kv_cache_dtype='fp8_e4m3' is for MLA caches of uint8 rows with kv_lora_rank a multiple "
                              f"of {FP8_LATENT_TILE} (KVCacheSpec.mla_fp8), got attention={self.attention!r}, "
                              f"dtype={self.dtype}, kv_lora_rank={r}")
-        rope_bytes = self.head_dim - r - 4 * (r // FP8_LATENT_TILE)
+        rope_bytes = self.head_dim - fp8_latent_row_bytes(r, 0)
         if rope_bytes <= 0 or rope_bytes % 4:
             raise ValueError(f"kv_cache_dtype='fp8_e4m3': head_dim={self.head_dim} bytes must be kv_lora_rank + "
                              f"kv_lora_rank / 32 + 2 * rope_dim with an even rope_dim > 0 (kv_lora_rank={r})")
@@ -88,7 +94,7 @@ class KVCacheSpec:
         if self.attention != "mla":
             raise ValueError("rope_dim is only defined for attention='mla'")
         if self.fp8_latent_rows:
-            return (self.head_dim - self.value_dim - 4 * (self.value_dim // FP8_LATENT_TILE)) // 2
+            return (self.head_dim - fp8_latent_row_bytes(self.value_dim, 0)) // 2
         return self.head_dim - self.value_dim
 
     @property

@@ -56,6 +56,18 @@ class MlaFp8Layout:
         if not isinstance(self.rope_dim, int) or self.rope_dim <= 0 or self.rope_dim % 2:
             raise ValueError(f"rope_dim must be a positive even int for the FP8 latent layout; got {self.rope_dim}")
 
+    @classmethod
+    def of_row(cls, kv_lora_rank: int, row_bytes: int, name: str = "row_bytes") -> "MlaFp8Layout":
+        """The layout whose rows are ``row_bytes`` bytes for ``kv_lora_rank`` latent values
+        (ValueError naming ``name`` where no even ``rope_dim > 0`` fits)."""
+        if not isinstance(kv_lora_rank, int) or kv_lora_rank <= 0 or kv_lora_rank % FP8_TILE:
+            raise ValueError(f"kv_lora_rank must be a positive multiple of {FP8_TILE}; got {kv_lora_rank}")
+        rope_bytes = row_bytes - kv_lora_rank - 4 * (kv_lora_rank // FP8_TILE)
+        if rope_bytes <= 0 or rope_bytes % 4:
+            raise ValueError(f"{name} must be kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * rope_dim (even "
+                             f"rope_dim > 0) for kv_lora_rank={kv_lora_rank}; got {row_bytes}")
+        return cls(kv_lora_rank, rope_bytes // 2)
+
     @property
     def num_tiles(self) -> int:
         return self.kv_lora_rank // FP8_TILE
@@ -125,13 +137,7 @@ def dequantize_mla_latents(packed: torch.Tensor, kv_lora_rank: int = 512) -> tor
     if not isinstance(packed, torch.Tensor) or packed.dim() < 1 or packed.dtype != torch.uint8:
         raise ValueError(f"packed must be a [..., bytes_per_token] uint8 tensor; got "
                          f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}")
-    if not isinstance(kv_lora_rank, int) or kv_lora_rank <= 0 or kv_lora_rank % FP8_TILE:
-        raise ValueError(f"kv_lora_rank must be a positive multiple of {FP8_TILE}; got {kv_lora_rank}")
-    rope_bytes = packed.shape[-1] - kv_lora_rank - 4 * (kv_lora_rank // FP8_TILE)
-    if rope_bytes <= 0 or rope_bytes % 4:
-        raise ValueError(f"packed's last dim must be kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * rope_dim (even "
-                         f"rope_dim > 0) for kv_lora_rank={kv_lora_rank}; got {packed.shape[-1]}")
-    layout = MlaFp8Layout(kv_lora_rank, rope_bytes // 2)
+    layout = MlaFp8Layout.of_row(kv_lora_rank, packed.shape[-1], name="packed's last dim")
     lead = packed.shape[:-1]
     n = math.prod(lead)
     flat = packed.reshape(n, packed.shape[-1])

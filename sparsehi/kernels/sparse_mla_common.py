@@ -14,7 +14,7 @@ import triton.language as tl
 
 from hicache.triton_support import cdiv
 from sparsehi.kernels.flash_decoding import FLOAT_DTYPES, MAX_SPLITS, fail, merge_splits, split_buffers
-from sparsehi.kernels.mla_fp8_latents import FP8_TILE, fp8_row_bytes
+from sparsehi.kernels.mla_fp8_latents import FP8_TILE, MlaFp8Layout, fp8_row_bytes
 
 
 def mla_num_splits(work_items: int, num_idx: int, block_n: int, num_sms: int) -> int:
@@ -100,9 +100,8 @@ def _check_fp8_rows(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int) -> Non
 def fp8_row_views(kv: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales [num_slots, Dl / 128] float32, rope [num_slots, rope_dim] bfloat16)`` views of
     the FP8 rows ``kv [num_slots, bytes]`` uint8 (checked by :func:`check_mla`)."""
-    tiles = kv_lora_rank // FP8_TILE
-    rope_at = kv_lora_rank + 4 * tiles
-    return kv[:, kv_lora_rank:rope_at].view(torch.float32), kv[:, rope_at:].view(torch.bfloat16)
+    lay = MlaFp8Layout.of_row(kv_lora_rank, kv.shape[1], name="kv_buffer's last dim")
+    return kv[:, lay.scale_offset:lay.rope_offset].view(torch.float32), kv[:, lay.rope_offset:].view(torch.bfloat16)
 
 
 def launch_split(kernel, grid: tuple[int, int, int], q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,

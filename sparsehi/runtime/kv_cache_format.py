@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.host_kv_dtype import KV_CACHE_DTYPES
+from hicache.host_kv_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from hicache.kv_spec import FP8_LATENT_TILE, KVCacheSpec
 from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, quantize_mla_latents
 from sparsehi.runtime.model_config import ModelConfig
@@ -36,9 +36,7 @@ def kv_cache_spec(cfg: ModelConfig, dtype: torch.dtype, page_size: int, kv_cache
     """The KV pools' spec of ``cfg``: its dtype's rows, or (``fp8_e4m3``, MLA) FP8 latent rows.
     Raises ValueError naming ``kv_cache_dtype`` for a GQA model, a latent width that is not
     a multiple of 128 or a model dtype other than bfloat16 / float16."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "auto":
+    if check_kv_cache_dtype(kv_cache_dtype) == "auto":
         kw = {"kv_lora_rank": cfg.kv_lora_rank} if cfg.family == "mla" else {}
         return KVCacheSpec(attention=cfg.attention, num_layers=cfg.num_layers, kv_heads=cfg.cache_heads,
                            head_dim=cfg.cache_head_dim, dtype=dtype, page_size=page_size, **kw)
