@@ -36,7 +36,8 @@ from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, fp8_row_byt
 from sparsehi.kernels.paged_decode import DecodeLaunchConfig, paged_decode_reference, paged_decode_triton
 from sparsehi.kernels.ragged_decode import ragged_decode_triton
 from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, MlaLaunchConfig, default_mla_config,
-                                                sparse_mla_decode_reference, sparse_mla_decode_triton)
+                                                default_mla_fp8_config, sparse_mla_decode_reference,
+                                                sparse_mla_decode_triton)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -183,7 +184,8 @@ def dsa_case(B: int, T: int, K: int, H: int, Dl: int, Dr: int, seed: int = 0):
 def mla_fp8_rows(roof: float, gemm: float, quick: bool) -> list[dict]:
     """The FP8 latent layout beside bf16 rows: for every case and head count the default
     dispatch over bf16 rows (the Gluon kernel where it applies), the fused kernel over bf16
-    rows, and the fused kernel over the FP8 rows (656 bytes a token at 512 + 64). Each row
+    rows, the default dispatch over the FP8 rows (656 bytes a token at 512 + 64; the Gluon
+    FP8 kernel where it applies) and the fused kernel over them. Each row
     carries ``max_diff_vs_fused`` (the same values in either layout: the outputs agree up to
     bf16 rounding)."""
     Dl, Dr = 512, 64
@@ -208,7 +210,8 @@ def _mla_fp8_case_rows(q, kv, packed, idx, B: int, T: int, Dl: int, roof: float,
     out = []
     for name, buf, cfg in (("sparse_mla_bf16", kv, None),
                            ("sparse_mla_bf16_fused", kv, default_mla_config(q.device, H, rows, K)),
-                           ("sparse_mla_fp8", packed, None)):
+                           ("sparse_mla_fp8", packed, None),
+                           ("sparse_mla_fp8_fused", packed, default_mla_fp8_config(q.device, H, rows))):
         fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=Dl, sm_scale=0.1, config=cfg)  # noqa: E731
         diff = (fn().float() - fused).abs().max().item()
         us = timed(fn, iters=10)

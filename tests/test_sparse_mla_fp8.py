@@ -1,6 +1,7 @@
 """FP8 MLA latent rows (DeepSeek-V3.2 / FlashMLA layout): the torch quantiser and
-dequantiser, and the fused sparse MLA decode kernel reading the packed rows (interpreter on
-CPU) against the torch reference over the dequantised rows."""
+dequantiser, and the sparse MLA decode kernels reading the packed rows (the fused one under
+the interpreter on CPU; on the GPU also the Hopper Gluon one) against the torch reference
+over the dequantised rows."""
 from __future__ import annotations
 
 import logging
@@ -24,6 +25,7 @@ from sparsehi.kernels.sparse_mla_decode import (
     MlaGluonConfig,
     MlaLaunchConfig,
     MlaTwoPassConfig,
+    default_mla_fp8_config,
     sparse_mla_decode,
     sparse_mla_decode_reference,
     sparse_mla_decode_triton,
@@ -212,8 +214,10 @@ def test_fp8_runs_on_the_fused_kernel_and_says_so(cfg, monkeypatch, caplog):
         out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=Dl, sm_scale=0.2, config=cfg)
     torch.testing.assert_close(out.float(), _reference(q, packed, idx, Dl).float(), **_tol(torch.bfloat16))
     assert "triton (fp8 latents)" in caplog.text
-    if cfg is not None:
-        assert f"{type(cfg).__name__} has no fp8 kernel" in caplog.text
+    if isinstance(cfg, MlaTwoPassConfig):
+        assert "MlaTwoPassConfig has no fp8 kernel" in caplog.text
+    elif isinstance(cfg, MlaGluonConfig):              # kv_lora_rank 128 (and the CPU): no Gluon FP8 kernel
+        assert "fp8 latents: gluon unavailable for these rows" in caplog.text
 
 
 def test_dispatch_takes_fp8_rows(monkeypatch):
@@ -275,15 +279,51 @@ GPU_CASES = [(h, t, k, b) for h in (128, 64, 16) for t in (1, 2) for k, b in ((5
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,T,K,B", GPU_CASES)
 def test_gpu_fp8_deepseek_shapes(H, T, K, B):
+    # the default dispatch, the Gluon kernel (two rings) and the fused kernel, each against the reference
     q, packed, idx = _dsa_case(B, T, H, K, seed=H + T + K)
     idx[0, 100:] = -1                        # a first token with a short context
     idx[-1, 7] = packed.shape[0] + 5         # out of the pool: masked
     scale = 192 ** -0.5
-    out = sparse_mla_decode(q, packed, idx, kv_lora_rank=512, sm_scale=scale)
     minus = idx.clone()
     minus[-1, 7] = -1
     ref = _reference(q, packed, minus, 512, scale)
+    out = sparse_mla_decode(q, packed, idx, kv_lora_rank=512, sm_scale=scale)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+    for cfg in (MlaGluonConfig(), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3),
+                default_mla_fp8_config(q.device, H, B * T)):
+        out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gluon_is_the_default_on_hopper_and_says_so(monkeypatch, caplog):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    monkeypatch.setattr(triton_support, "_announced", set())
+    q, packed, idx = _dsa_case(8, 1, 128, 1024, seed=4)
+    with caplog.at_level(logging.INFO):
+        out = sparse_mla_decode(q, packed, idx, kv_lora_rank=512, sm_scale=192 ** -0.5)
+    assert "gluon (fp8 latents)" in caplog.text
+    torch.testing.assert_close(out.float(), _reference(q, packed, idx, 512, 192 ** -0.5).float(),
+                               **_tol(torch.bfloat16))
+    # a tile's scale doubled in one row: the Gluon kernel follows the scale bytes
+    bumped = packed.clone()
+    rows = idx[0, :64].long()
+    bumped[rows, 512:516] = (packed[rows, 512:516].contiguous().view(torch.float32) * 2).view(torch.uint8)
+    out2 = sparse_mla_decode(q, bumped, idx, kv_lora_rank=512, sm_scale=192 ** -0.5)
+    torch.testing.assert_close(out2.float(), _reference(q, bumped, idx, 512, 192 ** -0.5).float(),
+                               **_tol(torch.bfloat16))
+    assert (out2[0].float() - out[0].float()).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gluon_bad_config_names_it():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, packed, idx = _dsa_case(4, 1, 128, 512, seed=6)
+    for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3)):
+        with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
+            sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
 
 
 @pytest.mark.gpu

@@ -19,9 +19,11 @@ least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there) and :class:`MlaTwoPassConf
 (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
-``mla_fp8_latents``): the fused kernel loads each tile's E4M3 bytes and float32 scales,
-scales them in registers and runs the same dots in q's dtype (no dequantised copy in
-memory); the Gluon and two-pass kernels have no FP8 form, so FP8 always runs here.
+``mla_fp8_latents``): the Gluon kernel has an FP8 form (``_mla_gluon_fp8_kernel``: E4M3
+bytes gathered, scaled into a 16-bit shared tile) and is the default on Hopper as for
+16-bit rows; the fused kernel loads each tile's E4M3 bytes and float32 scales, scales
+them in registers and runs the same dots in q's dtype. Neither keeps a dequantised copy in
+global memory; the two-pass kernel has no FP8 form.
 
 Entry points: ``sparse_mla_decode`` (dispatch), ``sparse_mla_decode_triton``,
 ``sparse_mla_decode_reference``.
@@ -211,13 +213,14 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     q:          ``[B, H, kv_lora_rank + rope_dim]`` fp16/bf16 absorbed query.
     kv_buffer:  ``[num_slots, 1, kv_lora_rank + rope_dim]`` (or ``[num_slots, Dl+Dr]``) in q's
                 dtype, or ``[num_slots, (1,) bytes_per_token]`` uint8 rows in the FP8 latent
-                layout (``mla_fp8_latents``: 656 bytes for 512 + 64), which only the fused
-                kernel reads (a Gluon or two-pass config runs it with that config's splits).
+                layout (``mla_fp8_latents``: 656 bytes for 512 + 64), read by the Gluon and the
+                fused kernel (a two-pass config runs the fused one with that config's splits).
     indices:    ``[B, K]`` int32 slots, ``-1`` padding (masked wherever it is).
     config:     :class:`MlaLaunchConfig` (fused kernel), :class:`MlaGluonConfig` (Hopper
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
                 (score GEMM + value pass); None = the Gluon kernel on Hopper for launches of
-                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks, else :func:`default_mla_config`.
+                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks, else :func:`default_mla_config`
+                (:func:`default_mla_fp8_config` over FP8 rows).
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
     """
     kv = check_mla(q, kv_buffer, indices, kv_lora_rank)
@@ -230,17 +233,18 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     if indices.stride(1) != 1:
         indices = indices.contiguous()
     fp8 = kv.dtype == torch.uint8
+    use_gluon = gluon_ok(q, Dl, Dr, kv)
+    if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and use_gluon:
+        config = MlaGluonConfig()
     if fp8:
-        cfg = _fp8_config(config, q.device, H, B)
+        cfg = _fp8_config(config, q.device, H, B, use_gluon)
     else:
-        if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and gluon_ok(q, Dl, Dr):
-            config = MlaGluonConfig()
         cfg = config or default_mla_config(q.device, H, B, K)
     if isinstance(cfg, MlaTwoPassConfig):
         return sparse_mla_two_pass(q, kv, indices, out, Dl, sm_scale, cfg)
     if isinstance(cfg, MlaGluonConfig):
-        if gluon_ok(q, Dl, Dr):
-            announce_path("sparse_mla_decode", "gluon")
+        if use_gluon:
+            announce_path("sparse_mla_decode", "gluon (fp8 latents)" if fp8 else "gluon")
             return sparse_mla_gluon(q, kv, indices, out, Dl, sm_scale, cfg)
         announce_path("sparse_mla_decode", "triton (gluon unavailable)")
         cfg = (MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, num_splits=cfg.num_splits)
@@ -259,18 +263,20 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_kv_operands(kv, Dl))
 
 
-def _fp8_config(config, device: torch.device, num_heads: int, batch: int) -> MlaLaunchConfig:
-    """The fused kernel's config for FP8 rows, the only kernel that reads them: ``config``
-    itself, else :func:`default_mla_fp8_config` (for a Gluon or two-pass config with that
-    config's split count; announced)."""
-    announce_path("sparse_mla_decode", "triton (fp8 latents)")
-    if isinstance(config, MlaLaunchConfig):
+def _fp8_config(config, device: torch.device, num_heads: int, batch: int,
+                use_gluon: bool) -> MlaLaunchConfig | MlaGluonConfig:
+    """The config for FP8 rows: an :class:`MlaGluonConfig` where the Gluon kernel runs here,
+    an :class:`MlaLaunchConfig` as given; otherwise the fused kernel's
+    :func:`default_mla_fp8_config` (with a Gluon or two-pass config's split count; announced)."""
+    if isinstance(config, MlaLaunchConfig) or (isinstance(config, MlaGluonConfig) and use_gluon):
         return config
+    announce_path("sparse_mla_decode", "triton (fp8 latents)")
     base = default_mla_fp8_config(device, num_heads, batch)
-    if isinstance(config, (MlaGluonConfig, MlaTwoPassConfig)):
-        announce_path("sparse_mla_decode", f"triton (fp8 latents: {type(config).__name__} has no fp8 kernel)")
-        return replace(base, num_splits=config.num_splits)
-    return config or base
+    if isinstance(config, MlaTwoPassConfig):
+        announce_path("sparse_mla_decode", "triton (fp8 latents: MlaTwoPassConfig has no fp8 kernel)")
+    elif isinstance(config, MlaGluonConfig):
+        announce_path("sparse_mla_decode", "triton (fp8 latents: gluon unavailable for these rows)")
+    return replace(base, num_splits=config.num_splits) if config is not None else base
 
 
 def _kv_operands(kv: torch.Tensor, kv_lora_rank: int) -> dict:

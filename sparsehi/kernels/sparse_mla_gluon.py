@@ -18,7 +18,8 @@ import torch
 
 from hicache.triton_support import cdiv, interpreter_enabled, sm_count
 from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, fail, split_tokens
-from sparsehi.kernels.sparse_mla_common import launch_split, mla_num_splits
+from sparsehi.kernels.mla_fp8_latents import FP8_TILE
+from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_num_splits
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         valid = rows >= 0
         base = gl.maximum(rows, 0).to(gl.int64) * stride_kvn + col0
         async_copy.async_copy_global_to_shared(buf, KV + base[:, None] + offs_d[None, :], mask=valid[:, None])
+
+    @gluon.jit
+    def _gl_copy_aligned(ptr, rows, stride, buf, offs_d, ALIGN: gl.constexpr):
+        """:func:`_gl_copy` of rows whose starts are ``ALIGN``-element multiples, which the
+        compiler can't infer from a row stride that isn't a multiple of 16 (the FP8 rows'
+        rope view: 328 bf16 values)."""
+        valid = rows >= 0
+        base = gl.multiple_of(gl.maximum(rows, 0).to(gl.int64) * stride, ALIGN)
+        async_copy.async_copy_global_to_shared(buf, ptr + base[:, None] + offs_d[None, :], mask=valid[:, None])
 
     @gluon.jit
     def _mla_gluon_kernel(
@@ -174,6 +184,15 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
                 gl.thread_barrier()                     # slot `cur` and P free for the next gather
         async_copy.wait_group(0)
 
+        _gl_store_out(o, l2, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, mma_o, D_LAT, BLOCK_H, SPLIT)
+
+    @gluon.jit
+    def _gl_store_out(o, l2, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                      mma_o: gl.constexpr, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
+        """Normalise ``o`` by the row sums (``l2`` summed over its token columns) and store it,
+        or (``SPLIT``) its fp32 partial and log-sum-exp."""
         l_i = gl.convert_layout(gl.sum(l2, axis=1), gl.SliceLayout(1, mma_o))
         has = l_i > 0
         l_safe = gl.where(has, l_i, 1.0)
@@ -193,6 +212,132 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
                      mask=offs_h < num_heads)
 
     @gluon.jit
+    def _mla_gluon_fp8_kernel(
+        Q, KV, Idx, Out, OutPartial, LsePartial,
+        qk_scale_log2,
+        stride_qb, stride_qh, stride_kvn, stride_ib,
+        stride_ob, stride_oh,
+        stride_pb, stride_ph, stride_ps,
+        stride_lb, stride_lh,
+        num_heads, num_idx, tokens_per_split, num_slots,
+        Scales, Rope, stride_sn, stride_rn,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_BUF: gl.constexpr, NUM_TILES: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """:func:`_mla_gluon_kernel` over FP8 latent rows (``mla_fp8_latents``): ``KV`` the
+        uint8 rows, ``Scales`` / ``Rope`` their float32 scale and bf16 rope views.
+
+        The gather ring holds the rows' E4M3 bytes (half the bytes of bf16) and their rope
+        values; once a tile has landed, the 8 warps scale it in registers, one 128-value
+        scale tile at a time (``fp8 * scale``, exact: the scales are powers of two), into one
+        16-bit latent tile in shared memory, which both MMAs read as in the 16-bit kernel.
+        A tile's scales are loaded from global memory before the wait for its bytes."""
+        hb = gl.program_id(0)
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        start = split * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, num_idx)
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        ld_fp8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])     # gather: 16 bytes a lane
+        ld_deq: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])      # a scale tile: 8 lanes a row
+        ld_sc: gl.constexpr = gl.BlockedLayout([1, NUM_TILES], [32, 1], [8, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, BLOCK_N // 2, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, D_LAT // 2, 16])
+        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        sh8: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+
+        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
+        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
+        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
+        offs_d8 = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_fp8))
+        offs_t = gl.arange(0, NUM_TILES, layout=gl.SliceLayout(0, ld_sc))
+        lat8_s = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, D_LAT], sh8)
+        pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
+        lat_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D_LAT], sh)
+        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sh_p)
+
+        idx_row = Idx + b.to(gl.int64) * stride_ib
+        offs_n8 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_fp8))
+        offs_n_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_pe))
+        offs_n_sc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_sc))
+        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l2 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma_s)
+        zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma_s)
+        o = gl.zeros([BLOCK_H, D_LAT], gl.float32, layout=mma_o)
+
+        for t in gl.static_range(NUM_BUF - 1):
+            r8 = _gl_rows(idx_row, start, end, t, num_slots, offs_n8, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t, num_slots, offs_n_pe, BLOCK_N)
+            _gl_copy_aligned(KV, r8, stride_kvn, lat8_s.index(t), offs_d8, 16)
+            _gl_copy_aligned(Rope, rp, stride_rn, pe_s.index(t), offs_d_pe, 8)
+            async_copy.commit_group()
+        r8 = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n8, BLOCK_N)
+        rp = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n_pe, BLOCK_N)
+        vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
+        q_row = Q + b.to(gl.int64) * stride_qb
+        q_lat = gl.load(q_row + offs_h_lat[:, None] * stride_qh + offs_d_lat[None, :],
+                        mask=(offs_h_lat < num_heads)[:, None], other=0.0)
+        q_pe = gl.load(q_row + offs_h_pe[:, None] * stride_qh + D_LAT + offs_d_pe[None, :],
+                       mask=(offs_h_pe < num_heads)[:, None], other=0.0)
+        q_lat_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LAT], sh, q_lat)
+        q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], sh, q_pe)
+        for t in range(0, n_tiles):
+            cur = t % NUM_BUF
+            nxt = (t + NUM_BUF - 1) % NUM_BUF
+            _gl_copy_aligned(KV, r8, stride_kvn, lat8_s.index(nxt), offs_d8, 16)
+            _gl_copy_aligned(Rope, rp, stride_rn, pe_s.index(nxt), offs_d_pe, 8)
+            async_copy.commit_group()
+            r8 = _gl_rows(idx_row, start, end, t + NUM_BUF, num_slots, offs_n8, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t + NUM_BUF, num_slots, offs_n_pe, BLOCK_N)
+            valid = vs
+            vs = _gl_valid_s(idx_row, start, end, t + 1, num_slots, offs_n_s, BLOCK_N)
+            rs = _gl_rows(idx_row, start, end, t, num_slots, offs_n_sc, BLOCK_N)
+            sc = gl.load(Scales + gl.maximum(rs, 0).to(gl.int64)[:, None] * stride_sn + offs_t[None, :],
+                         mask=(rs >= 0)[:, None], other=0.0)
+            async_copy.wait_group(NUM_BUF - 1)          # tile t landed (tile t+NUM_BUF-1 may fly)
+            gl.thread_barrier()
+            raw = lat8_s.index(cur)
+            for j in gl.static_range(NUM_TILES):
+                sc_j = gl.sum(gl.where(offs_t[None, :] == j, sc, 0.0), axis=1)
+                sc_j = gl.convert_layout(sc_j, gl.SliceLayout(1, ld_deq))
+                x = raw.slice(j * TILE, TILE, dim=1).load(ld_deq)
+                x = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc_j[:, None]
+                lat_s.slice(j * TILE, TILE, dim=1).store(x.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            s_tok = warpgroup_mma(q_lat_s, lat_s.permute((1, 0)), zero_s, is_async=True)
+            s_tok = warpgroup_mma(q_pe_s, pe_s.index(cur).permute((1, 0)), s_tok, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            s = s * qk_scale_log2
+            s = gl.where(valid[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l2 = l2 * alpha[:, None] + p
+            m_i = m_new
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            p_s.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            o_tok = warpgroup_mma(p_s, lat_s, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            gl.thread_barrier()                         # the latent tile, slot `cur` and P free again
+        async_copy.wait_group(0)
+        _gl_store_out(o, l2, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, mma_o, D_LAT, BLOCK_H, SPLIT)
+
+    @gluon.jit
     def _gl_valid_s(idx_row, start, end, t, num_slots, offs_n_s, BLOCK_N: gl.constexpr):
         offs = start + t * BLOCK_N + offs_n_s
         in_row = offs < end
@@ -205,25 +350,54 @@ except Exception as _e:  # noqa: BLE001 - older/newer Triton without this Gluon 
     _GLUON_ERROR = repr(_e)
 
 
-def gluon_ok(q: torch.Tensor, Dl: int, Dr: int) -> bool:
+def gluon_ok(q: torch.Tensor, Dl: int, Dr: int, kv: Optional[torch.Tensor] = None) -> bool:
     """Gluon kernel usable here: Triton with the Gluon API, a Hopper GPU (not the
-    interpreter), 16-bit inputs, a power-of-two latent of 64..512 and a rope part of 64."""
+    interpreter), 16-bit q, a rope part of 64 and a power-of-two latent of 64..512. Over FP8
+    rows (``kv`` uint8): bf16 q (the rows' rope values are bf16) and DeepSeek's 512 + 64
+    layout only, its 656-byte rows on 16-byte boundaries (the gathers move 16 bytes a lane)."""
     if not (_HAS_GLUON and q.is_cuda and not interpreter_enabled()):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
+    if kv is not None and kv.dtype == torch.uint8:
+        # the rope values are gathered into the MMA's tile unconverted: bf16 q only
+        return ((Dl, Dr) == (512, 64) and q.dtype == torch.bfloat16 and kv.stride(0) % 16 == 0
+                and kv.data_ptr() % 16 == 0)
     return Dl in (64, 128, 256, 512) and Dr == 64
 
 
+# Hopper's shared memory per block (227 KiB); the FP8 kernel's ring must fit beside q's tile
+_SMEM_BYTES = 232448
+
+
+def fp8_gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int) -> int:
+    """Shared memory of :func:`_mla_gluon_fp8_kernel`: the FP8 byte ring and rope ring, one
+    16-bit latent tile, P and q's 64-head tile."""
+    return num_buf * block_n * (Dl + 2 * Dr) + 2 * block_n * Dl + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
+
+
 def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
-           Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
+                     Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
+    """Launch :func:`_mla_gluon_kernel` (16-bit ``kv [num_slots, Dl + Dr]``) or
+    :func:`_mla_gluon_fp8_kernel` (``kv [num_slots, bytes]`` uint8 FP8 rows) into ``out [B, H, Dl]``."""
     B, H, Dq = q.shape
     K = indices.shape[1]
     if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
         fail("config", "an MlaGluonConfig with block_n in (32, 64), num_buf in 1..4 (>= 2 with late_issue)", cfg)
+    fp8 = kv.dtype == torch.uint8
+    if fp8 and (cfg.late_issue or fp8_gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dq - Dl) > _SMEM_BYTES):
+        fail("config", f"an MlaGluonConfig without late_issue whose ring fits {_SMEM_BYTES} bytes of shared memory "
+             f"over FP8 rows (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at kv_lora_rank 512)", cfg)
     head_blocks = cdiv(H, 64)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
     splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
-    return launch_split(_mla_gluon_kernel, (head_blocks, B, splits), q, kv, indices, out, sm_scale, tps, splits,
+    grid = (head_blocks, B, splits)
+    if fp8:
+        scales, rope = fp8_row_views(kv, Dl)
+        return launch_split(_mla_gluon_fp8_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
+                            Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
+                            D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
+                            NUM_TILES=Dl // FP8_TILE, TILE=FP8_TILE, num_warps=8)
+    return launch_split(_mla_gluon_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
                         D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
                         LATE_ISSUE=cfg.late_issue, num_warps=8)

@@ -1,0 +1,119 @@
+"""Occupancy and throughput of the sparse MLA decode kernels under Nsight Compute.
+
+For each variant (kernel x KV dtype x head count, at B=64, top-2048, one query token) ncu
+profiles one launch of the decode kernel in its own process (``--launch VARIANT``) with the
+SpeedOfLight, Occupancy and LaunchStats sections, clocks left alone (``--clock-control
+none``). The metrics kept per variant: duration, achieved and theoretical occupancy,
+registers per thread, shared memory per block, and the DRAM / SM / L1 / L2 throughput as
+fractions of their peaks; written to ``attention_mla_ncu.json`` with the device and date.
+
+Usage (on the GPU machine): ``PYTHONPATH=. python benchmarks/ncu_sparse_mla.py [--out DIR]``
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import RESULTS_DIR, write_result
+from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, quantize_mla_latents
+from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_fp8_config, sparse_mla_decode_triton)
+
+B, K, DL, DR = 64, 2048, 512, 64
+VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in ("bf16_gluon", "fp8_gluon", "fp8_fused")}
+KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_fp8_kernel", "fp8_fused": "_mla_stage1"}
+KEEP = {
+    "Duration": "duration_us",
+    "Achieved Occupancy": "achieved_occupancy_pct",
+    "Theoretical Occupancy": "theoretical_occupancy_pct",
+    "Registers Per Thread": "registers_per_thread",
+    "Dynamic Shared Memory Per Block": "dynamic_smem_per_block",
+    "Block Limit Shared Mem": "block_limit_shared_mem",
+    "Block Limit Registers": "block_limit_registers",
+    "DRAM Throughput": "dram_throughput_pct",
+    "Compute (SM) Throughput": "sm_throughput_pct",
+    "L1/TEX Cache Throughput": "l1_throughput_pct",
+    "L2 Cache Throughput": "l2_throughput_pct",
+    "Grid Size": "grid_size",
+    "Waves Per SM": "waves_per_sm",
+}
+
+
+def launch(variant: str) -> None:
+    """One launch of ``variant``'s kernel (compiled by a first call outside ncu's filter)."""
+    kind, heads = VARIANTS[variant]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    span = K + K // 4
+    packed = quantize_mla_latents(torch.randn(B * span, DL + DR, device="cuda", generator=g), kv_lora_rank=DL)
+    kv = dequantize_mla_latents(packed, kv_lora_rank=DL)
+    q = torch.randn(B, heads, DL + DR, device="cuda", generator=g, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(span, device="cuda", generator=g)[:K] + r * span for r in range(B)]).int()
+    buf, cfg = {"bf16_gluon": (kv, MlaGluonConfig()), "fp8_gluon": (packed, MlaGluonConfig()),
+                "fp8_fused": (packed, default_mla_fp8_config(q.device, heads, B))}[kind]
+    sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
+    torch.cuda.synchronize()
+
+
+def profile(variant: str) -> dict:
+    """ncu over one launch of ``variant`` (the last matching launch, after the compiling one)."""
+    kernel = KERNELS[VARIANTS[variant][0]]
+    cmd = ["ncu", "--clock-control", "none", "--csv", "--page", "details", "-k", f"regex:^{kernel}$",
+           "--launch-skip", "1", "--launch-count", "1", "--section", "SpeedOfLight", "--section", "Occupancy",
+           "--section", "LaunchStats", sys.executable, __file__, "--launch", variant, "--twice"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    rows = [r for r in csv.DictReader(io.StringIO(_csv_part(res.stdout)))]
+    got = {"variant": variant, "kernel": kernel, "heads": VARIANTS[variant][1], "B": B, "K": K}
+    for r in rows:
+        key = KEEP.get(r.get("Metric Name", ""))
+        if key:
+            got[key] = _number(r.get("Metric Value", ""))
+            got.setdefault("units", {})[key] = r.get("Metric Unit", "")
+    if "duration_us" not in got:
+        got["error"] = (res.stderr or res.stdout)[-800:]
+    elif got["units"].get("duration_us") in ("nsecond", "ns"):
+        got["duration_us"] = round(got["duration_us"] / 1e3, 2)
+    elif got["units"].get("duration_us") in ("msecond", "ms"):
+        got["duration_us"] = round(got["duration_us"] * 1e3, 2)
+    return got
+
+
+def _csv_part(text: str) -> str:
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), len(lines))
+    return "\n".join(lines[start:])
+
+
+def _number(s: str):
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--launch", choices=sorted(VARIANTS), help="(inside ncu) launch one variant")
+    ap.add_argument("--twice", action="store_true", help="(inside ncu) compile with a first launch")
+    ap.add_argument("--out", default=None, help="result dir (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    if args.launch:
+        for _ in range(2 if args.twice else 1):
+            launch(args.launch)
+        return 0
+    rows = [profile(v) for v in VARIANTS]
+    for r in rows:
+        print(r)
+    out = write_result("attention_mla_ncu.json", {
+        "device": torch.cuda.get_device_name(), "what": __doc__.split("\n\n")[1].replace("\n", " "),
+        "rows": rows}, Path(args.out or RESULTS_DIR))
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
