@@ -67,6 +67,14 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         async_copy.async_copy_global_to_shared(buf, ptr + base[:, None] + offs_d[None, :], mask=valid[:, None])
 
     @gluon.jit
+    def _gl_scale_tile(raw, lat_s, j: gl.constexpr, sc, ld_deq: gl.constexpr, TILE: gl.constexpr):
+        """Scale tile ``j`` (columns ``j * TILE ..``) of the E4M3 bytes ``raw`` by its row scales
+        ``sc [N]`` into the 16-bit latent tile ``lat_s`` (exact: power-of-two scales)."""
+        x = raw.slice(j * TILE, TILE, dim=1).load(ld_deq)
+        x = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+        lat_s.slice(j * TILE, TILE, dim=1).store(x.to(lat_s.dtype))
+
+    @gluon.jit
     def _mla_gluon_kernel(
         Q, KV, Idx, Out, OutPartial, LsePartial,
         qk_scale_log2,
@@ -222,10 +230,11 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         num_heads, num_idx, tokens_per_split, num_slots,
         Scales, Rope, stride_sn, stride_rn,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_BUF: gl.constexpr, NUM_TILES: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
+        NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
     ):
         """:func:`_mla_gluon_kernel` over FP8 latent rows (``mla_fp8_latents``): ``KV`` the
-        uint8 rows, ``Scales`` / ``Rope`` their float32 scale and bf16 rope views.
+        uint8 rows, ``Scales`` / ``Rope`` their float32 scale and bf16 rope views; DeepSeek's
+        512 + 64 layout (4 scale tiles of ``TILE`` = 128 values, written out below).
 
         The gather ring holds the rows' E4M3 bytes (half the bytes of bf16) and their rope
         values; once a tile has landed, the 8 warps scale it in registers, one 128-value
@@ -243,7 +252,6 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         ld_fp8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])     # gather: 16 bytes a lane
         ld_deq: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])      # a scale tile: 8 lanes a row
-        ld_sc: gl.constexpr = gl.BlockedLayout([1, NUM_TILES], [32, 1], [8, 1], [1, 0])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, BLOCK_N // 2, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -257,7 +265,6 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
         offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
         offs_d8 = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_fp8))
-        offs_t = gl.arange(0, NUM_TILES, layout=gl.SliceLayout(0, ld_sc))
         lat8_s = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, D_LAT], sh8)
         pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
         lat_s = gl.allocate_shared_memory(dtype, [BLOCK_N, D_LAT], sh)
@@ -267,7 +274,7 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         idx_row = Idx + b.to(gl.int64) * stride_ib
         offs_n8 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_fp8))
         offs_n_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_pe))
-        offs_n_sc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_sc))
+        offs_n_dq = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_deq))
         offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
@@ -301,18 +308,20 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
             rp = _gl_rows(idx_row, start, end, t + NUM_BUF, num_slots, offs_n_pe, BLOCK_N)
             valid = vs
             vs = _gl_valid_s(idx_row, start, end, t + 1, num_slots, offs_n_s, BLOCK_N)
-            rs = _gl_rows(idx_row, start, end, t, num_slots, offs_n_sc, BLOCK_N)
-            sc = gl.load(Scales + gl.maximum(rs, 0).to(gl.int64)[:, None] * stride_sn + offs_t[None, :],
-                         mask=(rs >= 0)[:, None], other=0.0)
+            # the tile's 4 scale columns, loaded in the scaling pass's row layout before the wait
+            rs = _gl_rows(idx_row, start, end, t, num_slots, offs_n_dq, BLOCK_N)
+            sc_row = Scales + gl.maximum(rs, 0).to(gl.int64) * stride_sn
+            sc0 = gl.load(sc_row, mask=rs >= 0, other=0.0)
+            sc1 = gl.load(sc_row + 1, mask=rs >= 0, other=0.0)
+            sc2 = gl.load(sc_row + 2, mask=rs >= 0, other=0.0)
+            sc3 = gl.load(sc_row + 3, mask=rs >= 0, other=0.0)
             async_copy.wait_group(NUM_BUF - 1)          # tile t landed (tile t+NUM_BUF-1 may fly)
             gl.thread_barrier()
             raw = lat8_s.index(cur)
-            for j in gl.static_range(NUM_TILES):
-                sc_j = gl.sum(gl.where(offs_t[None, :] == j, sc, 0.0), axis=1)
-                sc_j = gl.convert_layout(sc_j, gl.SliceLayout(1, ld_deq))
-                x = raw.slice(j * TILE, TILE, dim=1).load(ld_deq)
-                x = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc_j[:, None]
-                lat_s.slice(j * TILE, TILE, dim=1).store(x.to(dtype))
+            _gl_scale_tile(raw, lat_s, 0, sc0, ld_deq, TILE)
+            _gl_scale_tile(raw, lat_s, 1, sc1, ld_deq, TILE)
+            _gl_scale_tile(raw, lat_s, 2, sc2, ld_deq, TILE)
+            _gl_scale_tile(raw, lat_s, 3, sc3, ld_deq, TILE)
             fence_async_shared()
             gl.thread_barrier()
             s_tok = warpgroup_mma(q_lat_s, lat_s.permute((1, 0)), zero_s, is_async=True)
@@ -397,7 +406,7 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
         return launch_split(_mla_gluon_fp8_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
                             Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
                             D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
-                            NUM_TILES=Dl // FP8_TILE, TILE=FP8_TILE, num_warps=8)
+                            TILE=FP8_TILE, num_warps=8)
     return launch_split(_mla_gluon_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
                         D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
                         LATE_ISSUE=cfg.late_issue, num_warps=8)
