@@ -2,10 +2,12 @@
 
 For each variant (kernel x KV dtype x head count, at B=64, top-2048, one query token) ncu
 profiles one launch of the decode kernel in its own process (``--launch VARIANT``) with the
-SpeedOfLight, Occupancy and LaunchStats sections, clocks left alone (``--clock-control
-none``). The metrics kept per variant: duration, achieved and theoretical occupancy,
-registers per thread, shared memory per block, and the DRAM / SM / L1 / L2 throughput as
-fractions of their peaks; written to ``attention_mla_ncu.json`` with the device and date.
+SpeedOfLight, Occupancy, LaunchStats and WarpStateStats sections and the per-reason stall
+metrics, clocks left alone (``--clock-control none``). The metrics kept per variant:
+duration, achieved and theoretical occupancy, registers per thread, shared memory per block,
+the DRAM / SM / L1 / L2 throughput as fractions of their peaks, the warp cycles per issued
+instruction and the largest stall reasons (warps stalled per issue, by reason); written to
+``attention_mla_ncu.json`` with the device and date.
 
 Usage (on the GPU machine): ``PYTHONPATH=. python benchmarks/ncu_sparse_mla.py [--out DIR]``
 """
@@ -41,7 +43,10 @@ KEEP = {
     "L2 Cache Throughput": "l2_throughput_pct",
     "Grid Size": "grid_size",
     "Waves Per SM": "waves_per_sm",
+    "Warp Cycles Per Issued Instruction": "warp_cycles_per_issued_instruction",
 }
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_METRICS = f"regex:^{STALL_PREFIX}.*_per_issue_active\\.ratio$"
 
 
 def launch(variant: str) -> None:
@@ -60,19 +65,33 @@ def launch(variant: str) -> None:
 
 
 def profile(variant: str) -> dict:
-    """ncu over one launch of ``variant`` (the last matching launch, after the compiling one)."""
+    """ncu over one launch of ``variant`` (the last matching launch, after the compiling one);
+    without the stall metrics if this ncu refuses them."""
+    got = _profile(variant, stalls=True)
+    return got if "duration_us" in got else _profile(variant, stalls=False)
+
+
+def _profile(variant: str, stalls: bool) -> dict:
     kernel = KERNELS[VARIANTS[variant][0]]
     cmd = ["ncu", "--clock-control", "none", "--csv", "--page", "details", "-k", f"regex:^{kernel}$",
            "--launch-skip", "1", "--launch-count", "1", "--section", "SpeedOfLight", "--section", "Occupancy",
-           "--section", "LaunchStats", sys.executable, __file__, "--launch", variant, "--twice"]
+           "--section", "LaunchStats", "--section", "WarpStateStats"]
+    cmd += ["--metrics", STALL_METRICS] if stalls else []
+    cmd += [sys.executable, __file__, "--launch", variant, "--twice"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     rows = [r for r in csv.DictReader(io.StringIO(_csv_part(res.stdout)))]
     got = {"variant": variant, "kernel": kernel, "heads": VARIANTS[variant][1], "B": B, "K": K}
+    stall = {}
     for r in rows:
-        key = KEEP.get(r.get("Metric Name", ""))
+        name = r.get("Metric Name", "")
+        key = KEEP.get(name)
         if key:
             got[key] = _number(r.get("Metric Value", ""))
             got.setdefault("units", {})[key] = r.get("Metric Unit", "")
+        elif name.startswith(STALL_PREFIX) and isinstance(_number(r.get("Metric Value", "")), float):
+            stall[name[len(STALL_PREFIX):].replace("_per_issue_active.ratio", "")] = _number(r["Metric Value"])
+    if stall:
+        got["stalls_per_issue_top"] = dict(sorted(stall.items(), key=lambda kv: -kv[1])[:8])
     if "duration_us" not in got:
         got["error"] = (res.stderr or res.stdout)[-800:]
     elif got["units"].get("duration_us") in ("nsecond", "ns"):
