@@ -75,6 +75,44 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         lat_s.slice(j * TILE, TILE, dim=1).store(x.to(lat_s.dtype))
 
     @gluon.jit
+    def _gl_q_to_shared(q_row, stride_qh, num_heads, offs_h_lat, offs_d_lat, offs_h_pe, offs_d_pe, sh: gl.constexpr,
+                        D_LAT: gl.constexpr):
+        """One request's absorbed query for a head block, latent and rope parts, into shared
+        memory (rows of heads past ``num_heads`` zero)."""
+        q_lat = gl.load(q_row + offs_h_lat[:, None] * stride_qh + offs_d_lat[None, :],
+                        mask=(offs_h_lat < num_heads)[:, None], other=0.0)
+        q_pe = gl.load(q_row + offs_h_pe[:, None] * stride_qh + D_LAT + offs_d_pe[None, :],
+                       mask=(offs_h_pe < num_heads)[:, None], other=0.0)
+        q_lat_s = gl.allocate_shared_memory(q_lat.dtype, q_lat.shape, sh, q_lat)
+        q_pe_s = gl.allocate_shared_memory(q_pe.dtype, q_pe.shape, sh, q_pe)
+        return q_lat_s, q_pe_s
+
+    @gluon.jit
+    def _gl_attend_tile(q_lat_s, q_pe_s, lat_tile, pe_tile, p_s, zero_s, valid, m_i, l2, o, qk_scale_log2,
+                        mma_o: gl.constexpr):
+        """One tile of online softmax attention: the score MMAs ``q . kv^T`` over the latent and
+        rope tiles in shared memory, the softmax update of the running max ``m_i`` and row sums
+        ``l2`` (masked where not ``valid``), ``P`` through shared memory into the value MMA
+        ``o += P lat_tile``. Returns ``(m_i, l2, o)``."""
+        s_tok = warpgroup_mma(q_lat_s, lat_tile.permute((1, 0)), zero_s, is_async=True)
+        s_tok = warpgroup_mma(q_pe_s, pe_tile.permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        s = s * qk_scale_log2
+        s = gl.where(valid[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l2 = l2 * alpha[:, None] + p
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+        p_s.store(p.to(p_s.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        o_tok = warpgroup_mma(p_s, lat_tile, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+        return m_new, l2, o
+
+    @gluon.jit
     def _mla_gluon_kernel(
         Q, KV, Idx, Out, OutPartial, LsePartial,
         qk_scale_log2,
@@ -143,13 +181,8 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         rp = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n_pe, BLOCK_N)
         vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
         # q [BLOCK_H, D_LAT] and [BLOCK_H, D_ROPE] -> shared (once), while the first tiles fly
-        q_row = Q + b.to(gl.int64) * stride_qb
-        q_lat = gl.load(q_row + offs_h_lat[:, None] * stride_qh + offs_d_lat[None, :],
-                        mask=(offs_h_lat < num_heads)[:, None], other=0.0)
-        q_pe = gl.load(q_row + offs_h_pe[:, None] * stride_qh + D_LAT + offs_d_pe[None, :],
-                       mask=(offs_h_pe < num_heads)[:, None], other=0.0)
-        q_lat_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LAT], sh, q_lat)
-        q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], sh, q_pe)
+        q_lat_s, q_pe_s = _gl_q_to_shared(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, offs_h_lat, offs_d_lat,
+                                          offs_h_pe, offs_d_pe, sh, D_LAT)
         for t in range(0, n_tiles):
             cur = t % NUM_BUF
             # the slot of tile t-1 (its value MMA finished last iteration) gets tile t+NUM_BUF-1
@@ -170,24 +203,8 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
                 async_copy.wait_group(NUM_BUF - 1)      # tile t landed (tile t+NUM_BUF-1 may fly)
                 fence_async_shared()
                 gl.thread_barrier()
-            kl = lat_s.index(cur)
-            s_tok = warpgroup_mma(q_lat_s, kl.permute((1, 0)), zero_s, is_async=True)
-            s_tok = warpgroup_mma(q_pe_s, pe_s.index(cur).permute((1, 0)), s_tok, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-            s = s * qk_scale_log2
-            s = gl.where(valid[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l2 = l2 * alpha[:, None] + p
-            m_i = m_new
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-            p_s.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            o_tok = warpgroup_mma(p_s, kl, o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            m_i, l2, o = _gl_attend_tile(q_lat_s, q_pe_s, lat_s.index(cur), pe_s.index(cur), p_s, zero_s, valid,
+                                         m_i, l2, o, qk_scale_log2, mma_o)
             if not LATE_ISSUE:
                 gl.thread_barrier()                     # slot `cur` and P free for the next gather
         async_copy.wait_group(0)
@@ -291,13 +308,9 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         r8 = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n8, BLOCK_N)
         rp = _gl_rows(idx_row, start, end, NUM_BUF - 1, num_slots, offs_n_pe, BLOCK_N)
         vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
-        q_row = Q + b.to(gl.int64) * stride_qb
-        q_lat = gl.load(q_row + offs_h_lat[:, None] * stride_qh + offs_d_lat[None, :],
-                        mask=(offs_h_lat < num_heads)[:, None], other=0.0)
-        q_pe = gl.load(q_row + offs_h_pe[:, None] * stride_qh + D_LAT + offs_d_pe[None, :],
-                       mask=(offs_h_pe < num_heads)[:, None], other=0.0)
-        q_lat_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LAT], sh, q_lat)
-        q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], sh, q_pe)
+        # q [BLOCK_H, D_LAT] and [BLOCK_H, D_ROPE] -> shared (once), while the first tiles fly
+        q_lat_s, q_pe_s = _gl_q_to_shared(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, offs_h_lat, offs_d_lat,
+                                          offs_h_pe, offs_d_pe, sh, D_LAT)
         for t in range(0, n_tiles):
             cur = t % NUM_BUF
             nxt = (t + NUM_BUF - 1) % NUM_BUF
@@ -324,23 +337,8 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
             _gl_scale_tile(raw, lat_s, 3, sc3, ld_deq, TILE)
             fence_async_shared()
             gl.thread_barrier()
-            s_tok = warpgroup_mma(q_lat_s, lat_s.permute((1, 0)), zero_s, is_async=True)
-            s_tok = warpgroup_mma(q_pe_s, pe_s.index(cur).permute((1, 0)), s_tok, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-            s = s * qk_scale_log2
-            s = gl.where(valid[None, :], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l2 = l2 * alpha[:, None] + p
-            m_i = m_new
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-            p_s.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            o_tok = warpgroup_mma(p_s, lat_s, o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            m_i, l2, o = _gl_attend_tile(q_lat_s, q_pe_s, lat_s, pe_s.index(cur), p_s, zero_s, valid,
+                                         m_i, l2, o, qk_scale_log2, mma_o)
             gl.thread_barrier()                         # the latent tile, slot `cur` and P free again
         async_copy.wait_group(0)
         _gl_store_out(o, l2, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
