@@ -72,26 +72,29 @@ def profile(variant: str) -> dict:
 
 
 def _profile(variant: str, stalls: bool) -> dict:
+    """One ncu run over ``variant``: its kept metrics, or an ``error`` with ncu's last output."""
     kernel = KERNELS[VARIANTS[variant][0]]
     cmd = ["ncu", "--clock-control", "none", "--csv", "--page", "details", "-k", f"regex:^{kernel}$",
            "--launch-skip", "1", "--launch-count", "1", "--section", "SpeedOfLight", "--section", "Occupancy",
            "--section", "LaunchStats", "--section", "WarpStateStats"]
     cmd += ["--metrics", STALL_METRICS] if stalls else []
     cmd += [sys.executable, __file__, "--launch", variant, "--twice"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    rows = [r for r in csv.DictReader(io.StringIO(_csv_part(res.stdout)))]
     got = {"variant": variant, "kernel": kernel, "heads": VARIANTS[variant][1], "B": B, "K": K}
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {**got, "error": repr(e)}
     stall = {}
-    for r in rows:
-        name = r.get("Metric Name", "")
+    for r in csv.DictReader(io.StringIO(_csv_part(res.stdout))):
+        name, value = r.get("Metric Name") or "", _number(r.get("Metric Value") or "")
         key = KEEP.get(name)
         if key:
-            got[key] = _number(r.get("Metric Value", ""))
-            got.setdefault("units", {})[key] = r.get("Metric Unit", "")
-        elif name.startswith(STALL_PREFIX) and isinstance(_number(r.get("Metric Value", "")), float):
-            stall[name[len(STALL_PREFIX):].replace("_per_issue_active.ratio", "")] = _number(r["Metric Value"])
+            got[key] = value
+            got.setdefault("units", {})[key] = r.get("Metric Unit") or ""
+        elif name.startswith(STALL_PREFIX) and isinstance(value, float):
+            stall[name[len(STALL_PREFIX):].replace("_per_issue_active.ratio", "")] = value
     if stall:
-        got["stalls_per_issue_top"] = dict(sorted(stall.items(), key=lambda kv: -kv[1])[:8])
+        got["stalls_per_issue_top"] = dict(sorted(stall.items(), key=lambda item: -item[1])[:8])
     if "duration_us" not in got:
         got["error"] = (res.stderr or res.stdout)[-800:]
     elif got["units"].get("duration_us") in ("nsecond", "ns"):
@@ -107,7 +110,7 @@ def _csv_part(text: str) -> str:
     return "\n".join(lines[start:])
 
 
-def _number(s: str):
+def _number(s: str) -> float | str:
     try:
         return float(s.replace(",", ""))
     except ValueError:
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2 if args.twice else 1):
             launch(args.launch)
         return 0
+    if torch.cuda.get_device_capability()[0] != 9:
+        raise SystemExit("the Gluon kernels profiled here need a Hopper GPU (sm_90)")
     rows = [profile(v) for v in VARIANTS]
     for r in rows:
         print(r)

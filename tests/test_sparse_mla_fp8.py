@@ -316,14 +316,17 @@ def test_gpu_fp8_gluon_is_the_default_on_hopper_and_says_so(monkeypatch, caplog)
     assert (out2[0].float() - out[0].float()).abs().max() > 1e-2
 
 
-@pytest.mark.gpu
-def test_gpu_fp8_gluon_bad_config_names_it():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is Hopper's")
-    q, packed, idx = _dsa_case(4, 1, 128, 512, seed=6)
+def test_fp8_gluon_config_it_cannot_run_is_refused_everywhere(monkeypatch, caplog):
+    # the same ValueError where the Gluon kernel runs and where the fused kernel stands in
+    q, packed, idx = _case(2, 16, 512, 64, 8, 32, seed=2)
     for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3)):
         with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
             sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
+    monkeypatch.setattr(triton_support, "_announced", set())
+    with caplog.at_level(logging.INFO):            # an explicit fused config over FP8 rows says so too
+        out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.2, config=FUSED[0])
+    assert "triton (fp8 latents)" in caplog.text
+    torch.testing.assert_close(out.float(), _reference(q, packed, idx, 512).float(), **_tol(torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -349,3 +352,32 @@ def test_gpu_fp8_configs_and_pool_view(dtype):
                 MlaGluonConfig(num_splits=3), MlaTwoPassConfig()):
         out = sparse_mla_decode_triton(q, packed[:, None], idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gluon_ragged_topk_nan_slot_and_pool_views(monkeypatch, caplog):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, packed, idx = _dsa_case(8, 1, 128, 1000, seed=9)    # K = 1000: a partial last tile
+    idx[:, -3:] = -1
+    idx = torch.where(idx == 0, 1, idx)
+    packed[0] = 0x7F                                        # padding must never read slot 0's NaN bytes
+    scale = 192 ** -0.5
+    ref = _reference(q, packed, idx, 512, scale)
+    wide = torch.zeros(packed.shape[0], 672, dtype=torch.uint8, device="cuda")
+    wide[:, :656] = packed                                  # rows 672 bytes apart: still 16-byte boundaries
+    shifted = torch.zeros(packed.numel() + 4, dtype=torch.uint8, device="cuda")
+    shifted[4:] = packed.flatten()                          # rows 4 bytes off: the fused kernel reads them
+    monkeypatch.setattr(triton_support, "_announced", set())
+    with caplog.at_level(logging.INFO):
+        for cfg in (MlaGluonConfig(), MlaGluonConfig(num_splits=5), MlaGluonConfig(num_buf=1),
+                    MlaGluonConfig(block_n=32, num_buf=4, num_splits=2)):
+            out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
+            torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
+        assert "gluon (fp8 latents)" in caplog.text
+        out = sparse_mla_decode(q, wide[:, :656], idx, kv_lora_rank=512, sm_scale=scale)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+        caplog.clear()
+        out = sparse_mla_decode(q, shifted[4:].view(-1, 656), idx, kv_lora_rank=512, sm_scale=scale)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+        assert "gluon (fp8 latents)" not in caplog.text

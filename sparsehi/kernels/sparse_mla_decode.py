@@ -43,7 +43,7 @@ from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, 
                                               load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
-from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, gluon_ok, sparse_mla_gluon
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_fp8_gluon_config, gluon_ok, sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
 __all__ = ["GLUON_MIN_HEAD_BLOCKS", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig", "default_mla_config",
@@ -237,7 +237,7 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and use_gluon:
         config = MlaGluonConfig()
     if fp8:
-        cfg = _fp8_config(config, q.device, H, B, use_gluon)
+        cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))
     else:
         cfg = config or default_mla_config(q.device, H, B, K)
     if isinstance(cfg, MlaTwoPassConfig):
@@ -263,14 +263,20 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_kv_operands(kv, Dl))
 
 
-def _fp8_config(config, device: torch.device, num_heads: int, batch: int,
-                use_gluon: bool) -> MlaLaunchConfig | MlaGluonConfig:
-    """The config for FP8 rows: an :class:`MlaGluonConfig` where the Gluon kernel runs here,
-    an :class:`MlaLaunchConfig` as given; otherwise the fused kernel's
-    :func:`default_mla_fp8_config` (with a Gluon or two-pass config's split count; announced)."""
-    if isinstance(config, MlaLaunchConfig) or (isinstance(config, MlaGluonConfig) and use_gluon):
-        return config
+def _fp8_config(config, device: torch.device, num_heads: int, batch: int, use_gluon: bool,
+                dims: tuple[int, int]) -> MlaLaunchConfig | MlaGluonConfig:
+    """The config for FP8 rows of latent / rope dims ``dims``: an :class:`MlaGluonConfig`
+    (checked by :func:`check_fp8_gluon_config` wherever it runs) where the Gluon kernel runs
+    here, an :class:`MlaLaunchConfig` as given; otherwise the fused kernel's
+    :func:`default_mla_fp8_config` (with a Gluon or two-pass config's split count). Every
+    fused-kernel path is announced."""
+    if isinstance(config, MlaGluonConfig):
+        check_fp8_gluon_config(config, *dims)
+        if use_gluon:
+            return config
     announce_path("sparse_mla_decode", "triton (fp8 latents)")
+    if isinstance(config, MlaLaunchConfig):
+        return config
     base = default_mla_fp8_config(device, num_heads, batch)
     if isinstance(config, MlaTwoPassConfig):
         announce_path("sparse_mla_decode", "triton (fp8 latents: MlaTwoPassConfig has no fp8 kernel)")

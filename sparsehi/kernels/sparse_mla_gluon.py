@@ -6,8 +6,11 @@ warpgroups) splits both the score MMA's tokens and the value MMA's latent column
 warpgroups (``warps [4, 2]``), passes ``P`` to the value MMA through shared memory, gathers
 KV rows by ``cp.async`` into a ``NUM_BUF``-deep shared ring and reads the index tiles one
 iteration ahead. Split-K as the fused kernel (``sparse_mla_common.launch_split``).
-``gluon_ok`` says where it runs (Triton with this Gluon API, a Hopper GPU, 16-bit inputs).
-Its measurements and the variants tried: docs/kernels.md.
+:func:`_mla_gluon_fp8_kernel` is the same loop over FP8 latent rows (``mla_fp8_latents``):
+the ring holds their E4M3 bytes, which the warps scale into one 16-bit tile before the MMAs.
+``gluon_ok`` says where each runs (Triton with this Gluon API, a Hopper GPU, 16-bit q; FP8
+rows: bf16 q, DeepSeek's 512 + 64 layout on 16-byte boundaries). Their measurements and
+the variants tried: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -24,11 +27,13 @@ from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_
 
 @dataclass(frozen=True)
 class MlaGluonConfig:
-    """Hopper Gluon kernel :func:`_mla_gluon_kernel` (64-head blocks, 8 warps): ``block_n``
-    tokens per tile, a ``num_buf``-deep cp.async ring (64 x 2 fills the shared memory; 32-token
-    tiles take up to 4). ``late_issue``: issue the next tile's gather after
-    the loop-top barrier instead of behind a trailing one. Falls back to the Triton kernel
-    (logged once) where Gluon or a Hopper GPU is unavailable."""
+    """Hopper Gluon kernels :func:`_mla_gluon_kernel` / :func:`_mla_gluon_fp8_kernel` (64-head
+    blocks, 8 warps): ``block_n`` tokens per tile, a ``num_buf``-deep cp.async ring (64 x 2
+    fills the shared memory; 32-token tiles take up to 4). ``late_issue``: issue the next
+    tile's gather after the loop-top barrier instead of behind a trailing one (16-bit rows
+    only: over FP8 rows it is a ValueError, as is a ring that does not fit,
+    :func:`check_fp8_gluon_config`). Falls back to the Triton kernel (logged once) where
+    Gluon or a Hopper GPU is unavailable."""
 
     block_n: int = 64
     num_buf: int = 2
@@ -378,23 +383,36 @@ _SMEM_BYTES = 232448
 
 
 def fp8_gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int) -> int:
-    """Shared memory of :func:`_mla_gluon_fp8_kernel`: the FP8 byte ring and rope ring, one
-    16-bit latent tile, P and q's 64-head tile."""
+    """Shared memory :func:`_mla_gluon_fp8_kernel` allocates: the FP8 byte ring and rope ring,
+    one 16-bit latent tile, P and q's tile of 64 heads. The compiler's scratch for reductions
+    and layout conversions comes on top (the sm_90 build at 64 x 2: 229,888 bytes in all)."""
     return num_buf * block_n * (Dl + 2 * Dr) + 2 * block_n * Dl + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
+
+
+def check_fp8_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int) -> None:
+    """ValueError naming ``config`` unless the FP8 kernel can run ``cfg`` (no ``late_issue``,
+    a ring that fits the shared memory at latent ``Dl`` and rope ``Dr``)."""
+    if cfg.late_issue or fp8_gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr) > _SMEM_BYTES:
+        fail("config", f"an MlaGluonConfig without late_issue whose ring fits {_SMEM_BYTES} bytes of shared memory "
+             f"over FP8 rows (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at kv_lora_rank 512)", cfg)
 
 
 def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
                      Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
     """Launch :func:`_mla_gluon_kernel` (16-bit ``kv [num_slots, Dl + Dr]``) or
-    :func:`_mla_gluon_fp8_kernel` (``kv [num_slots, bytes]`` uint8 FP8 rows) into ``out [B, H, Dl]``."""
+    :func:`_mla_gluon_fp8_kernel` (``kv [num_slots, bytes]`` uint8 FP8 rows) for ``q [B, H, Dl +
+    Dr]`` and ``indices [B, K]`` int32 into ``out [B, H, Dl]`` (checked by ``check_mla``;
+    where :func:`gluon_ok`)."""
     B, H, Dq = q.shape
     K = indices.shape[1]
     if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
         fail("config", "an MlaGluonConfig with block_n in (32, 64), num_buf in 1..4 (>= 2 with late_issue)", cfg)
     fp8 = kv.dtype == torch.uint8
-    if fp8 and (cfg.late_issue or fp8_gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dq - Dl) > _SMEM_BYTES):
-        fail("config", f"an MlaGluonConfig without late_issue whose ring fits {_SMEM_BYTES} bytes of shared memory "
-             f"over FP8 rows (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at kv_lora_rank 512)", cfg)
+    if fp8:
+        check_fp8_gluon_config(cfg, Dl, Dq - Dl)
+        if not gluon_ok(q, Dl, Dq - Dl, kv):
+            fail("kv_buffer", "FP8 rows of DeepSeek's 512 + 64 layout on 16-byte boundaries, with bf16 q on a "
+                 "Hopper GPU, for the Gluon FP8 kernel", (tuple(kv.shape), kv.stride(), q.dtype))
     head_blocks = cdiv(H, 64)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
     splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
