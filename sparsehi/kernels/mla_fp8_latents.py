@@ -28,10 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.kv_spec import FP8_LATENT_TILE, fp8_latent_row_bytes
-
-FP8_TILE = FP8_LATENT_TILE
-"""Latent values per float32 scale (the KV spec's, which sizes these rows in the pools)."""
+FP8_TILE = 128
+"""Latent values per float32 scale."""
 FP8_MAX = 448.0
 """The largest float8_e4m3fn magnitude."""
 MIN_SCALE_BEFORE_ROUNDING = 1e-4
@@ -84,7 +82,7 @@ class MlaFp8Layout:
 
     @property
     def bytes_per_token(self) -> int:
-        return fp8_latent_row_bytes(self.kv_lora_rank, self.rope_dim)
+        return self.rope_offset + 2 * self.rope_dim
 
     @property
     def dim(self) -> int:
