@@ -38,6 +38,7 @@ from sparsehi.kernels.ragged_decode import ragged_decode_triton
 from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, MlaLaunchConfig, default_mla_config,
                                                 default_mla_fp8_config, sparse_mla_decode_reference,
                                                 sparse_mla_decode_triton)
+from sparsehi.kernels.sparse_mla_gluon import gluon_ok
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -185,7 +186,8 @@ def mla_fp8_rows(roof: float, gemm: float, quick: bool) -> list[dict]:
     """The FP8 latent layout beside bf16 rows: for every case and head count the default
     dispatch over bf16 rows (the Gluon kernel where it applies), the fused kernel over bf16
     rows, the default dispatch over the FP8 rows (656 bytes a token at 512 + 64; the Gluon
-    FP8 kernel where it applies) and the fused kernel over them. Each row
+    FP8 kernel where it applies) and the fused kernel over them; where the Gluon FP8 kernel
+    applies, also its form without producer warps (``sparse_mla_fp8_gluon_inloop``). Each row
     carries ``max_diff_vs_fused`` (the same values in either layout: the outputs agree up to
     bf16 rounding)."""
     Dl, Dr = 512, 64
@@ -208,10 +210,13 @@ def _mla_fp8_case_rows(q, kv, packed, idx, B: int, T: int, Dl: int, roof: float,
     fused = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=Dl, sm_scale=0.1,
                                      config=default_mla_config(q.device, H, rows, K)).float()
     out = []
-    for name, buf, cfg in (("sparse_mla_bf16", kv, None),
-                           ("sparse_mla_bf16_fused", kv, default_mla_config(q.device, H, rows, K)),
-                           ("sparse_mla_fp8", packed, None),
-                           ("sparse_mla_fp8_fused", packed, default_mla_fp8_config(q.device, H, rows))):
+    variants = [("sparse_mla_bf16", kv, None),
+                ("sparse_mla_bf16_fused", kv, default_mla_config(q.device, H, rows, K)),
+                ("sparse_mla_fp8", packed, None),
+                ("sparse_mla_fp8_fused", packed, default_mla_fp8_config(q.device, H, rows))]
+    if gluon_ok(q, Dl, Dr, packed):     # the Gluon FP8 kernel whose MMA warps scale each tile themselves
+        variants.append(("sparse_mla_fp8_gluon_inloop", packed, MlaGluonConfig(producer_warps=0)))
+    for name, buf, cfg in variants:
         fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=Dl, sm_scale=0.1, config=cfg)  # noqa: E731
         diff = (fn().float() - fused).abs().max().item()
         us = timed(fn, iters=10)

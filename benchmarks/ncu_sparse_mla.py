@@ -28,7 +28,7 @@ from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_fp8_
 
 B, K, DL, DR = 64, 2048, 512, 64
 VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in ("bf16_gluon", "fp8_gluon", "fp8_fused")}
-KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_fp8_kernel", "fp8_fused": "_mla_stage1"}
+KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_ws_kernel", "fp8_fused": "_mla_stage1"}
 KEEP = {
     "Duration": "duration_us",
     "Achieved Occupancy": "achieved_occupancy_pct",

@@ -134,7 +134,8 @@ def test_gpu_deepseek_shape(dtype):
                 MlaLaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
                 MlaGluonConfig(), MlaGluonConfig(num_splits=3), MlaGluonConfig(late_issue=True, num_splits=2),
                 MlaGluonConfig(block_n=32, num_buf=4, num_splits=7), MlaGluonConfig(block_n=32, num_buf=1),
-                MlaTwoPassConfig(), MlaTwoPassConfig(num_splits=3, pv_block_h=128, pv_block_dv=256, pv_stages=3)):
+                MlaGluonConfig(producer_warps=4), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3, producer_warps=4),
+                MlaGluonConfig(producer_warps=0), MlaTwoPassConfig(), MlaTwoPassConfig(num_splits=3, pv_block_h=128, pv_block_dv=256, pv_stages=3)):
         out2 = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
         torch.testing.assert_close(out2.float(), ref.float(), **_tol(dtype))
 
@@ -160,7 +161,9 @@ def test_bad_config_type_raises():
 @pytest.mark.gpu
 def test_gpu_bad_gluon_config_raises():
     q, kv, idx = _case(1, 64, 512, 64, 8, 32, torch.bfloat16)
-    for cfg in (MlaGluonConfig(block_n=128), MlaGluonConfig(num_buf=1, late_issue=True)):
+    for cfg in (MlaGluonConfig(block_n=128), MlaGluonConfig(num_buf=1, late_issue=True),
+                MlaGluonConfig(late_issue=True, producer_warps=4), MlaGluonConfig(num_buf=1, producer_warps=4),
+                MlaGluonConfig(num_buf=3, producer_warps=4), MlaGluonConfig(producer_warps=8)):
         with pytest.raises(ValueError, match="config"):
             sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
 
@@ -203,7 +206,8 @@ def test_gluon_config_matches_reference_or_falls_back(cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cfg", [MlaGluonConfig(), MlaGluonConfig(late_issue=True),
-                                 MlaGluonConfig(block_n=32, num_buf=3, late_issue=True, num_splits=5)])
+                                 MlaGluonConfig(block_n=32, num_buf=3, late_issue=True, num_splits=5),
+                                 MlaGluonConfig(producer_warps=4), MlaGluonConfig(producer_warps=4, num_splits=3)])
 def test_gpu_gluon_odd_shapes(dtype, cfg):
     # H not a multiple of 64, K not a multiple of the tile, empty and short rows, bad slots
     q, kv, idx = _case(3, 80, 512, 64, 1000, 4096, dtype, seed=7)

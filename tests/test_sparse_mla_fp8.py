@@ -291,6 +291,7 @@ def test_gpu_fp8_deepseek_shapes(H, T, K, B):
     out = sparse_mla_decode(q, packed, idx, kv_lora_rank=512, sm_scale=scale)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
     for cfg in (MlaGluonConfig(), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3),
+                MlaGluonConfig(producer_warps=0), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3, producer_warps=0),
                 default_mla_fp8_config(q.device, H, B * T)):
         out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
@@ -320,7 +321,8 @@ def test_gpu_fp8_gluon_is_the_default_on_hopper_and_says_so(monkeypatch, caplog)
 def test_fp8_gluon_config_it_cannot_run_is_refused_everywhere(monkeypatch, caplog):
     # the same ValueError where the Gluon kernel runs and where the fused kernel stands in
     q, packed, idx = _case(2, 16, 512, 64, 8, 32, seed=2)
-    for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3)):
+    for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3), MlaGluonConfig(producer_warps=2), MlaGluonConfig(late_issue=True, producer_warps=4),
+                MlaGluonConfig(num_buf=3, producer_warps=0), MlaGluonConfig(block_n=32, num_buf=5)):
         with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
             sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
     monkeypatch.setattr(triton_support, "_announced", set())
@@ -372,7 +374,8 @@ def test_gpu_fp8_gluon_ragged_topk_nan_slot_and_pool_views(monkeypatch, caplog):
     monkeypatch.setattr(triton_support, "_announced", set())
     with caplog.at_level(logging.INFO):
         for cfg in (MlaGluonConfig(), MlaGluonConfig(num_splits=5), MlaGluonConfig(num_buf=1),
-                    MlaGluonConfig(block_n=32, num_buf=4, num_splits=2)):
+                    MlaGluonConfig(block_n=32, num_buf=4, num_splits=2), MlaGluonConfig(block_n=32, num_buf=1),
+                    MlaGluonConfig(producer_warps=0), MlaGluonConfig(num_buf=1, producer_warps=0)):
             out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
             torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
         assert "gluon (fp8 latents)" in caplog.text

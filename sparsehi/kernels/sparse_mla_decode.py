@@ -19,9 +19,10 @@ least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there) and :class:`MlaTwoPassConf
 (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
-``mla_fp8_latents``): the Gluon kernel has an FP8 form (``_mla_gluon_fp8_kernel``: E4M3
-bytes gathered, scaled into a 16-bit shared tile) and is the default on Hopper as for
-16-bit rows; the fused kernel loads each tile's E4M3 bytes and float32 scales, scales
+``mla_fp8_latents``): the Gluon kernels have FP8 forms (by default the warp-specialised
+``_mla_gluon_ws_kernel``, whose producer warps load E4M3 bytes and scale them into a ring
+of 16-bit shared tiles; ``_mla_gluon_fp8_kernel`` with ``producer_warps=0``) and are the
+default on Hopper as for 16-bit rows; the fused kernel loads each tile's E4M3 bytes and float32 scales, scales
 them in registers and runs the same dots in q's dtype. Neither keeps a dequantised copy in
 global memory; the two-pass kernel has no FP8 form.
 
