@@ -44,7 +44,8 @@ from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, 
                                               load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
-from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_fp8_gluon_config, gluon_ok, sparse_mla_gluon
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_fp8_gluon_config, gluon_ok
+from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
 __all__ = ["GLUON_MIN_HEAD_BLOCKS", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig", "default_mla_config",

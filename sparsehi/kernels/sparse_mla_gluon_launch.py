@@ -1,0 +1,52 @@
+"""Launch of the Hopper Gluon sparse MLA decode kernels (:func:`sparse_mla_gluon`): checks
+an :class:`MlaGluonConfig` against the rows, picks the split count and runs the 8-warp
+kernels of ``sparse_mla_gluon`` or the warp-specialised one of ``sparse_mla_gluon_ws``.
+"""
+from __future__ import annotations
+
+import torch
+
+from hicache.triton_support import cdiv, sm_count
+from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, fail, split_tokens
+from sparsehi.kernels.mla_fp8_latents import FP8_TILE
+from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_num_splits
+from sparsehi.kernels.sparse_mla_gluon import (MlaGluonConfig, check_ws_config, _mla_gluon_fp8_kernel,
+                                               _mla_gluon_kernel, check_fp8_gluon_config, gluon_ok, producer_warps)
+from sparsehi.kernels.sparse_mla_gluon_ws import launch_ws
+
+
+def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                     Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
+    """Launch a Gluon kernel over 16-bit ``kv [num_slots, Dl + Dr]`` or FP8 rows ``kv
+    [num_slots, bytes]`` uint8 for ``q [B, H, Dl + Dr]`` and ``indices [B, K]`` int32 into ``out
+    [B, H, Dl]`` (checked by ``check_mla``; where ``gluon_ok``): the warp-specialised kernel
+    where ``producer_warps(cfg, fp8)`` is 4, else ``_mla_gluon_kernel`` /
+    ``_mla_gluon_fp8_kernel``."""
+    B, H, Dq = q.shape
+    K = indices.shape[1]
+    if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
+        fail("config", "an MlaGluonConfig with block_n in (32, 64), num_buf in 1..4 (>= 2 with late_issue)", cfg)
+    fp8 = kv.dtype == torch.uint8
+    if fp8:
+        check_fp8_gluon_config(cfg, Dl, Dq - Dl)
+        if not gluon_ok(q, Dl, Dq - Dl, kv):
+            fail("kv_buffer", "FP8 rows of DeepSeek's 512 + 64 layout on 16-byte boundaries, with bf16 q on a "
+                 "Hopper GPU, for the Gluon FP8 kernel", (tuple(kv.shape), kv.stride(), q.dtype))
+    head_blocks = cdiv(H, 64)
+    sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
+    splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
+    grid = (head_blocks, B, splits)
+    if fp8:
+        scales, rope = fp8_row_views(kv, Dl)
+        meta = dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0), D_LAT=Dl,
+                    D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE)
+        if producer_warps(cfg, True):
+            return launch_ws(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, fp8=True)
+        return launch_split(_mla_gluon_fp8_kernel, grid, q, kv, indices, out, sm_scale, tps, splits, num_warps=8,
+                            **meta)
+    if producer_warps(cfg, False):
+        check_ws_config(cfg, Dl, Dq - Dl)
+        return launch_ws(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, fp8=False)
+    return launch_split(_mla_gluon_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
+                        D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
+                        LATE_ISSUE=cfg.late_issue, num_warps=8)

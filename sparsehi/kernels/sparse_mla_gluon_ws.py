@@ -1,0 +1,379 @@
+"""Warp-specialised sparse MLA decode on Hopper in Gluon (:func:`_mla_gluon_ws_kernel`;
+``MlaGluonConfig.producer_warps=4``, the default over FP8 rows; rows, indices and split-K
+as ``sparse_mla_gluon``, whose helpers it shares).
+
+Three warpgroups over a ring of 16-bit tiles in shared memory: producer warps fill a free
+slot (FP8 rows: the bytes, scales and rope values loaded into registers and the bytes
+scaled into the slot; 16-bit rows: gathered by ``cp.async``), the score warpgroup runs the
+score MMA over the whole tile, the online softmax and the left half of the value MMA, the
+value warpgroup the right half, overlapping the score MMA of the next tile. Slots pass
+between them through mbarriers. Measurements: docs/kernels.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparsehi.kernels.mla_fp8_latents import FP8_TILE
+from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig
+
+# 12 warps share the 65536 registers (168 a thread); setmaxnreg moves them between the
+# warpgroups: score 216, value 160, FP8 producer 128 (sm_90 build: 12 bytes spilled; a
+# 152-register producer leaves the score warpgroup 192 and spills 92), gather producer 88
+_WS_MAXNREG = 168
+_SCALE_REGS = 128
+_VALUE_REGS = 160
+_GATHER_REGS = 88
+
+try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarriers
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+
+    from sparsehi.kernels.sparse_mla_gluon import _gl_copy, _gl_q_to_shared, _gl_rows, _gl_valid_s
+
+    @gluon.jit
+    def _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
+                                stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                                BLOCK_N: gl.constexpr, TILE: gl.constexpr):
+        """Producer warps of :func:`_mla_gluon_ws_kernel`: for each tile, load its rows'
+        E4M3 bytes, scales and rope values from global memory into registers (in rounds of 32
+        tokens, all issued together; the indices a tile ahead), and once the tile's ring slot
+        is free (``empty``) scale the bytes into its 16-bit latent rows, copy the rope values
+        beside them and signal ``ready``."""
+        PART: gl.constexpr = 32
+        RPT: gl.constexpr = BLOCK_N // PART
+        NUM_BUF: gl.constexpr = lat_s.shape[0]
+        ld8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])   # [PART, TILE] bytes
+        ldr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])    # [PART, D_ROPE] bf16
+        offs_n8 = gl.arange(0, PART, layout=gl.SliceLayout(1, ld8))
+        offs_c8 = gl.arange(0, TILE, layout=gl.SliceLayout(0, ld8))
+        offs_cr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ldr))
+        ra = _gl_rows(idx_row, start, end, 0, num_slots, offs_n8, PART)
+        rb = _gl_rows(idx_row, start, end, RPT - 1, num_slots, offs_n8, PART)
+        for t in range(n_tiles):
+            slot = t % NUM_BUF
+            lat = lat_s.index(slot)
+            pe = pe_s.index(slot)
+            # both rounds' loads in flight together; the next tile's indices behind them
+            a0, a1, a2, a3, sa0, sa1, sa2, sa3, rope_a = _gl_fp8_round(KV, Scales, Rope, ra, stride_kvn, stride_sn,
+                                                                       stride_rn, offs_c8, offs_cr, ldr, TILE)
+            if RPT == 2:
+                b0, b1, b2, b3, sb0, sb1, sb2, sb3, rope_b = _gl_fp8_round(KV, Scales, Rope, rb, stride_kvn, stride_sn,
+                                                                           stride_rn, offs_c8, offs_cr, ldr, TILE)
+            ra = _gl_rows(idx_row, start, end, (t + 1) * RPT, num_slots, offs_n8, PART)
+            rb = _gl_rows(idx_row, start, end, (t + 1) * RPT + RPT - 1, num_slots, offs_n8, PART)
+            mbarrier.wait(empty.index(slot), ((t // NUM_BUF) & 1) ^ 1)
+            _gl_store_round(lat.slice(0, PART, dim=0), pe.slice(0, PART, dim=0), a0, a1, a2, a3, sa0, sa1, sa2, sa3,
+                            rope_a, TILE)
+            if RPT == 2:
+                _gl_store_round(lat.slice(PART, PART, dim=0), pe.slice(PART, PART, dim=0), b0, b1, b2, b3, sb0, sb1,
+                                sb2, sb3, rope_b, TILE)
+            fence_async_shared()
+            mbarrier.arrive(ready.index(slot), count=1)
+
+    @gluon.jit
+    def _gl_store_round(lat_rows, pe_rows, x0, x1, x2, x3, s0, s1, s2, s3, rope, TILE: gl.constexpr):
+        """Scale one round's E4M3 bytes into the 16-bit latent rows ``lat_rows`` and store
+        its rope values into ``pe_rows``."""
+        _gl_scale_regs(x0, s0, lat_rows, 0, TILE)
+        _gl_scale_regs(x1, s1, lat_rows, 1, TILE)
+        _gl_scale_regs(x2, s2, lat_rows, 2, TILE)
+        _gl_scale_regs(x3, s3, lat_rows, 3, TILE)
+        pe_rows.store(rope)
+
+    @gluon.jit
+    def _gl_fp8_round(KV, Scales, Rope, rows, stride_kvn, stride_sn, stride_rn, offs_c8, offs_cr, ldr: gl.constexpr,
+                      TILE: gl.constexpr):
+        """One round's loads for :func:`_gl_fp8_scale_partition`: the 4 scale tiles' E4M3
+        bytes ``[N, TILE]`` uint8, their scales ``[N]`` float32 and the rope values ``[N,
+        D_ROPE]`` of slots ``rows [N]`` (zeros where ``rows < 0``)."""
+        ok = rows >= 0
+        row = gl.maximum(rows, 0).to(gl.int64)
+        base = KV + gl.multiple_of(row * stride_kvn, 16)[:, None] + offs_c8[None, :]
+        x0 = gl.load(base, mask=ok[:, None], other=0)
+        x1 = gl.load(base + TILE, mask=ok[:, None], other=0)
+        x2 = gl.load(base + 2 * TILE, mask=ok[:, None], other=0)
+        x3 = gl.load(base + 3 * TILE, mask=ok[:, None], other=0)
+        sc = Scales + row * stride_sn
+        s0 = gl.load(sc, mask=ok, other=0.0)
+        s1 = gl.load(sc + 1, mask=ok, other=0.0)
+        s2 = gl.load(sc + 2, mask=ok, other=0.0)
+        s3 = gl.load(sc + 3, mask=ok, other=0.0)
+        rr = gl.convert_layout(rows, gl.SliceLayout(1, ldr))
+        rope = gl.load(Rope + gl.multiple_of(gl.maximum(rr, 0).to(gl.int64) * stride_rn, 8)[:, None] + offs_cr[None, :],
+                       mask=(rr >= 0)[:, None], other=0.0)
+        return x0, x1, x2, x3, s0, s1, s2, s3, rope
+
+    @gluon.jit
+    def _gl_scale_regs(x, sc, lat_rows, j: gl.constexpr, TILE: gl.constexpr):
+        """E4M3 bytes ``x [N, TILE]`` times their row scales ``sc [N]`` into columns ``j *
+        TILE ..`` of the 16-bit shared rows ``lat_rows`` (exact: power-of-two scales)."""
+        y = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+        lat_rows.slice(j * TILE, TILE, dim=1).store(y.to(lat_rows.dtype))
+
+    @gluon.jit
+    def _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
+                             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Producer warps of :func:`_mla_gluon_ws_kernel` over 16-bit rows: gather each tile's
+        rows by ``cp.async`` into its ring slot once the slot is free (``empty``), the next
+        tile's gather issued before waiting for this one's, then signal ``ready``."""
+        NUM_BUF: gl.constexpr = lat_s.shape[0]
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        offs_n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
+        offs_n_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_pe))
+        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
+        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
+        mbarrier.wait(empty.index(0), 1)
+        _gl_copy(KV, _gl_rows(idx_row, start, end, 0, num_slots, offs_n_lat, BLOCK_N), stride_kvn, 0, lat_s.index(0),
+                 offs_d_lat)
+        _gl_copy(KV, _gl_rows(idx_row, start, end, 0, num_slots, offs_n_pe, BLOCK_N), stride_kvn, D_LAT,
+                 pe_s.index(0), offs_d_pe)
+        async_copy.commit_group()
+        rl = _gl_rows(idx_row, start, end, 1, num_slots, offs_n_lat, BLOCK_N)
+        rp = _gl_rows(idx_row, start, end, 1, num_slots, offs_n_pe, BLOCK_N)
+        for t in range(n_tiles):
+            nxt = (t + 1) % NUM_BUF
+            # tile t+1 (past the end: a zero fill of a free slot) in flight while tile t lands
+            mbarrier.wait(empty.index(nxt), (((t + 1) // NUM_BUF) & 1) ^ 1)
+            _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(nxt), offs_d_lat)
+            _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(nxt), offs_d_pe)
+            async_copy.commit_group()
+            rl = _gl_rows(idx_row, start, end, t + 2, num_slots, offs_n_lat, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t + 2, num_slots, offs_n_pe, BLOCK_N)
+            async_copy.wait_group(1)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(t % NUM_BUF), count=1)
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _gl_softmax_partition(q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready, p_free,
+                              done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial,
+                              b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                              stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
+                              BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+        """Score warpgroup of :func:`_mla_gluon_ws_kernel` (the kernel's 4 warps): for each
+        tile, once its slot is ready, the score MMA over all ``BLOCK_N`` tokens (m64nN),
+        the online softmax (running max ``m_i``, row sums ``l_i``), ``P`` and the rescale
+        factor into shared memory for the value warpgroup (``p_ready``, once it has freed
+        them: ``p_free``), then the value MMA into the left half of ``O``; at the end the
+        row max and sums go to ``m_sh`` / ``l_sh`` (``done``) and the left half is stored."""
+        NUM_BUF: gl.constexpr = lat_s.shape[0]
+        HALF: gl.constexpr = D_LAT // 2
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, mma_s))
+        zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma_s)
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=mma_o)
+        vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
+        for t in range(n_tiles):
+            slot = t % NUM_BUF
+            lat = lat_s.index(slot)
+            valid = vs
+            vs = _gl_valid_s(idx_row, start, end, t + 1, num_slots, offs_n_s, BLOCK_N)
+            mbarrier.wait(ready.index(slot), (t // NUM_BUF) & 1)
+            s_tok = warpgroup_mma(q_lat_s, lat.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_pe_s, pe_s.index(slot).permute((1, 0)), s_tok, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            sc = gl.where(valid[None, :], sc * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sc - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            mbarrier.wait(p_free, (t & 1) ^ 1)          # the value warpgroup is done with P and alpha of t-1
+            p_s.store(p.to(p_s.dtype))
+            alpha_s.store(alpha)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready, count=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            o_tok = warpgroup_mma(p_s, lat.slice(0, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(slot), count=1)
+        m_sh.store(m_i)
+        l_sh.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done, count=1)
+        row: gl.constexpr = gl.SliceLayout(1, mma_o)
+        _gl_store_half(o, gl.convert_layout(l_i, row), gl.convert_layout(m_i, row), Out, OutPartial, LsePartial, b,
+                       hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
+                       stride_lh, 0, mma_o, HALF, BLOCK_H, SPLIT, True)
+
+    @gluon.jit
+    def _gl_value_partition(lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out, OutPartial,
+                            LsePartial, b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                            stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
+        """Value warpgroup of :func:`_mla_gluon_ws_kernel`: for each tile, once the score
+        warpgroup has published ``P`` (``p_ready``), rescale the right half of ``O`` and run
+        its value MMA, then free ``P`` (``p_free``) and its share of the slot (``empty``);
+        at the end, with the row max and sums (``done``), store the right half."""
+        NUM_BUF: gl.constexpr = lat_s.shape[0]
+        HALF: gl.constexpr = D_LAT // 2
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+        row: gl.constexpr = gl.SliceLayout(1, mma_o)
+        o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=mma_o)
+        for t in range(n_tiles):
+            slot = t % NUM_BUF
+            mbarrier.wait(p_ready, t & 1)
+            o = o * alpha_s.load(row)[:, None]
+            o_tok = warpgroup_mma(p_s, lat_s.index(slot).slice(HALF, HALF, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            gl.thread_barrier()
+            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.wait(done, 0)
+        _gl_store_half(o, l_sh.load(row), m_sh.load(row), Out, OutPartial, LsePartial, b, hb, split,
+                       num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HALF,
+                       mma_o, HALF, BLOCK_H, SPLIT, False)
+
+    @gluon.jit
+    def _gl_store_half(o, l_i, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, col0: gl.constexpr,
+                       mma_o: gl.constexpr, D_HALF: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                       WITH_LSE: gl.constexpr):
+        """Columns ``col0 .. col0 + D_HALF`` of the output: ``o`` normalised by the row sums
+        ``l_i``, or (``SPLIT``) the fp32 partial, with the log-sum-exp where ``WITH_LSE``."""
+        has = l_i > 0
+        l_safe = gl.where(has, l_i, 1.0)
+        out = o / l_safe[:, None]
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma_o))
+        offs_d = col0 + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, mma_o))
+        h_mask = (offs_h < num_heads)[:, None]
+        if not SPLIT:
+            gl.store(Out + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=h_mask)
+        else:
+            gl.store(OutPartial + b.to(gl.int64) * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
+                     + offs_d[None, :], out, mask=h_mask)
+            if WITH_LSE:
+                lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+                gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse,
+                         mask=offs_h < num_heads)
+
+    @gluon.jit
+    def _mla_gluon_ws_kernel(
+        Q, KV, Idx, Out, OutPartial, LsePartial,
+        qk_scale_log2,
+        stride_qb, stride_qh, stride_kvn, stride_ib,
+        stride_ob, stride_oh,
+        stride_pb, stride_ph, stride_ps,
+        stride_lb, stride_lh,
+        num_heads, num_idx, tokens_per_split, num_slots,
+        Scales, Rope, stride_sn, stride_rn,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
+        VALUE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
+    ):
+        """Sparse MLA decode as three warp-specialised warpgroups over a ``NUM_BUF``-deep ring
+        of 16-bit tiles in shared memory: producer warps (``PRODUCER_REGS`` registers a
+        thread) fill a free slot with a tile: over FP8 rows (``FP8``,
+        :func:`_gl_fp8_scale_partition`) they load the rows' bytes into registers and scale
+        them into the slot, over 16-bit rows (:func:`_gl_gather_partition`) they gather the
+        rows by ``cp.async``; the score warpgroup (the
+        kernel's 4 warps, :func:`_gl_softmax_partition`) runs the score MMA, the softmax and
+        the left half of the value MMA; the value warpgroup (:func:`_gl_value_partition`,
+        ``VALUE_REGS``) the right half, one tile behind the score MMA of the next. Slots pass
+        through mbarriers ``ready`` (producer -> both) and ``empty`` (both -> producer), ``P``
+        and the rescale factor through ``p_ready`` / ``p_free``."""
+        hb = gl.program_id(0)
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        start = split * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, num_idx)
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        sh_v: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+        lat_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_LAT], sh)
+        pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
+        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sh_p)
+        alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
+        m_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
+        l_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)     # the score and the value warpgroup
+        for i in gl.static_range(3):
+            mbarrier.init(bars.index(i), count=1)
+
+        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
+        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
+        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
+        q_lat_s, q_pe_s = _gl_q_to_shared(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, offs_h_lat, offs_d_lat,
+                                          offs_h_pe, offs_d_pe, sh, D_LAT)
+        fence_async_shared()
+        gl.thread_barrier()
+        idx_row = Idx + b.to(gl.int64) * stride_ib
+        p_ready = bars.index(0)
+        p_free = bars.index(1)
+        done = bars.index(2)
+        # the producer partition differs by row format (a branch each: partitions are named in place)
+        if FP8:
+            gl.warp_specialize([
+                (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
+                                         p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
+                                         OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H,
+                                         BLOCK_N, SPLIT)),
+                (_gl_value_partition, (lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out,
+                                       OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
+                (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
+                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
+                                           TILE)),
+            ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
+                                         p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
+                                         OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H,
+                                         BLOCK_N, SPLIT)),
+                (_gl_value_partition, (lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out,
+                                       OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
+                (_gl_gather_partition, (KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready,
+                                        empty, D_LAT, D_ROPE, BLOCK_N)),
+            ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
+
+    _HAS_WS = True
+except Exception as _e:  # noqa: BLE001 - a Triton without this Gluon API: gluon_ok is False there too
+    _HAS_WS = False
+    _WS_ERROR = repr(_e)
+
+
+def launch_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, sm_scale: float,
+              grid: tuple[int, int, int], tokens_per_split: int, splits: int, cfg: MlaGluonConfig, Dl: int, *,
+              fp8: bool) -> torch.Tensor:
+    """Launch :func:`_mla_gluon_ws_kernel` over ``kv`` (FP8 rows where ``fp8``, else 16-bit
+    rows) for ``q [B, H, Dl + Dr]``, ``indices [B, K]`` int32 into ``out [B, H, Dl]`` (the
+    caller, ``sparse_mla_gluon``, has checked the inputs and ``cfg``)."""
+    Dr = q.shape[2] - Dl
+    if fp8:
+        scales, rope = fp8_row_views(kv, Dl)
+        extra = dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
+                     PRODUCER_REGS=_SCALE_REGS)
+    else:
+        extra = dict(Scales=kv, Rope=kv, stride_sn=0, stride_rn=0, PRODUCER_REGS=_GATHER_REGS)
+    return launch_split(_mla_gluon_ws_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
+                        D_LAT=Dl, D_ROPE=Dr, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE,
+                        VALUE_REGS=_VALUE_REGS, FP8=fp8, maxnreg=_WS_MAXNREG, num_warps=4, **extra)
