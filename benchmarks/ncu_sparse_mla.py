@@ -27,8 +27,11 @@ from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, quantize_ml
 from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_fp8_config, sparse_mla_decode_triton)
 
 B, K, DL, DR = 64, 2048, 512, 64
-VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in ("bf16_gluon", "fp8_gluon", "fp8_fused")}
-KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_ws_kernel", "fp8_fused": "_mla_stage1"}
+KINDS = ("bf16_gluon", "fp8_gluon", "fp8_gluon_8warp", "fp8_fused")
+VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in KINDS}
+# fp8_gluon: the default over FP8 rows (warp-specialised); fp8_gluon_8warp: producer_warps=0
+KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_ws_kernel",
+           "fp8_gluon_8warp": "_mla_gluon_fp8_kernel", "fp8_fused": "_mla_stage1"}
 KEEP = {
     "Duration": "duration_us",
     "Achieved Occupancy": "achieved_occupancy_pct",
@@ -59,6 +62,7 @@ def launch(variant: str) -> None:
     q = torch.randn(B, heads, DL + DR, device="cuda", generator=g, dtype=torch.bfloat16)
     idx = torch.stack([torch.randperm(span, device="cuda", generator=g)[:K] + r * span for r in range(B)]).int()
     buf, cfg = {"bf16_gluon": (kv, MlaGluonConfig()), "fp8_gluon": (packed, MlaGluonConfig()),
+                "fp8_gluon_8warp": (packed, MlaGluonConfig(producer_warps=0)),
                 "fp8_fused": (packed, default_mla_fp8_config(q.device, heads, B))}[kind]
     sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
     torch.cuda.synchronize()

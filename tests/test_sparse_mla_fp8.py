@@ -375,6 +375,7 @@ def test_gpu_fp8_gluon_ragged_topk_nan_slot_and_pool_views(monkeypatch, caplog):
     with caplog.at_level(logging.INFO):
         for cfg in (MlaGluonConfig(), MlaGluonConfig(num_splits=5), MlaGluonConfig(num_buf=1),
                     MlaGluonConfig(block_n=32, num_buf=4, num_splits=2), MlaGluonConfig(block_n=32, num_buf=1),
+                    MlaGluonConfig(block_n=32, num_buf=3),
                     MlaGluonConfig(producer_warps=0), MlaGluonConfig(num_buf=1, producer_warps=0)):
             out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
             torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
