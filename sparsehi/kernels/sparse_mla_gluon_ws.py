@@ -276,16 +276,17 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         VALUE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
     ):
         """Sparse MLA decode as three warp-specialised warpgroups over a ``NUM_BUF``-deep ring
-        of 16-bit tiles in shared memory: producer warps (``PRODUCER_REGS`` registers a
+        of 16-bit tiles in shared memory. Producer warps (``PRODUCER_REGS`` registers a
         thread) fill a free slot with a tile: over FP8 rows (``FP8``,
         :func:`_gl_fp8_scale_partition`) they load the rows' bytes into registers and scale
         them into the slot, over 16-bit rows (:func:`_gl_gather_partition`) they gather the
-        rows by ``cp.async``; the score warpgroup (the
-        kernel's 4 warps, :func:`_gl_softmax_partition`) runs the score MMA, the softmax and
-        the left half of the value MMA; the value warpgroup (:func:`_gl_value_partition`,
-        ``VALUE_REGS``) the right half, one tile behind the score MMA of the next. Slots pass
-        through mbarriers ``ready`` (producer -> both) and ``empty`` (both -> producer), ``P``
-        and the rescale factor through ``p_ready`` / ``p_free``."""
+        rows by ``cp.async``. The score warpgroup (the kernel's 4 warps,
+        :func:`_gl_softmax_partition`) runs the score MMA, the softmax and the left half of
+        the value MMA; the value warpgroup (:func:`_gl_value_partition`, ``VALUE_REGS``) the
+        right half. Slots pass through mbarriers ``ready`` (producer -> both) and ``empty``
+        (both -> producer), ``P`` and the rescale factor through ``p_ready`` / ``p_free``.
+        The partition list is written out in both branches: Gluon takes each partition's
+        function and arguments in place, not from variables."""
         hb = gl.program_id(0)
         b = gl.program_id(1)
         split = gl.program_id(2)
@@ -326,7 +327,6 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         p_ready = bars.index(0)
         p_free = bars.index(1)
         done = bars.index(2)
-        # the producer partition differs by row format (a branch each: partitions are named in place)
         if FP8:
             gl.warp_specialize([
                 (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
