@@ -159,7 +159,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         tile, once its slot is ready, the score MMA over all ``BLOCK_N`` tokens (m64nN),
         the online softmax (running max ``m_i``, row sums ``l_i``), ``P`` and the rescale
         factor into shared memory for the value warpgroup (``p_ready``, once it has freed
-        them: ``p_free``), then the value MMA into the left half of ``O``; at the end the
+        them: ``p_free``), and the value MMA into the left half of ``O`` with ``P`` from
+        registers, issued before ``P`` is published; at the end the
         row max and sums go to ``m_sh`` / ``l_sh`` (``done``) and the left half is stored."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
         HALF: gl.constexpr = D_LAT // 2
@@ -167,6 +168,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                                         instr_shape=[16, BLOCK_N, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
         offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, mma_s))
@@ -189,14 +191,16 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             p = gl.exp2(sc - m_safe[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
+            pb = p.to(p_s.dtype)
+            # this warpgroup's value MMA takes P from registers and runs while P is published
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            o_tok = warpgroup_mma(gl.convert_layout(pb, p_op), lat.slice(0, HALF, dim=1), o, is_async=True)
             mbarrier.wait(p_free, (t & 1) ^ 1)          # the value warpgroup is done with P and alpha of t-1
-            p_s.store(p.to(p_s.dtype))
+            p_s.store(pb)
             alpha_s.store(alpha)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready, count=1)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-            o_tok = warpgroup_mma(p_s, lat.slice(0, HALF, dim=1), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
             gl.thread_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
