@@ -16,6 +16,8 @@ def fp8_latent_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     """Bytes of one token's FP8 latent row: ``kv_lora_rank`` E4M3 values, a float32 scale per
     ``FP8_LATENT_TILE`` of them, ``rope_dim`` bf16 values."""
     return kv_lora_rank + 4 * (kv_lora_rank // FP8_LATENT_TILE) + 2 * rope_dim
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
 
 

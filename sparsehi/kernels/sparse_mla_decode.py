@@ -44,7 +44,7 @@ from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, 
                                               load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
-from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_fp8_gluon_config, gluon_ok
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_gluon_config, gluon_ok
 from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
@@ -268,12 +268,12 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
 def _fp8_config(config, device: torch.device, num_heads: int, batch: int, use_gluon: bool,
                 dims: tuple[int, int]) -> MlaLaunchConfig | MlaGluonConfig:
     """The config for FP8 rows of latent / rope dims ``dims``: an :class:`MlaGluonConfig`
-    (checked by :func:`check_fp8_gluon_config` wherever it runs) where the Gluon kernel runs
+    (checked by :func:`check_gluon_config` wherever it runs) where the Gluon kernel runs
     here, an :class:`MlaLaunchConfig` as given; otherwise the fused kernel's
     :func:`default_mla_fp8_config` (with a Gluon or two-pass config's split count). Every
     fused-kernel path is announced."""
     if isinstance(config, MlaGluonConfig):
-        check_fp8_gluon_config(config, *dims)
+        check_gluon_config(config, *dims, fp8=True)
         if use_gluon:
             return config
     announce_path("sparse_mla_decode", "triton (fp8 latents)")

@@ -36,7 +36,7 @@ class MlaGluonConfig:
     fills the shared memory; 32-token tiles take up to 4). ``late_issue``: issue the next
     tile's gather after the loop-top barrier instead of behind a trailing one (16-bit rows
     only: over FP8 rows it is a ValueError, as is a ring that does not fit,
-    :func:`check_fp8_gluon_config`). ``producer_warps``: 4 runs the warp-specialised
+    :func:`check_gluon_config`). ``producer_warps``: 4 runs the warp-specialised
     ``sparse_mla_gluon_ws._mla_gluon_ws_kernel`` (a producer warpgroup fills a ring of 16-bit tiles, a score
     and a value warpgroup consume it; not with ``late_issue``), 0 the 8-warp kernels
     (:func:`_mla_gluon_kernel`, :func:`_mla_gluon_fp8_kernel`, whose MMA warps scale each
@@ -84,9 +84,14 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
     def _gl_scale_tile(raw, lat_s, j: gl.constexpr, sc, ld_deq: gl.constexpr, TILE: gl.constexpr):
         """Scale tile ``j`` (columns ``j * TILE ..``) of the E4M3 bytes ``raw`` by its row scales
         ``sc [N]`` into the 16-bit latent tile ``lat_s`` (exact: power-of-two scales)."""
-        x = raw.slice(j * TILE, TILE, dim=1).load(ld_deq)
-        x = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-        lat_s.slice(j * TILE, TILE, dim=1).store(x.to(lat_s.dtype))
+        _gl_scale_regs(raw.slice(j * TILE, TILE, dim=1).load(ld_deq), sc, lat_s, j, TILE)
+
+    @gluon.jit
+    def _gl_scale_regs(x, sc, lat_rows, j: gl.constexpr, TILE: gl.constexpr):
+        """E4M3 bytes ``x [N, TILE]`` times their row scales ``sc [N]`` into columns ``j *
+        TILE ..`` of the 16-bit shared rows ``lat_rows`` (exact: power-of-two scales)."""
+        y = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+        lat_rows.slice(j * TILE, TILE, dim=1).store(y.to(lat_rows.dtype))
 
     @gluon.jit
     def _gl_q_to_shared(q_row, stride_qh, num_heads, offs_h_lat, offs_d_lat, offs_h_pe, offs_d_pe, sh: gl.constexpr,
@@ -230,25 +235,36 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
     def _gl_store_out(o, l2, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                       mma_o: gl.constexpr, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
-        """Normalise ``o`` by the row sums (``l2`` summed over its token columns) and store it,
-        or (``SPLIT``) its fp32 partial and log-sum-exp."""
-        l_i = gl.convert_layout(gl.sum(l2, axis=1), gl.SliceLayout(1, mma_o))
+        """:func:`_gl_store_cols` of all of ``o``, with the row sums ``l2`` kept per token
+        column summed first."""
+        row: gl.constexpr = gl.SliceLayout(1, mma_o)
+        _gl_store_cols(o, gl.convert_layout(gl.sum(l2, axis=1), row), gl.convert_layout(m_i, row), Out, OutPartial,
+                       LsePartial, b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                       stride_lb, stride_lh, 0, mma_o, D_LAT, BLOCK_H, SPLIT, True)
+
+    @gluon.jit
+    def _gl_store_cols(o, l_i, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, col0: gl.constexpr,
+                       mma_o: gl.constexpr, D_COLS: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                       WITH_LSE: gl.constexpr):
+        """Columns ``col0 .. col0 + D_COLS`` of the output: ``o`` normalised by the row sums
+        ``l_i``, or (``SPLIT``) the fp32 partial, with the log-sum-exp where ``WITH_LSE``."""
         has = l_i > 0
         l_safe = gl.where(has, l_i, 1.0)
         out = o / l_safe[:, None]
         offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma_o))
-        offs_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, mma_o))
+        offs_d = col0 + gl.arange(0, D_COLS, layout=gl.SliceLayout(0, mma_o))
         h_mask = (offs_h < num_heads)[:, None]
         if not SPLIT:
             gl.store(Out + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=h_mask)
         else:
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, mma_o))
-            lse = gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
             gl.store(OutPartial + b.to(gl.int64) * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
                      + offs_d[None, :], out, mask=h_mask)
-            gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse,
-                     mask=offs_h < num_heads)
+            if WITH_LSE:
+                lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+                gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse,
+                         mask=offs_h < num_heads)
 
     @gluon.jit
     def _mla_gluon_fp8_kernel(
@@ -387,18 +403,19 @@ def gluon_ok(q: torch.Tensor, Dl: int, Dr: int, kv: Optional[torch.Tensor] = Non
     return Dl in (64, 128, 256, 512) and Dr == 64
 
 
-# Hopper's shared memory per block (227 KiB); the FP8 kernel's ring must fit beside q's tile
+# Hopper's shared memory per block (227 KiB); a Gluon kernel's ring must fit beside q's tile
 _SMEM_BYTES = 232448
 # producer warps over 16-bit rows when the config leaves it open
 WS_DEFAULT_BF16 = 0
 
 
-def fp8_gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warps: int = 4) -> int:
-    """Shared memory the Gluon kernels allocate over FP8 rows. With ``producer_warps`` (the
-    warp-specialised kernel, the same over 16-bit rows): a ring of 16-bit latent and rope
-    tiles; without: the FP8 byte ring and rope ring plus one 16-bit latent tile. Both: P and
-    q's tile of 64 heads. The compiler's scratch and mbarriers come on top (the sm_90 builds
-    at 64 x 2: 229,888 bytes without producer warps, 230,472 with)."""
+def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warps: int) -> int:
+    """Shared memory a Gluon kernel allocates beyond the 8-warp 16-bit one: with
+    ``producer_warps`` (the warp-specialised kernel, either row format) a ring of 16-bit latent
+    and rope tiles; without (the 8-warp FP8 kernel) the FP8 byte ring and rope ring plus one
+    16-bit latent tile. Both: P and q's tile of 64 heads. The compiler's scratch and mbarriers
+    come on top (the sm_90 builds at 64 x 2: 229,888 bytes without producer warps, 230,472
+    with)."""
     if producer_warps:
         ring = num_buf * block_n * 2 * (Dl + Dr)
     else:
@@ -413,24 +430,17 @@ def producer_warps(cfg: MlaGluonConfig, fp8: bool) -> int:
     return cfg.producer_warps
 
 
-def check_fp8_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int) -> None:
-    """ValueError naming ``config`` unless the FP8 kernels can run ``cfg`` (no ``late_issue``,
-    ``producer_warps`` None, 0 or 4, a ring that fits the shared memory at latent ``Dl`` and
-    rope ``Dr``)."""
-    if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4)
-            or fp8_gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, producer_warps(cfg, True)) > _SMEM_BYTES):
+def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool) -> None:
+    """ValueError naming ``config`` unless the FP8 kernels (``fp8``) or the warp-specialised
+    kernel over 16-bit rows can run ``cfg``: no ``late_issue``, ``producer_warps`` None, 0 or
+    4, a ring that fits the shared memory at latent ``Dl`` and rope ``Dr``, and over 16-bit
+    rows at least 2 slots (the gather of tile t+1 is issued before tile t is handed over). The
+    8-warp kernel over 16-bit rows has no such limits."""
+    warps = producer_warps(cfg, fp8)
+    if not (fp8 or warps):
+        return
+    if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)
+            or gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, warps) > _SMEM_BYTES):
         fail("config", f"an MlaGluonConfig without late_issue, with producer_warps None, 0 or 4 and a ring that fits "
-             f"{_SMEM_BYTES} bytes of shared memory over FP8 rows (block_n=64: num_buf <= 2; block_n=32: "
-             f"num_buf <= 4 at kv_lora_rank 512)", cfg)
-
-
-def check_ws_config(cfg: MlaGluonConfig, Dl: int, Dr: int) -> None:
-    """ValueError naming ``config`` unless the warp-specialised kernel can run ``cfg`` over
-    16-bit rows (no ``late_issue``, a ring of ``num_buf`` >= 2 16-bit tiles that fits: the
-    gather of tile t+1 is issued before tile t is handed over)."""
-    if cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or cfg.num_buf < 2 or \
-            fp8_gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, 4) > _SMEM_BYTES:
-        fail("config", f"an MlaGluonConfig with producer_warps 4, no late_issue and num_buf >= 2 whose ring of 16-bit "
-             f"tiles fits "
              f"{_SMEM_BYTES} bytes of shared memory (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at "
-             f"kv_lora_rank 512)", cfg)
+             f"kv_lora_rank 512; num_buf >= 2 for the warp-specialised kernel over 16-bit rows)", cfg)

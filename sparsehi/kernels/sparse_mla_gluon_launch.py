@@ -10,8 +10,8 @@ from hicache.triton_support import cdiv, sm_count
 from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, fail, split_tokens
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE
 from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_num_splits
-from sparsehi.kernels.sparse_mla_gluon import (MlaGluonConfig, check_ws_config, _mla_gluon_fp8_kernel,
-                                               _mla_gluon_kernel, check_fp8_gluon_config, gluon_ok, producer_warps)
+from sparsehi.kernels.sparse_mla_gluon import (MlaGluonConfig, _mla_gluon_fp8_kernel, _mla_gluon_kernel,
+                                               check_gluon_config, gluon_ok, producer_warps)
 from sparsehi.kernels.sparse_mla_gluon_ws import launch_ws
 
 
@@ -27,26 +27,22 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
     if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
         fail("config", "an MlaGluonConfig with block_n in (32, 64), num_buf in 1..4 (>= 2 with late_issue)", cfg)
     fp8 = kv.dtype == torch.uint8
-    if fp8:
-        check_fp8_gluon_config(cfg, Dl, Dq - Dl)
-        if not gluon_ok(q, Dl, Dq - Dl, kv):
-            fail("kv_buffer", "FP8 rows of DeepSeek's 512 + 64 layout on 16-byte boundaries, with bf16 q on a "
-                 "Hopper GPU, for the Gluon FP8 kernel", (tuple(kv.shape), kv.stride(), q.dtype))
+    check_gluon_config(cfg, Dl, Dq - Dl, fp8)
+    if fp8 and not gluon_ok(q, Dl, Dq - Dl, kv):
+        fail("kv_buffer", "FP8 rows of DeepSeek's 512 + 64 layout on 16-byte boundaries, with bf16 q on a "
+             "Hopper GPU, for the Gluon FP8 kernel", (tuple(kv.shape), kv.stride(), q.dtype))
     head_blocks = cdiv(H, 64)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
     splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
     grid = (head_blocks, B, splits)
+    if producer_warps(cfg, fp8):
+        return launch_ws(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, fp8=fp8)
     if fp8:
         scales, rope = fp8_row_views(kv, Dl)
-        meta = dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0), D_LAT=Dl,
-                    D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE)
-        if producer_warps(cfg, True):
-            return launch_ws(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, fp8=True)
-        return launch_split(_mla_gluon_fp8_kernel, grid, q, kv, indices, out, sm_scale, tps, splits, num_warps=8,
-                            **meta)
-    if producer_warps(cfg, False):
-        check_ws_config(cfg, Dl, Dq - Dl)
-        return launch_ws(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, fp8=False)
+        return launch_split(_mla_gluon_fp8_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
+                            Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0), D_LAT=Dl,
+                            D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE,
+                            num_warps=8)
     return launch_split(_mla_gluon_kernel, grid, q, kv, indices, out, sm_scale, tps, splits,
                         D_LAT=Dl, D_ROPE=Dq - Dl, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
                         LATE_ISSUE=cfg.late_issue, num_warps=8)

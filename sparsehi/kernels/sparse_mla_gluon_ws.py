@@ -31,7 +31,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from sparsehi.kernels.sparse_mla_gluon import _gl_copy, _gl_q_to_shared, _gl_rows, _gl_valid_s
+    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_q_to_shared, _gl_rows, _gl_scale_regs,
+                                                   _gl_store_cols, _gl_valid_s)
 
     @gluon.jit
     def _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
@@ -105,13 +106,6 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         rope = gl.load(Rope + gl.multiple_of(gl.maximum(rr, 0).to(gl.int64) * stride_rn, 8)[:, None] + offs_cr[None, :],
                        mask=(rr >= 0)[:, None], other=0.0)
         return x0, x1, x2, x3, s0, s1, s2, s3, rope
-
-    @gluon.jit
-    def _gl_scale_regs(x, sc, lat_rows, j: gl.constexpr, TILE: gl.constexpr):
-        """E4M3 bytes ``x [N, TILE]`` times their row scales ``sc [N]`` into columns ``j *
-        TILE ..`` of the 16-bit shared rows ``lat_rows`` (exact: power-of-two scales)."""
-        y = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-        lat_rows.slice(j * TILE, TILE, dim=1).store(y.to(lat_rows.dtype))
 
     @gluon.jit
     def _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
@@ -209,7 +203,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         gl.thread_barrier()
         mbarrier.arrive(done, count=1)
         row: gl.constexpr = gl.SliceLayout(1, mma_o)
-        _gl_store_half(o, gl.convert_layout(l_i, row), gl.convert_layout(m_i, row), Out, OutPartial, LsePartial, b,
+        _gl_store_cols(o, gl.convert_layout(l_i, row), gl.convert_layout(m_i, row), Out, OutPartial, LsePartial, b,
                        hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                        stride_lh, 0, mma_o, HALF, BLOCK_H, SPLIT, True)
 
@@ -237,33 +231,9 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             mbarrier.arrive(p_free, count=1)
             mbarrier.arrive(empty.index(slot), count=1)
         mbarrier.wait(done, 0)
-        _gl_store_half(o, l_sh.load(row), m_sh.load(row), Out, OutPartial, LsePartial, b, hb, split,
+        _gl_store_cols(o, l_sh.load(row), m_sh.load(row), Out, OutPartial, LsePartial, b, hb, split,
                        num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HALF,
                        mma_o, HALF, BLOCK_H, SPLIT, False)
-
-    @gluon.jit
-    def _gl_store_half(o, l_i, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, col0: gl.constexpr,
-                       mma_o: gl.constexpr, D_HALF: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                       WITH_LSE: gl.constexpr):
-        """Columns ``col0 .. col0 + D_HALF`` of the output: ``o`` normalised by the row sums
-        ``l_i``, or (``SPLIT``) the fp32 partial, with the log-sum-exp where ``WITH_LSE``."""
-        has = l_i > 0
-        l_safe = gl.where(has, l_i, 1.0)
-        out = o / l_safe[:, None]
-        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma_o))
-        offs_d = col0 + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, mma_o))
-        h_mask = (offs_h < num_heads)[:, None]
-        if not SPLIT:
-            gl.store(Out + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-                     out.to(Out.dtype.element_ty), mask=h_mask)
-        else:
-            gl.store(OutPartial + b.to(gl.int64) * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps
-                     + offs_d[None, :], out, mask=h_mask)
-            if WITH_LSE:
-                lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-                gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse,
-                         mask=offs_h < num_heads)
 
     @gluon.jit
     def _mla_gluon_ws_kernel(
