@@ -183,6 +183,39 @@ def test_default_config_stages_follow_loop_length(monkeypatch):
     assert (small.block_h, small.row_load) == (16, True)
 
 
+def test_default_gluon_config_runs_where_it_is_chosen():
+    from sparsehi.kernels.sparse_mla_gluon import WS_BF16_MIN_HEADS, check_gluon_config, default_gluon_config
+
+    # bf16 rows above one 64-head block: the warp-specialised kernel at 32-token tiles x 4
+    ws = default_gluon_config(128, fp8=False)
+    assert (ws.block_n, ws.num_buf, ws.producer_warps) == (32, 4, 4)
+    assert default_gluon_config(WS_BF16_MIN_HEADS - 1, fp8=False) == MlaGluonConfig()
+    assert default_gluon_config(128, fp8=True) == MlaGluonConfig()
+    for heads in (16, 64, WS_BF16_MIN_HEADS, 128):
+        for fp8 in (False, True):
+            check_gluon_config(default_gluon_config(heads, fp8), 512, 64, fp8)   # no ValueError: it fits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [64, 128])
+def test_gpu_default_dispatch_runs_default_gluon_config(heads):
+    from sparsehi.kernels.sparse_mla_gluon import default_gluon_config
+
+    # the two kernels sum the tiles in different orders, so their bf16 outputs differ in
+    # low bits: bitwise equality names the kernel the default dispatch ran
+    q, kv, idx = _case(8, heads, 512, 64, 2048, 8192, torch.bfloat16, seed=11)
+    idx[2, 700:] = -1
+    out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+    chosen = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1,
+                                      config=default_gluon_config(heads, fp8=False))
+    other = MlaGluonConfig() if heads > 64 else MlaGluonConfig(32, 4, producer_warps=4)
+    not_chosen = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1, config=other)
+    assert torch.equal(out, chosen)
+    assert not torch.equal(out, not_chosen)
+    ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+
+
 def test_split_heuristic_one_wave():
     from sparsehi.kernels.sparse_mla_decode import mla_num_splits
 

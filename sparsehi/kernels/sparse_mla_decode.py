@@ -15,7 +15,8 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 
 ``sparse_mla_decode_triton`` also runs the other two kernels by their config:
 :class:`MlaGluonConfig` (``sparse_mla_gluon``, Hopper; the default for launches of at
-least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there) and :class:`MlaTwoPassConfig`
+least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows the warp-specialised
+kernel above 64 heads) and :class:`MlaTwoPassConfig`
 (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
@@ -44,7 +45,7 @@ from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, 
                                               load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
-from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_gluon_config, gluon_ok
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_gluon_config, default_gluon_config, gluon_ok
 from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
@@ -221,7 +222,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     config:     :class:`MlaLaunchConfig` (fused kernel), :class:`MlaGluonConfig` (Hopper
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
                 (score GEMM + value pass); None = the Gluon kernel on Hopper for launches of
-                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks, else :func:`default_mla_config`
+                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks (its config:
+                ``default_gluon_config``), else :func:`default_mla_config`
                 (:func:`default_mla_fp8_config` over FP8 rows).
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
     """
@@ -237,7 +239,7 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     fp8 = kv.dtype == torch.uint8
     use_gluon = gluon_ok(q, Dl, Dr, kv)
     if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and use_gluon:
-        config = MlaGluonConfig()
+        config = default_gluon_config(H, fp8)
     if fp8:
         cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))
     else:

@@ -407,6 +407,10 @@ def gluon_ok(q: torch.Tensor, Dl: int, Dr: int, kv: Optional[torch.Tensor] = Non
 _SMEM_BYTES = 232448
 # producer warps over 16-bit rows when the config leaves it open
 WS_DEFAULT_BF16 = 0
+# the default dispatch over 16-bit rows runs the warp-specialised kernel with 32-token tiles
+# x 4 from this head count up (two 64-head blocks share each row): 1-9 % faster than the
+# 8-warp kernel at 128 heads, 1 % faster to 4 % slower at 64 (attention_mla_bf16_sweep.json)
+WS_BF16_MIN_HEADS = 65
 
 
 def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warps: int) -> int:
@@ -421,6 +425,15 @@ def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warp
     else:
         ring = num_buf * block_n * (Dl + 2 * Dr) + 2 * block_n * Dl
     return ring + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
+
+
+def default_gluon_config(num_heads: int, fp8: bool) -> MlaGluonConfig:
+    """The Gluon config the default dispatch (``config=None``) runs for ``num_heads`` query
+    heads over FP8 (``fp8``) or 16-bit rows: ``MlaGluonConfig(32, 4, producer_warps=4)``
+    over 16-bit rows from ``WS_BF16_MIN_HEADS`` heads up, else ``MlaGluonConfig()``."""
+    if not fp8 and num_heads >= WS_BF16_MIN_HEADS:
+        return MlaGluonConfig(32, 4, producer_warps=4)
+    return MlaGluonConfig()
 
 
 def producer_warps(cfg: MlaGluonConfig, fp8: bool) -> int:
