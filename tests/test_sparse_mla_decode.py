@@ -184,16 +184,21 @@ def test_default_config_stages_follow_loop_length(monkeypatch):
 
 
 def test_default_gluon_config_runs_where_it_is_chosen():
-    from sparsehi.kernels.sparse_mla_gluon import WS_BF16_MIN_HEADS, check_gluon_config, default_gluon_config
+    from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, WS_BF16_MIN_HEADS, check_gluon_config,
+                                                   default_gluon_config)
 
     # bf16 rows above one 64-head block: the warp-specialised kernel at 32-token tiles x 4
     ws = default_gluon_config(128, fp8=False)
     assert (ws.block_n, ws.num_buf, ws.producer_warps) == (32, 4, 4)
     assert default_gluon_config(WS_BF16_MIN_HEADS - 1, fp8=False) == MlaGluonConfig()
     assert default_gluon_config(128, fp8=True) == MlaGluonConfig()
-    for heads in (16, 64, WS_BF16_MIN_HEADS, 128):
+    # FP8 rows up to 32 heads: tokens as the MMA rows
+    assert default_gluon_config(NARROW_MAX_HEADS, fp8=True) == MlaGluonConfig(token_rows=True)
+    assert default_gluon_config(NARROW_MAX_HEADS, fp8=False) == MlaGluonConfig()
+    assert default_gluon_config(NARROW_MAX_HEADS + 1, fp8=True) == MlaGluonConfig()
+    for heads in (1, 16, NARROW_MAX_HEADS, 64, WS_BF16_MIN_HEADS, 128):
         for fp8 in (False, True):
-            check_gluon_config(default_gluon_config(heads, fp8), 512, 64, fp8)   # no ValueError: it fits
+            check_gluon_config(default_gluon_config(heads, fp8), 512, 64, fp8, heads)   # no ValueError: it fits
 
 
 @pytest.mark.gpu

@@ -290,9 +290,10 @@ def test_gpu_fp8_deepseek_shapes(H, T, K, B):
     ref = _reference(q, packed, minus, 512, scale)
     out = sparse_mla_decode(q, packed, idx, kv_lora_rank=512, sm_scale=scale)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+    narrow = (MlaGluonConfig(token_rows=True), MlaGluonConfig(num_splits=3, token_rows=True)) if H <= 32 else ()
     for cfg in (MlaGluonConfig(), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3),
                 MlaGluonConfig(producer_warps=0), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3, producer_warps=0),
-                default_mla_fp8_config(q.device, H, B * T)):
+                default_mla_fp8_config(q.device, H, B * T), *narrow):
         out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
 
@@ -322,9 +323,14 @@ def test_fp8_gluon_config_it_cannot_run_is_refused_everywhere(monkeypatch, caplo
     # the same ValueError where the Gluon kernel runs and where the fused kernel stands in
     q, packed, idx = _case(2, 16, 512, 64, 8, 32, seed=2)
     for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3), MlaGluonConfig(producer_warps=2), MlaGluonConfig(late_issue=True, producer_warps=4),
-                MlaGluonConfig(num_buf=3, producer_warps=0), MlaGluonConfig(block_n=32, num_buf=5)):
+                MlaGluonConfig(num_buf=3, producer_warps=0), MlaGluonConfig(block_n=32, num_buf=5),
+                MlaGluonConfig(block_n=32, token_rows=True), MlaGluonConfig(token_rows=True, producer_warps=0)):
         with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
             sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
+    wide_q = torch.cat([q] * 4, dim=1)          # 64 heads: past the token-rows kernel's 32
+    with pytest.raises(ValueError, match="token_rows only for up to 32 query heads"):
+        sparse_mla_decode_triton(wide_q, packed, idx, kv_lora_rank=512, sm_scale=0.1,
+                                 config=MlaGluonConfig(token_rows=True))
     monkeypatch.setattr(triton_support, "_announced", set())
     with caplog.at_level(logging.INFO):            # an explicit fused config over FP8 rows says so too
         out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.2, config=FUSED[0])
@@ -386,3 +392,36 @@ def test_gpu_fp8_gluon_ragged_topk_nan_slot_and_pool_views(monkeypatch, caplog):
         out = sparse_mla_decode(q, shifted[4:].view(-1, 656), idx, kv_lora_rank=512, sm_scale=scale)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
         assert "gluon (fp8 latents)" not in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,T,K,B", [(16, 1, 1000, 5), (16, 2, 2048, 3), (8, 1, 33, 2), (20, 1, 2048, 4),
+                                     (32, 2, 8192, 2), (16, 1, 32768, 1)])
+def test_gpu_token_rows_kernel_fp8_and_bf16_rows(H, T, K, B):
+    # tokens as the MMA rows (16- or 32-head blocks), FP8 rows and the same values as bf16
+    # rows, 1 and 2 ring slots (FP8), split and unsplit, against the reference: a ragged
+    # last tile, a short and an empty row, an out-of-pool slot, NaN bytes in slot 0
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, packed, idx = _dsa_case(B, T, H, K, seed=H * 7 + K)
+    idx = torch.where(idx == 0, 1, idx)
+    idx[0, K // 3:] = -1
+    if B * T > 2:
+        idx[1] = -1
+    idx[-1, min(5, K - 1)] = packed.shape[0] + 9
+    packed[0] = 0x7F
+    minus = torch.where(idx >= packed.shape[0], -1, idx)
+    ref = _reference(q, packed, minus, 512, 192 ** -0.5).float()
+    kv = dequantize_mla_latents(packed, 512).bfloat16()
+    kv[0] = float("nan")
+    for buf, cfg in ((packed, MlaGluonConfig(token_rows=True)), (packed, MlaGluonConfig(num_buf=1, token_rows=True)),
+                     (packed, MlaGluonConfig(num_splits=4, token_rows=True)), (packed, None),
+                     (kv, MlaGluonConfig(token_rows=True)), (kv, MlaGluonConfig(num_splits=3, token_rows=True))):
+        out = sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
+        torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16), msg=lambda m: f"{buf.dtype} {cfg}: {m}")
+        if B * T > 2:
+            assert torch.all(out[1] == 0)
+    # the default dispatch over FP8 rows runs this kernel up to 32 heads, at any batch
+    chosen = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=192 ** -0.5,
+                                      config=MlaGluonConfig(token_rows=True))
+    assert torch.equal(sparse_mla_decode(q, packed, idx, kv_lora_rank=512, sm_scale=192 ** -0.5), chosen)

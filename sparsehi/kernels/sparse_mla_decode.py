@@ -16,7 +16,7 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 ``sparse_mla_decode_triton`` also runs the other two kernels by their config:
 :class:`MlaGluonConfig` (``sparse_mla_gluon``, Hopper; the default for launches of at
 least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows the warp-specialised
-kernel above 64 heads) and :class:`MlaTwoPassConfig`
+kernel above 64 heads; over FP8 rows up to 32 heads the token-rows kernel at any batch) and :class:`MlaTwoPassConfig`
 (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
@@ -45,7 +45,8 @@ from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, 
                                               load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
-from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, check_gluon_config, default_gluon_config, gluon_ok
+from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, MlaGluonConfig, check_gluon_config,
+                                               default_gluon_config, gluon_ok)
 from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
@@ -222,9 +223,9 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     config:     :class:`MlaLaunchConfig` (fused kernel), :class:`MlaGluonConfig` (Hopper
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
                 (score GEMM + value pass); None = the Gluon kernel on Hopper for launches of
-                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks (its config:
-                ``default_gluon_config``), else :func:`default_mla_config`
-                (:func:`default_mla_fp8_config` over FP8 rows).
+                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks and over FP8 rows for up
+                to ``NARROW_MAX_HEADS`` heads (its config: ``default_gluon_config``), else
+                :func:`default_mla_config` (:func:`default_mla_fp8_config` over FP8 rows).
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
     """
     kv = check_mla(q, kv_buffer, indices, kv_lora_rank)
@@ -238,7 +239,7 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         indices = indices.contiguous()
     fp8 = kv.dtype == torch.uint8
     use_gluon = gluon_ok(q, Dl, Dr, kv)
-    if config is None and B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS and use_gluon:
+    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or (fp8 and H <= NARROW_MAX_HEADS)):
         config = default_gluon_config(H, fp8)
     if fp8:
         cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))
@@ -275,7 +276,7 @@ def _fp8_config(config, device: torch.device, num_heads: int, batch: int, use_gl
     :func:`default_mla_fp8_config` (with a Gluon or two-pass config's split count). Every
     fused-kernel path is announced."""
     if isinstance(config, MlaGluonConfig):
-        check_gluon_config(config, *dims, fp8=True)
+        check_gluon_config(config, *dims, fp8=True, num_heads=num_heads)
         if use_gluon:
             return config
     announce_path("sparse_mla_decode", "triton (fp8 latents)")

@@ -40,14 +40,18 @@ class MlaGluonConfig:
     ``sparse_mla_gluon_ws._mla_gluon_ws_kernel`` (a producer warpgroup fills a ring of 16-bit tiles, a score
     and a value warpgroup consume it; not with ``late_issue``), 0 the 8-warp kernels
     (:func:`_mla_gluon_kernel`, :func:`_mla_gluon_fp8_kernel`, whose MMA warps scale each
-    FP8 tile themselves); None: 4 over FP8 rows, ``WS_DEFAULT_BF16`` over 16-bit rows. Falls
-    back to the Triton kernel (logged once) where Gluon or a Hopper GPU is unavailable."""
+    FP8 tile themselves); None: 4 over FP8 rows, ``WS_DEFAULT_BF16`` over 16-bit rows.
+    ``token_rows`` (up to 32 heads; 64-token tiles x 2, producer warps) runs
+    ``sparse_mla_gluon_narrow._mla_gluon_narrow_kernel``: 16- or 32-head blocks with the
+    tokens as the MMA's rows, where the other kernels pad the heads to 64 rows. Falls back to
+    the Triton kernel (logged once) where Gluon or a Hopper GPU is unavailable."""
 
     block_n: int = 64
     num_buf: int = 2
     late_issue: bool = False
     num_splits: Optional[int] = None
     producer_warps: Optional[int] = None
+    token_rows: bool = False
 
 
 try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
@@ -411,6 +415,10 @@ WS_DEFAULT_BF16 = 0
 # x 4 from this head count up (two 64-head blocks share each row): 1-9 % faster than the
 # 8-warp kernel at 128 heads, 1 % faster to 4 % slower at 64 (attention_mla_bf16_sweep.json)
 WS_BF16_MIN_HEADS = 65
+# the widest head block of the token-rows kernel (``token_rows``; its MMAs' N and q's tile
+# grow with it), and the default over FP8 rows up to it: 1.15-1.26x the warp-specialised
+# kernel at 16 heads, 1.14x at 32 (H100, 2026-11-27; docs/kernels.md)
+NARROW_MAX_HEADS = 32
 
 
 def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warps: int) -> int:
@@ -429,8 +437,11 @@ def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warp
 
 def default_gluon_config(num_heads: int, fp8: bool) -> MlaGluonConfig:
     """The Gluon config the default dispatch (``config=None``) runs for ``num_heads`` query
-    heads over FP8 (``fp8``) or 16-bit rows: ``MlaGluonConfig(32, 4, producer_warps=4)``
-    over 16-bit rows from ``WS_BF16_MIN_HEADS`` heads up, else ``MlaGluonConfig()``."""
+    heads over FP8 (``fp8``) or 16-bit rows: ``MlaGluonConfig(token_rows=True)`` over FP8
+    rows up to ``NARROW_MAX_HEADS`` heads, ``MlaGluonConfig(32, 4, producer_warps=4)`` over
+    16-bit rows from ``WS_BF16_MIN_HEADS`` heads up, else ``MlaGluonConfig()``."""
+    if fp8 and num_heads <= NARROW_MAX_HEADS:
+        return MlaGluonConfig(token_rows=True)
     if not fp8 and num_heads >= WS_BF16_MIN_HEADS:
         return MlaGluonConfig(32, 4, producer_warps=4)
     return MlaGluonConfig()
@@ -439,21 +450,27 @@ def default_gluon_config(num_heads: int, fp8: bool) -> MlaGluonConfig:
 def producer_warps(cfg: MlaGluonConfig, fp8: bool) -> int:
     """The producer warps ``cfg`` runs with over FP8 (``fp8``) or 16-bit rows: 0 or 4."""
     if cfg.producer_warps is None:
-        return 0 if cfg.late_issue else 4 if fp8 else WS_DEFAULT_BF16
+        return 0 if cfg.late_issue else 4 if fp8 or cfg.token_rows else WS_DEFAULT_BF16
     return cfg.producer_warps
 
 
-def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool) -> None:
+def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_heads: int) -> None:
     """ValueError naming ``config`` unless the FP8 kernels (``fp8``) or the warp-specialised
     kernel over 16-bit rows can run ``cfg``: no ``late_issue``, ``producer_warps`` None, 0 or
     4, a ring that fits the shared memory at latent ``Dl`` and rope ``Dr``, and over 16-bit
     rows at least 2 slots (the gather of tile t+1 is issued before tile t is handed over). The
-    8-warp kernel over 16-bit rows has no such limits."""
+    8-warp kernel over 16-bit rows has no such limits. ``token_rows`` needs producer warps,
+    64-token tiles and at most ``NARROW_MAX_HEADS`` heads (``num_heads``)."""
+    if cfg.token_rows and num_heads > NARROW_MAX_HEADS:
+        fail("config", f"an MlaGluonConfig with token_rows only for up to {NARROW_MAX_HEADS} query heads",
+             (cfg, num_heads))
     warps = producer_warps(cfg, fp8)
     if not (fp8 or warps):
         return
     if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)
+            or (cfg.token_rows and (warps != 4 or cfg.block_n != 64))
             or gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, warps) > _SMEM_BYTES):
         fail("config", f"an MlaGluonConfig without late_issue, with producer_warps None, 0 or 4 and a ring that fits "
              f"{_SMEM_BYTES} bytes of shared memory (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at "
-             f"kv_lora_rank 512; num_buf >= 2 for the warp-specialised kernel over 16-bit rows)", cfg)
+             f"kv_lora_rank 512; num_buf >= 2 for the warp-specialised kernel over 16-bit rows; token_rows only "
+             f"with producer_warps 4 and block_n=64)", cfg)

@@ -10,8 +10,9 @@ from hicache.triton_support import cdiv, sm_count
 from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, fail, split_tokens
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE
 from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_num_splits
-from sparsehi.kernels.sparse_mla_gluon import (MlaGluonConfig, _mla_gluon_fp8_kernel, _mla_gluon_kernel,
-                                               check_gluon_config, gluon_ok, producer_warps)
+from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, MlaGluonConfig, _mla_gluon_fp8_kernel,
+                                               _mla_gluon_kernel, check_gluon_config, gluon_ok, producer_warps)
+from sparsehi.kernels.sparse_mla_gluon_narrow import launch_narrow
 from sparsehi.kernels.sparse_mla_gluon_ws import launch_ws
 
 
@@ -21,20 +22,26 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
     [num_slots, bytes]`` uint8 for ``q [B, H, Dl + Dr]`` and ``indices [B, K]`` int32 into ``out
     [B, H, Dl]`` (checked by ``check_mla``; where ``gluon_ok``): the warp-specialised kernel
     where ``producer_warps(cfg, fp8)`` is 4, else ``_mla_gluon_kernel`` /
-    ``_mla_gluon_fp8_kernel``."""
+    ``_mla_gluon_fp8_kernel``; with ``cfg.token_rows`` the narrow kernel of
+    ``sparse_mla_gluon_narrow`` (16-head blocks up to 16 heads, else 32)."""
     B, H, Dq = q.shape
     K = indices.shape[1]
     if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
         fail("config", "an MlaGluonConfig with block_n in (32, 64), num_buf in 1..4 (>= 2 with late_issue)", cfg)
     fp8 = kv.dtype == torch.uint8
-    check_gluon_config(cfg, Dl, Dq - Dl, fp8)
+    check_gluon_config(cfg, Dl, Dq - Dl, fp8, H)
     if fp8 and not gluon_ok(q, Dl, Dq - Dl, kv):
         fail("kv_buffer", "FP8 rows of DeepSeek's 512 + 64 layout on 16-byte boundaries, with bf16 q on a "
              "Hopper GPU, for the Gluon FP8 kernel", (tuple(kv.shape), kv.stride(), q.dtype))
-    head_blocks = cdiv(H, 64)
+    block_h = 64
+    if cfg.token_rows:
+        block_h = 16 if H <= 16 else NARROW_MAX_HEADS
+    head_blocks = cdiv(H, block_h)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
     splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
     grid = (head_blocks, B, splits)
+    if cfg.token_rows:
+        return launch_narrow(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, block_h, fp8=fp8)
     if producer_warps(cfg, fp8):
         return launch_ws(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, fp8=fp8)
     if fp8:

@@ -1,0 +1,69 @@
+"""Sparse MLA decode for 16 and 32 query heads on one Hopper GPU: the token-rows Gluon
+kernel (``MlaGluonConfig(token_rows=True)``: tokens as the MMA's rows, 16- or 32-head
+blocks) beside the kernels that pad the heads to 64 rows, over FP8 latent rows (the
+warp-specialised kernel, ``MlaGluonConfig()``) and bf16 rows (the 8-warp kernel,
+``MlaGluonConfig()``), DeepSeek's 512 + 64, the rows of ``bench_attention.dsa_case``.
+
+Each row: CUDA-graph time of each kernel in the same process, bytes/s (656 bytes a token
+for FP8 rows, 1152 for bf16) and the fraction of the byte limit (``hbm_copy_gbps`` of the
+same run), and the largest difference of each FP8 kernel from the bf16 8-warp one over the
+same values. Writes ``attention_mla_token_rows.json`` under ``--out`` (default
+benchmarks/results).
+
+Usage: ``PYTHONPATH=. python benchmarks/mla_token_rows.py [--commit SHA] [--out DIR]``.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_attention import dsa_case, mla_bytes
+from benchmarks.common import cuda_time_us, device_info, hbm_copy_gbps, write_result
+from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode_triton
+
+# (B, query tokens, K) at 16 heads; the 32-head rows take the first three
+CASES = [(64, 1, 2048), (64, 2, 2048), (64, 1, 8192), (64, 1, 512), (16, 1, 32768), (4, 1, 2048), (1, 1, 2048),
+         (1, 1, 32768)]
+VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)), ("bf16_token_rows", False, MlaGluonConfig(token_rows=True)),
+            ("fp8_ws", True, MlaGluonConfig()), ("fp8_token_rows", True, MlaGluonConfig(token_rows=True))]
+
+
+def time_case(B: int, T: int, K: int, H: int, roof: float) -> list[dict]:
+    """All variants at one shape, in the same process."""
+    q, kv, packed, idx = dsa_case(B, T, K, H, 512, 64)
+    base = None
+    rows = []
+    for name, fp8, cfg in VARIANTS:
+        buf = packed if fp8 else kv
+        fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)  # noqa: E731
+        out = fn().float()
+        base = out if base is None else base
+        us = cuda_time_us(fn, graph=True)
+        gbps = mla_bytes(B * T, K, H, 512, 64, 656 if fp8 else 1152) / us / 1e3
+        rows.append(dict(B=B, query_tokens=T, K=K, heads=H, variant=name, us=round(us, 1), gbps=round(gbps, 1),
+                         frac_byte_limit=round(gbps / roof, 3),
+                         max_diff_vs_bf16_8warp=round((out - base).abs().max().item(), 4)))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    roof = hbm_copy_gbps()
+    rows = []
+    for H, cases in ((16, CASES), (32, CASES[:3])):
+        for B, T, K in cases:
+            rows += time_case(B, T, K, H, roof)
+            torch.cuda.empty_cache()
+    print("wrote", write_result("attention_mla_token_rows.json", {"commit": args.commit, "env": device_info(),
+                                                                 "roofline_gbps": round(roof, 1), "rows": rows},
+                                args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Sparse MLA decode on Hopper in Gluon for narrow head blocks (16 or 32 query heads a
+request, the per-GPU head count of DeepSeek under tensor parallelism;
+``MlaGluonConfig.token_rows``): :func:`_mla_gluon_narrow_kernel`.
+
+The 64-head kernels pad 16 heads to the MMA's 64 rows and so run 4x the MMA work the
+heads need. Here the tokens are the MMA's rows and the heads its columns: the score MMA is
+``S^T = K Q^T`` (``[BLOCK_N tokens, BLOCK_H]``), the softmax runs down each column and
+the value MMA is ``O^T += V^T P^T`` (``[D_LAT, BLOCK_H]``, ``V^T`` the latent tile read
+transposed from shared memory, ``P^T`` through shared memory). One warpgroup runs the MMAs
+and the softmax; the producer warpgroup of ``sparse_mla_gluon_ws`` (FP8 scaling or
+``cp.async`` gather) fills its ring of 16-bit tiles.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparsehi.kernels.mla_fp8_latents import FP8_TILE
+from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig
+
+# two warpgroups share the register file (184 a thread): the FP8 producer takes 152 (at 128
+# it spills a few bytes), the gather producer 112, and the MMA warpgroup the rest
+_NARROW_MAXNREG = 184
+_SCALE_REGS = 152
+_GATHER_REGS = 112
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    from sparsehi.kernels.sparse_mla_gluon import _gl_q_to_shared, _gl_valid_s
+    from sparsehi.kernels.sparse_mla_gluon_ws import _gl_fp8_scale_partition, _gl_gather_partition
+
+    @gluon.jit
+    def _gl_token_rows_partition(q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end, num_slots,
+                                 n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb, split, num_heads,
+                                 stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                                 D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 SPLIT: gl.constexpr):
+        """MMA warpgroup of :func:`_mla_gluon_narrow_kernel`: for each tile, once its slot is
+        ready, ``S^T = K Q^T`` over the latent and rope tiles, the online softmax down each
+        head's column (running max ``m_i``, sums ``l_i``), ``P^T`` into shared memory and
+        ``O^T += V^T P^T``; then the slot is freed (``empty``). At the end ``O`` (or the
+        split's fp32 partial and log-sum-exp) is stored, transposed back."""
+        NUM_BUF: gl.constexpr = lat_s.shape[0]
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_H, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_H, 16])
+        cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+        cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+        offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=cols_s)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=cols_s)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma_s)
+        o = gl.zeros([D_LAT, BLOCK_H], gl.float32, layout=mma_o)
+        vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
+        for t in range(n_tiles):
+            slot = t % NUM_BUF
+            lat = lat_s.index(slot)
+            valid = vs
+            vs = _gl_valid_s(idx_row, start, end, t + 1, num_slots, offs_n_s, BLOCK_N)
+            mbarrier.wait(ready.index(slot), (t // NUM_BUF) & 1)
+            s_tok = warpgroup_mma(lat, q_lat_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(pe_s.index(slot), q_pe_s.permute((1, 0)), s_tok, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            st = gl.where(valid[:, None], st * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(st, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(st - m_safe[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            pt_s.store(p.to(pt_s.dtype))        # the previous tile's value MMA has completed
+            fence_async_shared()
+            gl.thread_barrier()
+            o = o * gl.convert_layout(alpha, cols_o)[None, :]
+            o_tok = warpgroup_mma(lat.permute((1, 0)), pt_s, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(slot), count=1)
+        l_o = gl.convert_layout(l_i, cols_o)
+        has = l_o > 0
+        l_safe = gl.where(has, l_o, 1.0)
+        out = o / l_safe[None, :]
+        offs_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(1, mma_o))
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=cols_o)
+        h_ok = offs_h < num_heads
+        if not SPLIT:
+            gl.store(Out + b.to(gl.int64) * stride_ob + offs_h[None, :] * stride_oh + offs_d[:, None],
+                     out.to(Out.dtype.element_ty), mask=h_ok[None, :])
+        else:
+            gl.store(OutPartial + b.to(gl.int64) * stride_pb + offs_h[None, :] * stride_ph + split * stride_ps
+                     + offs_d[:, None], out, mask=h_ok[None, :])
+            lse = gl.where(has, (gl.convert_layout(m_i, cols_o) + gl.log2(l_safe)) * 0.6931471805599453,
+                           float("-inf"))
+            gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=h_ok)
+
+    @gluon.jit
+    def _mla_gluon_narrow_kernel(
+        Q, KV, Idx, Out, OutPartial, LsePartial,
+        qk_scale_log2,
+        stride_qb, stride_qh, stride_kvn, stride_ib,
+        stride_ob, stride_oh,
+        stride_pb, stride_ph, stride_ps,
+        stride_lb, stride_lh,
+        num_heads, num_idx, tokens_per_split, num_slots,
+        Scales, Rope, stride_sn, stride_rn,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
+    ):
+        """Sparse MLA decode for ``BLOCK_H`` (16 or 32) heads a program with the tokens as
+        the MMA's rows: the MMA warpgroup (:func:`_gl_token_rows_partition`, the kernel's 4
+        warps) and a producer warpgroup (``PRODUCER_REGS`` registers a thread; FP8 rows:
+        ``_gl_fp8_scale_partition``, 16-bit rows: ``_gl_gather_partition``) over a
+        ``NUM_BUF``-deep ring of 16-bit tiles, passed through mbarriers ``ready`` and
+        ``empty``."""
+        hb = gl.program_id(0)
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        start = split * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, num_idx)
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        lat_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_LAT], sh)
+        pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
+        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
+        pt_s = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], sh_p)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+
+        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
+        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
+        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
+        q_lat_s, q_pe_s = _gl_q_to_shared(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, offs_h_lat, offs_d_lat,
+                                          offs_h_pe, offs_d_pe, sh, D_LAT)
+        fence_async_shared()
+        gl.thread_barrier()
+        idx_row = Idx + b.to(gl.int64) * stride_ib
+        if FP8:
+            gl.warp_specialize([
+                (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end,
+                                            num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb,
+                                            split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                                            stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
+                (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
+                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
+                                           TILE)),
+            ], [4], [PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end,
+                                            num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb,
+                                            split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                                            stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
+                (_gl_gather_partition, (KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready,
+                                        empty, D_LAT, D_ROPE, BLOCK_N)),
+            ], [4], [PRODUCER_REGS])
+
+    _HAS_NARROW = True
+except Exception as _e:  # noqa: BLE001 - a Triton without this Gluon API: gluon_ok is False there too
+    _HAS_NARROW = False
+    _NARROW_ERROR = repr(_e)
+
+
+def launch_narrow(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, sm_scale: float,
+                  grid: tuple[int, int, int], tokens_per_split: int, splits: int, cfg: MlaGluonConfig, Dl: int,
+                  block_h: int, *, fp8: bool) -> torch.Tensor:
+    """Launch :func:`_mla_gluon_narrow_kernel` with ``block_h`` heads a program over ``kv``
+    (FP8 rows where ``fp8``, else 16-bit rows) for ``q [B, H, Dl + Dr]``, ``indices [B, K]``
+    int32 into ``out [B, H, Dl]`` (the caller, ``sparse_mla_gluon``, has checked the inputs
+    and ``cfg``)."""
+    if fp8:
+        scales, rope = fp8_row_views(kv, Dl)
+        extra = dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
+                     PRODUCER_REGS=_SCALE_REGS)
+    else:
+        extra = dict(Scales=kv, Rope=kv, stride_sn=0, stride_rn=0, PRODUCER_REGS=_GATHER_REGS)
+    return launch_split(_mla_gluon_narrow_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
+                        D_LAT=Dl, D_ROPE=q.shape[2] - Dl, BLOCK_H=block_h, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
+                        TILE=FP8_TILE, FP8=fp8, maxnreg=_NARROW_MAXNREG, num_warps=4, **extra)
