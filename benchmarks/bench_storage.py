@@ -171,15 +171,21 @@ def measure(storage: HiCacheStorage, host: HostKVPool, pages: int, repeats: int,
     wall = statistics.median(walls)
     return {
         "pages": pages, "page_bytes": page_bytes, "io_batch_pages": io_batch_pages, "repeats": repeats,
-        "gbps": round(pages * page_bytes / wall / 1e9, 3),
+        "gbps": _three_figures(pages * page_bytes / wall / 1e9),
         "p50_ms": round(percentile(lat_ms, 0.50), 3), "p99_ms": round(percentile(lat_ms, 0.99), 3),
         "latency_unit": f"per batch_get call of {io_batch_pages} page(s)",
         "latency_samples": len(lat_ms),
         "prefetch_wall_ms": {"median": round(wall * 1e3, 2), "min": round(min(walls) * 1e3, 2),
                              "max": round(max(walls) * 1e3, 2)},
-        "write_gbps": round(pages * page_bytes / write_s / 1e9, 3),
+        "write_gbps": _three_figures(pages * page_bytes / write_s / 1e9),
         "faults": storage.stats.faults,
     }
+
+
+def _three_figures(x: float) -> float:
+    """``x`` to three significant figures: a rate of a few kB in tens of ms (the --quick
+    sizes on a busy machine) stays above zero, where three decimals of GB/s round it away."""
+    return float(f"{x:.3g}")
 
 
 def run_file(spec: KVCacheSpec, args) -> list[dict[str, Any]]:
