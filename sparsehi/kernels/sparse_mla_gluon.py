@@ -111,6 +111,35 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         return q_lat_s, q_pe_s
 
     @gluon.jit
+    def _gl_q_tile(q_row, stride_qh, num_heads, hb, sh: gl.constexpr, BLOCK_H: gl.constexpr, D_LAT: gl.constexpr,
+                   D_ROPE: gl.constexpr):
+        """:func:`_gl_q_to_shared` for head block ``hb`` with the calling partition's warps,
+        fenced and synchronised for the MMAs and for partitions started after it."""
+        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
+        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
+        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
+        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
+        q_lat_s, q_pe_s = _gl_q_to_shared(q_row, stride_qh, num_heads, offs_h_lat, offs_d_lat, offs_h_pe, offs_d_pe, sh,
+                                          D_LAT)
+        fence_async_shared()
+        gl.thread_barrier()
+        return q_lat_s, q_pe_s
+
+    @gluon.jit
+    def _gl_split_range(tokens_per_split, num_idx, BLOCK_N: gl.constexpr):
+        """This program's head block, request and split (grid axes 0, 1, 2), the split's
+        index range ``start .. end`` and its count of ``BLOCK_N``-token tiles."""
+        hb = gl.program_id(0)
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        start = split * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, num_idx)
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        return hb, b, split, start, end, n_tiles
+
+    @gluon.jit
     def _gl_attend_tile(q_lat_s, q_pe_s, lat_tile, pe_tile, p_s, zero_s, valid, m_i, l2, o, qk_scale_log2,
                         mma_o: gl.constexpr):
         """One tile of online softmax attention: the score MMAs ``q . kv^T`` over the latent and
@@ -158,12 +187,7 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         first tiles fly) into shared memory once. Row sums are kept per token column (``l2``)
         and reduced after the loop; the score MMA starts from zero, the value MMA
         accumulates into the rescaled ``O`` in registers (m64n256 per warpgroup)."""
-        hb = gl.program_id(0)
-        b = gl.program_id(1)
-        split = gl.program_id(2)
-        start = split * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, num_idx)
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
         ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
@@ -292,12 +316,7 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
         scale tile at a time (``fp8 * scale``, exact: the scales are powers of two), into one
         16-bit latent tile in shared memory, which both MMAs read as in the 16-bit kernel.
         A tile's scales are loaded from global memory before the wait for its bytes."""
-        hb = gl.program_id(0)
-        b = gl.program_id(1)
-        split = gl.program_id(2)
-        start = split * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, num_idx)
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
         ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE
-from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split
+from sparsehi.kernels.sparse_mla_common import launch_split
 from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig
+from sparsehi.kernels.sparse_mla_gluon_ws import producer_operands
 
 # two warpgroups share the register file (184 a thread): the FP8 producer takes 152 (at 128
 # it spills a few bytes), the gather producer 112, and the MMA warpgroup the rest
@@ -30,7 +31,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparsehi.kernels.sparse_mla_gluon import _gl_q_to_shared, _gl_valid_s
+    from sparsehi.kernels.sparse_mla_gluon import _gl_q_tile, _gl_split_range, _gl_valid_s
     from sparsehi.kernels.sparse_mla_gluon_ws import _gl_fp8_scale_partition, _gl_gather_partition
 
     @gluon.jit
@@ -118,15 +119,8 @@ try:
         ``_gl_fp8_scale_partition``, 16-bit rows: ``_gl_gather_partition``) over a
         ``NUM_BUF``-deep ring of 16-bit tiles, passed through mbarriers ``ready`` and
         ``empty``."""
-        hb = gl.program_id(0)
-        b = gl.program_id(1)
-        split = gl.program_id(2)
-        start = split * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, num_idx)
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
-        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         dtype: gl.constexpr = Q.dtype.element_ty
         lat_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_LAT], sh)
@@ -139,14 +133,8 @@ try:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
 
-        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
-        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
-        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
-        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
-        q_lat_s, q_pe_s = _gl_q_to_shared(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, offs_h_lat, offs_d_lat,
-                                          offs_h_pe, offs_d_pe, sh, D_LAT)
-        fence_async_shared()
-        gl.thread_barrier()
+        q_lat_s, q_pe_s = _gl_q_tile(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, hb, sh, BLOCK_H, D_LAT,
+                                     D_ROPE)
         idx_row = Idx + b.to(gl.int64) * stride_ib
         if FP8:
             gl.warp_specialize([
@@ -181,12 +169,7 @@ def launch_narrow(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out:
     (FP8 rows where ``fp8``, else 16-bit rows) for ``q [B, H, Dl + Dr]``, ``indices [B, K]``
     int32 into ``out [B, H, Dl]`` (the caller, ``sparse_mla_gluon``, has checked the inputs
     and ``cfg``)."""
-    if fp8:
-        scales, rope = fp8_row_views(kv, Dl)
-        extra = dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
-                     PRODUCER_REGS=_SCALE_REGS)
-    else:
-        extra = dict(Scales=kv, Rope=kv, stride_sn=0, stride_rn=0, PRODUCER_REGS=_GATHER_REGS)
+    extra = producer_operands(kv, Dl, _SCALE_REGS if fp8 else _GATHER_REGS, fp8=fp8)
     return launch_split(_mla_gluon_narrow_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
                         D_LAT=Dl, D_ROPE=q.shape[2] - Dl, BLOCK_H=block_h, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
                         TILE=FP8_TILE, FP8=fp8, maxnreg=_NARROW_MAXNREG, num_warps=4, **extra)

@@ -31,7 +31,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_q_to_shared, _gl_rows, _gl_scale_regs,
+    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_q_tile, _gl_rows, _gl_scale_regs, _gl_split_range,
                                                    _gl_store_cols, _gl_valid_s)
 
     @gluon.jit
@@ -261,15 +261,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         (both -> producer), ``P`` and the rescale factor through ``p_ready`` / ``p_free``.
         The partition list is written out in both branches: Gluon takes each partition's
         function and arguments in place, not from variables."""
-        hb = gl.program_id(0)
-        b = gl.program_id(1)
-        split = gl.program_id(2)
-        start = split * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, num_idx)
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
-        ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         sh_v: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -289,14 +282,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         for i in gl.static_range(3):
             mbarrier.init(bars.index(i), count=1)
 
-        offs_h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_lat))
-        offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
-        offs_h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_pe))
-        offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
-        q_lat_s, q_pe_s = _gl_q_to_shared(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, offs_h_lat, offs_d_lat,
-                                          offs_h_pe, offs_d_pe, sh, D_LAT)
-        fence_async_shared()
-        gl.thread_barrier()
+        q_lat_s, q_pe_s = _gl_q_tile(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, hb, sh, BLOCK_H, D_LAT,
+                                     D_ROPE)
         idx_row = Idx + b.to(gl.int64) * stride_ib
         p_ready = bars.index(0)
         p_free = bars.index(1)
@@ -335,6 +322,17 @@ except Exception as _e:  # noqa: BLE001 - a Triton without this Gluon API: gluon
     _WS_ERROR = repr(_e)
 
 
+def producer_operands(kv: torch.Tensor, Dl: int, producer_regs: int, *, fp8: bool) -> dict:
+    """The producer partitions' row operands of a warp-specialised launch: over FP8 rows
+    (``fp8``) their scale and rope views and strides, over 16-bit rows ``kv`` in their
+    place (unread); ``PRODUCER_REGS`` = ``producer_regs``."""
+    if fp8:
+        scales, rope = fp8_row_views(kv, Dl)
+        return dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
+                    PRODUCER_REGS=producer_regs)
+    return dict(Scales=kv, Rope=kv, stride_sn=0, stride_rn=0, PRODUCER_REGS=producer_regs)
+
+
 def launch_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, sm_scale: float,
               grid: tuple[int, int, int], tokens_per_split: int, splits: int, cfg: MlaGluonConfig, Dl: int, *,
               fp8: bool) -> torch.Tensor:
@@ -342,12 +340,7 @@ def launch_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: tor
     rows) for ``q [B, H, Dl + Dr]``, ``indices [B, K]`` int32 into ``out [B, H, Dl]`` (the
     caller, ``sparse_mla_gluon``, has checked the inputs and ``cfg``)."""
     Dr = q.shape[2] - Dl
-    if fp8:
-        scales, rope = fp8_row_views(kv, Dl)
-        extra = dict(Scales=scales, Rope=rope, stride_sn=scales.stride(0), stride_rn=rope.stride(0),
-                     PRODUCER_REGS=_SCALE_REGS)
-    else:
-        extra = dict(Scales=kv, Rope=kv, stride_sn=0, stride_rn=0, PRODUCER_REGS=_GATHER_REGS)
+    extra = producer_operands(kv, Dl, _SCALE_REGS if fp8 else _GATHER_REGS, fp8=fp8)
     return launch_split(_mla_gluon_ws_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
                         D_LAT=Dl, D_ROPE=Dr, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE,
                         VALUE_REGS=_VALUE_REGS, FP8=fp8, maxnreg=_WS_MAXNREG, num_warps=4, **extra)
