@@ -324,7 +324,8 @@ def test_fp8_gluon_config_it_cannot_run_is_refused_everywhere(monkeypatch, caplo
     q, packed, idx = _case(2, 16, 512, 64, 8, 32, seed=2)
     for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3), MlaGluonConfig(producer_warps=2), MlaGluonConfig(late_issue=True, producer_warps=4),
                 MlaGluonConfig(num_buf=3, producer_warps=0), MlaGluonConfig(block_n=32, num_buf=5),
-                MlaGluonConfig(block_n=32, token_rows=True), MlaGluonConfig(token_rows=True, producer_warps=0)):
+                MlaGluonConfig(block_n=32, token_rows=True), MlaGluonConfig(token_rows=True, producer_warps=0),
+                MlaGluonConfig(num_buf=1, token_rows=True)):
         with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
             sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
     wide_q = torch.cat([q] * 4, dim=1)          # 64 heads: past the token-rows kernel's 32
@@ -398,8 +399,8 @@ def test_gpu_fp8_gluon_ragged_topk_nan_slot_and_pool_views(monkeypatch, caplog):
 @pytest.mark.parametrize("H,T,K,B", [(16, 1, 1000, 5), (16, 2, 2048, 3), (8, 1, 33, 2), (20, 1, 2048, 4),
                                      (32, 2, 8192, 2), (16, 1, 32768, 1)])
 def test_gpu_token_rows_kernel_fp8_and_bf16_rows(H, T, K, B):
-    # tokens as the MMA rows (16- or 32-head blocks), FP8 rows and the same values as bf16
-    # rows, 1 and 2 ring slots (FP8), split and unsplit, against the reference: a ragged
+    # tokens as the MMA rows (16- or 32-head blocks), FP8 rows (two producer warpgroups) and
+    # the same values as bf16 rows, split and unsplit, against the reference: a ragged
     # last tile, a short and an empty row, an out-of-pool slot, NaN bytes in slot 0
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is Hopper's")
@@ -414,8 +415,8 @@ def test_gpu_token_rows_kernel_fp8_and_bf16_rows(H, T, K, B):
     ref = _reference(q, packed, minus, 512, 192 ** -0.5).float()
     kv = dequantize_mla_latents(packed, 512).bfloat16()
     kv[0] = float("nan")
-    for buf, cfg in ((packed, MlaGluonConfig(token_rows=True)), (packed, MlaGluonConfig(num_buf=1, token_rows=True)),
-                     (packed, MlaGluonConfig(num_splits=4, token_rows=True)), (packed, None),
+    for buf, cfg in ((packed, MlaGluonConfig(token_rows=True)), (packed, MlaGluonConfig(num_splits=4, token_rows=True)),
+                     (packed, MlaGluonConfig(num_splits=1, token_rows=True)), (packed, None),
                      (kv, MlaGluonConfig(token_rows=True)), (kv, MlaGluonConfig(num_splits=3, token_rows=True))):
         out = sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
         torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16), msg=lambda m: f"{buf.dtype} {cfg}: {m}")

@@ -479,7 +479,8 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
     4, a ring that fits the shared memory at latent ``Dl`` and rope ``Dr``, and over 16-bit
     rows at least 2 slots (the gather of tile t+1 is issued before tile t is handed over). The
     8-warp kernel over 16-bit rows has no such limits. ``token_rows`` needs producer warps,
-    64-token tiles and at most ``NARROW_MAX_HEADS`` heads (``num_heads``)."""
+    64-token tiles x 2 (its two FP8 producers take alternate slots) and at most
+    ``NARROW_MAX_HEADS`` heads (``num_heads``)."""
     if cfg.token_rows and num_heads > NARROW_MAX_HEADS:
         fail("config", f"an MlaGluonConfig with token_rows only for up to {NARROW_MAX_HEADS} query heads",
              (cfg, num_heads))
@@ -487,9 +488,9 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
     if not (fp8 or warps):
         return
     if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)
-            or (cfg.token_rows and (warps != 4 or cfg.block_n != 64))
+            or (cfg.token_rows and (warps != 4 or cfg.block_n != 64 or cfg.num_buf != 2))
             or gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, warps) > _SMEM_BYTES):
         fail("config", f"an MlaGluonConfig without late_issue, with producer_warps None, 0 or 4 and a ring that fits "
              f"{_SMEM_BYTES} bytes of shared memory (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at "
              f"kv_lora_rank 512; num_buf >= 2 for the warp-specialised kernel over 16-bit rows; token_rows only "
-             f"with producer_warps 4 and block_n=64)", cfg)
+             f"with producer_warps 4, block_n=64 and num_buf=2)", cfg)

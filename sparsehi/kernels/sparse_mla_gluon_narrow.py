@@ -7,8 +7,9 @@ heads need. Here the tokens are the MMA's rows and the heads its columns: the sc
 ``S^T = K Q^T`` (``[BLOCK_N tokens, BLOCK_H]``), the softmax runs down each column and
 the value MMA is ``O^T += V^T P^T`` (``[D_LAT, BLOCK_H]``, ``V^T`` the latent tile read
 transposed from shared memory, ``P^T`` through shared memory). One warpgroup runs the MMAs
-and the softmax; the producer warpgroup of ``sparse_mla_gluon_ws`` (FP8 scaling or
-``cp.async`` gather) fills its ring of 16-bit tiles.
+and the softmax; the producer warps of ``sparse_mla_gluon_ws`` fill its ring of 16-bit
+tiles: over FP8 rows one warpgroup scaling the tiles (two scaling alternate tiles at 16-head
+blocks), over 16-bit rows one gathering by ``cp.async``.
 """
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from sparsehi.kernels.sparse_mla_common import launch_split
 from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig
 from sparsehi.kernels.sparse_mla_gluon_ws import producer_operands
 
-# two warpgroups share the register file (184 a thread): the FP8 producer takes 152 (at 128
-# it spills a few bytes), the gather producer 112, and the MMA warpgroup the rest
+# one producer warpgroup beside the MMA warpgroup: 184 registers a thread, the FP8 producer
+# 152 or the gather 112. Over FP8 rows at 16-head blocks two producer warpgroups (alternate
+# tiles, so two tiles' loads are in flight) take 152 each of 168 a thread and the MMA
+# warpgroup 200; they lose at 32-head blocks (sm_90 builds: no spill; docs/kernels.md)
 _NARROW_MAXNREG = 184
+_TWO_PRODUCERS_MAXNREG = 168
 _SCALE_REGS = 152
 _GATHER_REGS = 112
 
@@ -111,14 +115,15 @@ try:
         Scales, Rope, stride_sn, stride_rn,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, FP8_PRODUCERS: gl.constexpr,
     ):
         """Sparse MLA decode for ``BLOCK_H`` (16 or 32) heads a program with the tokens as
         the MMA's rows: the MMA warpgroup (:func:`_gl_token_rows_partition`, the kernel's 4
-        warps) and a producer warpgroup (``PRODUCER_REGS`` registers a thread; FP8 rows:
-        ``_gl_fp8_scale_partition``, 16-bit rows: ``_gl_gather_partition``) over a
-        ``NUM_BUF``-deep ring of 16-bit tiles, passed through mbarriers ``ready`` and
-        ``empty``."""
+        warps) and producer warps (``PRODUCER_REGS`` registers a thread; FP8 rows:
+        ``FP8_PRODUCERS`` warpgroups of ``_gl_fp8_scale_partition``, two taking the even and
+        the odd tiles, each with its own slot of the 2-slot ring; 16-bit rows: one of
+        ``_gl_gather_partition``) over a ``NUM_BUF``-deep ring of 16-bit tiles, passed through
+        mbarriers ``ready`` and ``empty``."""
         hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -136,7 +141,7 @@ try:
         q_lat_s, q_pe_s = _gl_q_tile(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, hb, sh, BLOCK_H, D_LAT,
                                      D_ROPE)
         idx_row = Idx + b.to(gl.int64) * stride_ib
-        if FP8:
+        if FP8 and FP8_PRODUCERS == 2:
             gl.warp_specialize([
                 (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end,
                                             num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb,
@@ -144,7 +149,20 @@ try:
                                             stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
                 (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                            stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                           TILE)),
+                                           TILE, 0, 2)),
+                (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
+                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
+                                           TILE, 1, 2)),
+            ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
+        elif FP8:
+            gl.warp_specialize([
+                (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end,
+                                            num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb,
+                                            split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                                            stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
+                (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
+                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
+                                           TILE, 0, 1)),
             ], [4], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -170,6 +188,8 @@ def launch_narrow(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out:
     int32 into ``out [B, H, Dl]`` (the caller, ``sparse_mla_gluon``, has checked the inputs
     and ``cfg``)."""
     extra = producer_operands(kv, Dl, _SCALE_REGS if fp8 else _GATHER_REGS, fp8=fp8)
+    two = fp8 and block_h == 16
     return launch_split(_mla_gluon_narrow_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
                         D_LAT=Dl, D_ROPE=q.shape[2] - Dl, BLOCK_H=block_h, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
-                        TILE=FP8_TILE, FP8=fp8, maxnreg=_NARROW_MAXNREG, num_warps=4, **extra)
+                        TILE=FP8_TILE, FP8=fp8, FP8_PRODUCERS=2 if two else 1,
+                        maxnreg=_TWO_PRODUCERS_MAXNREG if two else _NARROW_MAXNREG, num_warps=4, **extra)

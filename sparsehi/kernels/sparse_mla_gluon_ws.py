@@ -37,12 +37,14 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     @gluon.jit
     def _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                 stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
-                                BLOCK_N: gl.constexpr, TILE: gl.constexpr):
-        """Producer warps of :func:`_mla_gluon_ws_kernel`: for each tile, load its rows'
-        E4M3 bytes, scales and rope values from global memory into registers (in rounds of 32
-        tokens, all issued together; the indices a tile ahead), and once the tile's ring slot
-        is free (``empty``) scale the bytes into its 16-bit latent rows, copy the rope values
-        beside them and signal ``ready``."""
+                                BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr,
+                                STEP: gl.constexpr):
+        """Producer warps of :func:`_mla_gluon_ws_kernel` (and of the token-rows kernel) for
+        tiles ``FIRST, FIRST + STEP, ..``: for each, load its rows' E4M3 bytes, scales and
+        rope values from global memory into registers (in rounds of 32 tokens, all issued
+        together; the indices a tile ahead), and once the tile's ring slot is free (``empty``)
+        scale the bytes into its 16-bit latent rows, copy the rope values beside them and
+        signal ``ready``."""
         PART: gl.constexpr = 32
         RPT: gl.constexpr = BLOCK_N // PART
         NUM_BUF: gl.constexpr = lat_s.shape[0]
@@ -51,9 +53,9 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         offs_n8 = gl.arange(0, PART, layout=gl.SliceLayout(1, ld8))
         offs_c8 = gl.arange(0, TILE, layout=gl.SliceLayout(0, ld8))
         offs_cr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ldr))
-        ra = _gl_rows(idx_row, start, end, 0, num_slots, offs_n8, PART)
-        rb = _gl_rows(idx_row, start, end, RPT - 1, num_slots, offs_n8, PART)
-        for t in range(n_tiles):
+        ra = _gl_rows(idx_row, start, end, FIRST * RPT, num_slots, offs_n8, PART)
+        rb = _gl_rows(idx_row, start, end, FIRST * RPT + RPT - 1, num_slots, offs_n8, PART)
+        for t in range(FIRST, n_tiles, STEP):
             slot = t % NUM_BUF
             lat = lat_s.index(slot)
             pe = pe_s.index(slot)
@@ -63,8 +65,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             if RPT == 2:
                 b0, b1, b2, b3, sb0, sb1, sb2, sb3, rope_b = _gl_fp8_round(KV, Scales, Rope, rb, stride_kvn, stride_sn,
                                                                            stride_rn, offs_c8, offs_cr, ldr, TILE)
-            ra = _gl_rows(idx_row, start, end, (t + 1) * RPT, num_slots, offs_n8, PART)
-            rb = _gl_rows(idx_row, start, end, (t + 1) * RPT + RPT - 1, num_slots, offs_n8, PART)
+            ra = _gl_rows(idx_row, start, end, (t + STEP) * RPT, num_slots, offs_n8, PART)
+            rb = _gl_rows(idx_row, start, end, (t + STEP) * RPT + RPT - 1, num_slots, offs_n8, PART)
             mbarrier.wait(empty.index(slot), ((t // NUM_BUF) & 1) ^ 1)
             _gl_store_round(lat.slice(0, PART, dim=0), pe.slice(0, PART, dim=0), a0, a1, a2, a3, sa0, sa1, sa2, sa3,
                             rope_a, TILE)
@@ -300,7 +302,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
                 (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                            stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                           TILE)),
+                                           TILE, 0, 1)),
             ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
