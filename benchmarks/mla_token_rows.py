@@ -25,7 +25,8 @@ from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode
 # (B, query tokens, K) at 16 heads; the 32-head rows take the first three
 CASES = [(64, 1, 2048), (64, 2, 2048), (64, 1, 8192), (64, 1, 512), (16, 1, 32768), (4, 1, 2048), (1, 1, 2048),
          (1, 1, 32768)]
-VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)), ("bf16_token_rows", False, MlaGluonConfig(token_rows=True)),
+VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)),
+            ("bf16_token_rows", False, MlaGluonConfig(token_rows=True)),
             ("fp8_ws", True, MlaGluonConfig()), ("fp8_token_rows", True, MlaGluonConfig(token_rows=True))]
 
 

@@ -16,8 +16,8 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 ``sparse_mla_decode_triton`` also runs the other two kernels by their config:
 :class:`MlaGluonConfig` (``sparse_mla_gluon``, Hopper; the default for launches of at
 least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows the warp-specialised
-kernel above 64 heads; over FP8 rows up to 32 heads the token-rows kernel at any batch) and :class:`MlaTwoPassConfig`
-(``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
+kernel above 64 heads; over FP8 rows up to 32 heads the token-rows kernel at any batch)
+and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
 ``mla_fp8_latents``): the Gluon kernels have FP8 forms (by default the warp-specialised
@@ -239,7 +239,9 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         indices = indices.contiguous()
     fp8 = kv.dtype == torch.uint8
     use_gluon = gluon_ok(q, Dl, Dr, kv)
-    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or (fp8 and H <= NARROW_MAX_HEADS)):
+    # the token-rows kernel splits small batches as finely as the fused kernel: any batch
+    narrow_fp8 = fp8 and H <= NARROW_MAX_HEADS
+    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow_fp8):
         config = default_gluon_config(H, fp8)
     if fp8:
         cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))

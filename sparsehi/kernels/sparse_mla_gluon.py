@@ -435,8 +435,8 @@ WS_DEFAULT_BF16 = 0
 # 8-warp kernel at 128 heads, 1 % faster to 4 % slower at 64 (attention_mla_bf16_sweep.json)
 WS_BF16_MIN_HEADS = 65
 # the widest head block of the token-rows kernel (``token_rows``; its MMAs' N and q's tile
-# grow with it), and the default over FP8 rows up to it: 1.15-1.26x the warp-specialised
-# kernel at 16 heads, 1.14x at 32 (H100, 2026-11-27; docs/kernels.md)
+# grow with it), and the default over FP8 rows up to it: 1.33-1.41x the warp-specialised
+# kernel at 16 heads from B=16, 1.15-1.19x at 32 (H100, 2026-11-27; docs/kernels.md)
 NARROW_MAX_HEADS = 32
 
 
