@@ -36,7 +36,7 @@ try:
                                                                   warpgroup_mma_wait)
 
     from sparsehi.kernels.sparse_mla_gluon import _gl_q_tile, _gl_split_range, _gl_valid_s
-    from sparsehi.kernels.sparse_mla_gluon_ws import _gl_fp8_scale_partition, _gl_gather_partition
+    from sparsehi.kernels.sparse_mla_gluon_ws import _gl_fp8_scale_partition, _gl_producer_partition
 
     @gluon.jit
     def _gl_token_rows_partition(q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end, num_slots,
@@ -154,24 +154,15 @@ try:
                                            stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
                                            TILE, 1, 2)),
             ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
-        elif FP8:
-            gl.warp_specialize([
-                (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end,
-                                            num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb,
-                                            split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-                                            stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
-                (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
-                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                           TILE, 0, 1)),
-            ], [4], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end,
                                             num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb,
                                             split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                                             stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
-                (_gl_gather_partition, (KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready,
-                                        empty, D_LAT, D_ROPE, BLOCK_N)),
+                (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
+                                          stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
+                                          TILE, 0, 1, FP8)),
             ], [4], [PRODUCER_REGS])
 
     _HAS_NARROW = True

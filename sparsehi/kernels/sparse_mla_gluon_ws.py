@@ -146,6 +146,22 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         async_copy.wait_group(0)
 
     @gluon.jit
+    def _gl_producer_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
+                               stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+                               BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr,
+                               FP8: gl.constexpr):
+        """The producer warps for the rows' format: over FP8 rows (``FP8``)
+        :func:`_gl_fp8_scale_partition` for tiles ``FIRST, FIRST + STEP, ..``, over 16-bit
+        rows :func:`_gl_gather_partition` for every tile (``Scales``, ``Rope`` and their
+        strides unread, ``FIRST`` 0 and ``STEP`` 1)."""
+        if FP8:
+            _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
+                                    stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N, TILE, FIRST, STEP)
+        else:
+            _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
+                                 D_LAT, D_ROPE, BLOCK_N)
+
+    @gluon.jit
     def _gl_softmax_partition(q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready, p_free,
                               done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial,
                               b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
@@ -261,8 +277,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         the value MMA; the value warpgroup (:func:`_gl_value_partition`, ``VALUE_REGS``) the
         right half. Slots pass through mbarriers ``ready`` (producer -> both) and ``empty``
         (both -> producer), ``P`` and the rescale factor through ``p_ready`` / ``p_free``.
-        The partition list is written out in both branches: Gluon takes each partition's
-        function and arguments in place, not from variables."""
+        The producer's form follows ``FP8`` (:func:`_gl_producer_partition`)."""
         hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -290,33 +305,19 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         p_ready = bars.index(0)
         p_free = bars.index(1)
         done = bars.index(2)
-        if FP8:
-            gl.warp_specialize([
-                (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
-                                         p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
-                                         OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H,
-                                         BLOCK_N, SPLIT)),
-                (_gl_value_partition, (lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out,
-                                       OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
-                (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
-                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                           TILE, 0, 1)),
-            ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
-                                         p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
-                                         OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H,
-                                         BLOCK_N, SPLIT)),
-                (_gl_value_partition, (lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out,
-                                       OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
-                (_gl_gather_partition, (KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready,
-                                        empty, D_LAT, D_ROPE, BLOCK_N)),
-            ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
+        gl.warp_specialize([
+            (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
+                                     p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
+                                     OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H,
+                                     BLOCK_N, SPLIT)),
+            (_gl_value_partition, (lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out,
+                                   OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
+                                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
+            (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
+                                      stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
+                                      TILE, 0, 1, FP8)),
+        ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
 
     _HAS_WS = True
 except Exception as _e:  # noqa: BLE001 - a Triton without this Gluon API: gluon_ok is False there too
