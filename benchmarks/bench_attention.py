@@ -81,6 +81,12 @@ def mha_bytes(B, K, Hq, Hkv, D):
     return B * K * Hkv * D * 2 * 2 + 2 * B * Hq * D * 2
 
 
+def kv_row_bytes(kv: torch.Tensor, Dl: int, Dr: int) -> int:
+    """Bytes of one token's latent row in ``kv``: the FP8 layout's (656 at 512 + 64) for uint8
+    rows, else ``Dl + Dr`` values of ``kv``'s dtype."""
+    return fp8_row_bytes(Dl, Dr) if kv.dtype == torch.uint8 else (Dl + Dr) * kv.element_size()
+
+
 def mla_bytes(B, K, H, Dl, Dr, row_bytes=None):
     """Unique bytes of a sparse MLA decode over ``B`` rows: each row's ``K`` KV rows of
     ``row_bytes`` (default bf16 ``(Dl + Dr) * 2``; 656 for the FP8 layout) and int32 indices,
@@ -220,7 +226,7 @@ def _mla_fp8_case_rows(q, kv, packed, idx, B: int, T: int, Dl: int, roof: float,
         fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=Dl, sm_scale=0.1, config=cfg)  # noqa: E731
         diff = (fn().float() - fused).abs().max().item()
         us = timed(fn, iters=10)
-        row_bytes = fp8_row_bytes(Dl, Dr) if buf.dtype == torch.uint8 else (Dl + Dr) * 2
+        row_bytes = kv_row_bytes(buf, Dl, Dr)
         nbytes, flops = mla_bytes(rows, K, H, Dl, Dr, row_bytes), mla_flops(rows, K, H, Dl, Dr)
         bound_us = max(nbytes / (roof * 1e9), flops / (gemm * 1e12)) * 1e6
         out.append(row(name, B, K, us, nbytes, roof, heads=H, q_tokens=T, rows=rows, kv_bytes_per_token=row_bytes,

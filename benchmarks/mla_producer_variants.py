@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_attention import dsa_case, mla_bytes, mla_flops
+from benchmarks.bench_attention import dsa_case, kv_row_bytes, mla_bytes, mla_flops
 from benchmarks.common import cuda_time_us, device_info, write_result
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode_triton
 
@@ -43,10 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)  # noqa: E731
             diff = (fn().float() - ref).abs().max().item()
             us = cuda_time_us(fn, graph=True)
-            row_bytes = 656 if buf.dtype == torch.uint8 else 1152
             r = dict(B=B, K=K, heads=H, variant=name, us=round(us, 1), max_diff_vs_bf16_8warp=round(diff, 4),
                      tflops=round(mla_flops(B, K, H, 512, 64) / us / 1e6, 1),
-                     gbps=round(mla_bytes(B, K, H, 512, 64, row_bytes) / us / 1e3, 1))
+                     gbps=round(mla_bytes(B, K, H, 512, 64, kv_row_bytes(buf, 512, 64)) / us / 1e3, 1))
             print(r, flush=True)
             rows.append(r)
     print("wrote", write_result("attention_mla_producer.json", {"commit": args.commit, "env": device_info(),

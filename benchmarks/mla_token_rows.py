@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_attention import dsa_case, mla_bytes
+from benchmarks.bench_attention import dsa_case, kv_row_bytes, mla_bytes
 from benchmarks.common import cuda_time_us, device_info, hbm_copy_gbps, write_result
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode_triton
 
@@ -41,7 +41,7 @@ def time_case(B: int, T: int, K: int, H: int, roof: float) -> list[dict]:
         out = fn().float()
         base = out if base is None else base
         us = cuda_time_us(fn, graph=True)
-        gbps = mla_bytes(B * T, K, H, 512, 64, 656 if fp8 else 1152) / us / 1e3
+        gbps = mla_bytes(B * T, K, H, 512, 64, kv_row_bytes(buf, 512, 64)) / us / 1e3
         rows.append(dict(B=B, query_tokens=T, K=K, heads=H, variant=name, us=round(us, 1), gbps=round(gbps, 1),
                          frac_byte_limit=round(gbps / roof, 3),
                          max_diff_vs_bf16_8warp=round((out - base).abs().max().item(), 4)))
