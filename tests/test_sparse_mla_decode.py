@@ -184,21 +184,29 @@ def test_default_config_stages_follow_loop_length(monkeypatch):
 
 
 def test_default_gluon_config_runs_where_it_is_chosen():
-    from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, WS_BF16_MIN_HEADS, check_gluon_config,
-                                                   default_gluon_config)
+    from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, STAGED_FP8_MIN_ROWS, WS_BF16_MIN_HEADS,
+                                                   check_gluon_config, default_gluon_config)
 
     # bf16 rows above one 64-head block: the warp-specialised kernel at 32-token tiles x 4
-    ws = default_gluon_config(128, fp8=False)
+    ws = default_gluon_config(128, fp8=False, rows=64)
     assert (ws.block_n, ws.num_buf, ws.producer_warps) == (32, 4, 4)
-    assert default_gluon_config(WS_BF16_MIN_HEADS - 1, fp8=False) == MlaGluonConfig()
-    assert default_gluon_config(128, fp8=True) == MlaGluonConfig()
-    # FP8 rows up to 32 heads: tokens as the MMA rows
-    assert default_gluon_config(NARROW_MAX_HEADS, fp8=True) == MlaGluonConfig(token_rows=True)
-    assert default_gluon_config(NARROW_MAX_HEADS, fp8=False) == MlaGluonConfig()
-    assert default_gluon_config(NARROW_MAX_HEADS + 1, fp8=True) == MlaGluonConfig()
+    assert default_gluon_config(WS_BF16_MIN_HEADS - 1, fp8=False, rows=64) == MlaGluonConfig()
+    assert default_gluon_config(128, fp8=True, rows=64) == MlaGluonConfig()
+    # FP8 rows up to 32 heads: tokens as the MMA rows, at any batch
+    assert default_gluon_config(NARROW_MAX_HEADS, fp8=True, rows=1) == MlaGluonConfig(token_rows=True)
+    assert default_gluon_config(NARROW_MAX_HEADS, fp8=False, rows=64) == MlaGluonConfig()
+    # FP8 rows up to one 64-head block: the cp.async staging ring from STAGED_FP8_MIN_ROWS rows
+    staged = MlaGluonConfig(64, 1, fp8_stages=1)
+    assert default_gluon_config(NARROW_MAX_HEADS + 1, fp8=True, rows=STAGED_FP8_MIN_ROWS) == staged
+    assert default_gluon_config(64, fp8=True, rows=128) == staged
+    assert default_gluon_config(64, fp8=True, rows=STAGED_FP8_MIN_ROWS - 1) == MlaGluonConfig()
+    assert default_gluon_config(64, fp8=False, rows=128) == MlaGluonConfig()
+    assert default_gluon_config(65, fp8=True, rows=128) == MlaGluonConfig()
     for heads in (1, 16, NARROW_MAX_HEADS, 64, WS_BF16_MIN_HEADS, 128):
         for fp8 in (False, True):
-            check_gluon_config(default_gluon_config(heads, fp8), 512, 64, fp8, heads)   # no ValueError: it fits
+            for rows in (1, STAGED_FP8_MIN_ROWS):
+                cfg = default_gluon_config(heads, fp8, rows)
+                check_gluon_config(cfg, 512, 64, fp8, heads)   # no ValueError: it fits
 
 
 @pytest.mark.gpu
@@ -212,12 +220,37 @@ def test_gpu_default_dispatch_runs_default_gluon_config(heads):
     idx[2, 700:] = -1
     out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
     chosen = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1,
-                                      config=default_gluon_config(heads, fp8=False))
+                                      config=default_gluon_config(heads, fp8=False, rows=8))
     other = MlaGluonConfig() if heads > 64 else MlaGluonConfig(32, 4, producer_warps=4)
     not_chosen = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1, config=other)
     assert torch.equal(out, chosen)
     assert not torch.equal(out, not_chosen)
     ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [16, 8])
+def test_gpu_default_dispatch_stages_fp8_rows_at_64_heads(B, monkeypatch):
+    from sparsehi.kernels import sparse_mla_gluon_launch
+    from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents
+    from sparsehi.kernels.sparse_mla_gluon import STAGED_FP8_MIN_ROWS
+
+    # 64 heads over FP8 rows: the staging ring from STAGED_FP8_MIN_ROWS rows, the register
+    # producer below; both tile the rows alike, so the config the launch receives names the form
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, kv, idx = _case(B, 64, 512, 64, 2048, 8192, torch.bfloat16, seed=12)
+    idx[1, 900:] = -1
+    packed = quantize_mla_latents(kv.view(kv.shape[0], -1), 512)
+    seen = []
+    launch = sparse_mla_gluon_launch.launch_ws
+    monkeypatch.setattr(sparse_mla_gluon_launch, "launch_ws",
+                        lambda *a, **k: seen.append(a[8]) or launch(*a, **k))
+    out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1)
+    want = MlaGluonConfig(64, 1, fp8_stages=1) if B >= STAGED_FP8_MIN_ROWS else MlaGluonConfig()
+    assert seen == [want]
+    ref = sparse_mla_decode_reference(q, packed, idx, kv_lora_rank=512, sm_scale=0.1)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
 
 

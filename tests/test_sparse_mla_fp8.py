@@ -292,6 +292,9 @@ def test_gpu_fp8_deepseek_shapes(H, T, K, B):
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
     narrow = (MlaGluonConfig(token_rows=True), MlaGluonConfig(num_splits=3, token_rows=True)) if H <= 32 else ()
     for cfg in (MlaGluonConfig(), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3),
+                MlaGluonConfig(block_n=32, num_buf=3, fp8_stages=2),
+                MlaGluonConfig(block_n=32, num_buf=2, num_splits=3, fp8_stages=3),
+                MlaGluonConfig(num_buf=1, fp8_stages=1),
                 MlaGluonConfig(producer_warps=0), MlaGluonConfig(block_n=32, num_buf=4, num_splits=3, producer_warps=0),
                 default_mla_fp8_config(q.device, H, B * T), *narrow):
         out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
@@ -325,7 +328,9 @@ def test_fp8_gluon_config_it_cannot_run_is_refused_everywhere(monkeypatch, caplo
     for cfg in (MlaGluonConfig(late_issue=True), MlaGluonConfig(num_buf=3), MlaGluonConfig(producer_warps=2), MlaGluonConfig(late_issue=True, producer_warps=4),
                 MlaGluonConfig(num_buf=3, producer_warps=0), MlaGluonConfig(block_n=32, num_buf=5),
                 MlaGluonConfig(block_n=32, token_rows=True), MlaGluonConfig(token_rows=True, producer_warps=0),
-                MlaGluonConfig(num_buf=1, token_rows=True)):
+                MlaGluonConfig(num_buf=1, token_rows=True), MlaGluonConfig(block_n=32, num_buf=4, fp8_stages=1),
+                MlaGluonConfig(num_buf=2, fp8_stages=1), MlaGluonConfig(fp8_stages=-1), MlaGluonConfig(fp8_stages=1.0),
+                MlaGluonConfig(fp8_stages=1, producer_warps=0), MlaGluonConfig(fp8_stages=1, token_rows=True)):
         with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
             sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
     wide_q = torch.cat([q] * 4, dim=1)          # 64 heads: past the token-rows kernel's 32
@@ -383,11 +388,16 @@ def test_gpu_fp8_gluon_ragged_topk_nan_slot_and_pool_views(monkeypatch, caplog):
         for cfg in (MlaGluonConfig(), MlaGluonConfig(num_splits=5), MlaGluonConfig(num_buf=1),
                     MlaGluonConfig(block_n=32, num_buf=4, num_splits=2), MlaGluonConfig(block_n=32, num_buf=1),
                     MlaGluonConfig(block_n=32, num_buf=3),
+                    MlaGluonConfig(block_n=32, num_buf=3, fp8_stages=2), MlaGluonConfig(num_buf=1, fp8_stages=1),
+                    MlaGluonConfig(block_n=32, num_buf=1, num_splits=5, fp8_stages=3),
                     MlaGluonConfig(producer_warps=0), MlaGluonConfig(num_buf=1, producer_warps=0)):
             out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=scale, config=cfg)
             torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
         assert "gluon (fp8 latents)" in caplog.text
         out = sparse_mla_decode(q, wide[:, :656], idx, kv_lora_rank=512, sm_scale=scale)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+        out = sparse_mla_decode_triton(q, wide[:, :656], idx, kv_lora_rank=512, sm_scale=scale,
+                                       config=MlaGluonConfig(block_n=32, num_buf=3, fp8_stages=2))
         torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
         caplog.clear()
         out = sparse_mla_decode(q, shifted[4:].view(-1, 656), idx, kv_lora_rank=512, sm_scale=scale)

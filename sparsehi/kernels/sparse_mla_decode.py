@@ -243,7 +243,7 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     # kernel, from B=4 faster than the warp-specialised one (B=2, 3 not timed)
     narrow_fp8 = fp8 and H <= NARROW_MAX_HEADS
     if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow_fp8):
-        config = default_gluon_config(H, fp8)
+        config = default_gluon_config(H, fp8, B)
     if fp8:
         cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))
     else:

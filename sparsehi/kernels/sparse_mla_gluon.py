@@ -44,7 +44,12 @@ class MlaGluonConfig:
     ``token_rows`` (up to 32 heads; 64-token tiles x 2, producer warps) runs
     ``sparse_mla_gluon_narrow._mla_gluon_narrow_kernel``: 16- or 32-head blocks with the
     tokens as the MMA's rows, where the other kernels pad the heads to 64 rows. Falls back to
-    the Triton kernel (logged once) where Gluon or a Hopper GPU is unavailable."""
+    the Triton kernel (logged once) where Gluon or a Hopper GPU is unavailable.
+    ``fp8_stages`` (the warp-specialised kernel over FP8 rows): 0 has the producer warps load
+    each tile's rows into registers; ``n > 0`` gives them an ``n``-deep ``cp.async`` staging
+    ring of raw rows in shared memory, so up to ``n`` tiles of loads fly while they scale one
+    (unread over 16-bit rows; a ValueError with ``token_rows`` or without producer warps).
+    """
 
     block_n: int = 64
     num_buf: int = 2
@@ -52,6 +57,7 @@ class MlaGluonConfig:
     num_splits: Optional[int] = None
     producer_warps: Optional[int] = None
     token_rows: bool = False
+    fp8_stages: int = 0
 
 
 try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
@@ -438,29 +444,40 @@ WS_BF16_MIN_HEADS = 65
 # grow with it), and the default over FP8 rows up to it: 1.33-1.41x the warp-specialised
 # kernel at 16 heads from B=16, 1.15-1.19x at 32 (H100, 2026-11-27; docs/kernels.md)
 NARROW_MAX_HEADS = 32
+# from this many query rows, one 64-head block over FP8 rows runs the warp-specialised kernel
+# with a one-tile cp.async staging ring (64-token tiles x 1, ``fp8_stages=1``): 1.03-1.09x the
+# register-loading producer at 64 heads from B=16 (B=4 at K=8192), level with 2 query tokens,
+# 0.89-0.91x at B <= 4 with K=2048; 0.95-0.99x at 128 heads, which keep the registers
+# (attention_mla_fp8_staging.json, H100, 2026-11-27)
+STAGED_FP8_MIN_ROWS = 16
 
 
-def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warps: int) -> int:
+def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warps: int, fp8_stages: int = 0) -> int:
     """Shared memory a Gluon kernel allocates beyond the 8-warp 16-bit one: with
     ``producer_warps`` (the warp-specialised kernel, either row format) a ring of 16-bit latent
     and rope tiles; without (the 8-warp FP8 kernel) the FP8 byte ring and rope ring plus one
     16-bit latent tile. Both: P and q's tile of 64 heads. The compiler's scratch and mbarriers
     come on top (the sm_90 builds at 64 x 2: 229,888 bytes without producer warps, 230,472
-    with)."""
+    with). ``fp8_stages`` staging slots of raw FP8 rows (bytes, scales, rope) come on top.
+    """
     if producer_warps:
-        ring = num_buf * block_n * 2 * (Dl + Dr)
+        ring = num_buf * block_n * 2 * (Dl + Dr) + fp8_stages * block_n * (Dl + 4 * (Dl // 128) + 2 * Dr)
     else:
         ring = num_buf * block_n * (Dl + 2 * Dr) + 2 * block_n * Dl
     return ring + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
 
 
-def default_gluon_config(num_heads: int, fp8: bool) -> MlaGluonConfig:
-    """The Gluon config the default dispatch (``config=None``) runs for ``num_heads`` query
-    heads over FP8 (``fp8``) or 16-bit rows: ``MlaGluonConfig(token_rows=True)`` over FP8
-    rows up to ``NARROW_MAX_HEADS`` heads, ``MlaGluonConfig(32, 4, producer_warps=4)`` over
-    16-bit rows from ``WS_BF16_MIN_HEADS`` heads up, else ``MlaGluonConfig()``."""
+def default_gluon_config(num_heads: int, fp8: bool, rows: int) -> MlaGluonConfig:
+    """The Gluon config the default dispatch (``config=None``) runs for ``rows`` query rows
+    (requests x query tokens) of ``num_heads`` heads over FP8 (``fp8``) or 16-bit rows:
+    ``MlaGluonConfig(token_rows=True)`` over FP8 rows up to ``NARROW_MAX_HEADS`` heads;
+    ``MlaGluonConfig(64, 1, fp8_stages=1)`` over FP8 rows from there to one 64-head block
+    at ``STAGED_FP8_MIN_ROWS`` rows or more; ``MlaGluonConfig(32, 4, producer_warps=4)`` over
+    16-bit rows from ``WS_BF16_MIN_HEADS`` heads up; else ``MlaGluonConfig()``."""
     if fp8 and num_heads <= NARROW_MAX_HEADS:
         return MlaGluonConfig(token_rows=True)
+    if fp8 and num_heads <= 64 and rows >= STAGED_FP8_MIN_ROWS:
+        return MlaGluonConfig(64, 1, fp8_stages=1)
     if not fp8 and num_heads >= WS_BF16_MIN_HEADS:
         return MlaGluonConfig(32, 4, producer_warps=4)
     return MlaGluonConfig()
@@ -489,8 +506,11 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
         return
     if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)
             or (cfg.token_rows and (warps != 4 or cfg.block_n != 64 or cfg.num_buf != 2))
-            or gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, warps) > _SMEM_BYTES):
+            or not isinstance(cfg.fp8_stages, int) or cfg.fp8_stages < 0
+            or (cfg.fp8_stages and (cfg.token_rows or not warps))
+            or gluon_smem_bytes(cfg.block_n, cfg.num_buf, Dl, Dr, warps, cfg.fp8_stages if fp8 else 0) > _SMEM_BYTES):
         fail("config", f"an MlaGluonConfig without late_issue, with producer_warps None, 0 or 4 and a ring that fits "
              f"{_SMEM_BYTES} bytes of shared memory (block_n=64: num_buf <= 2; block_n=32: num_buf <= 4 at "
              f"kv_lora_rank 512; num_buf >= 2 for the warp-specialised kernel over 16-bit rows; token_rows only "
-             f"with producer_warps 4, block_n=64 and num_buf=2)", cfg)
+             f"with producer_warps 4, block_n=64 and num_buf=2; fp8_stages an int >= 0, with producer warps and "
+             f"without token_rows; with fp8_stages=2 over FP8 rows block_n=32 takes num_buf <= 3)", cfg)

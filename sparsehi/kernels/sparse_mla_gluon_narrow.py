@@ -162,7 +162,7 @@ try:
                                             stride_lb, stride_lh, D_LAT, BLOCK_H, BLOCK_N, SPLIT)),
                 (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                          TILE, 0, 1, FP8)),
+                                          TILE, 0, 1, FP8, lat_s, lat_s, lat_s, 0)),
             ], [4], [PRODUCER_REGS])
 
     _HAS_NARROW = True

@@ -3,11 +3,12 @@
 as ``sparse_mla_gluon``, whose helpers it shares).
 
 Three warpgroups over a ring of 16-bit tiles in shared memory: producer warps fill a free
-slot (FP8 rows: the bytes, scales and rope values loaded into registers and the bytes
-scaled into the slot; 16-bit rows: gathered by ``cp.async``), the score warpgroup runs the
-score MMA over the whole tile, the online softmax and the left half of the value MMA, the
-value warpgroup the right half, overlapping the score MMA of the next tile. Slots pass
-between them through mbarriers. Measurements: docs/kernels.md.
+slot (FP8 rows: the bytes, scales and rope values loaded into registers, or with
+``MlaGluonConfig.fp8_stages`` brought by ``cp.async`` into a staging ring in shared memory,
+and the bytes scaled into the slot; 16-bit rows: gathered by ``cp.async``), the score
+warpgroup runs the score MMA over the whole tile, the online softmax and the left half of
+the value MMA, the value warpgroup the right half, overlapping the score MMA of the next
+tile. Slots pass between them through mbarriers. Measurements: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_q_tile, _gl_rows, _gl_scale_regs, _gl_split_range,
-                                                   _gl_store_cols, _gl_valid_s)
+    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_copy_aligned, _gl_q_tile, _gl_rows, _gl_scale_regs,
+                                                   _gl_split_range, _gl_store_cols, _gl_valid_s)
 
     @gluon.jit
     def _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
@@ -75,6 +76,75 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                 sb2, sb3, rope_b, TILE)
             fence_async_shared()
             mbarrier.arrive(ready.index(slot), count=1)
+
+    @gluon.jit
+    def _gl_stage_fp8_tile(KV, Scales, Rope, r8, rp, rs, stride_kvn, stride_sn, stride_rn, raw, raw_sc, raw_pe,
+                           sc0, offs_d8, offs_cr, NSC: gl.constexpr):
+        """cp.async one tile's FP8 rows into a staging slot: the E4M3 bytes of rows ``r8`` into
+        ``raw [N, D_LAT]`` uint8, their ``NSC`` scales (rows ``rs``) into rows ``sc0 ..`` of
+        ``raw_sc [.., N]`` float32 (one row of scales per scale tile) and their rope values
+        (rows ``rp``) into ``raw_pe [N, D_ROPE]`` bf16 (zero fill where a row is < 0),
+        committed as one group."""
+        _gl_copy_aligned(KV, r8, stride_kvn, raw, offs_d8, 16)
+        _gl_copy_aligned(Rope, rp, stride_rn, raw_pe, offs_cr, 8)
+        sc = Scales + gl.maximum(rs, 0).to(gl.int64) * stride_sn
+        for j in gl.static_range(NSC):
+            async_copy.async_copy_global_to_shared(raw_sc.index(sc0 + j), sc + j, mask=rs >= 0)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
+                                 stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT: gl.constexpr,
+                                 D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr):
+        """Producer warps of :func:`_mla_gluon_ws_kernel` over FP8 rows with a staging ring:
+        ``cp.async`` brings each tile's raw row bytes (E4M3 bytes, scales, rope values) into
+        staging slot ``t % STAGES`` up to ``STAGES`` tiles ahead; once tile t has landed and its
+        16-bit ring slot is free (``empty``), the warps scale its bytes from the staging slot
+        into the ring slot, copy its rope values beside them, signal ``ready`` and reuse the
+        staging slot for tile t + STAGES. The loads in flight live in shared memory, so their
+        depth is not bounded by the producer's registers."""
+        STAGES: gl.constexpr = raw8.shape[0]
+        NUM_BUF: gl.constexpr = lat_s.shape[0]
+        NSC: gl.constexpr = D_LAT // TILE
+        ld_fp8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])   # copy: 16 B a lane
+        ld8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])       # a scale tile
+        ldr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])        # rope
+        lsc: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])                   # a scale column
+        offs_d8 = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_fp8))
+        offs_n8 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_fp8))
+        offs_cr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ldr))
+        offs_nr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ldr))
+        offs_ns = gl.arange(0, BLOCK_N, layout=lsc)
+        row: gl.constexpr = gl.SliceLayout(1, ld8)
+        for s in gl.static_range(STAGES):
+            _gl_stage_fp8_tile(KV, Scales, Rope, _gl_rows(idx_row, start, end, s, num_slots, offs_n8, BLOCK_N),
+                               _gl_rows(idx_row, start, end, s, num_slots, offs_nr, BLOCK_N),
+                               _gl_rows(idx_row, start, end, s, num_slots, offs_ns, BLOCK_N), stride_kvn, stride_sn,
+                               stride_rn, raw8.index(s), raw_sc, raw_pe.index(s), s * NSC, offs_d8, offs_cr, NSC)
+        r8 = _gl_rows(idx_row, start, end, STAGES, num_slots, offs_n8, BLOCK_N)
+        rp = _gl_rows(idx_row, start, end, STAGES, num_slots, offs_nr, BLOCK_N)
+        rs = _gl_rows(idx_row, start, end, STAGES, num_slots, offs_ns, BLOCK_N)
+        for t in range(n_tiles):
+            stage = t % STAGES
+            slot = t % NUM_BUF
+            lat = lat_s.index(slot)
+            raw = raw8.index(stage)
+            async_copy.wait_group(STAGES - 1)           # tile t landed (tiles t+1 .. t+STAGES-1 may fly)
+            gl.thread_barrier()
+            mbarrier.wait(empty.index(slot), ((t // NUM_BUF) & 1) ^ 1)
+            for j in gl.static_range(NSC):
+                _gl_scale_regs(raw.slice(j * TILE, TILE, dim=1).load(ld8), raw_sc.index(stage * NSC + j).load(row), lat,
+                               j, TILE)
+            pe_s.index(slot).store(raw_pe.index(stage).load(ldr))
+            fence_async_shared()
+            gl.thread_barrier()                         # the ring slot written, the staging slot read
+            mbarrier.arrive(ready.index(slot), count=1)
+            _gl_stage_fp8_tile(KV, Scales, Rope, r8, rp, rs, stride_kvn, stride_sn, stride_rn, raw, raw_sc,
+                               raw_pe.index(stage), stage * NSC, offs_d8, offs_cr, NSC)
+            r8 = _gl_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_n8, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_nr, BLOCK_N)
+            rs = _gl_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_ns, BLOCK_N)
+        async_copy.wait_group(0)
 
     @gluon.jit
     def _gl_store_round(lat_rows, pe_rows, x0, x1, x2, x3, s0, s1, s2, s3, rope, TILE: gl.constexpr):
@@ -149,12 +219,16 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     def _gl_producer_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                                BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr,
-                               FP8: gl.constexpr):
+                               FP8: gl.constexpr, raw8, raw_sc, raw_pe, FP8_STAGES: gl.constexpr):
         """The producer warps for the rows' format: over FP8 rows (``FP8``)
         :func:`_gl_fp8_scale_partition` for tiles ``FIRST, FIRST + STEP, ..``, over 16-bit
         rows :func:`_gl_gather_partition` for every tile (``Scales``, ``Rope`` and their
         strides unread, ``FIRST`` 0 and ``STEP`` 1)."""
-        if FP8:
+        if FP8 and FP8_STAGES > 0:
+            _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
+                                     stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT, D_ROPE, BLOCK_N,
+                                     TILE)
+        elif FP8:
             _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                     stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N, TILE, FIRST, STEP)
         else:
@@ -265,13 +339,14 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         Scales, Rope, stride_sn, stride_rn,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
-        VALUE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
+        VALUE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
     ):
         """Sparse MLA decode as three warp-specialised warpgroups over a ``NUM_BUF``-deep ring
         of 16-bit tiles in shared memory. Producer warps (``PRODUCER_REGS`` registers a
         thread) fill a free slot with a tile: over FP8 rows (``FP8``,
         :func:`_gl_fp8_scale_partition`) they load the rows' bytes into registers and scale
-        them into the slot, over 16-bit rows (:func:`_gl_gather_partition`) they gather the
+        them into the slot (with ``FP8_STAGES`` > 0, :func:`_gl_fp8_staged_partition`, from a
+        ``cp.async`` staging ring of that depth), over 16-bit rows (:func:`_gl_gather_partition`) they gather the
         rows by ``cp.async``. The score warpgroup (the kernel's 4 warps,
         :func:`_gl_softmax_partition`) runs the score MMA, the softmax and the left half of
         the value MMA; the value warpgroup (:func:`_gl_value_partition`, ``VALUE_REGS``) the
@@ -290,6 +365,15 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
         m_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
         l_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
+        if FP8_STAGES > 0:
+            sh8: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            raw8 = gl.allocate_shared_memory(gl.uint8, [FP8_STAGES, BLOCK_N, D_LAT], sh8)
+            raw_sc = gl.allocate_shared_memory(gl.float32, [FP8_STAGES * (D_LAT // TILE), BLOCK_N], sh_v)
+            raw_pe = gl.allocate_shared_memory(dtype, [FP8_STAGES, BLOCK_N, D_ROPE], sh8)
+        else:
+            raw8 = lat_s
+            raw_sc = lat_s
+            raw_pe = lat_s
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -316,7 +400,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
             (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                       stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                      TILE, 0, 1, FP8)),
+                                      TILE, 0, 1, FP8, raw8, raw_sc, raw_pe, FP8_STAGES)),
         ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
 
     _HAS_WS = True
@@ -346,4 +430,5 @@ def launch_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: tor
     extra = producer_operands(kv, Dl, _SCALE_REGS if fp8 else _GATHER_REGS, fp8=fp8)
     return launch_split(_mla_gluon_ws_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
                         D_LAT=Dl, D_ROPE=Dr, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE,
-                        VALUE_REGS=_VALUE_REGS, FP8=fp8, maxnreg=_WS_MAXNREG, num_warps=4, **extra)
+                        VALUE_REGS=_VALUE_REGS, FP8=fp8, FP8_STAGES=cfg.fp8_stages if fp8 else 0,
+                        maxnreg=_WS_MAXNREG, num_warps=4, **extra)
