@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +186,34 @@ def dsa_case(B: int, T: int, K: int, H: int, Dl: int, Dr: int, seed: int = 0):
     idx = torch.stack([torch.randperm(span, device=DEV, generator=g)[:K] + (r // T) * span
                        for r in range(B * T)]).int()
     return q, kv, packed, idx
+
+
+def time_mla_variants(B: int, T: int, K: int, H: int, variants: list, roof: float, gemm: Optional[float] = None,
+                      diff_key: str = "max_diff_vs_first") -> list[dict]:
+    """Each ``(name, fp8, config)`` of ``variants`` at one :func:`dsa_case` shape, in the
+    same process, over the FP8 rows (``fp8``) or the bf16 rows of the same values: its
+    CUDA-graph time, TFLOP/s, bytes/s (:func:`kv_row_bytes` a token), the fraction of the
+    byte limit ``roof`` (GB/s) and, given the compute ceiling ``gemm`` (TFLOP/s), of the
+    roofline model (the larger of the byte and the flop time over the time), and under
+    ``diff_key`` the largest difference from the first variant's output."""
+    q, kv, packed, idx = dsa_case(B, T, K, H, 512, 64)
+    base = None
+    rows = []
+    for name, fp8, cfg in variants:
+        buf = packed if fp8 else kv
+        fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)  # noqa: E731
+        out = fn().float()
+        base = out if base is None else base
+        us = cuda_time_us(fn, graph=True)
+        nbytes, flops = mla_bytes(B * T, K, H, 512, 64, kv_row_bytes(buf, 512, 64)), mla_flops(B * T, K, H, 512, 64)
+        r = dict(B=B, query_tokens=T, K=K, heads=H, variant=name, us=round(us, 1), tflops=round(flops / us / 1e6, 1),
+                 gbps=round(nbytes / us / 1e3, 1), frac_byte_limit=round(nbytes / us / 1e3 / roof, 3))
+        if gemm:
+            r["frac_roofline_model"] = round(max(nbytes / (roof * 1e3), flops / (gemm * 1e6)) / us, 3)
+        r[diff_key] = round((out - base).abs().max().item(), 4)
+        rows.append(r)
+        print(r, flush=True)
+    return rows
 
 
 def mla_fp8_rows(roof: float, gemm: float, quick: bool) -> list[dict]:

@@ -4,10 +4,10 @@ blocks) beside the kernels that pad the heads to 64 rows, over FP8 latent rows (
 warp-specialised kernel, ``MlaGluonConfig()``) and bf16 rows (the 8-warp kernel,
 ``MlaGluonConfig()``), DeepSeek's 512 + 64, the rows of ``bench_attention.dsa_case``.
 
-Each row: CUDA-graph time of each kernel in the same process, bytes/s (656 bytes a token
-for FP8 rows, 1152 for bf16) and the fraction of the byte limit (``hbm_copy_gbps`` of the
-same run), and the largest difference of each FP8 kernel from the bf16 8-warp one over the
-same values. Writes ``attention_mla_token_rows.json`` under ``--out`` (default
+Each row (``bench_attention.time_mla_variants``): CUDA-graph time of each kernel in the
+same process, TFLOP/s, bytes/s (656 bytes a token for FP8 rows, 1152 for bf16) and the
+fraction of the byte limit (``hbm_copy_gbps`` of the same run), and the largest difference
+of each kernel from the bf16 8-warp one over the same values. Writes ``attention_mla_token_rows.json`` under ``--out`` (default
 benchmarks/results).
 
 Usage: ``PYTHONPATH=. python benchmarks/mla_token_rows.py [--commit SHA] [--out DIR]``.
@@ -18,9 +18,9 @@ import argparse
 
 import torch
 
-from benchmarks.bench_attention import dsa_case, kv_row_bytes, mla_bytes
-from benchmarks.common import cuda_time_us, device_info, hbm_copy_gbps, write_result
-from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode_triton
+from benchmarks.bench_attention import time_mla_variants
+from benchmarks.common import device_info, hbm_copy_gbps, write_result
+from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 # (B, query tokens, K) at 16 heads; the 32-head rows take the first three
 CASES = [(64, 1, 2048), (64, 2, 2048), (64, 1, 8192), (64, 1, 512), (16, 1, 32768), (4, 1, 2048), (1, 1, 2048),
@@ -28,25 +28,6 @@ CASES = [(64, 1, 2048), (64, 2, 2048), (64, 1, 8192), (64, 1, 512), (16, 1, 3276
 VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)),
             ("bf16_token_rows", False, MlaGluonConfig(token_rows=True)),
             ("fp8_ws", True, MlaGluonConfig()), ("fp8_token_rows", True, MlaGluonConfig(token_rows=True))]
-
-
-def time_case(B: int, T: int, K: int, H: int, roof: float) -> list[dict]:
-    """All variants at one shape, in the same process."""
-    q, kv, packed, idx = dsa_case(B, T, K, H, 512, 64)
-    base = None
-    rows = []
-    for name, fp8, cfg in VARIANTS:
-        buf = packed if fp8 else kv
-        fn = lambda: sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)  # noqa: E731
-        out = fn().float()
-        base = out if base is None else base
-        us = cuda_time_us(fn, graph=True)
-        gbps = mla_bytes(B * T, K, H, 512, 64, kv_row_bytes(buf, 512, 64)) / us / 1e3
-        rows.append(dict(B=B, query_tokens=T, K=K, heads=H, variant=name, us=round(us, 1), gbps=round(gbps, 1),
-                         frac_byte_limit=round(gbps / roof, 3),
-                         max_diff_vs_bf16_8warp=round((out - base).abs().max().item(), 4)))
-        print(rows[-1], flush=True)
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for H, cases in ((16, CASES), (32, CASES[:3])):
         for B, T, K in cases:
-            rows += time_case(B, T, K, H, roof)
+            rows += time_mla_variants(B, T, K, H, VARIANTS, roof, diff_key="max_diff_vs_bf16_8warp")
             torch.cuda.empty_cache()
     print("wrote", write_result("attention_mla_token_rows.json", {"commit": args.commit, "env": device_info(),
                                                                  "roofline_gbps": round(roof, 1), "rows": rows},
