@@ -184,8 +184,9 @@ def test_default_config_stages_follow_loop_length(monkeypatch):
 
 
 def test_default_gluon_config_runs_where_it_is_chosen():
-    from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, STAGED_FP8_MIN_ROWS, WS_BF16_MIN_HEADS,
-                                                   check_gluon_config, default_gluon_config)
+    from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, STAGED_FP8_MIN_ROWS, TOKEN_ROWS_16BIT_MAX_HEADS,
+                                                   TOKEN_ROWS_16BIT_MAX_ROWS, WS_BF16_MIN_HEADS, check_gluon_config,
+                                                   default_gluon_config)
 
     # bf16 rows above one 64-head block: the warp-specialised kernel at 32-token tiles x 4
     ws = default_gluon_config(128, fp8=False, rows=64)
@@ -195,6 +196,13 @@ def test_default_gluon_config_runs_where_it_is_chosen():
     # FP8 rows up to 32 heads: tokens as the MMA rows, at any batch
     assert default_gluon_config(NARROW_MAX_HEADS, fp8=True, rows=1) == MlaGluonConfig(token_rows=True)
     assert default_gluon_config(NARROW_MAX_HEADS, fp8=False, rows=64) == MlaGluonConfig()
+    # 16-bit rows up to 16 heads: tokens as the MMA rows at small batches only
+    heads16, rows16 = TOKEN_ROWS_16BIT_MAX_HEADS, TOKEN_ROWS_16BIT_MAX_ROWS
+    assert default_gluon_config(1, fp8=False, rows=1) == MlaGluonConfig(token_rows=True)
+    assert default_gluon_config(heads16, fp8=False, rows=rows16) == MlaGluonConfig(token_rows=True)
+    assert default_gluon_config(heads16, fp8=False, rows=rows16 + 1) == MlaGluonConfig()
+    assert default_gluon_config(heads16 + 1, fp8=False, rows=1) == MlaGluonConfig()
+    assert default_gluon_config(NARROW_MAX_HEADS, fp8=True, rows=rows16 + 1) == MlaGluonConfig(token_rows=True)
     # FP8 rows up to one 64-head block: the cp.async staging ring from STAGED_FP8_MIN_ROWS rows
     staged = MlaGluonConfig(64, 1, fp8_stages=1)
     assert default_gluon_config(NARROW_MAX_HEADS + 1, fp8=True, rows=STAGED_FP8_MIN_ROWS) == staged
@@ -252,6 +260,30 @@ def test_gpu_default_dispatch_stages_fp8_rows_at_64_heads(B, monkeypatch):
     assert seen == [want]
     ref = sparse_mla_decode_reference(q, packed, idx, kv_lora_rank=512, sm_scale=0.1)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_default_dispatch_runs_token_rows_over_16bit_rows_at_small_batches(dtype, monkeypatch):
+    from sparsehi.kernels import sparse_mla_gluon_launch
+    from sparsehi.kernels.sparse_mla_gluon import TOKEN_ROWS_16BIT_MAX_ROWS
+
+    # 16 heads (TOKEN_ROWS_16BIT_MAX_HEADS) over 16-bit rows: the token-rows kernel up to TOKEN_ROWS_16BIT_MAX_ROWS rows
+    # (where the fused kernel ran), the 8-warp kernel past them; each against the reference
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    seen = []
+    launch = sparse_mla_gluon_launch.launch_narrow
+    monkeypatch.setattr(sparse_mla_gluon_launch, "launch_narrow",
+                        lambda *a, **k: seen.append(a[8]) or launch(*a, **k))
+    for B, narrow in ((1, True), (TOKEN_ROWS_16BIT_MAX_ROWS, True), (TOKEN_ROWS_16BIT_MAX_ROWS + 4, False)):
+        q, kv, idx = _case(B, 16, 512, 64, 2048, 8192, dtype, seed=13 + B)
+        idx[0, 1500:] = -1
+        seen.clear()
+        out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+        assert seen == ([MlaGluonConfig(token_rows=True)] if narrow else []), B
+        ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
 
 
 def test_split_heuristic_one_wave():

@@ -16,8 +16,9 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 ``sparse_mla_decode_triton`` also runs the other two kernels by their config:
 :class:`MlaGluonConfig` (``sparse_mla_gluon``, Hopper; the default for launches of at
 least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows the warp-specialised
-kernel above 64 heads; over FP8 rows up to 32 heads the token-rows kernel at any batch)
-and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
+kernel above 64 heads; the token-rows kernel over FP8 rows up to 32 heads at any batch and
+over 16-bit rows up to 16 heads at small batches; over FP8 rows at 33-64 heads from 16
+query rows a ``cp.async`` staging ring for the FP8 producer) and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
 ``mla_fp8_latents``): the Gluon kernels have FP8 forms (by default the warp-specialised
@@ -45,8 +46,8 @@ from sparsehi.kernels.mla_fp8_latents import (FP8_TILE, dequantize_mla_latents, 
                                               load_fp8_latent_rows)
 from sparsehi.kernels.sparse_mla_common import (check_mla, fp8_row_views, index_tile, launch_split, load_rows,
                                                 mla_num_splits)
-from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, MlaGluonConfig, check_gluon_config,
-                                               default_gluon_config, gluon_ok)
+from sparsehi.kernels.sparse_mla_gluon import (MlaGluonConfig, check_gluon_config, default_gluon_config, gluon_ok,
+                                               token_rows_default)
 from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
@@ -223,8 +224,9 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     config:     :class:`MlaLaunchConfig` (fused kernel), :class:`MlaGluonConfig` (Hopper
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
                 (score GEMM + value pass); None = the Gluon kernel on Hopper for launches of
-                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks and over FP8 rows for up
-                to ``NARROW_MAX_HEADS`` heads (its config: ``default_gluon_config``), else
+                at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks and where the token-rows
+                kernel is the default (``token_rows_default``; the config:
+                ``default_gluon_config``), else
                 :func:`default_mla_config` (:func:`default_mla_fp8_config` over FP8 rows).
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
     """
@@ -239,10 +241,10 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
         indices = indices.contiguous()
     fp8 = kv.dtype == torch.uint8
     use_gluon = gluon_ok(q, Dl, Dr, kv)
-    # up to 32 heads over FP8 rows the token-rows kernel at every batch: at B=1 2.2-3.2x the fused
-    # kernel, from B=4 faster than the warp-specialised one (B=2, 3 not timed)
-    narrow_fp8 = fp8 and H <= NARROW_MAX_HEADS
-    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow_fp8):
+    # up to 32 heads the token-rows kernel over FP8 rows at every batch (at B=1 2.2-3.2x the fused
+    # kernel, from B=4 faster than the warp-specialised one) and over 16-bit rows at small batches
+    narrow = token_rows_default(H, fp8, B)
+    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow):
         config = default_gluon_config(H, fp8, B)
     if fp8:
         cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))

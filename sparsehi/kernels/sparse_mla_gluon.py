@@ -444,6 +444,13 @@ WS_BF16_MIN_HEADS = 65
 # grow with it), and the default over FP8 rows up to it: 1.33-1.41x the warp-specialised
 # kernel at 16 heads from B=16, 1.15-1.19x at 32 (H100, 2026-11-27; docs/kernels.md)
 NARROW_MAX_HEADS = 32
+# up to this many heads and query rows the default dispatch runs the token-rows kernel over
+# 16-bit rows too, where the fused kernel (under GLUON_MIN_HEAD_BLOCKS head blocks) or the
+# 8-warp kernel ran: at 16 heads 1.03-1.24x at every K from 512 to 32768 up to 4 rows (at 8
+# rows 1.14-1.23x up to K=2048 but level at K=32768); at 32 heads 0.92-1.57x, slower at 1-2
+# rows up to K=2048 (attention_mla_token_rows_16bit.json; H100, 2026-11-27)
+TOKEN_ROWS_16BIT_MAX_HEADS = 16
+TOKEN_ROWS_16BIT_MAX_ROWS = 4
 # from this many query rows, one 64-head block over FP8 rows runs the warp-specialised kernel
 # with a one-tile cp.async staging ring (64-token tiles x 1, ``fp8_stages=1``): 1.03-1.09x the
 # register-loading producer at 64 heads from B=16 (B=4 at K=8192), level with 2 query tokens,
@@ -467,16 +474,26 @@ def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warp
     return ring + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
 
 
+def token_rows_default(num_heads: int, fp8: bool, rows: int) -> bool:
+    """Whether the default dispatch runs the token-rows kernel for ``rows`` query rows of
+    ``num_heads`` heads: over FP8 rows (``fp8``) up to ``NARROW_MAX_HEADS`` heads at any
+    batch, over 16-bit rows up to ``TOKEN_ROWS_16BIT_MAX_HEADS`` heads and
+    ``TOKEN_ROWS_16BIT_MAX_ROWS`` rows."""
+    if fp8:
+        return num_heads <= NARROW_MAX_HEADS
+    return num_heads <= TOKEN_ROWS_16BIT_MAX_HEADS and rows <= TOKEN_ROWS_16BIT_MAX_ROWS
+
+
 def default_gluon_config(num_heads: int, fp8: bool, rows: int) -> MlaGluonConfig:
     """The Gluon config the default dispatch (``config=None``) runs for ``rows`` query rows
     (requests x query tokens) of ``num_heads`` heads over FP8 (``fp8``) or 16-bit rows:
-    ``MlaGluonConfig(token_rows=True)`` over FP8 rows up to ``NARROW_MAX_HEADS`` heads;
+    ``MlaGluonConfig(token_rows=True)`` where :func:`token_rows_default`;
     ``MlaGluonConfig(64, 1, fp8_stages=1)`` over FP8 rows from there to one 64-head block
     at ``STAGED_FP8_MIN_ROWS`` rows or more; ``MlaGluonConfig(32, 4, producer_warps=4)`` over
     16-bit rows from ``WS_BF16_MIN_HEADS`` heads up; else ``MlaGluonConfig()``."""
-    if fp8 and num_heads <= NARROW_MAX_HEADS:
+    if token_rows_default(num_heads, fp8, rows):
         return MlaGluonConfig(token_rows=True)
-    if fp8 and num_heads <= 64 and rows >= STAGED_FP8_MIN_ROWS:
+    if fp8 and NARROW_MAX_HEADS < num_heads <= 64 and rows >= STAGED_FP8_MIN_ROWS:
         return MlaGluonConfig(64, 1, fp8_stages=1)
     if not fp8 and num_heads >= WS_BF16_MIN_HEADS:
         return MlaGluonConfig(32, 4, producer_warps=4)

@@ -1,0 +1,61 @@
+"""Sparse MLA decode over 16-bit (bf16) latent rows at 16 and 32 query heads and small
+batches on one Hopper GPU: the token-rows Gluon kernel (``MlaGluonConfig(token_rows=True)``)
+beside what the default dispatch ran there before it took the token-rows kernel up to
+``TOKEN_ROWS_16BIT_MAX_HEADS`` heads and ``TOKEN_ROWS_16BIT_MAX_ROWS`` rows (the fused
+kernel's ``default_mla_config`` under
+``GLUON_MIN_HEAD_BLOCKS`` head blocks, the 8-warp Gluon kernel from there), DeepSeek's
+512 + 64, the rows of ``bench_attention.dsa_case``.
+
+Each row (``bench_attention.time_mla_variants``): CUDA-graph time, TFLOP/s, bytes/s and the
+fraction of the byte limit (``hbm_copy_gbps`` of the same run), and the largest difference
+from the previous default. Writes ``attention_mla_token_rows_16bit.json`` under ``--out``
+(default benchmarks/results).
+
+Usage: ``PYTHONPATH=. python benchmarks/mla_token_rows_16bit.py [--commit SHA] [--out DIR]``.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_attention import time_mla_variants
+from benchmarks.common import device_info, hbm_copy_gbps, write_result
+from hicache.triton_support import cdiv
+from sparsehi.kernels.sparse_mla_decode import GLUON_MIN_HEAD_BLOCKS, MlaGluonConfig, default_mla_config
+
+HEADS = (16, 32)
+BATCHES = (1, 2, 4, 8)
+QUERY_TOKENS = (1, 2)
+TOP_K = (512, 2048, 32768)
+
+
+def previous_default(B: int, T: int, K: int, H: int):
+    """The config the default dispatch ran over 16-bit rows before the token-rows kernel."""
+    if B * T * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS:
+        return MlaGluonConfig()
+    return default_mla_config(torch.device("cuda"), H, B * T, K)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    roof = hbm_copy_gbps()
+    rows = []
+    for H in HEADS:
+        for K in TOP_K:
+            for B in BATCHES:
+                for T in QUERY_TOKENS:
+                    variants = [("previous_default", False, previous_default(B, T, K, H)),
+                                ("token_rows", False, MlaGluonConfig(token_rows=True))]
+                    rows += time_mla_variants(B, T, K, H, variants, roof, diff_key="max_diff_vs_previous")
+                    torch.cuda.empty_cache()
+    print("wrote", write_result("attention_mla_token_rows_16bit.json", {
+        "commit": args.commit, "env": device_info(), "roofline_gbps": round(roof, 1), "rows": rows}, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
