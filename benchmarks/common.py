@@ -3,6 +3,7 @@ measured in the same run, result files.
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -134,3 +135,12 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | os.PathLike 
     path = base / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def result_parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser described by ``doc``'s first line, with ``--commit`` (the commit of
+    the kernels timed, recorded in the result) and ``--out`` (the result directory)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
+    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    return ap

@@ -13,12 +13,10 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_bf16_sweep.py [--commit SHA] [--out 
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks.bench_attention import dsa_case, mla_flops
-from benchmarks.common import cuda_time_us, device_info, write_result
+from benchmarks.common import cuda_time_us, device_info, result_parser, write_result
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode_triton
 
 HEADS = (64, 128)
@@ -54,9 +52,7 @@ def time_case(B: int, T: int, K: int, H: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
-    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap = result_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="two cases only")
     args = ap.parse_args(argv)
     rows = []

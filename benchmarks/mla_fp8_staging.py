@@ -15,10 +15,8 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_fp8_staging.py [--commit SHA] [--out
 """
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import bf16_gemm_tflops, device_info, hbm_copy_gbps, write_result
+from benchmarks.common import bf16_gemm_tflops, device_info, hbm_copy_gbps, result_parser, write_result
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 # (B, query tokens, K, heads)
@@ -34,9 +32,7 @@ VARIANTS = [("bf16_default", False, None),
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
-    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap = result_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="the first case only")
     args = ap.parse_args(argv)
     roof, gemm = hbm_copy_gbps(), bf16_gemm_tflops()

@@ -11,12 +11,10 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_producer_variants.py [--commit SHA] 
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks.bench_attention import dsa_case, kv_row_bytes, mla_bytes, mla_flops
-from benchmarks.common import cuda_time_us, device_info, write_result
+from benchmarks.common import cuda_time_us, device_info, result_parser, write_result
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig, sparse_mla_decode_triton
 
 CASES = [(64, 2048, 128), (64, 2048, 16), (16, 32768, 128), (16, 32768, 16), (128, 2048, 128)]
@@ -30,9 +28,7 @@ def variants(kv: torch.Tensor, packed: torch.Tensor) -> list[tuple[str, torch.Te
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
-    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap = result_parser(__doc__)
     args = ap.parse_args(argv)
     rows = []
     for B, K, H in CASES:

@@ -7,19 +7,17 @@ warp-specialised kernel, ``MlaGluonConfig()``) and bf16 rows (the 8-warp kernel,
 Each row (``bench_attention.time_mla_variants``): CUDA-graph time of each kernel in the
 same process, TFLOP/s, bytes/s (656 bytes a token for FP8 rows, 1152 for bf16) and the
 fraction of the byte limit (``hbm_copy_gbps`` of the same run), and the largest difference
-of each kernel from the bf16 8-warp one over the same values. Writes ``attention_mla_token_rows.json`` under ``--out`` (default
-benchmarks/results).
+of each kernel from the bf16 8-warp one over the same values. Writes
+``attention_mla_token_rows.json`` under ``--out`` (default benchmarks/results).
 
 Usage: ``PYTHONPATH=. python benchmarks/mla_token_rows.py [--commit SHA] [--out DIR]``.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import device_info, hbm_copy_gbps, write_result
+from benchmarks.common import device_info, hbm_copy_gbps, result_parser, write_result
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 # (B, query tokens, K) at 16 heads; the 32-head rows take the first three
@@ -31,9 +29,7 @@ VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)),
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
-    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap = result_parser(__doc__)
     args = ap.parse_args(argv)
     roof = hbm_copy_gbps()
     rows = []

@@ -15,12 +15,10 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_token_rows_16bit.py [--commit SHA] [
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import device_info, hbm_copy_gbps, write_result
+from benchmarks.common import device_info, hbm_copy_gbps, result_parser, write_result
 from hicache.triton_support import cdiv
 from sparsehi.kernels.sparse_mla_decode import GLUON_MIN_HEAD_BLOCKS, MlaGluonConfig, default_mla_config
 
@@ -38,9 +36,7 @@ def previous_default(B: int, T: int, K: int, H: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--commit", default=None, help="commit of the kernels timed (recorded)")
-    ap.add_argument("--out", default=None, help="result directory (default benchmarks/results)")
+    ap = result_parser(__doc__)
     args = ap.parse_args(argv)
     roof = hbm_copy_gbps()
     rows = []
