@@ -18,7 +18,8 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows the warp-specialised
 kernel above 64 heads; the token-rows kernel over FP8 rows up to 32 heads at any batch and
 over 16-bit rows up to 16 heads at small batches; over FP8 rows at 33-64 heads from 16
-query rows a ``cp.async`` staging ring for the FP8 producer) and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
+query rows a ``cp.async`` staging ring for the FP8 producer) and :class:`MlaTwoPassConfig`
+(``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
 ``mla_fp8_latents``): the Gluon kernels have FP8 forms (by default the warp-specialised

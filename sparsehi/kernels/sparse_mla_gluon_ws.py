@@ -93,6 +93,15 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         async_copy.commit_group()
 
     @gluon.jit
+    def _gl_staged_rows(idx_row, start, end, t, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N: gl.constexpr):
+        """Tile ``t``'s slots (:func:`_gl_rows`) in the layouts of its three staging copies:
+        the E4M3 bytes (``offs_n8``), the rope values (``offs_nr``) and the scales
+        (``offs_ns``)."""
+        return (_gl_rows(idx_row, start, end, t, num_slots, offs_n8, BLOCK_N),
+                _gl_rows(idx_row, start, end, t, num_slots, offs_nr, BLOCK_N),
+                _gl_rows(idx_row, start, end, t, num_slots, offs_ns, BLOCK_N))
+
+    @gluon.jit
     def _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                  stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT: gl.constexpr,
                                  D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr):
@@ -117,13 +126,10 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         offs_ns = gl.arange(0, BLOCK_N, layout=lsc)
         row: gl.constexpr = gl.SliceLayout(1, ld8)
         for s in gl.static_range(STAGES):
-            _gl_stage_fp8_tile(KV, Scales, Rope, _gl_rows(idx_row, start, end, s, num_slots, offs_n8, BLOCK_N),
-                               _gl_rows(idx_row, start, end, s, num_slots, offs_nr, BLOCK_N),
-                               _gl_rows(idx_row, start, end, s, num_slots, offs_ns, BLOCK_N), stride_kvn, stride_sn,
-                               stride_rn, raw8.index(s), raw_sc, raw_pe.index(s), s * NSC, offs_d8, offs_cr, NSC)
-        r8 = _gl_rows(idx_row, start, end, STAGES, num_slots, offs_n8, BLOCK_N)
-        rp = _gl_rows(idx_row, start, end, STAGES, num_slots, offs_nr, BLOCK_N)
-        rs = _gl_rows(idx_row, start, end, STAGES, num_slots, offs_ns, BLOCK_N)
+            r8, rp, rs = _gl_staged_rows(idx_row, start, end, s, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N)
+            _gl_stage_fp8_tile(KV, Scales, Rope, r8, rp, rs, stride_kvn, stride_sn, stride_rn, raw8.index(s), raw_sc,
+                               raw_pe.index(s), s * NSC, offs_d8, offs_cr, NSC)
+        r8, rp, rs = _gl_staged_rows(idx_row, start, end, STAGES, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N)
         for t in range(n_tiles):
             stage = t % STAGES
             slot = t % NUM_BUF
@@ -141,9 +147,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             mbarrier.arrive(ready.index(slot), count=1)
             _gl_stage_fp8_tile(KV, Scales, Rope, r8, rp, rs, stride_kvn, stride_sn, stride_rn, raw, raw_sc,
                                raw_pe.index(stage), stage * NSC, offs_d8, offs_cr, NSC)
-            r8 = _gl_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_n8, BLOCK_N)
-            rp = _gl_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_nr, BLOCK_N)
-            rs = _gl_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_ns, BLOCK_N)
+            r8, rp, rs = _gl_staged_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_n8, offs_nr, offs_ns,
+                                         BLOCK_N)
         async_copy.wait_group(0)
 
     @gluon.jit
@@ -221,9 +226,11 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr,
                                FP8: gl.constexpr, raw8, raw_sc, raw_pe, FP8_STAGES: gl.constexpr):
         """The producer warps for the rows' format: over FP8 rows (``FP8``)
-        :func:`_gl_fp8_scale_partition` for tiles ``FIRST, FIRST + STEP, ..``, over 16-bit
-        rows :func:`_gl_gather_partition` for every tile (``Scales``, ``Rope`` and their
-        strides unread, ``FIRST`` 0 and ``STEP`` 1)."""
+        :func:`_gl_fp8_scale_partition` for tiles ``FIRST, FIRST + STEP, ..``, or with
+        ``FP8_STAGES`` > 0 :func:`_gl_fp8_staged_partition` (every tile, through the staging
+        ring ``raw8`` / ``raw_sc`` / ``raw_pe``, unread otherwise); over 16-bit rows
+        :func:`_gl_gather_partition` for every tile (``Scales``, ``Rope`` and their strides
+        unread, ``FIRST`` 0 and ``STEP`` 1)."""
         if FP8 and FP8_STAGES > 0:
             _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                      stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT, D_ROPE, BLOCK_N,
@@ -346,8 +353,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         thread) fill a free slot with a tile: over FP8 rows (``FP8``,
         :func:`_gl_fp8_scale_partition`) they load the rows' bytes into registers and scale
         them into the slot (with ``FP8_STAGES`` > 0, :func:`_gl_fp8_staged_partition`, from a
-        ``cp.async`` staging ring of that depth), over 16-bit rows (:func:`_gl_gather_partition`) they gather the
-        rows by ``cp.async``. The score warpgroup (the kernel's 4 warps,
+        ``cp.async`` staging ring of that depth), over 16-bit rows
+        (:func:`_gl_gather_partition`) they gather the rows by ``cp.async``. The score warpgroup (the kernel's 4 warps,
         :func:`_gl_softmax_partition`) runs the score MMA, the softmax and the left half of
         the value MMA; the value warpgroup (:func:`_gl_value_partition`, ``VALUE_REGS``) the
         right half. Slots pass through mbarriers ``ready`` (producer -> both) and ``empty``
