@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
-from hicache.kv_spec import fp8_latent_row_bytes
 from hicache.triton_support import interpreter_enabled
 from sparsehi.kernels.flash_decoding import fail
+from sparsehi.kernels.mla_fp8_latents import fp8_row_bytes
 
 
 @dataclass(frozen=True)
@@ -469,7 +469,7 @@ def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warp
     with). ``fp8_stages`` staging slots of raw FP8 rows (bytes, scales, rope) come on top.
     """
     if producer_warps:
-        ring = num_buf * block_n * 2 * (Dl + Dr) + fp8_stages * block_n * fp8_latent_row_bytes(Dl, Dr)
+        ring = num_buf * block_n * 2 * (Dl + Dr) + (fp8_stages * block_n * fp8_row_bytes(Dl, Dr) if fp8_stages else 0)
     else:
         ring = num_buf * block_n * (Dl + 2 * Dr) + 2 * block_n * Dl
     return ring + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
