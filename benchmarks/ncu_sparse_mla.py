@@ -9,15 +9,18 @@ the DRAM / SM / L1 / L2 throughput as fractions of their peaks, the warp cycles 
 instruction and the largest stall reasons (warps stalled per issue, by reason); written to
 ``attention_mla_ncu.json`` with the device and date.
 
-Usage (on the GPU machine): ``PYTHONPATH=. python benchmarks/ncu_sparse_mla.py [--out DIR]``
+Usage (on the GPU machine): ``PYTHONPATH=. python benchmarks/ncu_sparse_mla.py [--variants V,..]
+[--commit SHA] [--out DIR]``
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import io
+import json
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -28,10 +31,14 @@ from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_fp8_
 
 B, K, DL, DR = 64, 2048, 512, 64
 KINDS = ("bf16_gluon", "fp8_gluon", "fp8_gluon_8warp", "fp8_fused")
+NARROW_KINDS = ("bf16_token_rows", "fp8_token_rows")
 VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in KINDS}
-# fp8_gluon: the default over FP8 rows (warp-specialised); fp8_gluon_8warp: producer_warps=0
+VARIANTS.update({f"{kind}_h16": (kind, 16) for kind in NARROW_KINDS})
+# fp8_gluon: the warp-specialised kernel over FP8 rows; fp8_gluon_8warp: producer_warps=0;
+# *_token_rows: the token-rows kernel (at 16 heads the default over FP8 rows)
 KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_ws_kernel",
-           "fp8_gluon_8warp": "_mla_gluon_fp8_kernel", "fp8_fused": "_mla_stage1"}
+           "fp8_gluon_8warp": "_mla_gluon_fp8_kernel", "fp8_fused": "_mla_stage1",
+           "bf16_token_rows": "_mla_gluon_narrow_kernel", "fp8_token_rows": "_mla_gluon_narrow_kernel"}
 KEEP = {
     "Duration": "duration_us",
     "Achieved Occupancy": "achieved_occupancy_pct",
@@ -63,6 +70,8 @@ def launch(variant: str) -> None:
     idx = torch.stack([torch.randperm(span, device="cuda", generator=g)[:K] + r * span for r in range(B)]).int()
     buf, cfg = {"bf16_gluon": (kv, MlaGluonConfig()), "fp8_gluon": (packed, MlaGluonConfig()),
                 "fp8_gluon_8warp": (packed, MlaGluonConfig(producer_warps=0)),
+                "bf16_token_rows": (kv, MlaGluonConfig(token_rows=True)),
+                "fp8_token_rows": (packed, MlaGluonConfig(token_rows=True)),
                 "fp8_fused": (packed, default_mla_fp8_config(q.device, heads, B))}[kind]
     sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
     torch.cuda.synchronize()
@@ -108,6 +117,16 @@ def _profile(variant: str, stalls: bool) -> dict:
     return got
 
 
+def kept_rows(path: Path, chosen: list[str]) -> list[dict]:
+    """The rows of the result file ``path`` for variants not in ``chosen``, each with the
+    file's date where it has none of its own."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [{"date": old.get("date"), **r} for r in old.get("rows", []) if r.get("variant") not in chosen]
+
+
 def _csv_part(text: str) -> str:
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), len(lines))
@@ -125,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--launch", choices=sorted(VARIANTS), help="(inside ncu) launch one variant")
     ap.add_argument("--twice", action="store_true", help="(inside ncu) compile with a first launch")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variants to profile (default all); the committed file's rows of the "
+                         "others are kept, with their date")
+    ap.add_argument("--commit", default=None, help="the commit profiled, recorded in each new row")
     ap.add_argument("--out", default=None, help="result dir (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.launch:
@@ -133,9 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("the Gluon kernels profiled here need a Hopper GPU (sm_90)")
-    rows = [profile(v) for v in VARIANTS]
+    chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    rows = [{**profile(v), "commit": args.commit, "date": date.today().isoformat()} for v in chosen]
     for r in rows:
         print(r)
+    if args.variants:
+        rows = kept_rows(RESULTS_DIR / "attention_mla_ncu.json", chosen) + rows
     out = write_result("attention_mla_ncu.json", {
         "device": torch.cuda.get_device_name(), "what": __doc__.split("\n\n")[1].replace("\n", " "),
         "rows": rows}, Path(args.out or RESULTS_DIR))
