@@ -1,10 +1,11 @@
 """Sparse MLA decode over 16-bit (bf16) latent rows at 16 and 32 query heads and small
-batches on one Hopper GPU: the token-rows Gluon kernel (``MlaGluonConfig(token_rows=True)``)
-beside what the default dispatch ran there before it took the token-rows kernel up to
-``TOKEN_ROWS_16BIT_MAX_HEADS`` heads and ``TOKEN_ROWS_16BIT_MAX_ROWS`` rows (the fused
-kernel's ``default_mla_config`` under
-``GLUON_MIN_HEAD_BLOCKS`` head blocks, the 8-warp Gluon kernel from there), DeepSeek's
-512 + 64, the rows of ``bench_attention.dsa_case``.
+batches on one Hopper GPU: the token-rows Gluon kernel with one MMA warpgroup
+(``MlaGluonConfig(token_rows=True, mma_groups=1)``) beside what the default dispatch ran
+there before it took the token-rows kernel up to 16 heads and 4 query rows, 2026-11-27 (the
+fused kernel's ``default_mla_config`` under ``GLUON_MIN_HEAD_BLOCKS`` head blocks, the
+8-warp Gluon kernel from there), DeepSeek's 512 + 64, the rows of
+``bench_attention.dsa_case``. (The dispatch has since taken the token-rows kernel at every
+batch up to 16 heads, with two MMA warpgroups on long splits: ``mla_two_mma.py``.)
 
 Each row (``bench_attention.time_mla_variants``): CUDA-graph time, TFLOP/s, bytes/s and the
 fraction of the byte limit (``hbm_copy_gbps`` of the same run), and the largest difference
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             for B in BATCHES:
                 for T in QUERY_TOKENS:
                     variants = [("previous_default", False, previous_default(B, T, K, H)),
-                                ("token_rows", False, MlaGluonConfig(token_rows=True))]
+                                ("token_rows", False, MlaGluonConfig(token_rows=True, mma_groups=1))]
                     rows += time_mla_variants(B, T, K, H, variants, roof, diff_key="max_diff_vs_previous")
                     torch.cuda.empty_cache()
     print("wrote", write_result("attention_mla_token_rows_16bit.json", {

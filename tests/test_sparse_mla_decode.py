@@ -185,8 +185,7 @@ def test_default_config_stages_follow_loop_length(monkeypatch):
 
 def test_default_gluon_config_runs_where_it_is_chosen():
     from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, STAGED_FP8_MIN_ROWS, TOKEN_ROWS_16BIT_MAX_HEADS,
-                                                   TOKEN_ROWS_16BIT_MAX_ROWS, WS_BF16_MIN_HEADS, check_gluon_config,
-                                                   default_gluon_config)
+                                                   WS_BF16_MIN_HEADS, check_gluon_config, default_gluon_config)
 
     # bf16 rows above one 64-head block: the warp-specialised kernel at 32-token tiles x 4
     ws = default_gluon_config(128, fp8=False, rows=64)
@@ -195,14 +194,14 @@ def test_default_gluon_config_runs_where_it_is_chosen():
     assert default_gluon_config(128, fp8=True, rows=64) == MlaGluonConfig()
     # FP8 rows up to 32 heads: tokens as the MMA rows, at any batch
     assert default_gluon_config(NARROW_MAX_HEADS, fp8=True, rows=1) == MlaGluonConfig(token_rows=True)
+    assert default_gluon_config(NARROW_MAX_HEADS, fp8=True, rows=128) == MlaGluonConfig(token_rows=True)
     assert default_gluon_config(NARROW_MAX_HEADS, fp8=False, rows=64) == MlaGluonConfig()
-    # 16-bit rows up to 16 heads: tokens as the MMA rows at small batches only
-    heads16, rows16 = TOKEN_ROWS_16BIT_MAX_HEADS, TOKEN_ROWS_16BIT_MAX_ROWS
-    assert default_gluon_config(1, fp8=False, rows=1) == MlaGluonConfig(token_rows=True)
-    assert default_gluon_config(heads16, fp8=False, rows=rows16) == MlaGluonConfig(token_rows=True)
-    assert default_gluon_config(heads16, fp8=False, rows=rows16 + 1) == MlaGluonConfig()
-    assert default_gluon_config(heads16 + 1, fp8=False, rows=1) == MlaGluonConfig()
-    assert default_gluon_config(NARROW_MAX_HEADS, fp8=True, rows=rows16 + 1) == MlaGluonConfig(token_rows=True)
+    # 16-bit rows up to 16 heads: tokens as the MMA rows, at any batch too
+    heads16 = TOKEN_ROWS_16BIT_MAX_HEADS
+    for rows in (1, 4, 5, 64, 256):
+        assert default_gluon_config(1, fp8=False, rows=rows) == MlaGluonConfig(token_rows=True)
+        assert default_gluon_config(heads16, fp8=False, rows=rows) == MlaGluonConfig(token_rows=True)
+        assert default_gluon_config(heads16 + 1, fp8=False, rows=rows) == MlaGluonConfig()
     # FP8 rows up to one 64-head block: the cp.async staging ring from STAGED_FP8_MIN_ROWS rows
     staged = MlaGluonConfig(64, 1, fp8_stages=1)
     assert default_gluon_config(NARROW_MAX_HEADS + 1, fp8=True, rows=STAGED_FP8_MIN_ROWS) == staged
@@ -215,6 +214,39 @@ def test_default_gluon_config_runs_where_it_is_chosen():
             for rows in (1, STAGED_FP8_MIN_ROWS):
                 cfg = default_gluon_config(heads, fp8, rows)
                 check_gluon_config(cfg, 512, 64, fp8, heads)   # no ValueError: it fits
+
+
+def test_token_rows_mma_groups_by_shape():
+    from sparsehi.kernels.sparse_mla_gluon import TWO_MMA_MAX_HEADS, TWO_MMA_MIN_TOKENS, token_rows_mma_groups
+
+    auto = MlaGluonConfig(token_rows=True)
+    # 16-bit rows at up to 16-head blocks: two MMA warpgroups from TWO_MMA_MIN_TOKENS indices a program
+    assert token_rows_mma_groups(auto, False, TWO_MMA_MAX_HEADS, TWO_MMA_MIN_TOKENS) == 2
+    assert token_rows_mma_groups(auto, False, TWO_MMA_MAX_HEADS, 4096) == 2
+    assert token_rows_mma_groups(auto, False, TWO_MMA_MAX_HEADS, TWO_MMA_MIN_TOKENS - 1) == 1
+    assert token_rows_mma_groups(auto, False, 32, 4096) == 1
+    assert token_rows_mma_groups(auto, True, 16, 4096) == 1            # FP8 rows keep one
+    # a config's own choice stands
+    assert token_rows_mma_groups(MlaGluonConfig(token_rows=True, mma_groups=1), False, 16, 4096) == 1
+    assert token_rows_mma_groups(MlaGluonConfig(token_rows=True, mma_groups=2), False, 16, 64) == 2
+
+
+def test_check_gluon_config_refuses_mma_groups_it_cannot_run():
+    from sparsehi.kernels.sparse_mla_gluon import check_gluon_config
+
+    for cfg, fp8, heads in ((MlaGluonConfig(mma_groups=2), False, 16), (MlaGluonConfig(mma_groups=1), False, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=3), False, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=0), False, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=True), False, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=2.0), False, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=2), True, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=2), False, 32)):
+        with pytest.raises(ValueError, match="config must be an MlaGluonConfig with mma_groups None, or 1 or 2"):
+            check_gluon_config(cfg, 512, 64, fp8, heads)
+    for cfg, fp8, heads in ((MlaGluonConfig(token_rows=True, mma_groups=2), False, 16),
+                            (MlaGluonConfig(token_rows=True, mma_groups=2), False, 1),
+                            (MlaGluonConfig(token_rows=True, mma_groups=1), True, 32)):
+        check_gluon_config(cfg, 512, 64, fp8, heads)
 
 
 @pytest.mark.gpu
@@ -264,26 +296,33 @@ def test_gpu_default_dispatch_stages_fp8_rows_at_64_heads(B, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_default_dispatch_runs_token_rows_over_16bit_rows_at_small_batches(dtype, monkeypatch):
-    from sparsehi.kernels import sparse_mla_gluon_launch
-    from sparsehi.kernels.sparse_mla_gluon import TOKEN_ROWS_16BIT_MAX_ROWS
+def test_gpu_default_dispatch_runs_token_rows_over_16bit_rows_at_16_heads(dtype, monkeypatch):
+    from sparsehi.kernels import sparse_mla_gluon_launch, sparse_mla_gluon_narrow
+    from sparsehi.kernels.sparse_mla_gluon import TWO_MMA_MIN_TOKENS
 
-    # 16 heads (TOKEN_ROWS_16BIT_MAX_HEADS) over 16-bit rows: the token-rows kernel up to TOKEN_ROWS_16BIT_MAX_ROWS rows
-    # (where the fused kernel ran), the 8-warp kernel past them; each against the reference
+    # 16 heads (TOKEN_ROWS_16BIT_MAX_HEADS) over 16-bit rows: the token-rows kernel at every
+    # batch, with two MMA warpgroups where a program walks TWO_MMA_MIN_TOKENS indices or more;
+    # each output against the reference
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is Hopper's")
-    seen = []
+    seen, groups = [], []
     launch = sparse_mla_gluon_launch.launch_narrow
     monkeypatch.setattr(sparse_mla_gluon_launch, "launch_narrow",
-                        lambda *a, **k: seen.append(a[8]) or launch(*a, **k))
-    for B, narrow in ((1, True), (TOKEN_ROWS_16BIT_MAX_ROWS, True), (TOKEN_ROWS_16BIT_MAX_ROWS + 4, False)):
-        q, kv, idx = _case(B, 16, 512, 64, 2048, 8192, dtype, seed=13 + B)
-        idx[0, 1500:] = -1
+                        lambda *a, **k: seen.append((a[8], a[6])) or launch(*a, **k))
+    split = sparse_mla_gluon_narrow.launch_split
+    monkeypatch.setattr(sparse_mla_gluon_narrow, "launch_split",
+                        lambda *a, **k: groups.append(k["MMA_GROUPS"]) or split(*a, **k))
+    for B, K in ((1, 2048), (4, 2048), (8, 8192), (64, 2048)):
+        q, kv, idx = _case(B, 16, 512, 64, K, 4 * K, dtype, seed=13 + B)
+        idx[0, K - 500:] = -1
         seen.clear()
+        groups.clear()
         out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
-        assert seen == ([MlaGluonConfig(token_rows=True)] if narrow else []), B
+        assert [cfg for cfg, _ in seen] == [MlaGluonConfig(token_rows=True)], B
+        assert groups == [2 if seen[0][1] >= TWO_MMA_MIN_TOKENS else 1], (B, seen)
         ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+    assert groups == [2]          # B=64, K=2048: two splits of 1024 indices
 
 
 def test_split_heuristic_one_wave():

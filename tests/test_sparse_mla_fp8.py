@@ -333,6 +333,9 @@ def test_fp8_gluon_config_it_cannot_run_is_refused_everywhere(monkeypatch, caplo
                 MlaGluonConfig(fp8_stages=1, producer_warps=0), MlaGluonConfig(fp8_stages=1, token_rows=True)):
         with pytest.raises(ValueError, match="config must be an MlaGluonConfig without late_issue"):
             sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
+    with pytest.raises(ValueError, match="mma_groups None, or 1 or 2 with token_rows"):   # 16-bit rows only
+        sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1,
+                                 config=MlaGluonConfig(token_rows=True, mma_groups=2))
     wide_q = torch.cat([q] * 4, dim=1)          # 64 heads: past the token-rows kernel's 32
     with pytest.raises(ValueError, match="token_rows only for up to 32 query heads"):
         sparse_mla_decode_triton(wide_q, packed, idx, kv_lora_rank=512, sm_scale=0.1,
@@ -425,9 +428,14 @@ def test_gpu_token_rows_kernel_fp8_and_bf16_rows(H, T, K, B):
     ref = _reference(q, packed, minus, 512, 192 ** -0.5).float()
     kv = dequantize_mla_latents(packed, 512).bfloat16()
     kv[0] = float("nan")
+    # over 16-bit rows at 16-head blocks also two MMA warpgroups on alternate tiles, split and unsplit
+    two = ((kv, MlaGluonConfig(token_rows=True, mma_groups=2)),
+           (kv, MlaGluonConfig(num_splits=1, token_rows=True, mma_groups=2)),
+           (kv, MlaGluonConfig(num_splits=3, token_rows=True, mma_groups=2)),
+           (kv, MlaGluonConfig(num_splits=1, token_rows=True, mma_groups=1))) if H <= 16 else ()
     for buf, cfg in ((packed, MlaGluonConfig(token_rows=True)), (packed, MlaGluonConfig(num_splits=4, token_rows=True)),
                      (packed, MlaGluonConfig(num_splits=1, token_rows=True)), (packed, None),
-                     (kv, MlaGluonConfig(token_rows=True)), (kv, MlaGluonConfig(num_splits=3, token_rows=True))):
+                     (kv, MlaGluonConfig(token_rows=True)), (kv, MlaGluonConfig(num_splits=3, token_rows=True)), *two):
         out = sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=512, sm_scale=192 ** -0.5, config=cfg)
         torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16), msg=lambda m: f"{buf.dtype} {cfg}: {m}")
         if B * T > 2:

@@ -243,8 +243,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     fp8 = kv.dtype == torch.uint8
     use_gluon = gluon_ok(q, Dl, Dr, kv)
     # up to 32 heads the token-rows kernel over FP8 rows at every batch (at B=1 2.2-3.2x the fused
-    # kernel, from B=4 faster than the warp-specialised one) and over 16-bit rows at small batches
-    narrow = token_rows_default(H, fp8, B)
+    # kernel, from B=4 faster than the warp-specialised one), up to 16 over 16-bit rows
+    narrow = token_rows_default(H, fp8)
     if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow):
         config = default_gluon_config(H, fp8, B)
     if fp8:

@@ -50,6 +50,10 @@ class MlaGluonConfig:
     each tile's rows into registers; ``n > 0`` gives them an ``n``-deep ``cp.async`` staging
     ring of raw rows in shared memory, so up to ``n`` tiles of loads fly while they scale one
     (unread over 16-bit rows; a ValueError with ``token_rows`` or without producer warps).
+    ``mma_groups`` (the token-rows kernel over 16-bit rows): 2 splits each program's tiles
+    between two MMA warpgroups (even and odd tiles, each with its own online softmax, merged at
+    the end), 1 keeps one; None: :func:`token_rows_mma_groups` by the shape (2 only at up to
+    ``TWO_MMA_MAX_HEADS`` heads a block).
     """
 
     block_n: int = 64
@@ -59,6 +63,7 @@ class MlaGluonConfig:
     producer_warps: Optional[int] = None
     token_rows: bool = False
     fp8_stages: int = 0
+    mma_groups: Optional[int] = None
 
 
 try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
@@ -445,13 +450,19 @@ WS_BF16_MIN_HEADS = 65
 # grow with it), and the default over FP8 rows up to it: 1.33-1.41x the warp-specialised
 # kernel at 16 heads from B=16, 1.15-1.19x at 32 (H100, 2026-11-27; docs/kernels.md)
 NARROW_MAX_HEADS = 32
-# up to this many heads and query rows the default dispatch runs the token-rows kernel over
-# 16-bit rows too, where the fused kernel (under GLUON_MIN_HEAD_BLOCKS head blocks) or the
-# 8-warp kernel ran: at 16 heads 1.03-1.24x at every K from 512 to 32768 up to 4 rows (at 8
-# rows 1.14-1.23x up to K=2048 but level at K=32768); at 32 heads 0.92-1.57x, slower at 1-2
-# rows up to K=2048 (attention_mla_token_rows_16bit.json; H100, 2026-11-27)
+# up to this many heads the default dispatch runs the token-rows kernel over 16-bit rows too,
+# at every batch: at 16 heads 1.03-1.24x the fused or 8-warp kernel up to 4 query rows
+# (attention_mla_token_rows_16bit.json) and, with two MMA warpgroups where a program walks
+# TWO_MMA_MIN_TOKENS indices or more, 1.04-1.09x the 8-warp kernel from 8 rows
+# (attention_mla_two_mma.json); at 32 heads 0.93-0.98x at large batches, so not there
+# (H100, 2026-11-27)
 TOKEN_ROWS_16BIT_MAX_HEADS = 16
-TOKEN_ROWS_16BIT_MAX_ROWS = 4
+# the token-rows kernel over 16-bit rows splits a program's tiles between two MMA warpgroups
+# from this many indices a program (8 tiles) at up to TWO_MMA_MAX_HEADS heads a block (at 32
+# the merge buffer does not fit): 1.04-1.27x one warpgroup from 512 indices, 0.89-0.97x at
+# 128-256 (attention_mla_two_mma.json)
+TWO_MMA_MIN_TOKENS = 512
+TWO_MMA_MAX_HEADS = 16
 # from this many query rows, one 64-head block over FP8 rows runs the warp-specialised kernel
 # with a one-tile cp.async staging ring (64-token tiles x 1, ``fp8_stages=1``): 1.03-1.09x the
 # register-loading producer at 64 heads from B=16 (B=4 at K=8192), level with 2 query tokens,
@@ -475,14 +486,21 @@ def gluon_smem_bytes(block_n: int, num_buf: int, Dl: int, Dr: int, producer_warp
     return ring + 2 * 64 * block_n + 2 * 64 * (Dl + Dr)
 
 
-def token_rows_default(num_heads: int, fp8: bool, rows: int) -> bool:
-    """Whether the default dispatch runs the token-rows kernel for ``rows`` query rows of
-    ``num_heads`` heads: over FP8 rows (``fp8``) up to ``NARROW_MAX_HEADS`` heads at any
-    batch, over 16-bit rows up to ``TOKEN_ROWS_16BIT_MAX_HEADS`` heads and
-    ``TOKEN_ROWS_16BIT_MAX_ROWS`` rows."""
-    if fp8:
-        return num_heads <= NARROW_MAX_HEADS
-    return num_heads <= TOKEN_ROWS_16BIT_MAX_HEADS and rows <= TOKEN_ROWS_16BIT_MAX_ROWS
+def token_rows_default(num_heads: int, fp8: bool) -> bool:
+    """Whether the default dispatch runs the token-rows kernel for ``num_heads`` heads: over
+    FP8 rows (``fp8``) up to ``NARROW_MAX_HEADS`` heads, over 16-bit rows up to
+    ``TOKEN_ROWS_16BIT_MAX_HEADS``, at any batch."""
+    return num_heads <= (NARROW_MAX_HEADS if fp8 else TOKEN_ROWS_16BIT_MAX_HEADS)
+
+
+def token_rows_mma_groups(cfg: MlaGluonConfig, fp8: bool, block_h: int, tokens_per_split: int) -> int:
+    """MMA warpgroups of a token-rows launch of ``cfg`` with ``block_h`` heads a program, each
+    program walking up to ``tokens_per_split`` indices: ``cfg.mma_groups`` where set, else 2
+    over 16-bit rows at up to ``TWO_MMA_MAX_HEADS`` heads a block from ``TWO_MMA_MIN_TOKENS``
+    indices a program, 1 otherwise."""
+    if cfg.mma_groups is not None:
+        return cfg.mma_groups
+    return 2 if not fp8 and block_h <= TWO_MMA_MAX_HEADS and tokens_per_split >= TWO_MMA_MIN_TOKENS else 1
 
 
 def default_gluon_config(num_heads: int, fp8: bool, rows: int) -> MlaGluonConfig:
@@ -492,7 +510,7 @@ def default_gluon_config(num_heads: int, fp8: bool, rows: int) -> MlaGluonConfig
     ``MlaGluonConfig(64, 1, fp8_stages=1)`` over FP8 rows from there to one 64-head block
     at ``STAGED_FP8_MIN_ROWS`` rows or more; ``MlaGluonConfig(32, 4, producer_warps=4)`` over
     16-bit rows from ``WS_BF16_MIN_HEADS`` heads up; else ``MlaGluonConfig()``."""
-    if token_rows_default(num_heads, fp8, rows):
+    if token_rows_default(num_heads, fp8):
         return MlaGluonConfig(token_rows=True)
     if fp8 and NARROW_MAX_HEADS < num_heads <= 64 and rows >= STAGED_FP8_MIN_ROWS:
         return MlaGluonConfig(64, 1, fp8_stages=1)
@@ -515,10 +533,17 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
     rows at least 2 slots (the gather of tile t+1 is issued before tile t is handed over). The
     8-warp kernel over 16-bit rows has no such limits. ``token_rows`` needs producer warps,
     64-token tiles x 2 (its two FP8 producers take alternate slots) and at most
-    ``NARROW_MAX_HEADS`` heads (``num_heads``)."""
+    ``NARROW_MAX_HEADS`` heads (``num_heads``); ``mma_groups`` is None, or 1 or 2 with
+    ``token_rows``, 2 only over 16-bit rows at up to ``TWO_MMA_MAX_HEADS`` heads."""
     if cfg.token_rows and num_heads > NARROW_MAX_HEADS:
         fail("config", f"an MlaGluonConfig with token_rows only for up to {NARROW_MAX_HEADS} query heads",
              (cfg, num_heads))
+    if cfg.mma_groups is not None and (
+            not isinstance(cfg.mma_groups, int) or isinstance(cfg.mma_groups, bool) or cfg.mma_groups not in (1, 2)
+            or not cfg.token_rows
+            or (cfg.mma_groups == 2 and (fp8 or num_heads > TWO_MMA_MAX_HEADS))):
+        fail("config", f"an MlaGluonConfig with mma_groups None, or 1 or 2 with token_rows (2 only over 16-bit rows "
+             f"at up to {TWO_MMA_MAX_HEADS} query heads)", (cfg, num_heads, "fp8" if fp8 else "16-bit"))
     warps = producer_warps(cfg, fp8)
     if not (fp8 or warps):
         return
