@@ -32,13 +32,17 @@ from sparsehi.kernels.sparse_mla_decode import (MlaGluonConfig, default_mla_fp8_
 B, K, DL, DR = 64, 2048, 512, 64
 KINDS = ("bf16_gluon", "fp8_gluon", "fp8_gluon_8warp", "fp8_fused")
 NARROW_KINDS = ("bf16_token_rows", "fp8_token_rows")
-VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in KINDS}
+DEFAULT_KINDS = ("bf16_default", "fp8_default")
+VARIANTS = {f"{kind}_h{h}": (kind, h) for h in (128, 16) for kind in KINDS + DEFAULT_KINDS}
 VARIANTS.update({f"{kind}_h16": (kind, 16) for kind in NARROW_KINDS})
-# fp8_gluon: the warp-specialised kernel over FP8 rows; fp8_gluon_8warp: producer_warps=0;
-# *_token_rows: the token-rows kernel (at 16 heads the default over FP8 rows)
+# bf16_gluon: the 8-warp kernel over bf16 rows; fp8_gluon: the warp-specialised kernel over
+# FP8 rows; fp8_gluon_8warp: producer_warps=0; *_token_rows: the token-rows kernel (by shape
+# one or two MMA warpgroups); *_default: what the default dispatch (config=None) runs
 KERNELS = {"bf16_gluon": "_mla_gluon_kernel", "fp8_gluon": "_mla_gluon_ws_kernel",
            "fp8_gluon_8warp": "_mla_gluon_fp8_kernel", "fp8_fused": "_mla_stage1",
            "bf16_token_rows": "_mla_gluon_narrow_kernel", "fp8_token_rows": "_mla_gluon_narrow_kernel"}
+DEFAULT_KERNELS = {("bf16_default", 128): "_mla_gluon_ws_kernel", ("bf16_default", 16): "_mla_gluon_narrow_kernel",
+                   ("fp8_default", 128): "_mla_gluon_ws_kernel", ("fp8_default", 16): "_mla_gluon_narrow_kernel"}
 KEEP = {
     "Duration": "duration_us",
     "Achieved Occupancy": "achieved_occupancy_pct",
@@ -72,6 +76,7 @@ def launch(variant: str) -> None:
                 "fp8_gluon_8warp": (packed, MlaGluonConfig(producer_warps=0)),
                 "bf16_token_rows": (kv, MlaGluonConfig(token_rows=True)),
                 "fp8_token_rows": (packed, MlaGluonConfig(token_rows=True)),
+                "bf16_default": (kv, None), "fp8_default": (packed, None),
                 "fp8_fused": (packed, default_mla_fp8_config(q.device, heads, B))}[kind]
     sparse_mla_decode_triton(q, buf, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
     torch.cuda.synchronize()
@@ -86,7 +91,8 @@ def profile(variant: str) -> dict:
 
 def _profile(variant: str, stalls: bool) -> dict:
     """One ncu run over ``variant``: its kept metrics, or an ``error`` with ncu's last output."""
-    kernel = KERNELS[VARIANTS[variant][0]]
+    kind, heads = VARIANTS[variant]
+    kernel = DEFAULT_KERNELS.get((kind, heads)) or KERNELS[kind]
     cmd = ["ncu", "--clock-control", "none", "--csv", "--page", "details", "-k", f"regex:^{kernel}$",
            "--launch-skip", "1", "--launch-count", "1", "--section", "SpeedOfLight", "--section", "Occupancy",
            "--section", "LaunchStats", "--section", "WarpStateStats"]
