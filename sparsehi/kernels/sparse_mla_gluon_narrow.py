@@ -24,10 +24,10 @@ from sparsehi.kernels.sparse_mla_gluon_ws import producer_operands
 # registers of a launch by (FP8 rows, MMA warpgroups, producer warpgroups): the kernel's
 # maxnreg (65536 over its warps, rounded down to 8), each producer's and the second MMA
 # warpgroup's; the first MMA warpgroup (the kernel's own warps) gets the rest. One MMA
-# warpgroup: 184 a thread beside one producer (FP8 152, gather 112); beside two FP8 producers
-# (alternate tiles, two tiles' loads in flight; at 16-head blocks, where they win) 200 of 168.
-# Two MMA warpgroups beside the gather: 192 and 200 (sm_90 builds: 4 bytes spilled, none
-# otherwise; docs/kernels.md)
+# warpgroup: 184 a thread beside one producer (FP8 152, gather 112), 200 beside two FP8
+# producers of 152 (alternate tiles, two tiles' loads in flight; at 16-head blocks, where
+# they win). Two MMA warpgroups, 200 and 192, beside the gather's 112 (sm_90 builds: 4 bytes
+# spilled there, none otherwise; docs/kernels.md)
 _LAUNCH_REGS = {
     (True, 1, 1): (184, 152, 0),
     (True, 1, 2): (168, 152, 0),
