@@ -231,6 +231,37 @@ def test_token_rows_mma_groups_by_shape():
     assert token_rows_mma_groups(MlaGluonConfig(token_rows=True, mma_groups=2), False, 16, 64) == 2
 
 
+def test_ws_gather_ahead_by_shape():
+    from sparsehi.kernels.sparse_mla_gluon import GATHER_TWO_AHEAD_MIN_TOKENS, ws_gather_ahead
+
+    ring4 = MlaGluonConfig(32, 4, producer_warps=4)
+    # 16-bit rows, 4 slots: two tiles ahead from GATHER_TWO_AHEAD_MIN_TOKENS indices a program
+    assert ws_gather_ahead(ring4, False, GATHER_TWO_AHEAD_MIN_TOKENS) == 2
+    assert ws_gather_ahead(ring4, False, GATHER_TWO_AHEAD_MIN_TOKENS - 1) == 1
+    assert ws_gather_ahead(MlaGluonConfig(32, 3, producer_warps=4), False, 8192) == 1
+    assert ws_gather_ahead(MlaGluonConfig(producer_warps=4), False, 8192) == 1       # 64 x 2
+    assert ws_gather_ahead(ring4, True, 8192) == 1                                    # FP8 rows
+    assert ws_gather_ahead(MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=3), False, 64) == 3
+
+
+def test_check_gluon_config_refuses_gather_ahead_it_cannot_run():
+    from sparsehi.kernels.sparse_mla_gluon import check_gluon_config
+
+    for cfg, fp8 in ((MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=4), False),
+                     (MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=0), False),
+                     (MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=True), False),
+                     (MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=2.0), False),
+                     (MlaGluonConfig(producer_warps=4, gather_ahead=2), False),           # 2 slots
+                     (MlaGluonConfig(32, 4, gather_ahead=2), False),                       # the 8-warp kernel
+                     (MlaGluonConfig(token_rows=True, gather_ahead=1), False),
+                     (MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=2), True)):      # FP8 rows
+        with pytest.raises(ValueError, match="config must be an MlaGluonConfig with gather_ahead None"):
+            check_gluon_config(cfg, 512, 64, fp8, 16)
+    for ahead in (1, 2, 3):
+        check_gluon_config(MlaGluonConfig(32, 4, producer_warps=4, gather_ahead=ahead), 512, 64, False, 128)
+    check_gluon_config(MlaGluonConfig(producer_warps=4, gather_ahead=1), 512, 64, False, 128)
+
+
 def test_check_gluon_config_refuses_mma_groups_it_cannot_run():
     from sparsehi.kernels.sparse_mla_gluon import check_gluon_config
 
@@ -323,6 +354,41 @@ def test_gpu_default_dispatch_runs_token_rows_over_16bit_rows_at_16_heads(dtype,
         ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
     assert groups == [2]          # B=64, K=2048: two splits of 1024 indices
+
+
+@pytest.mark.gpu
+def test_gpu_ws_gather_ahead_over_bf16_rows(monkeypatch):
+    from sparsehi.kernels import sparse_mla_gluon_ws
+
+    # the gather producer of the warp-specialised kernel 1, 2 and 3 tiles ahead of the tile it
+    # hands over, split and unsplit, against the reference: a short and an empty row, an
+    # out-of-pool slot, a ragged last tile; then what the default dispatch passes the launch
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, kv, idx = _case(4, 128, 512, 64, 3000, 16384, torch.bfloat16, seed=21)
+    idx[0, 700:] = -1
+    idx[1] = -1
+    idx[3, 9] = kv.shape[0] + 3
+    minus = torch.where(idx >= kv.shape[0], -1, idx)
+    ref = sparse_mla_decode_reference(q, kv, minus, kv_lora_rank=512, sm_scale=0.1).float()
+    for ahead in (1, 2, 3):
+        for splits in (1, 3, None):
+            cfg = MlaGluonConfig(32, 4, num_splits=splits, producer_warps=4, gather_ahead=ahead)
+            out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1, config=cfg)
+            torch.testing.assert_close(out.float(), ref, **_tol(torch.bfloat16), msg=lambda m: f"{cfg}: {m}")
+            assert torch.all(out[1] == 0)
+    seen = []
+    split = sparse_mla_gluon_ws.launch_split
+    monkeypatch.setattr(sparse_mla_gluon_ws, "launch_split",
+                        lambda *a, **k: seen.append((a[7], k["GATHER_AHEAD"])) or split(*a, **k))
+    for B, K, want in ((64, 2048, 2), (8, 2048, 1)):
+        q, kv, idx = _case(B, 128, 512, 64, K, 2 * B * K, torch.bfloat16, seed=22 + B)
+        seen.clear()
+        out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+        assert [ahead for _, ahead in seen] == [want], (B, seen)
+        torch.testing.assert_close(out.float(), sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512,
+                                                                            sm_scale=0.1).float(),
+                                   **_tol(torch.bfloat16))
 
 
 def test_split_heuristic_one_wave():

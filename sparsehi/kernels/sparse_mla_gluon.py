@@ -53,7 +53,10 @@ class MlaGluonConfig:
     ``mma_groups`` (the token-rows kernel over 16-bit rows): 2 splits each program's tiles
     between two MMA warpgroups (even and odd tiles, each with its own online softmax, merged at
     the end), 1 keeps one; None: :func:`token_rows_mma_groups` by the shape (2 only at up to
-    ``TWO_MMA_MAX_HEADS`` heads a block).
+    ``TWO_MMA_MAX_HEADS`` heads a block). ``gather_ahead`` (the warp-specialised kernel over
+    16-bit rows): how many tiles ahead of the one it hands over next the gather producer
+    keeps in flight, 1 to ``num_buf - 1`` (a tile is handed over only once the slot of the
+    tile that many ahead is claimed); None: :func:`ws_gather_ahead` by the shape.
     """
 
     block_n: int = 64
@@ -64,6 +67,7 @@ class MlaGluonConfig:
     token_rows: bool = False
     fp8_stages: int = 0
     mma_groups: Optional[int] = None
+    gather_ahead: Optional[int] = None
 
 
 try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
@@ -463,6 +467,13 @@ TOKEN_ROWS_16BIT_MAX_HEADS = 16
 # 128-256 (attention_mla_two_mma.json)
 TWO_MMA_MIN_TOKENS = 512
 TWO_MMA_MAX_HEADS = 16
+# the warp-specialised kernel's gather producer over 16-bit rows keeps two tiles in flight
+# ahead of the one it hands over next (one otherwise) where the ring has 4 slots or more and
+# a program walks this many indices or more: at 128 heads with 32-token tiles x 4 1.019-1.054x
+# from 2048 indices a program (B=64-128, K=2048; B=16, K=32768), level at 1024, 0.974-0.975x
+# at 128-512; three ahead of four slots 0.63-0.92x (attention_mla_gather_ahead.json; H100,
+# 2026-11-27)
+GATHER_TWO_AHEAD_MIN_TOKENS = 2048
 # from this many query rows, one 64-head block over FP8 rows runs the warp-specialised kernel
 # with a one-tile cp.async staging ring (64-token tiles x 1, ``fp8_stages=1``): 1.03-1.09x the
 # register-loading producer at 64 heads from B=16 (B=4 at K=8192), level with 2 query tokens,
@@ -503,6 +514,16 @@ def token_rows_mma_groups(cfg: MlaGluonConfig, fp8: bool, block_h: int, tokens_p
     return 2 if not fp8 and block_h <= TWO_MMA_MAX_HEADS and tokens_per_split >= TWO_MMA_MIN_TOKENS else 1
 
 
+def ws_gather_ahead(cfg: MlaGluonConfig, fp8: bool, tokens_per_split: int) -> int:
+    """Tiles the warp-specialised kernel's gather producer keeps in flight ahead of the one it
+    hands over next, each program walking up to ``tokens_per_split`` indices:
+    ``cfg.gather_ahead`` where set, else 2 over 16-bit rows with 4 slots or more from
+    ``GATHER_TWO_AHEAD_MIN_TOKENS`` indices a program, 1 otherwise (FP8 rows: unread)."""
+    if cfg.gather_ahead is not None:
+        return cfg.gather_ahead
+    return 2 if not fp8 and cfg.num_buf >= 4 and tokens_per_split >= GATHER_TWO_AHEAD_MIN_TOKENS else 1
+
+
 def default_gluon_config(num_heads: int, fp8: bool, rows: int) -> MlaGluonConfig:
     """The Gluon config the default dispatch (``config=None``) runs for ``rows`` query rows
     (requests x query tokens) of ``num_heads`` heads over FP8 (``fp8``) or 16-bit rows:
@@ -534,10 +555,18 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
     8-warp kernel over 16-bit rows has no such limits. ``token_rows`` needs producer warps,
     64-token tiles x 2 (its two FP8 producers take alternate slots) and at most
     ``NARROW_MAX_HEADS`` heads (``num_heads``); ``mma_groups`` is None, or 1 or 2 with
-    ``token_rows``, 2 only over 16-bit rows at up to ``TWO_MMA_MAX_HEADS`` heads."""
+    ``token_rows``, 2 only over 16-bit rows at up to ``TWO_MMA_MAX_HEADS`` heads;
+    ``gather_ahead`` is None, or 1 to ``num_buf - 1`` for the warp-specialised kernel over
+    16-bit rows."""
     if cfg.token_rows and num_heads > NARROW_MAX_HEADS:
         fail("config", f"an MlaGluonConfig with token_rows only for up to {NARROW_MAX_HEADS} query heads",
              (cfg, num_heads))
+    if cfg.gather_ahead is not None and (
+            not isinstance(cfg.gather_ahead, int) or isinstance(cfg.gather_ahead, bool) or fp8
+            or cfg.token_rows or producer_warps(cfg, fp8) != 4 or not 1 <= cfg.gather_ahead <= cfg.num_buf - 1):
+        fail("config", "an MlaGluonConfig with gather_ahead None, or an int from 1 to num_buf - 1 for the "
+             "warp-specialised kernel over 16-bit rows (producer_warps=4, without token_rows)",
+             (cfg, "fp8" if fp8 else "16-bit"))
     if cfg.mma_groups is not None and (
             not isinstance(cfg.mma_groups, int) or isinstance(cfg.mma_groups, bool) or cfg.mma_groups not in (1, 2)
             or not cfg.token_rows

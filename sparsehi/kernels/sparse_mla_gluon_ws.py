@@ -16,7 +16,7 @@ import torch
 
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE
 from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split
-from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig
+from sparsehi.kernels.sparse_mla_gluon import MlaGluonConfig, ws_gather_ahead
 
 # 12 warps share the 65536 registers (168 a thread); setmaxnreg moves them between the
 # warpgroups: score 216, value 160, FP8 producer 128 (sm_90 build: 12 bytes spilled; a
@@ -186,35 +186,40 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
 
     @gluon.jit
     def _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
-                             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Producer warps of :func:`_mla_gluon_ws_kernel` over 16-bit rows: gather each tile's
-        rows by ``cp.async`` into its ring slot once the slot is free (``empty``), the next
-        tile's gather issued before waiting for this one's, then signal ``ready``."""
+                             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
+                             GATHER_AHEAD: gl.constexpr):
+        """Producer warps of :func:`_mla_gluon_ws_kernel` (and of the token-rows kernel) over
+        16-bit rows: gather each tile's rows by ``cp.async`` into its ring slot once the slot
+        is free (``empty``), ``GATHER_AHEAD`` tiles ahead of the one whose landing it waits
+        for, then signal that one ``ready``. Tile t is signalled only once the slot of tile
+        t + ``GATHER_AHEAD`` has been claimed, so ``GATHER_AHEAD`` < ``NUM_BUF``."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
+        AHEAD: gl.constexpr = GATHER_AHEAD
         ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
         ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         offs_n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
         offs_n_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_pe))
         offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
         offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
-        mbarrier.wait(empty.index(0), 1)
-        _gl_copy(KV, _gl_rows(idx_row, start, end, 0, num_slots, offs_n_lat, BLOCK_N), stride_kvn, 0, lat_s.index(0),
-                 offs_d_lat)
-        _gl_copy(KV, _gl_rows(idx_row, start, end, 0, num_slots, offs_n_pe, BLOCK_N), stride_kvn, D_LAT,
-                 pe_s.index(0), offs_d_pe)
-        async_copy.commit_group()
-        rl = _gl_rows(idx_row, start, end, 1, num_slots, offs_n_lat, BLOCK_N)
-        rp = _gl_rows(idx_row, start, end, 1, num_slots, offs_n_pe, BLOCK_N)
+        for i in gl.static_range(AHEAD):
+            mbarrier.wait(empty.index(i), 1)
+            _gl_copy(KV, _gl_rows(idx_row, start, end, i, num_slots, offs_n_lat, BLOCK_N), stride_kvn, 0,
+                     lat_s.index(i), offs_d_lat)
+            _gl_copy(KV, _gl_rows(idx_row, start, end, i, num_slots, offs_n_pe, BLOCK_N), stride_kvn, D_LAT,
+                     pe_s.index(i), offs_d_pe)
+            async_copy.commit_group()
+        rl = _gl_rows(idx_row, start, end, AHEAD, num_slots, offs_n_lat, BLOCK_N)
+        rp = _gl_rows(idx_row, start, end, AHEAD, num_slots, offs_n_pe, BLOCK_N)
         for t in range(n_tiles):
-            nxt = (t + 1) % NUM_BUF
-            # tile t+1 (past the end: a zero fill of a free slot) in flight while tile t lands
-            mbarrier.wait(empty.index(nxt), (((t + 1) // NUM_BUF) & 1) ^ 1)
+            nxt = (t + AHEAD) % NUM_BUF
+            # tile t+AHEAD (past the end: a zero fill of a free slot) in flight while tile t lands
+            mbarrier.wait(empty.index(nxt), (((t + AHEAD) // NUM_BUF) & 1) ^ 1)
             _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(nxt), offs_d_lat)
             _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(nxt), offs_d_pe)
             async_copy.commit_group()
-            rl = _gl_rows(idx_row, start, end, t + 2, num_slots, offs_n_lat, BLOCK_N)
-            rp = _gl_rows(idx_row, start, end, t + 2, num_slots, offs_n_pe, BLOCK_N)
-            async_copy.wait_group(1)
+            rl = _gl_rows(idx_row, start, end, t + AHEAD + 1, num_slots, offs_n_lat, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t + AHEAD + 1, num_slots, offs_n_pe, BLOCK_N)
+            async_copy.wait_group(AHEAD)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(t % NUM_BUF), count=1)
@@ -224,13 +229,14 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     def _gl_producer_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                                BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr,
-                               FP8: gl.constexpr, raw8, raw_sc, raw_pe, FP8_STAGES: gl.constexpr):
+                               FP8: gl.constexpr, raw8, raw_sc, raw_pe, FP8_STAGES: gl.constexpr,
+                               GATHER_AHEAD: gl.constexpr = 1):
         """The producer warps for the rows' format: over FP8 rows (``FP8``)
         :func:`_gl_fp8_scale_partition` for tiles ``FIRST, FIRST + STEP, ..``, or with
         ``FP8_STAGES`` > 0 :func:`_gl_fp8_staged_partition` (every tile, through the staging
         ring ``raw8`` / ``raw_sc`` / ``raw_pe``, unread otherwise); over 16-bit rows
-        :func:`_gl_gather_partition` for every tile (``Scales``, ``Rope`` and their strides
-        unread, ``FIRST`` 0 and ``STEP`` 1)."""
+        :func:`_gl_gather_partition` for every tile, ``GATHER_AHEAD`` tiles ahead (``Scales``,
+        ``Rope`` and their strides unread, ``FIRST`` 0 and ``STEP`` 1)."""
         if FP8 and FP8_STAGES > 0:
             _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                      stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT, D_ROPE, BLOCK_N,
@@ -240,7 +246,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                     stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N, TILE, FIRST, STEP)
         else:
             _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
-                                 D_LAT, D_ROPE, BLOCK_N)
+                                 D_LAT, D_ROPE, BLOCK_N, GATHER_AHEAD)
 
     @gluon.jit
     def _gl_softmax_partition(q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready, p_free,
@@ -347,6 +353,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
         VALUE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
+        GATHER_AHEAD: gl.constexpr,
     ):
         """Sparse MLA decode as three warp-specialised warpgroups over a ``NUM_BUF``-deep ring
         of 16-bit tiles in shared memory. Producer warps (``PRODUCER_REGS`` registers a
@@ -407,7 +414,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
             (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                       stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
-                                      TILE, 0, 1, FP8, raw8, raw_sc, raw_pe, FP8_STAGES)),
+                                      TILE, 0, 1, FP8, raw8, raw_sc, raw_pe, FP8_STAGES, GATHER_AHEAD)),
         ], [4, 4], [VALUE_REGS, PRODUCER_REGS])
 
     _HAS_WS = True
@@ -438,4 +445,5 @@ def launch_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: tor
     return launch_split(_mla_gluon_ws_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
                         D_LAT=Dl, D_ROPE=Dr, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE,
                         VALUE_REGS=_VALUE_REGS, FP8=fp8, FP8_STAGES=cfg.fp8_stages if fp8 else 0,
+                        GATHER_AHEAD=ws_gather_ahead(cfg, fp8, tokens_per_split),
                         maxnreg=_WS_MAXNREG, num_warps=4, **extra)
