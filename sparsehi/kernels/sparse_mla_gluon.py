@@ -547,6 +547,11 @@ def producer_warps(cfg: MlaGluonConfig, fp8: bool) -> int:
     return cfg.producer_warps
 
 
+def _plain_int(value) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, not a count to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_heads: int) -> None:
     """ValueError naming ``config`` unless the FP8 kernels (``fp8``) or the warp-specialised
     kernel over 16-bit rows can run ``cfg``: no ``late_issue``, ``producer_warps`` None, 0 or
@@ -561,19 +566,18 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
     if cfg.token_rows and num_heads > NARROW_MAX_HEADS:
         fail("config", f"an MlaGluonConfig with token_rows only for up to {NARROW_MAX_HEADS} query heads",
              (cfg, num_heads))
+    warps = producer_warps(cfg, fp8)
     if cfg.gather_ahead is not None and (
-            not isinstance(cfg.gather_ahead, int) or isinstance(cfg.gather_ahead, bool) or fp8
-            or cfg.token_rows or producer_warps(cfg, fp8) != 4 or not 1 <= cfg.gather_ahead <= cfg.num_buf - 1):
+            not _plain_int(cfg.gather_ahead) or fp8 or cfg.token_rows or warps != 4
+            or not 1 <= cfg.gather_ahead <= cfg.num_buf - 1):
         fail("config", "an MlaGluonConfig with gather_ahead None, or an int from 1 to num_buf - 1 for the "
              "warp-specialised kernel over 16-bit rows (producer_warps=4, without token_rows)",
              (cfg, "fp8" if fp8 else "16-bit"))
     if cfg.mma_groups is not None and (
-            not isinstance(cfg.mma_groups, int) or isinstance(cfg.mma_groups, bool) or cfg.mma_groups not in (1, 2)
-            or not cfg.token_rows
+            not _plain_int(cfg.mma_groups) or cfg.mma_groups not in (1, 2) or not cfg.token_rows
             or (cfg.mma_groups == 2 and (fp8 or num_heads > TWO_MMA_MAX_HEADS))):
         fail("config", f"an MlaGluonConfig with mma_groups None, or 1 or 2 with token_rows (2 only over 16-bit rows "
              f"at up to {TWO_MMA_MAX_HEADS} query heads)", (cfg, num_heads, "fp8" if fp8 else "16-bit"))
-    warps = producer_warps(cfg, fp8)
     if not (fp8 or warps):
         return
     if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)

@@ -194,32 +194,31 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         for, then signal that one ``ready``. Tile t is signalled only once the slot of tile
         t + ``GATHER_AHEAD`` has been claimed, so ``GATHER_AHEAD`` < ``NUM_BUF``."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
-        AHEAD: gl.constexpr = GATHER_AHEAD
         ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
         ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         offs_n_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_lat))
         offs_n_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_pe))
         offs_d_lat = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_lat))
         offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
-        for i in gl.static_range(AHEAD):
+        for i in gl.static_range(GATHER_AHEAD):
             mbarrier.wait(empty.index(i), 1)
             _gl_copy(KV, _gl_rows(idx_row, start, end, i, num_slots, offs_n_lat, BLOCK_N), stride_kvn, 0,
                      lat_s.index(i), offs_d_lat)
             _gl_copy(KV, _gl_rows(idx_row, start, end, i, num_slots, offs_n_pe, BLOCK_N), stride_kvn, D_LAT,
                      pe_s.index(i), offs_d_pe)
             async_copy.commit_group()
-        rl = _gl_rows(idx_row, start, end, AHEAD, num_slots, offs_n_lat, BLOCK_N)
-        rp = _gl_rows(idx_row, start, end, AHEAD, num_slots, offs_n_pe, BLOCK_N)
+        rl = _gl_rows(idx_row, start, end, GATHER_AHEAD, num_slots, offs_n_lat, BLOCK_N)
+        rp = _gl_rows(idx_row, start, end, GATHER_AHEAD, num_slots, offs_n_pe, BLOCK_N)
         for t in range(n_tiles):
-            nxt = (t + AHEAD) % NUM_BUF
-            # tile t+AHEAD (past the end: a zero fill of a free slot) in flight while tile t lands
-            mbarrier.wait(empty.index(nxt), (((t + AHEAD) // NUM_BUF) & 1) ^ 1)
+            nxt = (t + GATHER_AHEAD) % NUM_BUF
+            # tile t+GATHER_AHEAD (past the end: a zero fill of a free slot) in flight while tile t lands
+            mbarrier.wait(empty.index(nxt), (((t + GATHER_AHEAD) // NUM_BUF) & 1) ^ 1)
             _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(nxt), offs_d_lat)
             _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(nxt), offs_d_pe)
             async_copy.commit_group()
-            rl = _gl_rows(idx_row, start, end, t + AHEAD + 1, num_slots, offs_n_lat, BLOCK_N)
-            rp = _gl_rows(idx_row, start, end, t + AHEAD + 1, num_slots, offs_n_pe, BLOCK_N)
-            async_copy.wait_group(AHEAD)
+            rl = _gl_rows(idx_row, start, end, t + GATHER_AHEAD + 1, num_slots, offs_n_lat, BLOCK_N)
+            rp = _gl_rows(idx_row, start, end, t + GATHER_AHEAD + 1, num_slots, offs_n_pe, BLOCK_N)
+            async_copy.wait_group(GATHER_AHEAD)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(t % NUM_BUF), count=1)
