@@ -26,12 +26,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import bf16_gemm_tflops, cuda_time_us, hbm_copy_gbps, write_result
+from benchmarks.common import bf16_gemm_tflops, cuda_time_us, device_info, hbm_copy_gbps, write_result
 from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, fp8_row_bytes, quantize_mla_latents
 from sparsehi.kernels.paged_decode import DecodeLaunchConfig, paged_decode_reference, paged_decode_triton
 from sparsehi.kernels.ragged_decode import ragged_decode_triton
@@ -214,6 +215,26 @@ def time_mla_variants(B: int, T: int, K: int, H: int, variants: list, roof: floa
         rows.append(r)
         print(r, flush=True)
     return rows
+
+
+def write_mla_variant_rows(result: str, args: argparse.Namespace, shapes: list, variants, roof: float,
+                           gemm: Optional[float] = None, diff_key: str = "max_diff_vs_first") -> Path:
+    """:func:`time_mla_variants` at each ``(B, query tokens, K, heads)`` of ``shapes`` (the
+    ``variants`` list, or for each shape the list ``variants(B, T, K, H)`` gives), the rows
+    written as ``result`` under ``args.out`` with ``args.commit``, the device and the limits
+    measured in the run (``roof`` GB/s, and ``gemm`` TFLOP/s where given)."""
+    rows = []
+    for B, T, K, H in shapes:
+        rows += time_mla_variants(B, T, K, H, variants(B, T, K, H) if callable(variants) else variants, roof, gemm,
+                                  diff_key=diff_key)
+        if CUDA:
+            torch.cuda.empty_cache()
+    limits = {"roofline_gbps": round(roof, 1)}
+    if gemm:
+        limits["compute_ceiling_tflops"] = round(gemm, 1)
+    path = write_result(result, {"commit": args.commit, "env": device_info(), **limits, "rows": rows}, args.out)
+    print("wrote", path)
+    return path
 
 
 def mla_fp8_rows(roof: float, gemm: float, quick: bool) -> list[dict]:

@@ -15,8 +15,8 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_fp8_staging.py [--commit SHA] [--out
 """
 from __future__ import annotations
 
-from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import bf16_gemm_tflops, device_info, hbm_copy_gbps, result_parser, write_result
+from benchmarks.bench_attention import write_mla_variant_rows
+from benchmarks.common import bf16_gemm_tflops, hbm_copy_gbps, result_parser
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 # (B, query tokens, K, heads)
@@ -35,13 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = result_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="the first case only")
     args = ap.parse_args(argv)
-    roof, gemm = hbm_copy_gbps(), bf16_gemm_tflops()
-    rows = []
-    for case in CASES[:1] if args.quick else CASES:
-        rows += time_mla_variants(*case, VARIANTS, roof, gemm, diff_key="max_diff_vs_bf16_default")
-    print("wrote", write_result("attention_mla_fp8_staging.json", {
-        "commit": args.commit, "env": device_info(), "roofline_gbps": round(roof, 1),
-        "compute_ceiling_tflops": round(gemm, 1), "rows": rows}, args.out))
+    write_mla_variant_rows("attention_mla_fp8_staging.json", args, CASES[:1] if args.quick else CASES, VARIANTS,
+                           hbm_copy_gbps(), bf16_gemm_tflops(), diff_key="max_diff_vs_bf16_default")
     return 0
 
 

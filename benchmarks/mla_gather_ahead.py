@@ -14,10 +14,8 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_gather_ahead.py [--commit SHA] [--ou
 """
 from __future__ import annotations
 
-import torch
-
-from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import bf16_gemm_tflops, device_info, hbm_copy_gbps, result_parser, write_result
+from benchmarks.bench_attention import write_mla_variant_rows
+from benchmarks.common import bf16_gemm_tflops, hbm_copy_gbps, result_parser
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 # (heads, B, query tokens, K)
@@ -31,14 +29,8 @@ VARIANTS.append(("default", False, None))
 def main(argv: list[str] | None = None) -> int:
     ap = result_parser(__doc__)
     args = ap.parse_args(argv)
-    roof, gemm = hbm_copy_gbps(), bf16_gemm_tflops()
-    rows = []
-    for H, B, T, K in CASES:
-        rows += time_mla_variants(B, T, K, H, VARIANTS, roof, gemm, diff_key="max_diff_vs_ahead_1")
-        torch.cuda.empty_cache()
-    print("wrote", write_result("attention_mla_gather_ahead.json", {
-        "commit": args.commit, "env": device_info(), "roofline_gbps": round(roof, 1),
-        "compute_ceiling_tflops": round(gemm, 1), "rows": rows}, args.out))
+    write_mla_variant_rows("attention_mla_gather_ahead.json", args, [(B, T, K, H) for H, B, T, K in CASES], VARIANTS,
+                           hbm_copy_gbps(), bf16_gemm_tflops(), diff_key="max_diff_vs_ahead_1")
     return 0
 
 

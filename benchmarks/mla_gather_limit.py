@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     for B, T, K in CASES:
         q, kv, packed, idx = dsa_case(B, T, K, max(HEADS), 512, 64)
         for name, buf in (("fp8", packed), ("bf16", kv)):
-            nbytes = B * T * K * kv_row_bytes(buf, 512, 64)
+            row_bytes = kv_row_bytes(buf, 512, 64)
+            nbytes = B * T * K * row_bytes
             us, shape = best_gather_us(buf, idx)
-            us_sorted, shape_sorted = best_gather_us(buf, idx.sort(dim=1).values)
-            row = dict(B=B, query_tokens=T, K=K, rows=name, row_bytes=kv_row_bytes(buf, 512, 64),
+            us_sorted, _ = best_gather_us(buf, idx.sort(dim=1).values)
+            row = dict(B=B, query_tokens=T, K=K, rows=name, row_bytes=row_bytes,
                        gather_us=round(us, 1), gather_gbps=round(nbytes / us / 1e3, 1),
                        gather_frac_copy=round(nbytes / us / 1e3 / roof, 3), gather_shape=shape,
                        sorted_gather_us=round(us_sorted, 1), sorted_frac_copy=round(nbytes / us_sorted / 1e3 / roof, 3))
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 qh = q[:, :H].contiguous()
                 dec = cuda_time_us(lambda qh=qh, buf=buf, idx=idx: sparse_mla_decode_triton(
                     qh, buf, idx, kv_lora_rank=512, sm_scale=0.1), graph=True)
-                dec_bytes = mla_bytes(B * T, K, H, 512, 64, kv_row_bytes(buf, 512, 64))
+                dec_bytes = mla_bytes(B * T, K, H, 512, 64, row_bytes)
                 row[f"decode_h{H}_us"] = round(dec, 1)
                 row[f"decode_h{H}_frac_copy"] = round(dec_bytes / dec / 1e3 / roof, 3)
                 row[f"decode_h{H}_frac_gather"] = round(us / dec, 3)

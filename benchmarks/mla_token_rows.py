@@ -14,10 +14,8 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_token_rows.py [--commit SHA] [--out 
 """
 from __future__ import annotations
 
-import torch
-
-from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import device_info, hbm_copy_gbps, result_parser, write_result
+from benchmarks.bench_attention import write_mla_variant_rows
+from benchmarks.common import hbm_copy_gbps, result_parser
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 # (B, query tokens, K) at 16 heads; the 32-head rows take the first three
@@ -31,15 +29,9 @@ VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)),
 def main(argv: list[str] | None = None) -> int:
     ap = result_parser(__doc__)
     args = ap.parse_args(argv)
-    roof = hbm_copy_gbps()
-    rows = []
-    for H, cases in ((16, CASES), (32, CASES[:3])):
-        for B, T, K in cases:
-            rows += time_mla_variants(B, T, K, H, VARIANTS, roof, diff_key="max_diff_vs_bf16_8warp")
-            torch.cuda.empty_cache()
-    print("wrote", write_result("attention_mla_token_rows.json", {"commit": args.commit, "env": device_info(),
-                                                                 "roofline_gbps": round(roof, 1), "rows": rows},
-                                args.out))
+    shapes = [(B, T, K, H) for H, cases in ((16, CASES), (32, CASES[:3])) for B, T, K in cases]
+    write_mla_variant_rows("attention_mla_token_rows.json", args, shapes, VARIANTS, hbm_copy_gbps(),
+                           diff_key="max_diff_vs_bf16_8warp")
     return 0
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import device_info, hbm_copy_gbps, result_parser, write_result
+from benchmarks.bench_attention import write_mla_variant_rows
+from benchmarks.common import hbm_copy_gbps, result_parser
 from hicache.triton_support import cdiv
 from sparsehi.kernels.sparse_mla_decode import GLUON_MIN_HEAD_BLOCKS, MlaGluonConfig, default_mla_config
 
@@ -36,21 +36,18 @@ def previous_default(B: int, T: int, K: int, H: int):
     return default_mla_config(torch.device("cuda"), H, B * T, K)
 
 
+def variants(B: int, T: int, K: int, H: int) -> list:
+    """The previous default's config at this shape beside the token-rows kernel's."""
+    return [("previous_default", False, previous_default(B, T, K, H)),
+            ("token_rows", False, MlaGluonConfig(token_rows=True, mma_groups=1))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = result_parser(__doc__)
     args = ap.parse_args(argv)
-    roof = hbm_copy_gbps()
-    rows = []
-    for H in HEADS:
-        for K in TOP_K:
-            for B in BATCHES:
-                for T in QUERY_TOKENS:
-                    variants = [("previous_default", False, previous_default(B, T, K, H)),
-                                ("token_rows", False, MlaGluonConfig(token_rows=True, mma_groups=1))]
-                    rows += time_mla_variants(B, T, K, H, variants, roof, diff_key="max_diff_vs_previous")
-                    torch.cuda.empty_cache()
-    print("wrote", write_result("attention_mla_token_rows_16bit.json", {
-        "commit": args.commit, "env": device_info(), "roofline_gbps": round(roof, 1), "rows": rows}, args.out))
+    shapes = [(B, T, K, H) for H in HEADS for K in TOP_K for B in BATCHES for T in QUERY_TOKENS]
+    write_mla_variant_rows("attention_mla_token_rows_16bit.json", args, shapes, variants, hbm_copy_gbps(),
+                           diff_key="max_diff_vs_previous")
     return 0
 
 

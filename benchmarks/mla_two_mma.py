@@ -15,10 +15,8 @@ Usage: ``PYTHONPATH=. python benchmarks/mla_two_mma.py [--commit SHA] [--out DIR
 """
 from __future__ import annotations
 
-import torch
-
-from benchmarks.bench_attention import time_mla_variants
-from benchmarks.common import device_info, hbm_copy_gbps, result_parser, write_result
+from benchmarks.bench_attention import write_mla_variant_rows
+from benchmarks.common import hbm_copy_gbps, result_parser
 from sparsehi.kernels.sparse_mla_decode import MlaGluonConfig
 
 HEADS = 16
@@ -34,13 +32,8 @@ VARIANTS = [("bf16_8warp", False, MlaGluonConfig(producer_warps=0)),
 def main(argv: list[str] | None = None) -> int:
     ap = result_parser(__doc__)
     args = ap.parse_args(argv)
-    roof = hbm_copy_gbps()
-    rows = []
-    for B, T, K in CASES:
-        rows += time_mla_variants(B, T, K, HEADS, VARIANTS, roof, diff_key="max_diff_vs_bf16_8warp")
-        torch.cuda.empty_cache()
-    print("wrote", write_result("attention_mla_two_mma.json", {
-        "commit": args.commit, "env": device_info(), "roofline_gbps": round(roof, 1), "rows": rows}, args.out))
+    write_mla_variant_rows("attention_mla_two_mma.json", args, [(B, T, K, HEADS) for B, T, K in CASES], VARIANTS,
+                           hbm_copy_gbps(), diff_key="max_diff_vs_bf16_8warp")
     return 0
 
 
