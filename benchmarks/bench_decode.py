@@ -119,6 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "instead of replacing the file")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch swept per mode")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
+    ap.add_argument("--skip-llama", action="store_true", help="skip the llama-shape rows (scenario a and b)")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
     ap.add_argument("--model-path", default=None,
                     help="local HF-layout Llama/Qwen2/Mistral checkpoint: real weights replace the llama-shape model "
@@ -167,6 +168,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_batch = 256
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
+    if args.skip_llama:
+        contexts = []
     if args.max_batch:
         max_batch = args.max_batch
     trace_context = args.trace_context if args.trace_context is not None else (256 if args.quick else 8192)
@@ -194,10 +197,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save(final: bool = False) -> None:
         payload = {
-            "model": llama.name, "models": {llama.name: llama.note, dsv.name: dsv.note},
+            "model": dsv.name if args.skip_llama else llama.name, "models": {llama.name: llama.note, dsv.name: dsv.note},
             "prefill": PREFILL_NOTE, "rows": rows, "capacity": {f"{m}|{c}|{s}": v for (m, c, s), v in caps.items()},
             "calibration": calib, "h2d_gbps": h2d, "hbm_gbps": hbm, "notes": notes, "trace_sources": TRACE_SOURCES,
-            "summary": summary(rows, caps, summary_context(contexts), llama.name, point.CUDA_GRAPH and cuda),
+            "summary": (summary(rows, caps, dsv_ctx, dsv.name, point.CUDA_GRAPH and cuda) if args.skip_llama
+                        else summary(rows, caps, summary_context(contexts), llama.name, point.CUDA_GRAPH and cuda)),
             "roofline": "roofline_ms = (weights + the KV the mode reads + selection representations + loaded "
                         "pages written) / hbm_gbps + host->device bytes (sparse-hier misses, offload-full's whole "
                         "context) / h2d_gbps, both limits measured in this run; frac_roofline = roofline_ms / step_ms",

@@ -3,12 +3,16 @@ runtime runs it: which kernels a step's time goes to (bench_decode's own split t
 sections with events, which serialises them; this reads the kernels' own durations).
 
     PYTHONPATH=. python benchmarks/profile_decode_kernels.py --context 1048576 --mode sparse-hier-fp8
+    PYTHONPATH=. python benchmarks/profile_decode_kernels.py --model dsv32-shape --context 32768 \
+        --mode dense,sparse-hier --batch 1,30
     PYTHONPATH=. python benchmarks/profile_decode_kernels.py --quick     # CPU smoke run (no kernel times)
 
-The point is built as bench_decode builds it (llama-8b-shape, Quest, top-k 2048 tokens,
-buffer 4096, page 16, synthesised prefill, the calibrated 85 % query trace's rho given with
-``--rho``); ``--steps`` replays are profiled after ``--warmup`` ones. Output: kernels by
-total device time per step, grouped by name, and their sum beside the step's wall time.
+Each point is built as bench_decode builds it: llama-8b-shape with Quest (page 16) or
+dsv32-shape with DSA (page 1), top-k 2048 tokens, buffer 4096, synthesised prefill, the
+calibrated 85 % query trace's rho given with ``--rho``; ``--steps`` replays are profiled
+after ``--warmup`` ones. ``--mode`` and ``--batch`` take comma lists and every pair is
+profiled in one process. Output: kernels by total device time per step, grouped by name,
+and their sum beside the step's wall time.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from sparsehi.runtime.traces import QueryTrace  # noqa: E402
 from sparsehi.runtime.weights import build_model  # noqa: E402
 
 SYNTH_CHUNK = 65536
-PROFILED_MODES = ("sparse-gpu",) + tuple(m for m in ALL_MODES if is_hierarchical(m))
+PROFILED_MODES = ("dense", "sparse-gpu") + tuple(m for m in ALL_MODES if is_hierarchical(m))
+MODELS = ("llama-8b-shape", "dsv32-shape")
 
 
 def kernel_times(prof, steps: int) -> list[dict]:
@@ -48,35 +53,22 @@ def kernel_times(prof, steps: int) -> list[dict]:
     return sorted(out, key=lambda r: -r["us_per_step"])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--context", type=int, default=65536)
-    ap.add_argument("--mode", default="sparse-hier-fp8", help=f"one of {PROFILED_MODES}")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--lookahead-pages", type=int, default=None,
-                    help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; 2 with --quick)")
-    ap.add_argument("--rho", type=float, default=0.9893, help="query trace rho (bench_decode's calibration)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="tiny model on CPU: the path only")
-    ap.add_argument("--out", type=Path, default=None, help="JSON result file")
-    a = ap.parse_args(argv)
-    if a.mode not in PROFILED_MODES:
-        ap.error(f"--mode must be one of {PROFILED_MODES}, got {a.mode!r}")
-    if a.lookahead_pages is not None or a.quick:
-        modes.LOOKAHEAD_PAGES = a.lookahead_pages if a.lookahead_pages is not None else 2
-    cuda = torch.cuda.is_available() and not a.quick
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = get_model_config("tiny-gqa", num_layers=2) if a.quick else get_model_config("llama-8b-shape")
-    ctx = 1024 if a.quick else a.context
-    K, ps = (64, 16) if a.quick else (2048, 16)
-    sc = SparseConfig(algorithm="quest", top_k=K, device_buffer_size=2 * K, page_size=ps, min_sparse_prompt_len=0,
-                      sink_tokens=16 if a.quick else 64, recent_tokens=16 if a.quick else 64)
-    model = build_model(config=cfg, device=device, dtype=dtype)
-    steps = a.warmup + a.steps + 2
-    runner = make_runner(model, a.mode, ctx, a.batch, sc, steps, device, dtype)
-    reqs = runner.new_requests([[0]] * a.batch)
+def sparse_config(model_name: str, quick: bool) -> SparseConfig:
+    """bench_decode's selection for the model: Quest over 16-token pages (GQA) or DSA over
+    single tokens (MLA); top-k 2048 tokens and a buffer of twice that (64 with --quick)."""
+    K = 64 if quick else 2048
+    sink = 16 if quick else 64
+    if model_name == "dsv32-shape":
+        return SparseConfig(algorithm="dsa", top_k=K, device_buffer_size=2 * K, page_size=1, min_sparse_prompt_len=0,
+                            sink_tokens=sink, recent_tokens=sink)
+    return SparseConfig(algorithm="quest", top_k=K, device_buffer_size=2 * K, page_size=16, min_sparse_prompt_len=0,
+                        sink_tokens=sink, recent_tokens=sink)
+
+
+def profile_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, a, device, cuda: bool) -> dict:
+    """One point's kernels per step (largest first) and its profiled wall time."""
+    runner = make_runner(model, mode, ctx, batch, sc, a.warmup + a.steps + 2, device, next(model.parameters()).dtype)
+    reqs = runner.new_requests([[0]] * batch)
     synth_prefill(runner.mode, reqs, ctx, seed=1, chunk_tokens=SYNTH_CHUNK)
     runner.mode.query_hook = QueryTrace(a.rho, seed=2)
     for _ in range(a.warmup):
@@ -93,14 +85,62 @@ def main(argv=None) -> int:
     wall_ms = (time.perf_counter() - t) * 1e3 / a.steps
     kernels = kernel_times(prof, a.steps) if cuda else []
     total = sum(k["us_per_step"] for k in kernels)
-    result = {"mode": a.mode, "context": ctx, "batch": a.batch,
-              "lookahead_pages": modes.LOOKAHEAD_PAGES if loads_ahead(a.mode) else 0,
+    result = {"model": model.cfg.name, "mode": mode, "context": ctx, "batch": batch,
+              "lookahead_pages": modes.LOOKAHEAD_PAGES if loads_ahead(mode) else 0,
               "rho": a.rho, "profiled_steps": a.steps, "graphs": runner.graphs.enabled,
               "step_wall_ms_profiled": wall_ms, "kernel_us_per_step_sum": total, "kernels": kernels[:40]}
+    print(f"== {model.cfg.name} {mode} ctx={ctx} batch={batch}", flush=True)
     for k in kernels[:25]:
         print(f"{k['us_per_step']:10.1f} us/step {k['calls_per_step']:7.1f} calls  {k['name'][:110]}")
-    print(f"kernels: {total / 1e3:.2f} ms/step of device time; step wall (profiled) {wall_ms:.2f} ms")
+    print(f"kernels: {total / 1e3:.2f} ms/step of device time; step wall (profiled) {wall_ms:.2f} ms", flush=True)
+    del runner, reqs
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-8b-shape", help=f"one of {MODELS}")
+    ap.add_argument("--context", type=int, default=65536)
+    ap.add_argument("--mode", default="sparse-hier-fp8", help=f"comma list of {PROFILED_MODES}")
+    ap.add_argument("--batch", default="1", help="comma list of batch sizes")
+    ap.add_argument("--lookahead-pages", type=int, default=None,
+                    help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; 2 with --quick)")
+    ap.add_argument("--rho", type=float, default=0.9893, help="query trace rho (bench_decode's calibration)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="tiny model on CPU: the path only")
+    ap.add_argument("--out", type=Path, default=None, help="JSON result file")
+    a = ap.parse_args(argv)
+    mode_list = a.mode.split(",")
+    bad = [m for m in mode_list if m not in PROFILED_MODES]
+    if bad:
+        ap.error(f"--mode must be a comma list of {PROFILED_MODES}, got {bad}")
+    if a.model not in MODELS:
+        ap.error(f"--model must be one of {MODELS}, got {a.model!r}")
+    try:
+        batches = [int(b) for b in a.batch.split(",")]
+    except ValueError:
+        ap.error(f"--batch must be a comma list of positive ints, got {a.batch!r}")
+    if any(b < 1 for b in batches):
+        ap.error(f"--batch must be a comma list of positive ints, got {a.batch!r}")
+    if a.lookahead_pages is not None or a.quick:
+        modes.LOOKAHEAD_PAGES = a.lookahead_pages if a.lookahead_pages is not None else 2
+    cuda = torch.cuda.is_available() and not a.quick
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if a.quick:
+        cfg = get_model_config("tiny-dsa" if a.model == "dsv32-shape" else "tiny-gqa", num_layers=2)
+    else:
+        cfg = get_model_config(a.model)
+    ctx = 1024 if a.quick else a.context
+    sc = sparse_config(a.model, a.quick)
+    model = build_model(config=cfg, device=device, dtype=dtype)
+    points = [profile_point(model, m, ctx, b, sc, a, device, cuda) for m in mode_list for b in batches]
     if a.out is not None:
+        # one point keeps the file's earlier form (the point's keys at the top level)
+        result = points[0] if len(points) == 1 else {"points": points}
         write_result(a.out.name, result, a.out.parent)  # device and date added
     return 0
 

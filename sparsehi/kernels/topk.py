@@ -18,6 +18,7 @@ import triton.language as tl
 
 from hicache.triton_support import dispatch, sm_count
 from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
+from sparsehi.kernels.topk_radix_grid import radix_grid_plan, topk_select_radix_grid
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
 
@@ -299,10 +300,14 @@ def topk_select_triton(
     list_block: int = 2048,
     num_warps: int = 8,
     split: Optional[bool] = None,
+    radix_grid: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of :func:`topk_select`: one launch, one program per row, or, for a
     batch too small to fill the GPU (``split`` None: by ``topk_split.split_plan``; False:
-    never), two launches with several programs per row (``sparsehi.kernels.topk_split``).
+    never), two launches with several programs per row (``sparsehi.kernels.topk_split``),
+    or, for rows many times longer than ``top_k`` that do not split so (``radix_grid`` None:
+    by ``topk_radix_grid.radix_grid_plan``; False: never), one radix select spread over
+    each row's chunks (``sparsehi.kernels.topk_radix_grid``, five launches).
 
     A row whose candidate range fits in ``sample`` ids is loaded once and selected in
     registers (radix select on the keys, 8-bit digits below the bits all candidates share).
@@ -322,6 +327,10 @@ def topk_select_triton(
         plan = split_plan(bsz, n, top_k, sm_count(dev))
         if plan is not None:
             return topk_select_split(scores, top_k, candidate_start, candidate_end, row_mask, plan)
+    if radix_grid is not False:
+        chunks = radix_grid_plan(bsz, n, top_k)
+        if chunks is not None:
+            return topk_select_radix_grid(scores, top_k, candidate_start, candidate_end, row_mask, chunks)
     scores, ids, valid = select_outputs(scores, top_k)
     if bsz == 0:
         return ids, valid

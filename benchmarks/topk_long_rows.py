@@ -1,0 +1,103 @@
+"""Top-k of long rows: the radix select spread over each row's chunks (``topk_radix_grid``)
+against one program per row, the chunk shortlists of ``topk_split`` (where their plan
+applies), what ``topk_select`` dispatches and ``torch.topk`` (unsorted), in CUDA-graph
+replays, each checked against ``topk_select_reference``.
+
+    PYTHONPATH=. python benchmarks/topk_long_rows.py            # -> results/topk_long_rows.json
+    PYTHONPATH=. python benchmarks/topk_long_rows.py --quick    # CPU: the checks at small sizes
+
+Score kinds: ``randn``; ``indexer`` (DSA-like: a weighted sum over 64 heads of ReLU(q.k));
+``crowded`` (1 + 1e-3 U(0, 1): every key shares its exponent bits).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import cuda_time_us, result_parser, write_result  # noqa: E402
+from hicache.triton_support import sm_count  # noqa: E402
+from sparsehi.kernels.topk import topk_select, topk_select_reference, topk_select_triton  # noqa: E402
+from sparsehi.kernels.topk_radix_grid import CHUNK, radix_grid_plan, topk_select_radix_grid  # noqa: E402
+from sparsehi.kernels.topk_split import split_plan  # noqa: E402
+
+SHAPES = [(8192, 2048), (32768, 2048), (65536, 2048), (131072, 2048), (65536, 208), (16384, 512)]
+"""(ids per row, top_k): DSA top 2048 from 8k to 128k tokens, and smaller selections."""
+BATCHES = [1, 8, 30, 64, 128]
+KINDS = ["randn", "indexer", "crowded"]
+
+
+def make_scores(kind: str, b: int, n: int, device: str) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(b * 7919 + n)
+    if kind == "randn":
+        return torch.randn(b, n, device=device, generator=g)
+    if kind == "crowded":
+        return 1.0 + 1e-3 * torch.rand(b, n, device=device, generator=g)
+    q = torch.randn(b, 64, 64, device=device, generator=g)
+    k = torch.randn(n, 64, device=device, generator=g)
+    w = torch.rand(b, 64, device=device, generator=g)
+    return sum(torch.relu(q[:, h] @ k.T) * w[:, h:h + 1] for h in range(64))
+
+
+def variants(scores: torch.Tensor, k: int, cs: torch.Tensor, ce: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    b, n = scores.shape
+    out: dict[str, Callable[[], Any]] = {
+        "one_program": lambda: topk_select_triton(scores, k, cs, ce, split=False, radix_grid=False),
+        "radix_grid": lambda: topk_select_radix_grid(scores, k, cs, ce, None, triton.next_power_of_2(-(-n // CHUNK))),
+        "default": lambda: topk_select(scores, k, cs, ce),
+    }
+    plan = split_plan(b, n, k, sm_count(scores.device))
+    if plan is not None:
+        out["split"] = lambda: topk_select_triton(scores, k, cs, ce, radix_grid=False)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = result_parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="CPU: the checks at small sizes, no timing, no file")
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.quick
+    dev = "cuda" if cuda else "cpu"
+    shapes = SHAPES if cuda else [(5000, 300)]
+    batches = BATCHES if cuda else [1, 3]
+    rows = []
+    for n, k in shapes:
+        for b in batches:
+            for kind in KINDS:
+                scores = make_scores(kind, b, n, dev).float()
+                cs = torch.zeros(b, dtype=torch.int32, device=dev)
+                ce = torch.full((b,), n, dtype=torch.int32, device=dev)
+                ref = topk_select_reference(scores, k, cs, ce)
+                row: dict[str, Any] = {"n": n, "top_k": k, "batch": b, "scores": kind,
+                                       "radix_grid_plan": radix_grid_plan(b, n, k)}
+                for name, fn in variants(scores, k, cs, ce).items():
+                    ids, valid = fn()
+                    row[f"{name}_exact"] = bool(torch.equal(ids, ref[0]) and torch.equal(valid, ref[1]))
+                    if cuda:
+                        row[f"{name}_us"] = round(cuda_time_us(fn, iters=20, graph=True), 2)
+                if cuda:
+                    row["torch_topk_us"] = round(cuda_time_us(lambda: torch.topk(scores, k, dim=1, sorted=False),
+                                                              iters=20, graph=True), 2)
+                    row["one_program_over_radix_grid"] = round(row["one_program_us"] / row["radix_grid_us"], 2)
+                rows.append(row)
+                print({x: y for x, y in row.items()}, flush=True)
+    bad = [r for r in rows if not all(v for x, v in r.items() if x.endswith("_exact"))]
+    if bad:
+        print(f"{len(bad)} rows differ from the reference", flush=True)
+    if cuda:
+        path = write_result("topk_long_rows.json", {
+            "what": "top-k of long rows, CUDA-graph replays (us per call): one program per row, the chunk "
+                    "shortlists (split, where their plan applies), the radix select over each row's chunks "
+                    "(radix_grid), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
+                    "topk_select_reference's", "commit": a.commit, "rows": rows}, a.out)
+        print(f"wrote {path}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
