@@ -7,12 +7,12 @@ chunks of ``CHUNK`` ids and every launch but one has a grid of ``P x B`` program
 
 1. ``_chunk_stats_kernel``: each chunk's smallest and largest selectable key and its count;
    it also zeroes the row's two digit histograms and boundary-list length.
-2. ``_first_histogram_kernel``: from every chunk's bounds, the high key bits all of the row's
-   keys share; each chunk adds the histogram of the 8 bits below them (the first digit) to
-   the row's (integer atomics: the sums do not depend on their order).
-3. ``_second_histogram_kernel``: the first digit holding the row's ``need``-th key (``need =
-   min(top_k, selectable)``); each chunk adds the histogram of the next 8 bits of its keys
-   in that digit. Two digits keep the boundary list short where keys differ in sign, so
+2. ``_digit_histogram_kernel`` (``DIGIT=1``): from every chunk's bounds, the high key bits
+   all of the row's keys share; each chunk adds the histogram of the 8 bits below them (the
+   first digit) to the row's (integer atomics: the sums do not depend on their order).
+3. ``_digit_histogram_kernel`` (``DIGIT=2``): the first digit holding the row's ``need``-th
+   key (``need = min(top_k, selectable)``); each chunk adds the histogram of the next 8 bits
+   of its keys in that digit. Two digits keep the boundary list short where keys differ in sign, so
    the first digit is only their sign and exponent.
 4. ``_boundary_kernel``: the second digit holding the need-th key; each chunk counts its
    keys above the two digits and appends the keys in both, with their ids, to the row's
@@ -140,27 +140,23 @@ def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, bl
 
 
 @triton.jit
-def _first_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, N, TOP_K, stride_sb,
-                            HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr):
+def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, N, TOP_K, stride_sb,
+                            HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
+    """``DIGIT`` 1: each chunk's histogram of the first digit, added into the row's first
+    histogram; 2: of the next 8 bits of its keys in the first digit holding the need-th key."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    # the first digit itself is not known yet: only its position is used
-    _, _, _, lo1, _, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
-    key, _, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
-    h = tl.histogram(_digit_of(key, lo1), 256, mask=key != 0)
-    tl.atomic_add(hist_ptr + b * 512 + tl.arange(0, 256), h, mask=h != 0, sem="relaxed")
-
-
-@triton.jit
-def _second_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, N, TOP_K, stride_sb,
-                             HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr):
-    p = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    # with DIGIT 1 the first digit itself is not known yet: only its position is used
     _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
     key, _, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
-    match = (key != 0) & (_digit_of(key, lo1) == d1)
-    h = tl.histogram(_digit_of(key, tl.maximum(lo1 - 8, 0)), 256, mask=match)
-    tl.atomic_add(hist_ptr + b * 512 + 256 + tl.arange(0, 256), h, mask=h != 0, sem="relaxed")
+    if DIGIT == 1:
+        match = key != 0
+        digit = _digit_of(key, lo1)
+    else:
+        match = (key != 0) & (_digit_of(key, lo1) == d1)
+        digit = _digit_of(key, tl.maximum(lo1 - 8, 0))
+    h = tl.histogram(digit, 256, mask=match)
+    tl.atomic_add(hist_ptr + b * 512 + (DIGIT - 1) * 256 + tl.arange(0, 256), h, mask=h != 0, sem="relaxed")
 
 
 @triton.jit
@@ -325,8 +321,9 @@ def topk_select_radix_grid(scores: torch.Tensor, top_k: int, candidate_start: to
     geo = dict(HAS_ROW_MASK=row_mask is not None, P=p, CHUNK=CHUNK)
     _chunk_stats_kernel[grid](*src, stats, hist, blen, n, scores.stride(0),
                               ZERO_BLOCK=triton.next_power_of_2(cdiv(512, p)), num_warps=num_warps, **geo)
-    _first_histogram_kernel[grid](*src, stats, hist, n, top_k, scores.stride(0), num_warps=num_warps, **geo)
-    _second_histogram_kernel[grid](*src, stats, hist, n, top_k, scores.stride(0), num_warps=num_warps, **geo)
+    for digit in (1, 2):
+        _digit_histogram_kernel[grid](*src, stats, hist, n, top_k, scores.stride(0), DIGIT=digit, num_warps=num_warps,
+                                      **geo)
     _boundary_kernel[grid](*src, stats, hist, above, blist[0], blist[1], blen, n, top_k, scores.stride(0),
                            list_stride, num_warps=num_warps, **geo)
     _threshold_kernel[(bsz,)](stats, hist, above, blist[0], blist[1], blen, offsets, row, valid, cs, ce, mask, n,
