@@ -4,9 +4,10 @@
 exact top ``top_k`` candidates of every row by radix select on the scores' bits and writes
 them in ascending id order (``topk_select_triton``; ``topk_select_reference`` is the torch
 twin with identical results); a batch too small to fill the GPU splits each row over
-several programs (``topk_split``). ``masked_topk`` is a torch top-k of another output
-order (a stable sort of the masked scores, ids by descending score), which benchmarks and
-tests compare against; ``IdentityMemo`` caches its candidate mask across layers.
+several programs (``topk_split``), and long rows at small batches that do not split so
+(top 2048 of 32768, say) share one radix select among their chunks (``topk_radix_grid``).
+``masked_topk`` is a torch top-k of another output order (a stable sort of the masked
+scores, ids by descending score), which benchmarks and tests compare against; ``IdentityMemo`` caches its candidate mask across layers.
 """
 from __future__ import annotations
 
@@ -307,7 +308,7 @@ def topk_select_triton(
     never), two launches with several programs per row (``sparsehi.kernels.topk_split``),
     or, for rows many times longer than ``top_k`` that do not split so (``radix_grid`` None:
     by ``topk_radix_grid.radix_grid_plan``; False: never), one radix select spread over
-    each row's chunks (``sparsehi.kernels.topk_radix_grid``, five launches).
+    each row's chunks (``sparsehi.kernels.topk_radix_grid``, six launches).
 
     A row whose candidate range fits in ``sample`` ids is loaded once and selected in
     registers (radix select on the keys, 8-bit digits below the bits all candidates share).
