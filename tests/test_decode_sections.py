@@ -83,3 +83,14 @@ def test_prefetch_share_is_the_smaller_of_batch_one_and_best_and_is_judged():
     lines = [x for x in targets(rows, {}, 65536, "m") if "loaded ahead" in x]
     assert len(lines) == 2 and lines[0].endswith("MET") and lines[1].endswith("MISSED")
     assert summary(rows[:2], {}, 65536, "m", graphs=True)["prefetch_hidden_frac"] is None
+
+
+def test_quick_mla_only_run_keeps_a_section_of_mla_rows(tmp_path, one_thread):
+    from benchmarks import bench_decode
+
+    assert bench_decode.main(["--quick", "--skip-llama", "--skip-b", "--modes", "dense,sparse-hier", "--max-batch", "2",
+                              "--section", "mla_only", "--out", str(tmp_path)]) == 0
+    sec = json.loads((tmp_path / "decode.json").read_text())["mla_only"]
+    assert sec["rows"] and {r["model"] for r in sec["rows"]} == {"tiny-dsa"}
+    assert sec["model"] == "tiny-dsa" and sec["summary"]["context"] == 512
+    assert sec["summary"]["sparse_hier_b1_tok_s"] > 0 and sec["summary"]["dense_b1_tok_s"] > 0

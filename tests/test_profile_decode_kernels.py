@@ -26,3 +26,22 @@ def test_quick_run_writes_the_result(tmp_path):
     assert pdk.main(["--quick", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["mode"] == "sparse-hier-fp8" and res["profiled_steps"] == 2 and res["step_wall_ms_profiled"] > 0
+
+
+def test_quick_run_of_several_mla_points_writes_each(tmp_path):
+    out = tmp_path / "prof.json"
+    assert pdk.main(["--quick", "--model", "dsv32-shape", "--mode", "dense,sparse-hier", "--batch", "1,2",
+                     "--steps", "1", "--warmup", "1", "--out", str(out)]) == 0
+    pts = json.loads(out.read_text())["points"]
+    assert [(p["mode"], p["batch"]) for p in pts] == [("dense", 1), ("dense", 2), ("sparse-hier", 1), ("sparse-hier", 2)]
+    assert all(p["model"] == "tiny-dsa" and p["step_wall_ms_profiled"] > 0 for p in pts)
+
+
+def test_bad_arguments_name_the_option(capsys):
+    import pytest
+
+    for argv, name in ((["--batch", "1,x"], "--batch"), (["--batch", "0"], "--batch"), (["--mode", "nope"], "--mode"),
+                       (["--model", "llama"], "--model")):
+        with pytest.raises(SystemExit):
+            pdk.main(["--quick", *argv])
+        assert name in capsys.readouterr().err
