@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cuda_time_us, result_parser, write_result  # noqa: E402
 from hicache.triton_support import sm_count  # noqa: E402
-from sparsehi.kernels.topk import topk_select, topk_select_reference, topk_select_triton  # noqa: E402
-from sparsehi.kernels.topk_radix_grid import CHUNK, radix_grid_plan, topk_select_radix_grid  # noqa: E402
+from sparsehi.kernels.topk import radix_grid_plan, topk_select, topk_select_reference, topk_select_triton  # noqa: E402
+from sparsehi.kernels.topk_radix_grid import CHUNK, topk_select_radix_grid  # noqa: E402
 from sparsehi.kernels.topk_split import split_plan  # noqa: E402
 
 SHAPES = [(8192, 2048), (32768, 2048), (65536, 2048), (131072, 2048), (65536, 208), (16384, 512)]

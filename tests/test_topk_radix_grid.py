@@ -6,8 +6,9 @@ dispatch rule; on the GPU, DSA shapes against the reference, in a CUDA-graph rep
 import pytest
 import torch
 
-from sparsehi.kernels.topk import topk_select, topk_select_reference, topk_select_triton
-from sparsehi.kernels.topk_radix_grid import CHUNK, MAX_PROGRAMS, MAX_ROWS, REG_BLOCK, radix_grid_plan, topk_select_radix_grid
+from sparsehi.kernels.topk import (MAX_PROGRAMS, MAX_ROWS, radix_grid_plan, topk_select, topk_select_reference,
+                                   topk_select_triton)
+from sparsehi.kernels.topk_radix_grid import CHUNK, REG_BLOCK, topk_select_radix_grid
 from tests.test_topk_select import python_topk
 
 

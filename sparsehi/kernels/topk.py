@@ -19,8 +19,30 @@ import triton.language as tl
 
 from hicache.triton_support import dispatch, sm_count
 from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
-from sparsehi.kernels.topk_radix_grid import radix_grid_plan, topk_select_radix_grid
+from sparsehi.kernels.topk_radix_grid import CHUNK as RADIX_GRID_CHUNK, topk_select_radix_grid
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
+
+MIN_IDS_PER_TOP_K = 4
+"""``radix_grid_plan`` takes rows of at least this many ids per id selected: below it the
+boundary digit holds a large part of the row and one program per row is as fast."""
+MIN_IDS = 8192
+MAX_ROWS = 48
+MAX_PROGRAMS = 2048
+"""``radix_grid_plan`` takes at most ``MAX_ROWS`` rows and ``MAX_PROGRAMS`` chunk programs
+(``B x P``). The grid's time grows with ``B x P`` (about 27 + 0.046 B P us on an H100,
+``results/topk_long_rows.json``) while one program per row takes the same time for any
+batch up to the SM count: past these the rows' own programs are as fast or faster."""
+
+
+def radix_grid_plan(batch: int, n: int, top_k: int) -> Optional[int]:
+    """The chunk count ``P`` (a power of two) for ``[batch, n]`` rows of ``topk_radix_grid``,
+    or None when the grid does not pay: rows shorter than ``MIN_IDS`` ids or than
+    ``MIN_IDS_PER_TOP_K`` ids per id selected, more than ``MAX_ROWS`` rows or more than
+    ``MAX_PROGRAMS`` chunk programs."""
+    if n < MIN_IDS or n < MIN_IDS_PER_TOP_K * top_k or batch > MAX_ROWS:
+        return None
+    p = triton.next_power_of_2(-(-n // RADIX_GRID_CHUNK))
+    return p if batch * p <= MAX_PROGRAMS else None
 
 
 def _capturing() -> bool:
@@ -307,7 +329,7 @@ def topk_select_triton(
     batch too small to fill the GPU (``split`` None: by ``topk_split.split_plan``; False:
     never), two launches with several programs per row (``sparsehi.kernels.topk_split``),
     or, for rows many times longer than ``top_k`` that do not split so (``radix_grid`` None:
-    by ``topk_radix_grid.radix_grid_plan``; False: never), one radix select spread over
+    by ``radix_grid_plan``; False: never), one radix select spread over
     each row's chunks (``sparsehi.kernels.topk_radix_grid``, six launches).
 
     A row whose candidate range fits in ``sample`` ids is loaded once and selected in

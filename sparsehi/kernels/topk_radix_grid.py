@@ -45,28 +45,6 @@ CHUNK = 2048
 LIST_BLOCK = 1024
 REG_BLOCK = 4096
 """A boundary list of at most this many keys is selected in registers, read once."""
-MIN_IDS_PER_TOP_K = 4
-"""``radix_grid_plan`` takes rows of at least this many ids per id selected: below it the
-boundary digit holds a large part of the row and one program per row is as fast."""
-MIN_IDS = 8192
-MAX_ROWS = 48
-MAX_PROGRAMS = 2048
-"""``radix_grid_plan`` takes at most ``MAX_ROWS`` rows and ``MAX_PROGRAMS`` chunk programs
-(``B x P``). The grid's time grows with ``B x P`` (about 27 + 0.046 B P us on an H100,
-``results/topk_long_rows.json``) while one program per row takes the same time for any
-batch up to the SM count: past these the rows' own programs are as fast or faster."""
-
-
-def radix_grid_plan(batch: int, n: int, top_k: int) -> Optional[int]:
-    """The chunk count ``P`` (a power of two) for ``[batch, n]`` rows, or None when the grid
-    does not pay: rows shorter than ``MIN_IDS`` ids or than ``MIN_IDS_PER_TOP_K`` ids per id
-    selected, more than ``MAX_ROWS`` rows or more than ``MAX_PROGRAMS`` chunk programs."""
-    if n < MIN_IDS or n < MIN_IDS_PER_TOP_K * top_k or batch > MAX_ROWS:
-        return None
-    p = triton.next_power_of_2(cdiv(n, CHUNK))
-    return p if batch * p <= MAX_PROGRAMS else None
-
-
 @triton.jit
 def _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb,
                 HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr):
@@ -295,7 +273,7 @@ def topk_select_radix_grid(scores: torch.Tensor, top_k: int, candidate_start: to
                            candidate_end: torch.Tensor, row_mask: Optional[torch.Tensor], chunks: int,
                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Six launches (see the module docstring) over ``chunks`` chunks of ``CHUNK`` ids per
-    row (a power of two covering ``N``, from ``radix_grid_plan``); arguments and results as
+    row (a power of two covering ``N``, from ``topk.radix_grid_plan``); arguments and results as
     ``topk_select`` (checked by its caller)."""
     bsz, n = scores.shape
     if chunks < 1 or chunks & (chunks - 1) or chunks * CHUNK < n:
