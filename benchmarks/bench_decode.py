@@ -119,7 +119,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "instead of replacing the file")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch swept per mode")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
-    ap.add_argument("--skip-llama", action="store_true", help="skip the llama-shape rows (scenario a and b)")
+    ap.add_argument("--skip-llama", action="store_true",
+                    help="skip the llama-shape rows (scenario a and b; no llama-shape model is built)")
     ap.add_argument("--contexts", default=None, help="comma list overriding the llama contexts")
     ap.add_argument("--model-path", default=None,
                     help="local HF-layout Llama/Qwen2/Mistral checkpoint: real weights replace the llama-shape model "
@@ -138,6 +139,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [m for m in sweep_modes if m not in ALL_MODES]
     if bad:
         raise SystemExit(f"--modes: {bad} unknown; allowed {ALL_MODES}")
+    if args.skip_llama and (args.model_path or args.skip_dsv32):
+        raise SystemExit("--skip-llama leaves only the dsv32-shape rows: it takes neither --model-path nor --skip-dsv32")
     deadline = Deadline(args.time_budget)
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
@@ -313,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return create_algorithm(replace(sc, sparse_extra_config=sparse_extra_config(model, sc)), device)
 
-    if gqa is None:
+    if gqa is None and contexts:  # --skip-llama: no llama-shape model at all
         gqa = build_model(config=llama, device=device, dtype=dtype)
     sc_gqa = SparseConfig(algorithm="quest", top_k=K, device_buffer_size=2 * K, page_size=ps, min_sparse_prompt_len=0,
                           sink_tokens=64 if not args.quick else 16, recent_tokens=64 if not args.quick else 16)
@@ -360,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         HOST_POOLS.clear()
         free_memory(device)
         gqa = None
-    if not args.skip_b and deadline.left() > 60:
+    if not args.skip_b and contexts and deadline.left() > 60:
         if gqa is None:
             gqa = build_model(model_path=args.model_path, config=llama, device=device, dtype=dtype)
         pin_host_pools(gqa, sc_gqa, contexts, budget_a[1])

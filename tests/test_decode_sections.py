@@ -85,11 +85,23 @@ def test_prefetch_share_is_the_smaller_of_batch_one_and_best_and_is_judged():
     assert summary(rows[:2], {}, 65536, "m", graphs=True)["prefetch_hidden_frac"] is None
 
 
-def test_quick_mla_only_run_keeps_a_section_of_mla_rows(tmp_path, one_thread):
+def test_quick_mla_only_run_keeps_a_section_of_mla_rows(tmp_path, monkeypatch, one_thread):
     from benchmarks import bench_decode
 
-    assert bench_decode.main(["--quick", "--skip-llama", "--skip-b", "--modes", "dense,sparse-hier", "--max-batch", "2",
+    built = []
+    real_build = bench_decode.build_model
+
+    def recording_build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        built.append(model.cfg.name)
+        return model
+
+    monkeypatch.setattr(bench_decode, "build_model", recording_build)
+    assert bench_decode.main(["--quick", "--skip-llama", "--modes", "dense,sparse-hier", "--max-batch", "2",
                               "--section", "mla_only", "--out", str(tmp_path)]) == 0
+    assert built == ["tiny-dsa"]  # no llama-shape model, for scenario a or b
+    with pytest.raises(SystemExit, match="--skip-llama"):
+        bench_decode.main(["--quick", "--skip-llama", "--skip-dsv32", "--out", str(tmp_path)])
     sec = json.loads((tmp_path / "decode.json").read_text())["mla_only"]
     assert sec["rows"] and {r["model"] for r in sec["rows"]} == {"tiny-dsa"}
     assert sec["model"] == "tiny-dsa" and sec["summary"]["context"] == 512
