@@ -140,6 +140,30 @@ def _select_threshold(keys, need, count):
 
 
 @triton.jit
+def _list_radix_pass(keys_ptr, ids_ptr, m, prefix, known_lo, need, LIST_BLOCK: tl.constexpr,
+                     BY_ID: tl.constexpr = False, tie_key=0):
+    """``_refine`` over a list of ``m`` keys in global memory (``keys_ptr``, int32 bits of
+    the uint32 keys), read in blocks of ``LIST_BLOCK`` past L1 (a list this program wrote is
+    read back by its other threads): one 8-bit digit of the threshold. ``BY_ID``: the values
+    are instead those of the entries whose key is ``tie_key``, from their ids
+    (``ids_ptr``), ordered so that the lowest id is the largest value."""
+    hb = _high_bits(known_lo)
+    shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
+    hist = tl.zeros([256], dtype=tl.int32)
+    offs_lst = tl.arange(0, LIST_BLOCK)
+    for start in range(0, tl.where(known_lo > 0, m, 0), LIST_BLOCK):
+        offs = start + offs_lst
+        inl = offs < m
+        key = tl.load(keys_ptr + offs, mask=inl, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        if BY_ID:
+            ids = tl.load(ids_ptr + offs, mask=inl, other=0, cache_modifier=".cg")
+            key = tl.where(inl & (key == tie_key), 0xFFFFFFFF - ids.to(tl.uint32), tl.zeros_like(key))
+        match = (key != 0) & ((key & hb) == (prefix & hb))
+        hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+    return _refine(hist, prefix, known_lo, need)
+
+
+@triton.jit
 def _emit(out, keys, ids, thr, need, ties, n_out):
     """Write, in their order, the ``ids`` whose key is above ``thr`` and the ties of ``thr``
     ranked below ``need`` (``ties`` met before this block); ``n_out`` written before."""

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import dispatch, sm_count
-from sparsehi.kernels.radix_select import _emit, _high_bits, _order_keys, _refine, _shared_bits, _threshold_in_registers
+from sparsehi.kernels.radix_select import (_emit, _list_radix_pass, _order_keys, _shared_bits,
+                                           _threshold_in_registers)
 from sparsehi.kernels.topk_radix_grid import CHUNK as RADIX_GRID_CHUNK, topk_select_radix_grid
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
@@ -283,17 +284,9 @@ def _topk_select_kernel(
         prefix, known_lo = _shared_bits(floor, lmax)
         known_lo = tl.where(k_eff > 0, known_lo, 0)
         need = k_eff
-        offs_lst = tl.arange(0, LIST_BLOCK)
         for _ in tl.static_range(4):
-            hb = _high_bits(known_lo)
-            shift = tl.maximum(known_lo - 8, 0).to(tl.uint32)
-            hist = tl.zeros([256], dtype=tl.int32)
-            for start in range(0, tl.where(known_lo > 0, m, 0), LIST_BLOCK):
-                offs = start + offs_lst
-                key = tl.load(list_keys + offs, mask=offs < m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-                match = (key != 0) & ((key & hb) == (prefix & hb))
-                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-            prefix, known_lo, need = _refine(hist, prefix, known_lo, need)
+            prefix, known_lo, need = _list_radix_pass(list_keys, list_ids, m, prefix, known_lo, need, LIST_BLOCK)
+        offs_lst = tl.arange(0, LIST_BLOCK)
         # 4. output: the shortlisted ids above the threshold and its first `need` ties
         thr = tl.where(k_eff > 0, prefix, 0xFFFFFFFF)
         ties = tl.full([], 0, tl.int32)

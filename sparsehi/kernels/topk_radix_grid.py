@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import cdiv
-from sparsehi.kernels.radix_select import (_extend, _high_bits, _order_keys, _refine, _shared_bits,
+from sparsehi.kernels.radix_select import (_extend, _list_radix_pass, _order_keys, _shared_bits,
                                            _threshold_in_registers)
 from sparsehi.kernels.topk_split import _chunk_bounds, select_outputs
 
@@ -160,30 +160,6 @@ def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above
 
 
 @triton.jit
-def _list_radix_pass(bkey_ptr, bid_ptr, row_off, m, thr, known, need, BY_ID: tl.constexpr, tie_key,
-                     LIST_BLOCK: tl.constexpr):
-    """One 8-bit radix digit of the threshold over a list of ``m`` entries (see
-    ``radix_select._refine``). ``BY_ID``: the values are the ids of the entries whose key is
-    ``tie_key``, ordered so that the lowest id is the largest value."""
-    hb = _high_bits(known)
-    shift = tl.maximum(known - 8, 0).to(tl.uint32)
-    hist = tl.zeros([256], dtype=tl.int32)
-    offs = tl.arange(0, LIST_BLOCK)
-    for start in range(0, tl.where(known > 0, m, 0), LIST_BLOCK):
-        o = start + offs
-        inl = o < m
-        key = tl.load(bkey_ptr + row_off + o, mask=inl, other=0).to(tl.uint32, bitcast=True)
-        if BY_ID:
-            ids = tl.load(bid_ptr + row_off + o, mask=inl, other=0)
-            val = tl.where(inl & (key == tie_key), 0xFFFFFFFF - ids.to(tl.uint32), tl.zeros_like(key))
-        else:
-            val = key
-        match = (val != 0) & ((val & hb) == (thr & hb))
-        hist += tl.histogram(((val >> shift) & 255).to(tl.int32), 256, mask=match)
-    return _refine(hist, thr, known, need)
-
-
-@triton.jit
 def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_ptr, offset_ptr, row_ptr, valid_ptr,
                       cs_ptr, ce_ptr, mask_ptr, N, TOP_K, list_stride,
                       HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, LIST_BLOCK: tl.constexpr,
@@ -218,7 +194,7 @@ def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_pt
         # a crowded boundary: passes over the list in blocks
         known = tl.where(need > 0, lo2, 0)
         for _ in tl.static_range(2):  # at most 16 bits below the two digits
-            thr, known, ties = _list_radix_pass(bkey_ptr, bid_ptr, row_off, m, thr, known, ties, False, thr,
+            thr, known, ties = _list_radix_pass(bkey_ptr + row_off, bid_ptr + row_off, m, thr, known, ties,
                                                 LIST_BLOCK)
         thr = tl.where(need > 0, thr, 0xFFFFFFFF)
         # ties of the threshold: all of them (the usual case), or the `ties` lowest ids
@@ -232,8 +208,8 @@ def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_pt
         id_known = tl.where((need > 0) & (ties < n_eq), 32, 0)
         id_need = ties
         for _ in tl.static_range(4):
-            id_thr, id_known, id_need = _list_radix_pass(bkey_ptr, bid_ptr, row_off, m, id_thr, id_known, id_need,
-                                                         True, thr, LIST_BLOCK)
+            id_thr, id_known, id_need = _list_radix_pass(bkey_ptr + row_off, bid_ptr + row_off, m, id_thr, id_known,
+                                                         id_need, LIST_BLOCK, True, thr)
         max_tie_id = tl.where(ties < n_eq, (0xFFFFFFFF - id_thr).to(tl.int32), 0x7FFFFFFF)
         max_tie_id = tl.where(need > 0, max_tie_id, -1)
         for start in range(0, m, LIST_BLOCK):
