@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="sparse-hier-fp8", help=f"comma list of {PROFILED_MODES}")
     ap.add_argument("--batch", default="1", help="comma list of batch sizes")
     ap.add_argument("--lookahead-pages", type=int, default=None,
-                    help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; 2 with --quick)")
+                    help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; "
+                         "2 with --quick)")
     ap.add_argument("--rho", type=float, default=0.9893, help="query trace rho (bench_decode's calibration)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)

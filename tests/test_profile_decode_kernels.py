@@ -33,7 +33,8 @@ def test_quick_run_of_several_mla_points_writes_each(tmp_path):
     assert pdk.main(["--quick", "--model", "dsv32-shape", "--mode", "dense,sparse-hier", "--batch", "1,2",
                      "--steps", "1", "--warmup", "1", "--out", str(out)]) == 0
     pts = json.loads(out.read_text())["points"]
-    assert [(p["mode"], p["batch"]) for p in pts] == [("dense", 1), ("dense", 2), ("sparse-hier", 1), ("sparse-hier", 2)]
+    assert [(p["mode"], p["batch"]) for p in pts] == [("dense", 1), ("dense", 2), ("sparse-hier", 1),
+                                                      ("sparse-hier", 2)]
     assert all(p["model"] == "tiny-dsa" and p["step_wall_ms_profiled"] > 0 for p in pts)
 
 

@@ -7,7 +7,8 @@ twin with identical results); a batch too small to fill the GPU splits each row 
 several programs (``topk_split``), and long rows at small batches that do not split so
 (top 2048 of 32768, say) share one radix select among their chunks (``topk_radix_grid``).
 ``masked_topk`` is a torch top-k of another output order (a stable sort of the masked
-scores, ids by descending score), which benchmarks and tests compare against; ``IdentityMemo`` caches its candidate mask across layers.
+scores, ids by descending score), which benchmarks and tests compare against;
+``IdentityMemo`` caches its candidate mask across layers.
 """
 from __future__ import annotations
 

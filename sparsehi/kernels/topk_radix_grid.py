@@ -12,8 +12,8 @@ chunks of ``CHUNK`` ids and every launch but one has a grid of ``P x B`` program
    first digit) to the row's (integer atomics: the sums do not depend on their order).
 3. ``_digit_histogram_kernel`` (``DIGIT=2``): the first digit holding the row's ``need``-th
    key (``need = min(top_k, selectable)``); each chunk adds the histogram of the next 8 bits
-   of its keys in that digit. Two digits keep the boundary list short where keys differ in sign, so
-   the first digit is only their sign and exponent.
+   of its keys in that digit. Two digits keep the boundary list short where keys differ in
+   sign, so the first digit is only their sign and exponent.
 4. ``_boundary_kernel``: the second digit holding the need-th key; each chunk counts its
    keys above the two digits and appends the keys in both, with their ids, to the row's
    boundary list.
@@ -45,16 +45,18 @@ CHUNK = 2048
 LIST_BLOCK = 1024
 REG_BLOCK = 4096
 """A boundary list of at most this many keys is selected in registers, read once."""
+
+
 @triton.jit
 def _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb,
                 HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr):
-    """Chunk ``p`` of row ``b``: ``_order_keys`` of its scores (0: not selectable), its ids
-    (int64) and the row's candidate start."""
+    """Chunk ``p`` of row ``b``: ``_order_keys`` of its scores (0: not selectable) and its
+    ids (int64)."""
     lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     offs = lo + p * CHUNK + tl.arange(0, CHUNK)
     inr = offs < hi
     key = _order_keys(tl.load(s_ptr + b * stride_sb + offs, mask=inr, other=float("-inf")), inr)
-    return key, offs, lo
+    return key, offs
 
 
 @triton.jit
@@ -105,7 +107,7 @@ def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, bl
                         HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    key, _, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+    key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
     ok = key != 0
     base = stats_ptr + (b * P + p) * 3
     tl.store(base, tl.min(tl.where(ok, key, 0xFFFFFFFF), 0).to(tl.int32, bitcast=True))
@@ -126,7 +128,7 @@ def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr
     b = tl.program_id(1).to(tl.int64)
     # with DIGIT 1 the first digit itself is not known yet: only its position is used
     _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
-    key, _, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+    key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
     if DIGIT == 1:
         match = key != 0
         digit = _digit_of(key, lo1)
@@ -144,7 +146,7 @@ def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     _, lo1, d1, lo2, d2, _, _ = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P)
-    key, offs, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+    key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
     ok = key != 0
     g1 = _digit_of(key, lo1)
     g2 = _digit_of(key, lo2)
@@ -231,7 +233,7 @@ def _emit_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, offset_ptr, row_ptr, valid_ptr
                  HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    key, offs, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+    key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
     thr = tl.load(row_ptr + b * 2).to(tl.uint32, bitcast=True)
     max_tie_id = tl.load(row_ptr + b * 2 + 1)
     ids = offs.to(tl.int32)
