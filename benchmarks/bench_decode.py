@@ -140,7 +140,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         raise SystemExit(f"--modes: {bad} unknown; allowed {ALL_MODES}")
     if args.skip_llama and (args.model_path or args.skip_dsv32):
-        raise SystemExit("--skip-llama leaves only the dsv32-shape rows: it takes neither --model-path nor --skip-dsv32")
+        raise SystemExit("--skip-llama leaves only the dsv32-shape rows: it takes neither --model-path nor "
+                         "--skip-dsv32")
     deadline = Deadline(args.time_budget)
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
@@ -200,7 +201,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save(final: bool = False) -> None:
         payload = {
-            "model": dsv.name if args.skip_llama else llama.name, "models": {llama.name: llama.note, dsv.name: dsv.note},
+            "model": dsv.name if args.skip_llama else llama.name,
+            "models": {llama.name: llama.note, dsv.name: dsv.note},
             "prefill": PREFILL_NOTE, "rows": rows, "capacity": {f"{m}|{c}|{s}": v for (m, c, s), v in caps.items()},
             "calibration": calib, "h2d_gbps": h2d, "hbm_gbps": hbm, "notes": notes, "trace_sources": TRACE_SOURCES,
             "summary": (summary(rows, caps, dsv_ctx, dsv.name, point.CUDA_GRAPH and cuda) if args.skip_llama

@@ -19,8 +19,8 @@ least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows the warp-
 kernel above 64 heads (its gather producer two tiles ahead on long splits); the token-rows
 kernel over FP8 rows up to 32 heads and over 16-bit rows up to 16 heads, at any batch (over
 16-bit rows with two MMA warpgroups where a program walks 512 indices or more); over FP8
-rows at 33-64 heads from 16 query rows a ``cp.async`` staging ring for the FP8 producer) and :class:`MlaTwoPassConfig`
-(``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
+rows at 33-64 heads from 16 query rows a ``cp.async`` staging ring for the FP8 producer)
+and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
 FP8 latent rows (``kv_buffer`` uint8 in the DeepSeek-V3.2 / FlashMLA layout,
 ``mla_fp8_latents``): the Gluon kernels have FP8 forms (by default the warp-specialised
