@@ -233,6 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def sweep(model, ctx: int, sc: SparseConfig, scen: str, gpu_budget: float, host_budget: float,
               modes=MODES, scale: float = 1.0, real: bool = False) -> None:
         cfg = model.cfg
+        dtype = next(model.parameters()).dtype  # --quick: the MLA model of FP8 latent rows runs in bf16
         steps = warmup + timed + profiled
         room = device_room(device)  # before the probe below reserves (and caches) its representation pools
         rep = representation_bytes_per_request(model, sc, ctx + steps + 2, device)
@@ -303,15 +304,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         """One pinned host pool per host KV dtype the swept modes use, sized once (pinning
         tens of GiB takes a while) for the largest context one of their requests fits in
         the host budget, before any point."""
-        groups = ((("sparse-hier", "sparse-hier-ahead", "offload-full"), "auto"),
-                  ((FP8_MODE, FP8_MODE + modes.AHEAD_SUFFIX), "fp8_e4m3"))
-        for group, host_dtype in groups:
-            fit = [c for c in ctxs for m in group if m in sweep_modes
-                   and per_request_bytes(model, m, c, sc, steps_all, 0, 0, dtype)[1] <= host_budget]
+        groups = ((("sparse-hier", "sparse-hier-ahead", "offload-full"), "auto", "auto"),
+                  ((FP8_MODE, FP8_MODE + modes.AHEAD_SUFFIX), "fp8_e4m3", "auto"),
+                  (modes.FP8_LATENT_MODES[1:], "auto", "fp8_e4m3"))
+        if not ctxs:  # --skip-llama: no llama-shape model
+            return
+        mdtype = next(model.parameters()).dtype
+        for group, host_dtype, kv_dtype in groups:
+            fit = [c for c in ctxs for m in group if m in modes_for(model)
+                   and per_request_bytes(model, m, c, sc, steps_all, 0, 0, mdtype)[1] <= host_budget]
             if fit:
                 pps = sc.page_size
-                shared_host_pool(model, replace(sc, host_kv_dtype=host_dtype),
-                                 max(fit) + max_batch * round_up(steps_all + 2 * pps, pps) + 4 * pps, device, dtype)
+                shared_host_pool(model, replace(sc, host_kv_dtype=host_dtype, kv_cache_dtype=kv_dtype),
+                                 max(fit) + max_batch * round_up(steps_all + 2 * pps, pps) + 4 * pps, device, mdtype)
+
+    def modes_for(model) -> tuple[str, ...]:
+        """The swept modes a model takes: FP8 latent rows are for MLA models only."""
+        return tuple(m for m in sweep_modes if model.cfg.family == "mla" or modes.kv_cache_dtype_of(m) == "auto")
 
     def create_probe(model, sc):
         from sparsehi.algorithms.registry import create_algorithm
@@ -345,13 +354,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "per layer in real_trace) vs the 0.85 the trace85 rows are calibrated to")
         save()
     for ctx in contexts:
-        sweep(gqa, ctx, sc_gqa, "a", *budget_a, modes=sweep_modes, real=real)
+        sweep(gqa, ctx, sc_gqa, "a", *budget_a, modes=modes_for(gqa), real=real)
     if not args.skip_dsv32 and deadline.left() > 60:
         del gqa
         free_memory(device)
         HOST_POOLS.clear()
         free_memory(device)
-        mla = build_model(config=dsv, device=device, dtype=dtype)
+        fp8_rows = any(m in modes.FP8_LATENT_MODES for m in sweep_modes)
+        if args.quick and fp8_rows:  # FP8 latent rows: a latent of whole 128-value tiles, a 16-bit model
+            dsv = get_model_config("tiny-dsa-fp8", num_layers=2)
+        mla = build_model(config=dsv, device=device, dtype=torch.bfloat16 if fp8_rows else dtype)
         scale = dsv.num_layers / 61 if not args.quick else 1.0
         sc_dsa = SparseConfig(algorithm="dsa", top_k=K if not args.quick else 64,
                               device_buffer_size=2 * (K if not args.quick else 64), page_size=1,
@@ -360,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         notes.append(f"dsv32-shape: {dsv.num_layers} of 61 layers, so its GPU/host budgets are scaled by "
                      f"{scale:.3f} (capacity as for the full model)")
         pin_host_pools(mla, sc_dsa, [dsv_ctx], budget_a[1] * scale)
-        sweep(mla, dsv_ctx, sc_dsa, "a", budget_a[0] * scale, budget_a[1] * scale, modes=sweep_modes, scale=scale)
+        sweep(mla, dsv_ctx, sc_dsa, "a", budget_a[0] * scale, budget_a[1] * scale, modes=modes_for(mla), scale=scale)
         del mla
         HOST_POOLS.clear()
         free_memory(device)
@@ -380,7 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "in scenario a stand for both scenarios")
         for ctx in contexts:
             sweep(gqa, ctx, sc_gqa, "b", free_b, budget_a[1],
-                  modes=tuple(m for m in sweep_modes if m != "offload-full"), real=real)
+                  modes=tuple(m for m in modes_for(gqa) if m != "offload-full"), real=real)
     notes.append("offload-full is swept only up to batch 4 (its capacity is larger): it loads every page "
                  "every step, so its step time grows linearly with batch (PCIe-bound) and its tokens/s is "
                  "flat past batch 2; larger batches would spend the time budget without changing the picture")

@@ -3,7 +3,8 @@ coordinator, one chunk of device KV at a time) leaves every request exactly wher
 whole-prompt prefill leaves it: the same host pages, representations, GPU buffer
 contents, dense-layer pool and tables, and the same decoded tokens, for host KV in the
 model's dtype and in FP8, with the sink spanning two chunks and the recent window spanning
-the last two. The chunked one fits a device pool smaller than the prompt."""
+the last two, and for FP8 latent rows. The chunked one fits a device pool smaller than
+the prompt."""
 from __future__ import annotations
 
 import pytest
@@ -22,18 +23,20 @@ STEPS = 6
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES = [
-    # name, algorithm, page size, host KV dtype, context (the last chunk shorter than the
-    # recent window), sink / recent tokens (the sink longer than a chunk)
-    pytest.param("tiny-gqa", "quest", 16, "auto", 2080, 320, 48, id="quest-model-dtype"),
-    pytest.param("tiny-gqa", "quest", 16, "fp8_e4m3", 2080, 320, 48, id="quest-fp8"),
-    pytest.param("tiny-dsa", "dsa", 1, "auto", 1312, 300, 48, id="dsa-model-dtype"),
+    # name, algorithm, page size, host KV dtype, KV cache dtype, context (the last chunk
+    # shorter than the recent window), sink / recent tokens (the sink longer than a chunk)
+    pytest.param("tiny-gqa", "quest", 16, "auto", "auto", 2080, 320, 48, id="quest-model-dtype"),
+    pytest.param("tiny-gqa", "quest", 16, "fp8_e4m3", "auto", 2080, 320, 48, id="quest-fp8"),
+    pytest.param("tiny-dsa", "dsa", 1, "auto", "auto", 1312, 300, 48, id="dsa-model-dtype"),
+    pytest.param("tiny-dsa-fp8", "dsa", 1, "auto", "fp8_e4m3", 1312, 300, 48, id="dsa-fp8-latent-rows"),
 ]
 
 
 def _runner(model, sc: SparseConfig, context: int, batch: int, device_tokens=None) -> ModelRunner:
+    # FP8 latent rows are read by the dsa adapter's decode kernel (its torch reference here)
     rt = RuntimeConfig(mode="sparse-hier", sparse=sc, dtype=torch.bfloat16, max_num_reqs=batch,
                        max_context_len=context + STEPS + 2, prefix_cache=False, host_layout="page_first",
-                       device_kv_tokens=device_tokens)
+                       device_kv_tokens=device_tokens, adapter="auto" if sc.kv_cache_dtype != "auto" else "none")
     return ModelRunner(model, rt)
 
 
@@ -83,12 +86,14 @@ def _prefill_and_decode(model, sc, context, batch, chunk, device_tokens=None):
     return snap, [list(r.output) for r in reqs], runner.mode.coord.stats()
 
 
-@pytest.mark.parametrize("name,algo,ps,host_dtype,context,sink,recent", CASES)
-def test_chunked_synth_prefill_equals_the_whole_prompt_one(name, algo, ps, host_dtype, context, sink, recent):
+@pytest.mark.parametrize("name,algo,ps,host_dtype,kv_dtype,context,sink,recent", CASES)
+def test_chunked_synth_prefill_equals_the_whole_prompt_one(name, algo, ps, host_dtype, kv_dtype, context, sink,
+                                                           recent):
     model = build_model(config=get_model_config(name, num_layers=3), dtype=torch.bfloat16)
     sc = SparseConfig(algorithm=algo, page_size=ps, top_k=32 if ps == 1 else 64,
                       device_buffer_size=64 if ps == 1 else 128, sink_tokens=sink, recent_tokens=recent,
-                      min_sparse_prompt_len=0, host_kv_dtype=host_dtype, io_backend="kernel", dense_layers=(0,))
+                      min_sparse_prompt_len=0, host_kv_dtype=host_dtype, kv_cache_dtype=kv_dtype,
+                      io_backend="kernel", dense_layers=(0,))
     batch = 2  # the second request takes the shared host pages (prefix_lens past its chunk start)
     rt = _runner(model, sc, context, batch).rt
     small_pool = batch * rt.buffer_tokens_per_request() + CHUNK + 4 * ps
@@ -112,3 +117,28 @@ def test_chunk_tokens_must_be_whole_blocks_of_random_kv():
                                               prefix_cache=False))
     with pytest.raises(ValueError, match="chunk_tokens=100 is invalid"):
         synth_prefill(runner.mode, runner.new_requests([[0]]), 512, chunk_tokens=100)
+
+
+@pytest.mark.parametrize("chunk", [256, 512])
+def test_fp8_latent_rows_are_the_stored_rows_of_the_bf16_prompt(chunk):
+    """A pool of FP8 latent rows gets, position by position, the rows ``stored_kv`` makes of
+    the values a bf16 pool gets from the same seed (so every mode sees one prompt), however
+    the prompt is cut into blocks."""
+    from hicache.kv_spec import KVCacheSpec
+    from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents
+    from sparsehi.runtime.synth import fill_random
+
+    cfg = get_model_config("tiny-dsa-fp8", num_layers=2)
+    rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    bf16 = DeviceKVPool(KVCacheSpec(attention="mla", num_layers=2, kv_heads=1, head_dim=rank + rope,
+                                    dtype=torch.bfloat16, page_size=1, kv_lora_rank=rank), 1024, "cpu")
+    fp8 = DeviceKVPool(KVCacheSpec.mla_fp8(2, rank, rope, 1), 1024, "cpu")
+    n = 768
+    fill_random(bf16, torch.arange(n), seed=5)
+    slots = torch.arange(100, 100 + n)
+    for s in range(0, n, chunk):  # the same prompt written block-wise into other slots
+        fill_random(fp8, slots[s:s + chunk], seed=5, first_position=s)
+    assert fp8.kv_data.dtype == torch.uint8
+    want = quantize_mla_latents(bf16.kv_data[:, :, :n], rank)
+    assert torch.equal(fp8.kv_data[:, :, 100:100 + n], want)
+    assert not fp8.kv_data[:, :, :100].any()  # slots outside the call untouched

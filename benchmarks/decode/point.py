@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.decode import modes
-from benchmarks.decode.modes import ALL_MODES, FP8_MODE, MODES, is_hierarchical, loads_ahead, runtime_mode_of  # noqa: F401
+from benchmarks.decode.modes import (ALL_MODES, FP8_MODE, MODES, is_hierarchical,  # noqa: F401
+                                     kv_cache_dtype_of, loads_ahead, runtime_mode_of)
 from benchmarks.decode.sizing import GIB, roofline_ms, sparse_extra_config, step_traffic
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.runtime_mode import Request
@@ -43,7 +44,8 @@ HOST_POOLS: dict = {}
 
 def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
     """One pinned HostKVPool per KV shape and host KV dtype, reused by every point (pinning
-    is slow); a pool of another shape in the same host dtype is dropped first."""
+    is slow); a pool of another shape in the same host dtype and KV cache format is dropped
+    first."""
     from hicache.device_pool import DeviceKVPool
     from hicache.host_pool import HostKVPool
     from sparsehi.runtime.runtime_mode import kv_spec_for
@@ -55,7 +57,7 @@ def shared_host_pool(model, sc: SparseConfig, n_tokens: int, device, dtype):
     hp = HOST_POOLS.get(key)
     if hp is not None and hp.num_slots >= n_tokens:
         return hp
-    for k in [k for k in HOST_POOLS if k[1] == sc.host_kv_dtype]:
+    for k in [k for k in HOST_POOLS if k[1] == sc.host_kv_dtype and k[0].fp8_latent_rows == spec.fp8_latent_rows]:
         HOST_POOLS.pop(k)
     free_memory(device)
     ps = sc.page_size
@@ -74,12 +76,16 @@ CUDA_GRAPH = True
 
 def make_runner(model, mode: str, ctx: int, batch: int, sc: SparseConfig, steps: int, device, dtype) -> ModelRunner:
     ahead = modes.LOOKAHEAD_PAGES * sc.page_size if loads_ahead(mode) else 0
+    kv_cache_dtype = kv_cache_dtype_of(mode)
     mode, host_kv_dtype = runtime_mode_of(mode)
-    sc = replace(sc, host_kv_dtype=host_kv_dtype, lookahead_tokens=ahead,
+    sc = replace(sc, host_kv_dtype=host_kv_dtype, lookahead_tokens=ahead, kv_cache_dtype=kv_cache_dtype,
                  sparse_extra_config=sparse_extra_config(model, sc))
+    # FP8 latent rows are read only by the sparse MLA decode kernel's adapter (its torch
+    # reference off CUDA); elsewhere the CPU runs the runner's torch fallback
+    on_cuda = torch.device(device).type == "cuda"
     rt = RuntimeConfig(mode=mode, sparse=sc, device=str(device),
                        dtype=dtype, max_num_reqs=batch, max_context_len=ctx + steps + 2,
-                       adapter="auto" if torch.device(device).type == "cuda" else "none",
+                       adapter="auto" if on_cuda or kv_cache_dtype != "auto" else "none",
                        prefix_cache=False, validate=False, cuda_graph=CUDA_GRAPH,
                        host_layout="page_first" if host_kv_dtype == "fp8_e4m3" else "layer_first")
     if mode in ("sparse-hier", "offload-full"):

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.decode.modes import AHEAD_MODES, AHEAD_SUFFIX, ALL_MODES, FP8_MODE, MODES
+from benchmarks.decode.modes import AHEAD_MODES, AHEAD_SUFFIX, ALL_MODES, FP8_LATENT_MODES, FP8_MODE, MODES, loads_ahead
+
+LOADING_AHEAD = tuple(m for m in ALL_MODES if loads_ahead(m))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -21,7 +23,8 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4), squeeze=False)
     colors = {"dense": "C0", "sparse-gpu": "C1", "sparse-hier": "C2", "offload-full": "C3", FP8_MODE: "C4",
-              AHEAD_MODES[0]: "C5", AHEAD_MODES[1]: "C6"}
+              AHEAD_MODES[0]: "C5", AHEAD_MODES[1]: "C6", FP8_LATENT_MODES[0]: "C7", FP8_LATENT_MODES[1]: "C8",
+              FP8_LATENT_MODES[2]: "C9"}
     for ax, (model, ctx) in zip(axes[0], groups):
         for scen, style in (("a", "-"), ("b", "--")):
             for mode in ALL_MODES:
@@ -91,7 +94,7 @@ def _ahead_lines(sel: list[dict]) -> list[str]:
     """Per mode that loads ahead: the share of miss bytes loaded ahead at batch 1 and at its
     best batch against the 0.80 target, with the buffer hit rate (target >= 0.90)."""
     out = []
-    for mode in AHEAD_MODES:
+    for mode in LOADING_AHEAD:
         rs = [r for r in sel if r["mode"] == mode and r.get("prefetch_hidden_frac") is not None]
         if not rs:
             continue
@@ -139,7 +142,8 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     mode in ``b1_mode_1m`` / ``fp8_best_mode_64k``; None without those rows);
     ``prefetch_hidden_frac``: the share of miss bytes loaded ahead (off the critical path),
     the smaller of the batch-1 and best-batch rows of the modes that load ahead (details
-    per mode in ``prefetch``; None without such rows)."""
+    per mode in ``prefetch``; None without such rows); ``by_mode``: batch-1 and best
+    tokens/s of every swept mode."""
     sel = [r for r in rows if r["model"] == model and r["context"] == ctx and r["scenario"] == "a"
            and r.get("trace_source") == "trace85"]
 
@@ -177,7 +181,7 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     top = max(at_64k, key=lambda r: r["tokens_per_s"], default=None)
     out["fp8_best_tok_s_64k"], out["fp8_best_mode_64k"] = get(top, "tokens_per_s"), get(top, "mode")
     prefetch = {}
-    for mode in AHEAD_MODES:
+    for mode in LOADING_AHEAD:
         pair = {"b1": b1(mode), "best": best(mode)}
         if pair["best"] is not None:
             prefetch[mode] = {k: {f: get(r, f) for f in ("batch", "tokens_per_s", "prefetch_hidden_frac",
@@ -189,4 +193,7 @@ def summary(rows: list[dict], caps: dict, ctx: int, model: str, graphs: bool) ->
     out["prefetch"] = prefetch
     cap = caps.get((model, ctx, "a"), {})
     out["batch_held"] = {m: cap.get(m) for m in ALL_MODES if m in MODES or cap.get(m) is not None}
+    out["by_mode"] = {m: {"b1_tok_s": get(b1(m), "tokens_per_s"), "best_tok_s": get(best(m), "tokens_per_s"),
+                          "best_batch": get(best(m), "batch")}
+                      for m in ALL_MODES if best(m) is not None}
     return out

@@ -8,8 +8,9 @@ from typing import Optional
 
 import torch
 
-from benchmarks.decode.modes import is_hierarchical, runtime_mode_of
+from benchmarks.decode.modes import is_hierarchical, kv_cache_dtype_of, runtime_mode_of
 from sparsehi.config import SparseConfig
+from sparsehi.runtime.kv_cache_format import kv_cache_spec
 from sparsehi.runtime.runtime_config import round_up
 from sparsehi.runtime.runtime_mode import host_token_bytes
 
@@ -36,11 +37,10 @@ def sparse_extra_config(model, sc: SparseConfig) -> dict:
     return extra
 
 
-def kv_bytes_per_token_layer(model, dtype) -> int:
-    """Device KV bytes of one token in one layer (K and V for GQA, the latent for MLA)."""
-    cfg = model.cfg
-    es = torch.empty((), dtype=dtype).element_size()
-    return cfg.cache_heads * cfg.cache_head_dim * es * (2 if cfg.family == "gqa" else 1)
+def kv_bytes_per_token_layer(model, dtype, kv_cache_dtype: str = "auto") -> int:
+    """Device KV bytes of one token in one layer (K and V for GQA, the latent for MLA; an
+    FP8 latent row with ``kv_cache_dtype="fp8_e4m3"``)."""
+    return kv_cache_spec(model.cfg, dtype, 1, kv_cache_dtype).token_bytes_per_layer
 
 
 def per_request_parts(model, mode: str, ctx: int, sc: SparseConfig, steps: int, rep_bytes: int,
@@ -52,11 +52,12 @@ def per_request_parts(model, mode: str, ctx: int, sc: SparseConfig, steps: int, 
     bounds, DSA index keys), ``staging`` (offload-full's one layer); host part: ``kv`` in
     the host pool's page format."""
     cfg = model.cfg
-    per_layer = kv_bytes_per_token_layer(model, dtype)
+    per_layer = kv_bytes_per_token_layer(model, dtype, kv_cache_dtype_of(mode))
     tb = per_layer * cfg.num_layers
     ps = sc.page_size
     tokens = round_up(ctx + steps + 1, ps) + ps
     buffer = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
+    mode = runtime_mode_of(mode)[0] if kv_cache_dtype_of(mode) != "auto" else mode
     if is_hierarchical(mode):
         # FP8 host pages: one byte a value, plus a page's scales
         fp8 = runtime_mode_of(mode)[1] == "fp8_e4m3"
@@ -121,8 +122,8 @@ def step_traffic(model, mode: str, ctx: int, batch: int, sc: SparseConfig, n_den
     selection's representations) and ``h2d`` (host->device: sparse-hier's missed pages,
     offload-full's whole context)."""
     cfg = model.cfg
-    es = torch.empty((), dtype=dtype).element_size()
-    per_tok = cfg.cache_heads * cfg.cache_head_dim * es * (2 if cfg.family == "gqa" else 1)  # one layer
+    per_tok = kv_bytes_per_token_layer(model, dtype, kv_cache_dtype_of(mode))  # one layer
+    mode = runtime_mode_of(mode)[0] if kv_cache_dtype_of(mode) != "auto" else mode
     L = cfg.num_layers
     ps = sc.page_size
     sel_tokens = (sc.sink_units + sc.top_k_units + sc.recent_units) * ps

@@ -17,8 +17,9 @@ and back into GPU buffers unchanged; who reads them:
   stored rows; algorithms that read stored keys are refused (``SparseConfig``).
 
 Refused: float32 models (the kernel's dots run in bf16 / fp16), GQA (MHA) models (FP8 host pages there: ``host_kv_dtype``), ``offload-full``,
-``host_kv_dtype='fp8_e4m3'`` together with it, synthetic random prefill
-(``runtime.synth``), the LMCache interop, and the SGLang plugin.
+``host_kv_dtype='fp8_e4m3'`` together with it, the LMCache interop, and the SGLang plugin.
+Synthetic random prefill (``runtime.synth``) writes the rows ``stored_kv`` makes of its
+bf16 values.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ import torch
 
 from hicache.device_pool import DeviceKVPool
 from sparsehi.forward_batch import ForwardBatch
+from sparsehi.runtime.kv_cache_format import stored_kv
 from sparsehi.runtime.runtime_mode import DenseMode, Request, RuntimeMode
 
 KV_BLOCK_TOKENS = 256
@@ -46,10 +47,10 @@ def _block_seed(seed: int, block: int) -> int:
 def fill_random(pool: DeviceKVPool, slots: torch.Tensor, seed: int, first_position: int = 0) -> None:
     """Random N(0, 1) KV of prompt positions ``[first_position, first_position + n)`` into
     ``slots [n]`` of every layer: the positions of block ``j`` (``kv_block_tokens`` of them)
-    from a generator seeded by ``(seed, j)``. ``first_position`` starts a block."""
-    if pool.spec.fp8_latent_rows:
-        raise ValueError("random synthetic KV is not written as FP8 latent rows: synthetic prefill needs "
-                         "kv_cache_dtype='auto'")
+    from a generator seeded by ``(seed, j)``. ``first_position`` starts a block. A pool of
+    FP8 latent rows (``kv_cache_dtype="fp8_e4m3"``) stores the same values, rounded to bf16,
+    as the rows ``stored_kv`` makes of them."""
+    spec = pool.spec
     block = kv_block_tokens(pool.page_size)
     if first_position % block:
         raise ValueError(f"first_position={first_position} must be a multiple of {block} (a block of random KV)")
@@ -58,14 +59,16 @@ def fill_random(pool: DeviceKVPool, slots: torch.Tensor, seed: int, first_positi
     if n == 0:
         return
     kv = pool.kv_data  # [bufs, layers, slots, H, D]
+    values_shape = (*kv.shape[3:-1], spec.value_dim + spec.rope_dim) if spec.fp8_latent_rows else kv.shape[3:]
     s0 = int(s[0])
     contiguous = int(s[-1]) - s0 + 1 == n
     gen = torch.Generator(device=pool.device)
     for off in range(0, n, block):
         m = min(block, n - off)
         gen.manual_seed(_block_seed(seed, (first_position + off) // block))
-        rows = torch.randn((*kv.shape[:2], m, *kv.shape[3:]), generator=gen, device=pool.device,
-                           dtype=torch.float32).to(kv.dtype)
+        rows = torch.randn((*kv.shape[:2], m, *values_shape), generator=gen, device=pool.device,
+                           dtype=torch.float32)
+        rows = stored_kv(spec, rows.to(torch.bfloat16)) if spec.fp8_latent_rows else rows.to(kv.dtype)
         if contiguous:
             kv[:, :, s0 + off:s0 + off + m] = rows
         else:
