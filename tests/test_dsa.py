@@ -72,6 +72,43 @@ def test_kernel_reads_indexed_counts_and_drops_padding_rows(kind):
         dsa_indexer_triton(q, w, kk, sc, req, n, indexed[:2])
 
 
+@pytest.mark.parametrize("tiles,stages", [(2, 2), (3, 1), (8, 3)])
+def test_programs_of_several_tiles_score_what_one_tile_programs_do(tiles, stages):
+    """A program looping over several tiles (rows of 150 tokens: the last program's tiles
+    run past the pool, and past a row's indexed count) writes the one-tile launch's scores,
+    bit for bit, and -inf where that one does."""
+    torch.manual_seed(6)
+    kk, sc = quantize_index_keys(torch.randn(4, 150, 24))
+    q, w = torch.randn(3, 5, 24), torch.rand(3, 5)
+    req, n = torch.tensor([2, -1, 0]), torch.tensor([131, 7, 150])
+    indexed = torch.tensor([150, 150, 97, 150])
+    one = dsa_indexer_triton(q, w, kk, sc, req, n, indexed, block_t=16, tiles=1)
+    many = dsa_indexer_triton(q, w, kk, sc, req, n, indexed, block_t=16, tiles=tiles, num_stages=stages)
+    assert torch.equal(one, many)
+    ref = dsa_indexer_reference(q, w, kk, sc, req, n, indexed)
+    assert (~torch.isinf(many)).sum(1).tolist() == [97, 0, 150]
+    live = ~torch.isinf(ref)
+    assert torch.equal(live, ~torch.isinf(many)) and torch.allclose(ref[live], many[live], rtol=1e-4, atol=1e-4)
+
+
+def test_tiles_per_program_and_bad_launch_arguments():
+    from sparsehi.kernels.dsa_indexer import MAX_TILES, PROGRAMS_PER_SM, indexer_tiles
+
+    sms = 132
+    assert indexer_tiles(1, 512, sms) == 1  # 512 programs: fewer than 4 a SM already
+    assert indexer_tiles(8, 512, sms) == 4  # 8 x 128 programs >= 4 x 132; 8 x 64 would be fewer
+    for b in (1, 2, 8, 30, 64):
+        t = indexer_tiles(b, 513, sms)
+        assert 1 <= t <= MAX_TILES and t & (t - 1) == 0
+        assert t == 1 or b * -(-513 // t) >= PROGRAMS_PER_SM * sms  # enough programs remain
+        assert t == MAX_TILES or b * -(-513 // (2 * t)) < PROGRAMS_PER_SM * sms  # the largest such
+    q, w, kk = torch.randn(1, 2, 8), torch.rand(1, 2), torch.randn(1, 20, 8)
+    req, n = torch.tensor([0]), torch.tensor([20])
+    for kw, name in (({"tiles": 0}, "tiles"), ({"num_stages": 0}, "num_stages"), ({"block_t": 0}, "block_t")):
+        with pytest.raises(ValueError, match=f"{name}=0 is invalid"):
+            dsa_indexer_triton(q, w, kk, None, req, n, **kw)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "bf16", "fp32"])
 def test_store_kernel_matches_reference(kind):
     """One decoded index key per row: the kernel stores the reference's bytes (FP8 values and
@@ -243,6 +280,9 @@ def test_gpu_kernel_bf16_queries_on_fp8_keys():
     live = ~torch.isinf(ref)
     assert live.sum(1).tolist() == [t, 4000, 0] and torch.equal(live, ~torch.isinf(tri))
     assert torch.allclose(ref[live], tri[live], rtol=1e-4, atol=1e-3)
+    one = dsa_indexer_triton(q, w, k8, sc, req, n, indexed, tiles=1, num_stages=1)
+    for tiles, stages in ((2, 2), (4, 3), (8, 2)):  # several tiles a program: the same scores, bit for bit
+        assert torch.equal(dsa_indexer_triton(q, w, k8, sc, req, n, indexed, tiles=tiles, num_stages=stages), one)
 
 
 def test_short_index_never_selects_unindexed_tokens_without_validation():

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch, interpreter_enabled
+from hicache.triton_support import cdiv, dispatch, interpreter_enabled, sm_count
 
 FP8_E4M3_MAX = 448.0
 
@@ -120,11 +120,14 @@ def _dsa_indexer_kernel(
     stride_kr, stride_kt, stride_sr,
     stride_ob,
     HAS_SCALE: tl.constexpr, HAS_INDEXED: tl.constexpr, DOT_IN_Q_DTYPE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
+    # one program scores TILES consecutive tiles of BLOCK_T tokens of one row: the row's
+    # queries and weights are read once per program, and the key loads of later tiles are
+    # pipelined behind the dot of earlier ones
     b = tl.program_id(0)
-    tblk = tl.program_id(1)
-    offs_t = tblk * BLOCK_T + tl.arange(0, BLOCK_T)
+    first = tl.program_id(1) * TILES
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     req = tl.load(req_ptr + b).to(tl.int64)
@@ -134,30 +137,55 @@ def _dsa_indexer_kernel(
     if HAS_INDEXED:
         n = tl.minimum(n, tl.load(indexed_ptr + req).to(tl.int64))
     n = tl.where(live_row, n, 0)  # padding / out-of-range rows: nothing
-    live_t = offs_t < n
     h_mask = offs_h < H
     d_mask = offs_d < D
-    # Tokens past the row's end are masked out of the key load: a fixed [B, T] grid reads
-    # only the live index keys.
-    k = tl.load(k_ptr + req * stride_kr + offs_t[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
-                mask=live_t[:, None] & d_mask[None, :], other=0.0)
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     w = tl.load(w_ptr + b * stride_wb + offs_h * stride_wh, mask=h_mask, other=0.0).to(tl.float32)
-    # padded heads have q = 0 and w = 0, so they add ReLU(0) * 0 = 0
     if DOT_IN_Q_DTYPE:
-        # FP8 (or same-dtype) keys widen exactly to q's 16-bit dtype: exact products, float32
-        # accumulation, on tensor cores
-        logits = tl.dot(k.to(q.dtype), tl.trans(q))  # [BLOCK_T, BLOCK_H] float32
+        q_t = tl.trans(q)
     else:
-        # float32 operands: three TF32 products, about float32 accuracy, on tensor cores
-        logits = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="tf32x3")
-    s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
-    if HAS_SCALE:
-        sc = tl.load(scale_ptr + req * stride_sr + offs_t, mask=live_t, other=1.0)
-        s = s * sc
-    s = tl.where(live_t, s, float("-inf"))
-    tl.store(out_ptr + b * stride_ob + offs_t, s, mask=offs_t < T)
+        q_t = tl.trans(q.to(tl.float32))
+    for i in tl.range(0, TILES, num_stages=NUM_STAGES):
+        offs_t = (first + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        live_t = offs_t < n
+        # Tokens past the row's end are masked out of the key load: a fixed [B, T] grid
+        # reads only the live index keys.
+        k = tl.load(k_ptr + req * stride_kr + offs_t[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
+                    mask=live_t[:, None] & d_mask[None, :], other=0.0)
+        # padded heads have q = 0 and w = 0, so they add ReLU(0) * 0 = 0
+        if DOT_IN_Q_DTYPE:
+            # FP8 (or same-dtype) keys widen exactly to q's 16-bit dtype: exact products,
+            # float32 accumulation, on tensor cores
+            logits = tl.dot(k.to(q.dtype), q_t)  # [BLOCK_T, BLOCK_H] float32
+        else:
+            # float32 operands: three TF32 products, about float32 accuracy, on tensor cores
+            logits = tl.dot(k.to(tl.float32), q_t, input_precision="tf32x3")
+        s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+        if HAS_SCALE:
+            sc = tl.load(scale_ptr + req * stride_sr + offs_t, mask=live_t, other=1.0)
+            s = s * sc
+        s = tl.where(live_t, s, float("-inf"))
+        tl.store(out_ptr + b * stride_ob + offs_t, s, mask=offs_t < T)
+
+
+PROGRAMS_PER_SM = 4
+"""The launcher gives each program more tiles only while the grid keeps at least this many
+programs per SM (``indexer_tiles``)."""
+MAX_TILES = 8
+PIPELINE_STAGES = 3
+"""Key loads in flight in a program of several tiles (``dsa_indexer_tiles.json``: 3 stages
+beat 2 at every batch of 8 rows and more)."""
+
+
+def indexer_tiles(batch: int, token_blocks: int, sms: int) -> int:
+    """Tiles of ``block_t`` tokens one program scores: the largest power of two up to
+    ``MAX_TILES`` that leaves at least ``PROGRAMS_PER_SM x sms`` programs over ``batch`` rows
+    of ``token_blocks`` tiles (1 when even one tile a program leaves fewer)."""
+    tiles = 1
+    while tiles < MAX_TILES and batch * cdiv(token_blocks, 2 * tiles) >= PROGRAMS_PER_SM * sms:
+        tiles *= 2
+    return tiles
 
 
 def dsa_indexer_triton(
@@ -169,11 +197,22 @@ def dsa_indexer_triton(
     num_tokens: torch.Tensor,
     indexed: Optional[torch.Tensor] = None,
     block_t: int = 64,
+    tiles: Optional[int] = None,
+    num_stages: Optional[int] = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Triton launcher (one launch); same arguments and result as
     :func:`dsa_indexer_reference`. Queries and weights are read through their strides in
-    their dtype, index tensors in theirs: no conversion launches."""
+    their dtype, index tensors in theirs: no conversion launches. ``tiles``: tiles of
+    ``block_t`` tokens per program (None: ``indexer_tiles``); ``num_stages``: key loads in
+    flight in a program's loop (None: 1 for one tile, else ``PIPELINE_STAGES``)."""
     _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+    for name, value in (("block_t", block_t), ("num_warps", num_warps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: an int >= 1")
+    for name, value in (("tiles", tiles), ("num_stages", num_stages)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} is invalid: None (the launcher's choice) or an int >= 1")
     b, h, d = q.shape
     r, t, _ = index_keys.shape
     if index_keys.stride(2) != 1:
@@ -190,7 +229,12 @@ def dsa_indexer_triton(
     scales = key_scales if key_scales is not None else out  # dummy pointer when unused
     counts = indexed.to(dev) if indexed is not None else req  # dummy pointer when unused
     w = weights.to(dev)
-    grid = (b, cdiv(t, block_t))
+    blocks = cdiv(t, block_t)
+    if tiles is None:
+        tiles = indexer_tiles(b, blocks, sm_count(dev, off_cuda=132))
+    if num_stages is None:
+        num_stages = 1 if tiles == 1 else PIPELINE_STAGES
+    grid = (b, cdiv(blocks, tiles))
     _dsa_indexer_kernel[grid](
         q, w, index_keys, scales, req, ntok, counts, out,
         r, t, h, d,
@@ -202,6 +246,7 @@ def dsa_indexer_triton(
         DOT_IN_Q_DTYPE=(q.dtype in (torch.bfloat16, torch.float16) and index_keys.dtype in (q.dtype, fp8_dtype())
                         and not interpreter_enabled()),
         BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        TILES=tiles, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
 

@@ -1,0 +1,91 @@
+"""DSA indexer launch shapes: tiles of index keys per program (the row's queries read once a
+program, key loads pipelined in its loop), pipeline stages, tile size and warps, at the
+decode's shapes (64 index heads x 128, FP8 keys with a float32 scale, bf16 queries), in
+CUDA-graph replays; each variant's scores checked bit for bit against one tile a program
+of the same tile size, and its key bytes against the device's copy bandwidth measured in the same run.
+
+    PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py          # -> results/dsa_indexer_tiles.json
+    PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py --quick  # CPU: the checks at small sizes
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import cuda_time_us, hbm_copy_gbps, result_parser, write_result  # noqa: E402
+from hicache.triton_support import cdiv, sm_count  # noqa: E402
+from sparsehi.kernels.dsa_indexer import (PIPELINE_STAGES, dsa_indexer_triton, indexer_tiles,  # noqa: E402
+                                          quantize_index_keys)
+
+BATCHES = [1, 8, 30, 39, 64]
+TOKENS = 32780
+"""A dsv32-shape pool row at 32k context (the context plus decode steps)."""
+VARIANTS = [  # (block_t, tiles, num_stages, num_warps); tiles None: the launcher's choice
+    (64, 1, 1, 4), (64, 2, 2, 4), (64, 4, 2, 4), (64, 8, 2, 4), (64, 4, 3, 4), (64, 8, 3, 4),
+    (128, 1, 1, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 4, 2, 8), (64, None, None, 4),
+]
+
+
+def case(b: int, tokens: int, heads: int, dim: int, device: str) -> tuple:
+    g = torch.Generator(device=device).manual_seed(b)
+    keys, scales = quantize_index_keys(torch.randn(b + 1, tokens, dim, device=device, generator=g))
+    q = torch.randn(b, heads, dim, device=device, generator=g).to(torch.bfloat16)
+    w = torch.rand(b, heads, device=device, generator=g)
+    req = torch.randperm(b, device=device, generator=g)
+    n = torch.full((b,), tokens - 12, dtype=torch.int32, device=device)
+    indexed = torch.full((b + 1,), tokens - 12, dtype=torch.int64, device=device)
+    return q, w, keys, scales, req, n, indexed
+
+
+def main(argv=None) -> int:
+    ap = result_parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="CPU: the checks at small sizes, no timing, no file")
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.quick
+    dev = "cuda" if cuda else "cpu"
+    batches, tokens, heads, dim = (BATCHES, TOKENS, 64, 128) if cuda else ([1, 3], 300, 4, 32)
+    variants = VARIANTS if cuda else [(16, 1, 1, 4), (16, 4, 2, 4), (32, 2, 3, 4), (16, None, None, 4)]
+    hbm = hbm_copy_gbps() if cuda else None  # bytes read + written a second: what a stream of reads reaches
+    rows: list[dict[str, Any]] = []
+    for b in batches:
+        args = case(b, tokens, heads, dim, dev)
+        one_tile = {bt: dsa_indexer_triton(*args, block_t=bt, tiles=1, num_stages=1) for bt in {v[0] for v in variants}}
+        key_bytes = b * (tokens - 12) * (dim + 4)  # FP8 values and a float32 scale a token
+        for block_t, tiles, stages, warps in variants:
+            def run(block_t=block_t, tiles=tiles, stages=stages, warps=warps):
+                return dsa_indexer_triton(*args, block_t=block_t, tiles=tiles, num_stages=stages, num_warps=warps)
+
+            chosen = tiles if tiles is not None else indexer_tiles(b, cdiv(tokens, block_t), sm_count(
+                torch.device(dev), off_cuda=132))
+            row: dict[str, Any] = {"batch": b, "tokens": tokens, "block_t": block_t, "tiles": chosen,
+                                   "launcher_choice": tiles is None, "num_stages": stages if stages is not None else (
+                                       1 if chosen == 1 else PIPELINE_STAGES), "num_warps": warps,
+                                   "same_as_one_tile": bool(torch.equal(run(), one_tile[block_t]))}
+            if cuda:
+                us = cuda_time_us(run, iters=30, graph=True)
+                row.update(us=round(us, 2), key_gbps=round(key_bytes / us / 1e3, 1),
+                           frac_of_copy_bandwidth=round(key_bytes / us / 1e3 / hbm, 3))
+            rows.append(row)
+            print(row, flush=True)
+    bad = [r for r in rows if not r["same_as_one_tile"]]
+    if bad:
+        print(f"{len(bad)} variants differ from one tile a program", flush=True)
+    if cuda:
+        path = write_result("dsa_indexer_tiles.json", {
+            "what": "DSA indexer scores [B, T] at the decode's shapes (64 index heads x 128, FP8 keys + float32 "
+                    "scale, bf16 queries), CUDA-graph replays (us per call) per launch shape; key_gbps: index key "
+                    "bytes (132 a token) over the time; frac_of_copy_bandwidth against the device-to-device copy's "
+                    "GB/s (bytes read + written) measured in this run; same_as_one_tile: scores equal to one "
+                    "tile a program of the same block_t, bit for bit",
+            "copy_gbps": round(hbm, 1), "commit": a.commit, "rows": rows}, a.out)
+        print(f"wrote {path}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
