@@ -60,15 +60,26 @@ def variants(scores: torch.Tensor, k: int, cs: torch.Tensor, ce: torch.Tensor) -
 def main(argv=None) -> int:
     ap = result_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="CPU: the checks at small sizes, no timing, no file")
+    ap.add_argument("--shapes", default=None, help="comma list of IDSxTOP_K (default: all of SHAPES)")
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default: all of BATCHES)")
+    ap.add_argument("--kinds", default=None, help=f"comma list of score kinds, of {KINDS} (default: all)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.quick
     dev = "cuda" if cuda else "cpu"
-    shapes = SHAPES if cuda else [(5000, 300)]
-    batches = BATCHES if cuda else [1, 3]
+    try:
+        shapes = [tuple(int(x) for x in v.split("x")) for v in a.shapes.split(",")] if a.shapes else None
+        batches = [int(v) for v in a.batches.split(",")] if a.batches else None
+    except ValueError:
+        ap.error(f"--shapes takes IDSxTOP_K pairs and --batches ints, got {a.shapes!r}, {a.batches!r}")
+    kinds = a.kinds.split(",") if a.kinds else KINDS
+    if any(k not in KINDS for k in kinds) or any(len(x) != 2 or min(x) < 1 for x in shapes or []):
+        ap.error(f"--kinds must be of {KINDS}; --shapes pairs of positive ints")
+    shapes = shapes or (SHAPES if cuda else [(5000, 300)])
+    batches = batches or (BATCHES if cuda else [1, 3])
     rows = []
     for n, k in shapes:
         for b in batches:
-            for kind in KINDS:
+            for kind in kinds:
                 scores = make_scores(kind, b, n, dev).float()
                 cs = torch.zeros(b, dtype=torch.int32, device=dev)
                 ce = torch.full((b,), n, dtype=torch.int32, device=dev)

@@ -8,7 +8,7 @@ import torch
 
 from sparsehi.kernels.topk import (MAX_PROGRAMS, MAX_ROWS, radix_grid_plan, topk_select, topk_select_reference,
                                    topk_select_triton)
-from sparsehi.kernels.topk_radix_grid import CHUNK, REG_BLOCK, topk_select_radix_grid
+from sparsehi.kernels.topk_radix_grid import CHUNK, REG_BLOCK, SMALL_BLOCK, topk_select_radix_grid
 from tests.test_topk_select import python_topk
 
 
@@ -64,6 +64,19 @@ def test_keys_sharing_their_high_bits_and_signed_zeros():
     cs, ce = ranges((0, 4300), (0, 4300))
     check(s, 400, cs, ce)
     check(s, 4250, cs, ce)  # row 1's zeros (of both signs) are ties at the threshold
+
+
+def test_boundary_lists_either_side_of_the_small_register_block():
+    # 3.0 above, 2.0 the boundary (its keys alone share the boundary digits), 1.0 below:
+    # row 0's list holds 200 keys (the small block), row 1's 1000 (the full block)
+    s = torch.ones(2, 5000)
+    s[:, 4000:4100] = 3.0
+    s[0, 10:2010:10] = 2.0
+    s[1, 3:4003:4] = 2.0
+    cs, ce = ranges((0, 5000), (0, 5000))
+    assert int((s[0] == 2.0).sum()) <= SMALL_BLOCK < int((s[1] == 2.0).sum()) <= REG_BLOCK
+    for k in (60, 100 + 137, 100 + 200):  # the threshold among the 3.0s; 2.0s taken in part; row 0's all
+        check(s, k, cs, ce)
 
 
 def test_a_boundary_digit_past_the_register_block_takes_the_list_passes():

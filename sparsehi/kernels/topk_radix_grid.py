@@ -17,8 +17,9 @@ chunks of ``CHUNK`` ids and every launch but one has a grid of ``P x B`` program
 4. ``_boundary_kernel``: the second digit holding the need-th key; each chunk counts its
    keys above the two digits and appends the keys in both, with their ids, to the row's
    boundary list.
-5. ``_threshold_kernel`` (grid ``B``): radix select among the boundary list (in registers,
-   or 8-bit passes over it past ``REG_BLOCK`` keys) gives the threshold key and how many of
+5. ``_threshold_kernel`` (grid ``B``): radix select among the boundary list (in a register
+   block of ``SMALL_BLOCK`` or ``REG_BLOCK`` keys, or 8-bit passes over it past
+   ``REG_BLOCK`` keys) gives the threshold key and how many of
    its ties to take; ties go to the lowest ids (a select on the ids of the ties when only
    some are taken); then each chunk's output offset.
 6. ``_emit_kernel``: each chunk writes its ids above the threshold, and its ties up to the
@@ -45,6 +46,10 @@ CHUNK = 2048
 LIST_BLOCK = 1024
 REG_BLOCK = 4096
 """A boundary list of at most this many keys is selected in registers, read once."""
+SMALL_BLOCK = 256
+"""A boundary list of at most this many keys (the usual case: a few dozen for normal scores
+at 32768 ids) is selected in a register block of this size: the histogram passes cost by
+the block, not by the list."""
 
 
 @triton.jit
@@ -162,10 +167,34 @@ def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above
 
 
 @triton.jit
+def _take_in_registers(bkey_ptr, bid_ptr, m, need, ties, lo_row, BLOCK: tl.constexpr, P: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """The threshold among a row's ``m <= BLOCK`` boundary keys, read once into registers:
+    ``(thr, max_tie_id, taken [P])``, the ids at ``thr`` taken up to ``max_tie_id`` and the
+    list's keys taken per chunk."""
+    r = tl.arange(0, BLOCK)
+    r_in = r < m
+    r_key = tl.load(bkey_ptr + r, mask=r_in, other=0).to(tl.uint32, bitcast=True)
+    r_ids = tl.load(bid_ptr + r, mask=r_in, other=0)
+    thr, ties = _threshold_in_registers(r_key, ties)
+    thr = tl.where(need > 0, thr, 0xFFFFFFFF)
+    r_eq = r_key == thr
+    n_eq = tl.sum(r_eq.to(tl.int32), 0)
+    partial = ties < n_eq
+    id_val = tl.where(r_eq, 0xFFFFFFFF - r_ids.to(tl.uint32), tl.zeros_like(r_key))
+    id_thr, id_ties = _threshold_in_registers(id_val, tl.where(partial, ties, 0))
+    max_tie_id = tl.where(partial, (0xFFFFFFFF - id_thr).to(tl.int32), 0x7FFFFFFF)
+    max_tie_id = tl.where(need > 0, max_tie_id, -1)
+    r_taken = r_in & ((r_key > thr) | (r_eq & (r_ids <= max_tie_id)))
+    taken = tl.histogram(tl.where(r_taken, (r_ids - lo_row) // CHUNK, 0).to(tl.int32), P, mask=r_taken)
+    return thr, max_tie_id, taken
+
+
+@triton.jit
 def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_ptr, offset_ptr, row_ptr, valid_ptr,
                       cs_ptr, ce_ptr, mask_ptr, N, TOP_K, list_stride,
                       HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, LIST_BLOCK: tl.constexpr,
-                      REG_BLOCK: tl.constexpr):
+                      REG_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # the threshold's bits down to lo2 (a digit window reaching into the shared bits agrees
     # with them, as every key has them) and the boundary keys to take: the threshold is the
@@ -175,23 +204,15 @@ def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_pt
     row_off = b * list_stride
     lo_row, hi_row = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     per_chunk = tl.load(above_ptr + b * P + tl.arange(0, P))  # each chunk's keys above the list's
-    if m <= REG_BLOCK:
-        # the usual case: the whole list in registers, read once
-        r = tl.arange(0, REG_BLOCK)
-        r_in = r < m
-        r_key = tl.load(bkey_ptr + row_off + r, mask=r_in, other=0).to(tl.uint32, bitcast=True)
-        r_ids = tl.load(bid_ptr + row_off + r, mask=r_in, other=0)
-        thr, ties = _threshold_in_registers(r_key, ties)
-        thr = tl.where(need > 0, thr, 0xFFFFFFFF)
-        r_eq = r_key == thr
-        n_eq = tl.sum(r_eq.to(tl.int32), 0)
-        partial = ties < n_eq
-        id_val = tl.where(r_eq, 0xFFFFFFFF - r_ids.to(tl.uint32), tl.zeros_like(r_key))
-        id_thr, id_ties = _threshold_in_registers(id_val, tl.where(partial, ties, 0))
-        max_tie_id = tl.where(partial, (0xFFFFFFFF - id_thr).to(tl.int32), 0x7FFFFFFF)
-        max_tie_id = tl.where(need > 0, max_tie_id, -1)
-        r_taken = r_in & ((r_key > thr) | (r_eq & (r_ids <= max_tie_id)))
-        per_chunk += tl.histogram(tl.where(r_taken, (r_ids - lo_row) // CHUNK, 0).to(tl.int32), P, mask=r_taken)
+    if m <= SMALL_BLOCK:
+        # the usual case: the whole list in a small register block
+        thr, max_tie_id, taken = _take_in_registers(bkey_ptr + row_off, bid_ptr + row_off, m, need, ties, lo_row,
+                                                    SMALL_BLOCK, P, CHUNK)
+        per_chunk += taken
+    elif m <= REG_BLOCK:
+        thr, max_tie_id, taken = _take_in_registers(bkey_ptr + row_off, bid_ptr + row_off, m, need, ties, lo_row,
+                                                    REG_BLOCK, P, CHUNK)
+        per_chunk += taken
     else:
         # a crowded boundary: passes over the list in blocks
         known = tl.where(need > 0, lo2, 0)
@@ -283,7 +304,8 @@ def topk_select_radix_grid(scores: torch.Tensor, top_k: int, candidate_start: to
     _boundary_kernel[grid](*src, stats, hist, above, blist[0], blist[1], blen, n, top_k, scores.stride(0),
                            list_stride, num_warps=num_warps, **geo)
     _threshold_kernel[(bsz,)](stats, hist, above, blist[0], blist[1], blen, offsets, row, valid, cs, ce, mask, n,
-                              top_k, list_stride, LIST_BLOCK=LIST_BLOCK, REG_BLOCK=REG_BLOCK, num_warps=8, **geo)
+                              top_k, list_stride, LIST_BLOCK=LIST_BLOCK, REG_BLOCK=REG_BLOCK, SMALL_BLOCK=SMALL_BLOCK,
+                              num_warps=8, **geo)
     _emit_kernel[grid](*src, offsets, row, valid, ids, n, top_k, scores.stride(0), ids.stride(0),
                        PAD_BLOCK=triton.next_power_of_2(cdiv(top_k, p)), num_warps=num_warps, **geo)
     return ids, valid
