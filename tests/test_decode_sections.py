@@ -97,12 +97,18 @@ def test_quick_mla_only_run_keeps_a_section_of_mla_rows(tmp_path, monkeypatch, o
         return model
 
     monkeypatch.setattr(bench_decode, "build_model", recording_build)
-    assert bench_decode.main(["--quick", "--skip-llama", "--modes", "dense,sparse-hier", "--max-batch", "2",
-                              "--section", "mla_only", "--out", str(tmp_path)]) == 0
+    (tmp_path / "decode.json").write_text(json.dumps({"summary": {"prefetch_hidden_frac": 0.86}}))
+    assert bench_decode.main(["--quick", "--skip-llama", "--modes", "dense,sparse-hier,sparse-hier-ahead",
+                              "--lookahead-pages", "16", "--max-batch", "2", "--section", "mla_only",
+                              "--out", str(tmp_path)]) == 0
     assert built == ["tiny-dsa"]  # no llama-shape model, for scenario a or b
     with pytest.raises(SystemExit, match="--skip-llama"):
         bench_decode.main(["--quick", "--skip-llama", "--skip-dsv32", "--out", str(tmp_path)])
-    sec = json.loads((tmp_path / "decode.json").read_text())["mla_only"]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    sec = doc["mla_only"]
+    # the file's summary (the llama-shape run's) keeps its figure: the MLA rows' is the section's alone
+    assert sec["summary"]["prefetch_hidden_frac"] is not None
+    assert doc["summary"] == {"prefetch_hidden_frac": 0.86, "lifted_from": {}}
     assert sec["rows"] and {r["model"] for r in sec["rows"]} == {"tiny-dsa"}
     assert sec["model"] == "tiny-dsa" and sec["summary"]["context"] == 512
     assert sec["summary"]["sparse_hier_b1_tok_s"] > 0 and sec["summary"]["dense_b1_tok_s"] > 0
