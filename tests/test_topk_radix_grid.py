@@ -126,8 +126,38 @@ def test_plan_takes_long_rows_at_small_batches_only():
     assert radix_grid_plan(MAX_PROGRAMS // p + 1, 1 << 20, 2048) is None
 
 
+def test_dispatch_order_between_the_grid_and_the_chunk_shortlists(monkeypatch):
+    """Where both plans apply (on a GPU of 132 SMs), top 2048 goes to the grid and top 512 to
+    the shortlists; the result is the reference's either way (spies record the path, the
+    real kernels run)."""
+    import sparsehi.kernels.topk as topk_mod
+    from sparsehi.kernels.topk_split import split_plan
+
+    taken = []
+    for name in ("topk_select_radix_grid", "topk_select_split"):
+        real = getattr(topk_mod, name)
+
+        def spy(*a, real=real, name=name, **kw):
+            taken.append(name)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(topk_mod, name, spy)
+    monkeypatch.setattr(topk_mod, "sm_count", lambda device: 132)  # an H100's SMs: the interpreter has none
+    torch.manual_seed(5)
+    for n, k in ((8192, 2048), (16384, 512)):
+        s = torch.randn(1, n)
+        cs, ce = ranges((0, n))
+        assert radix_grid_plan(1, n, k) is not None and split_plan(1, n, k, 132) is not None  # both apply
+        taken.clear()
+        got = topk_select_triton(s, k, cs, ce)
+        want = topk_select_reference(s, k, cs, ce)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert taken == (["topk_select_radix_grid"] if k >= topk_mod.GRID_BEFORE_SPLIT_TOP_K else
+                         ["topk_select_split"])
+
+
 GPU_CASES = [(1, 32768, 2048), (30, 32768, 2048), (4, 65536, 2048), (48, 16384, 2048), (2, 131072, 2048),
-             (8, 32768, 512)]
+             (8, 32768, 512), (1, 8192, 2048), (16, 8192, 2048)]
 
 
 def gpu_scores(kind, b, n):

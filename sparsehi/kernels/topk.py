@@ -30,6 +30,11 @@ boundary digit holds a large part of the row and one program per row is as fast.
 MIN_IDS = 8192
 MAX_ROWS = 48
 MAX_PROGRAMS = 2048
+GRID_BEFORE_SPLIT_TOP_K = 2048
+"""From this ``top_k`` the radix grid goes before the chunk shortlists where both plans
+apply: top 2048 of 8192 ids took 27-29 us on the grid against 36-49 us in shortlists at
+batch 1 and 30 (``results/topk_long_rows.json``, ``threshold_small_block``); at top 512 of
+16384 the shortlists were faster in 11 of 12 rows before the grid's small register block."""
 """``radix_grid_plan`` takes at most ``MAX_ROWS`` rows and ``MAX_PROGRAMS`` chunk programs
 (``B x P``). The grid's time grows with ``B x P`` (about 27 + 0.046 B P us on an H100,
 ``results/topk_long_rows.json``) while one program per row takes the same time for any
@@ -322,9 +327,10 @@ def topk_select_triton(
     """Triton launcher of :func:`topk_select`: one launch, one program per row, or, for a
     batch too small to fill the GPU (``split`` None: by ``topk_split.split_plan``; False:
     never), two launches with several programs per row (``sparsehi.kernels.topk_split``),
-    or, for rows many times longer than ``top_k`` that do not split so (``radix_grid`` None:
-    by ``radix_grid_plan``; False: never), one radix select spread over
-    each row's chunks (``sparsehi.kernels.topk_radix_grid``, six launches).
+    or, for rows many times longer than ``top_k`` (``radix_grid`` None: by
+    ``radix_grid_plan``; False: never), one radix select spread over each row's chunks
+    (``sparsehi.kernels.topk_radix_grid``, six launches): before the chunk shortlists from
+    ``GRID_BEFORE_SPLIT_TOP_K``, after them below it.
 
     A row whose candidate range fits in ``sample`` ids is loaded once and selected in
     registers (radix select on the keys, 8-bit digits below the bits all candidates share).
@@ -340,14 +346,15 @@ def topk_select_triton(
             raise ValueError(f"{name}={v!r} is invalid: a power of two >= 256")
     bsz, n = scores.shape
     dev = scores.device
+    chunks = radix_grid_plan(bsz, n, top_k) if radix_grid is not False else None
+    if chunks is not None and top_k >= GRID_BEFORE_SPLIT_TOP_K:
+        return topk_select_radix_grid(scores, top_k, candidate_start, candidate_end, row_mask, chunks)
     if split is not False:
         plan = split_plan(bsz, n, top_k, sm_count(dev))
         if plan is not None:
             return topk_select_split(scores, top_k, candidate_start, candidate_end, row_mask, plan)
-    if radix_grid is not False:
-        chunks = radix_grid_plan(bsz, n, top_k)
-        if chunks is not None:
-            return topk_select_radix_grid(scores, top_k, candidate_start, candidate_end, row_mask, chunks)
+    if chunks is not None:
+        return topk_select_radix_grid(scores, top_k, candidate_start, candidate_end, row_mask, chunks)
     scores, ids, valid = select_outputs(scores, top_k)
     if bsz == 0:
         return ids, valid
