@@ -137,6 +137,18 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | os.PathLike 
     return path
 
 
+def finish_checked_run(name: str, payload: dict[str, Any], bad: int, what_differs: str, timed: bool,
+                       out_dir: str | os.PathLike | None = None) -> int:
+    """The end of a benchmark whose rows are checked as they are timed: says how many
+    ``bad`` rows ``what_differs``, writes ``payload`` as ``name`` when the run was ``timed``
+    (a --quick CPU run writes nothing) and returns the exit code (1 if any row is bad)."""
+    if bad:
+        print(f"{bad} {what_differs}", flush=True)
+    if timed:
+        print(f"wrote {write_result(name, payload, out_dir)}", flush=True)
+    return 1 if bad else 0
+
+
 def result_parser(doc: str) -> argparse.ArgumentParser:
     """An argument parser described by ``doc``'s first line, with ``--commit`` (the commit of
     the kernels timed, recorded in the result) and ``--out`` (the result directory)."""

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import cuda_time_us, hbm_copy_gbps, result_parser, write_result  # noqa: E402
+from benchmarks.common import cuda_time_us, finish_checked_run, hbm_copy_gbps, result_parser  # noqa: E402
 from hicache.triton_support import cdiv, sm_count  # noqa: E402
 from sparsehi.kernels.dsa_indexer import (PIPELINE_STAGES, dsa_indexer_triton, indexer_tiles,  # noqa: E402
                                           quantize_index_keys)
@@ -73,18 +73,14 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, flush=True)
     bad = [r for r in rows if not r["same_as_one_tile"]]
-    if bad:
-        print(f"{len(bad)} variants differ from one tile a program", flush=True)
-    if cuda:
-        path = write_result("dsa_indexer_tiles.json", {
-            "what": "DSA indexer scores [B, T] at the decode's shapes (64 index heads x 128, FP8 keys + float32 "
-                    "scale, bf16 queries), CUDA-graph replays (us per call) per launch shape; key_gbps: index key "
-                    "bytes (132 a token) over the time; frac_of_copy_bandwidth against the device-to-device copy's "
-                    "GB/s (bytes read + written) measured in this run; same_as_one_tile: scores equal to one "
-                    "tile a program of the same block_t, bit for bit",
-            "copy_gbps": round(hbm, 1), "commit": a.commit, "rows": rows}, a.out)
-        print(f"wrote {path}")
-    return 1 if bad else 0
+    return finish_checked_run("dsa_indexer_tiles.json", {
+        "what": "DSA indexer scores [B, T] at the decode's shapes (64 index heads x 128, FP8 keys + float32 "
+                "scale, bf16 queries), CUDA-graph replays (us per call) per launch shape; key_gbps: index key "
+                "bytes (132 a token) over the time; frac_of_copy_bandwidth against the device-to-device copy's "
+                "GB/s (bytes read + written) measured in this run; same_as_one_tile: scores equal to one "
+                "tile a program of the same block_t, bit for bit",
+        "copy_gbps": hbm and round(hbm, 1), "commit": a.commit, "rows": rows},
+        len(bad), "variants differ from one tile a program", cuda, a.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import cuda_time_us, result_parser, write_result  # noqa: E402
+from benchmarks.common import cuda_time_us, finish_checked_run, result_parser  # noqa: E402
 from hicache.triton_support import sm_count  # noqa: E402
 from sparsehi.kernels.topk import radix_grid_plan, topk_select, topk_select_reference, topk_select_triton  # noqa: E402
 from sparsehi.kernels.topk_radix_grid import CHUNK, topk_select_radix_grid  # noqa: E402
@@ -98,16 +98,12 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print({x: y for x, y in row.items()}, flush=True)
     bad = [r for r in rows if not all(v for x, v in r.items() if x.endswith("_exact"))]
-    if bad:
-        print(f"{len(bad)} rows differ from the reference", flush=True)
-    if cuda:
-        path = write_result("topk_long_rows.json", {
-            "what": "top-k of long rows, CUDA-graph replays (us per call): one program per row, the chunk "
-                    "shortlists (split, where their plan applies), the radix select over each row's chunks "
-                    "(radix_grid), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
-                    "topk_select_reference's", "commit": a.commit, "rows": rows}, a.out)
-        print(f"wrote {path}")
-    return 1 if bad else 0
+    return finish_checked_run("topk_long_rows.json", {
+        "what": "top-k of long rows, CUDA-graph replays (us per call): one program per row, the chunk "
+                "shortlists (split, where their plan applies), the radix select over each row's chunks "
+                "(radix_grid), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
+                "topk_select_reference's", "commit": a.commit, "rows": rows},
+        len(bad), "rows differ from the reference", cuda, a.out)
 
 
 if __name__ == "__main__":
