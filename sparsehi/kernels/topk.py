@@ -30,15 +30,15 @@ boundary digit holds a large part of the row and one program per row is as fast.
 MIN_IDS = 8192
 MAX_ROWS = 48
 MAX_PROGRAMS = 2048
+"""``radix_grid_plan`` takes at most ``MAX_ROWS`` rows and ``MAX_PROGRAMS`` chunk programs
+(``B x P``). The grid's time grows with ``B x P`` (about 27 + 0.046 B P us on an H100,
+``results/topk_long_rows.json``) while one program per row takes the same time for any
+batch up to the SM count: past these the rows' own programs are as fast or faster."""
 GRID_BEFORE_SPLIT_TOP_K = 2048
 """From this ``top_k`` the radix grid goes before the chunk shortlists where both plans
 apply: top 2048 of 8192 ids took 27-29 us on the grid against 36-49 us in shortlists at
 batch 1 and 30 (``results/topk_long_rows.json``, ``threshold_small_block``); at top 512 of
 16384 the shortlists were faster in 11 of 12 rows before the grid's small register block."""
-"""``radix_grid_plan`` takes at most ``MAX_ROWS`` rows and ``MAX_PROGRAMS`` chunk programs
-(``B x P``). The grid's time grows with ``B x P`` (about 27 + 0.046 B P us on an H100,
-``results/topk_long_rows.json``) while one program per row takes the same time for any
-batch up to the SM count: past these the rows' own programs are as fast or faster."""
 
 
 def radix_grid_plan(batch: int, n: int, top_k: int) -> Optional[int]:
