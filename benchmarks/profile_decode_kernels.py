@@ -9,10 +9,13 @@ sections with events, which serialises them; this reads the kernels' own duratio
 
 Each point is built as bench_decode builds it: llama-8b-shape with Quest (page 16) or
 dsv32-shape with DSA (page 1), top-k 2048 tokens, buffer 4096, synthesised prefill, the
-calibrated 85 % query trace's rho given with ``--rho``; ``--steps`` replays are profiled
-after ``--warmup`` ones. ``--mode`` and ``--batch`` take comma lists and every pair is
-profiled in one process. Output: kernels by total device time per step, grouped by name,
-and their sum beside the step's wall time.
+calibrated 85 % query trace's rho given with ``--rho`` (with DSA it drives the indexer's
+queries too, as in bench_decode); ``--steps`` replays are profiled after ``--warmup`` ones and,
+in hierarchical modes, after the LRU buffers are full (``benchmarks.decode.point.fill_buffers``).
+``--mode`` and ``--batch`` take comma lists and every pair is profiled in one process.
+Output: kernels by total device time per step, grouped by name, their sum and the device's
+busy time (union of kernel intervals) beside the step's wall time, and the critical-path
+misses per profiled step.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_result  # noqa: E402
 from benchmarks.decode import modes  # noqa: E402
 from benchmarks.decode.modes import ALL_MODES, is_hierarchical, loads_ahead  # noqa: E402
-from benchmarks.decode.point import make_runner  # noqa: E402
+from benchmarks.decode.point import FILL_STEPS_MAX, fill_buffers, make_runner  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
 from sparsehi.runtime.synth import synth_prefill  # noqa: E402
@@ -53,6 +56,25 @@ def kernel_times(prof, steps: int) -> list[dict]:
     return sorted(out, key=lambda r: -r["us_per_step"])
 
 
+def device_busy_us(prof) -> tuple[float, float]:
+    """``(busy, span)`` in us over the profiled steps: the union of the kernels' intervals
+    and the time from the first kernel's start to the last one's end (span - busy: the
+    device idle between kernels, e.g. launch gaps)."""
+    iv = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                if ev.device_type == torch.autograd.DeviceType.CUDA)
+    if not iv:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0.0, iv[0]
+    for s, e in iv[1:]:
+        if s > hi:
+            busy += hi - lo
+            lo, hi = s, e
+        else:
+            hi = max(hi, e)
+    busy += hi - lo
+    return busy, iv[-1][1] - iv[0][0]
+
+
 def sparse_config(model_name: str, quick: bool) -> SparseConfig:
     """bench_decode's selection for the model: Quest over 16-token pages (GQA) or DSA over
     single tokens (MLA); top-k 2048 tokens and a buffer of twice that (64 with --quick)."""
@@ -67,12 +89,20 @@ def sparse_config(model_name: str, quick: bool) -> SparseConfig:
 
 def profile_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, a, device, cuda: bool) -> dict:
     """One point's kernels per step (largest first) and its profiled wall time."""
-    runner = make_runner(model, mode, ctx, batch, sc, a.warmup + a.steps + 2, device, next(model.parameters()).dtype)
+    runner = make_runner(model, mode, ctx, batch, sc, a.warmup + a.steps + 2 + FILL_STEPS_MAX, device,
+                         next(model.parameters()).dtype)
     reqs = runner.new_requests([[0]] * batch)
     synth_prefill(runner.mode, reqs, ctx, seed=1, chunk_tokens=SYNTH_CHUNK)
-    runner.mode.query_hook = QueryTrace(a.rho, seed=2)
+    # bench_decode's trace: with DSA it drives the indexer's queries too (without them the
+    # indexer's picks drift at random and nearly every selected token misses)
+    runner.mode.query_hook = QueryTrace(a.rho, seed=2, dsa=model.cfg.family == "mla")
     for _ in range(a.warmup):
         runner.decode_step(reqs)
+    if is_hierarchical(mode):  # bench_decode's steady state: the LRU buffers full
+        fill_buffers(runner, reqs, FILL_STEPS_MAX)
+    coord = getattr(runner.mode, "coord", None)
+    if coord is not None:
+        coord.reset_stats()
     if cuda:
         torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -85,14 +115,23 @@ def profile_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, a, d
     wall_ms = (time.perf_counter() - t) * 1e3 / a.steps
     kernels = kernel_times(prof, a.steps) if cuda else []
     total = sum(k["us_per_step"] for k in kernels)
+    busy, span = device_busy_us(prof) if cuda else (0.0, 0.0)
+    misses = None
+    if coord is not None and is_hierarchical(mode):
+        st = coord.stats()
+        misses = st["misses"] / max(1, st["steps"])
     result = {"model": model.cfg.name, "mode": mode, "context": ctx, "batch": batch,
               "lookahead_pages": modes.LOOKAHEAD_PAGES if loads_ahead(mode) else 0,
               "rho": a.rho, "profiled_steps": a.steps, "graphs": runner.graphs.enabled,
-              "step_wall_ms_profiled": wall_ms, "kernel_us_per_step_sum": total, "kernels": kernels[:40]}
+              "step_wall_ms_profiled": wall_ms, "kernel_us_per_step_sum": total,
+              "device_busy_us_per_step": busy / a.steps, "device_span_us_per_step": span / a.steps,
+              "misses_per_step": misses, "warmup_steps": a.warmup, "kernels": kernels[:40]}
     print(f"== {model.cfg.name} {mode} ctx={ctx} batch={batch}", flush=True)
     for k in kernels[:25]:
         print(f"{k['us_per_step']:10.1f} us/step {k['calls_per_step']:7.1f} calls  {k['name'][:110]}")
-    print(f"kernels: {total / 1e3:.2f} ms/step of device time; step wall (profiled) {wall_ms:.2f} ms", flush=True)
+    print(f"kernels: {total / 1e3:.2f} ms/step of device time (busy {busy / a.steps / 1e3:.2f} ms of a "
+          f"{span / a.steps / 1e3:.2f} ms span); step wall (profiled) {wall_ms:.2f} ms; misses/step {misses}",
+          flush=True)
     del runner, reqs
     if cuda:
         torch.cuda.empty_cache()
@@ -109,7 +148,9 @@ def main(argv=None) -> int:
                     help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; "
                          "2 with --quick)")
     ap.add_argument("--rho", type=float, default=0.9893, help="query trace rho (bench_decode's calibration)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="decode steps before the profiled ones (hierarchical modes then decode until their LRU "
+                         "buffers are full, as bench_decode does)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU: the path only")
     ap.add_argument("--out", type=Path, default=None, help="JSON result file")
