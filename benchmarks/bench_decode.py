@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS_DIR, device_info, hbm_copy_gbps, large_h2d_copy_gbps, write_result  # noqa: E402
 from benchmarks.decode import point  # noqa: E402
 from benchmarks.decode import modes  # noqa: E402
-from benchmarks.decode.point import (ALL_MODES, FP8_MODE, HOST_POOLS, MODES, free_memory, log,  # noqa: E402
-                                     run_point, shared_host_pool)
+from benchmarks.decode.point import (ALL_MODES, FILL_STEPS_MAX, FP8_MODE, HOST_POOLS, MODES,  # noqa: E402
+                                     free_memory, log, run_point, shared_host_pool)
 from benchmarks.decode.report import SECTION_SUMMARY_KEYS, plot, summary, summary_context, targets  # noqa: E402
 from benchmarks.decode.sections import write_section  # noqa: E402
 from benchmarks.decode.sizing import (GIB, LIMITS, admits_one_over_budget, batches_up_to, capacity,  # noqa: E402
@@ -158,6 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         K, ps = 64, 16
         budget_a = (2 * (1024 + 64) * llama.kv_bytes_per_token(dtype), 16 * (1024 + 64) * llama.kv_bytes_per_token(dtype))
         warmup, timed, profiled = 1, 2, 1
+        fill_max = 8
         cal_iters = 3
         max_batch = 8
     else:
@@ -168,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         K, ps = 2048, 16
         budget_a = (16 * GIB, 96 * GIB)
         warmup, timed, profiled = 2, 8, 1
+        fill_max = FILL_STEPS_MAX
         cal_iters = 8
         max_batch = 256
     if args.contexts:
@@ -217,6 +219,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "settings": {"graphs": point.CUDA_GRAPH and cuda, "top_k_tokens": K, "buffer_tokens": 2 * K,
                          "lookahead_pages": modes.LOOKAHEAD_PAGES, "page_size_gqa": ps, "sink_tokens": 64,
                          "recent_tokens": 64, "warmup_steps": warmup, "timed_steps": timed,
+                         "buffer_fill_steps_max": fill_max,
+                         "warmup": "every mode decodes warmup_steps; hierarchical modes then decode until every "
+                                   "sparse layer's LRU buffer of every request is full, plus 2 steps, at most "
+                                   "buffer_fill_steps_max (each row's warmup_steps and buffer_fill_at_timing)",
                          "profiled_steps": profiled, "quick": args.quick,
                          "scenario_a": {"gpu_kv_gib": budget_a[0] / GIB, "host_kv_gib": budget_a[1] / GIB}},
             "complete": final,
@@ -277,7 +283,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 t_steps = timed if mode != "offload-full" else max(2, timed // 4)
                 row = run_point(model, mode, ctx, b, sc, rho if trace else None, warmup if mode != "offload-full" else 1,
-                                t_steps, profiled if mode != "offload-full" else 1, device, dtype, calibrate=cal)
+                                t_steps, profiled if mode != "offload-full" else 1, device, dtype, calibrate=cal,
+                                fill_max=fill_max)
             except Exception as e:  # a point that does not fit or fails is reported, not fatal
                 notes.append(f"{cfg.name} {ctx} {scen} {mode} B={b} failed: {type(e).__name__}: {e}")
                 log(notes[-1])

@@ -264,3 +264,8 @@ class SparseCoordinator:
 
     def reset_stats(self) -> None:
         self.decoder.reset_stats()
+
+    def buffer_fill(self, req_pool_indices: torch.Tensor) -> float:
+        """Share of occupied slots in the least-filled LRU buffer of these requests (every
+        sparse layer); 1.0 without LRU buffers. Syncs with the device."""
+        return self.decoder.buffer_fill(req_pool_indices)

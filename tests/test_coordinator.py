@@ -345,3 +345,16 @@ def test_short_prompts_stay_dense_in_both_modes():
     # the same short prompt without the threshold goes sparse once it outgrows the selection
     _, _, sel_0 = run_mode("gpu_only", _cfg(min_sparse_prompt_len=0), kv, prompts, steps=steps)
     assert int((sel_0[-1][1] >= 0).sum()) < -(-(23 + steps) // ps)
+
+
+def test_buffer_fill_is_the_least_filled_lru_buffer_share():
+    cfg = _cfg()
+    kv = ToyKV(2, 256, seed=3)
+    rows = torch.tensor([0, 1])
+    fills = [run_mode("hierarchical", cfg, kv, [61, 100], steps=s)[0].buffer_fill(rows) for s in (1, 22)]
+    # the first step's selection in some of the 6 LRU slots, all of them later
+    assert 0.0 < fills[0] < 1.0
+    assert fills[1] == 1.0
+    c_g = run_mode("gpu_only", cfg, kv, [61, 100], steps=1)[0]
+    assert c_g.buffer_fill(rows) == 1.0  # no LRU buffers
+    assert run_mode("hierarchical", cfg, kv, [61, 100], steps=1)[0].buffer_fill(rows[:0]) == 1.0
