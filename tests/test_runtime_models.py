@@ -10,7 +10,8 @@ import torch
 
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.attention import causal_attention
-from sparsehi.runtime.layers import apply_rope, rope_cos_sin
+from sparsehi.kernels.rope import rope_reference as apply_rope
+from sparsehi.runtime.layers import rope_cos_sin
 from sparsehi.runtime.model_config import BUILTIN_CONFIGS, ModelConfig, get_model_config
 from sparsehi.runtime.runtime_config import RuntimeConfig, parse_modes
 from sparsehi.runtime.runner import ModelRunner
@@ -169,6 +170,53 @@ def test_mla_model_exposes_indexer_outputs():
     assert seen["index_q"].shape == (10, cfg.index_n_heads, cfg.index_head_dim)
     assert seen["index_k"].shape == (10, cfg.index_head_dim)
     assert seen["index_w"].shape == (10, cfg.index_n_heads)
+
+
+def test_mla_forward_equals_its_unfused_form():
+    # the model stacks projections into two GEMMs, rotates RoPE columns in place and fuses
+    # each residual add with the next norm; here every step is its own module call
+    cfg = tiny("tiny-dsa", layers=2)
+    model = build_model(config=cfg)
+    H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    T = 12
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(3, 3 + T)
+    seen = []
+
+    def attn(layer, q, kv, v, extra):
+        seen.append((q.clone(), kv.clone(), {k: t.clone() for k, t in extra.items()}))
+        return causal_attention(q, kv, kv[..., :r], cfg.sm_scale, 0)
+
+    with torch.no_grad():
+        out = model(ids, pos, attn)
+        cos, sin = rope_cos_sin(pos, dr, cfg.rope_theta)
+        h = model.embed_tokens(ids)
+        for i, layer in enumerate(model.layers):
+            a, ix = layer.self_attn, layer.indexer
+            x = layer.input_layernorm(h)
+            cq = a.q_a_layernorm(a.q_a_proj(x))
+            q = a.q_b_proj(cq).view(T, H, dn + dr)
+            kv_a = a.kv_a_proj_with_mqa(x)
+            w = a.kv_b_proj.weight.view(H, dn + dv, r)
+            q_full = torch.cat([torch.einsum("thn,hnc->thc", q[..., :dn], w[:, :dn]),
+                                apply_rope(q[..., dn:], cos, sin)], -1)
+            kv = torch.cat([a.kv_a_layernorm(kv_a[:, :r])[:, None], apply_rope(kv_a[:, None, r:], cos, sin)], -1)
+            iq = ix.wq_b(cq).view(T, Hi, Di)
+            iq = torch.cat([apply_rope(iq[..., :dr], cos, sin), iq[..., dr:]], -1)
+            ik = ix.k_norm(ix.wk(x))
+            ik = torch.cat([apply_rope(ik[:, None, :dr], cos, sin)[:, 0], ik[:, dr:]], -1)
+            iw = ix.weights_proj(x).float() * (Hi ** -0.5) * (Di ** -0.5)
+            got_q, got_kv, got_extra = seen[i]
+            for name, want, got in (("q", q_full, got_q), ("kv", kv, got_kv), ("index_q", iq, got_extra["index_q"]),
+                                    ("index_k", ik, got_extra["index_k"]), ("index_w", iw, got_extra["index_w"])):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"layer {i} {name}")
+            o = torch.einsum("thc,hvc->thv", causal_attention(q_full, kv, kv[..., :r], cfg.sm_scale, 0),
+                             w[:, dn:])
+            h = h + a.o_proj(o.reshape(T, H * dv))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        want = model.norm(h)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- caches

@@ -85,14 +85,6 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float,
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, dim]`` by position (rotate-half convention)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
-
-
 def fused_weight(owner: nn.Module, cache_attr: str, weights: list[torch.Tensor]) -> torch.Tensor:
     """The ``weights`` (same input width) stacked into one matrix, so one GEMM launch does
     the work of several; cached on ``owner`` and rebuilt when any of them changes (a new

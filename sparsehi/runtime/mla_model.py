@@ -17,10 +17,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparsehi.kernels.add_rms_norm import add_rms_norm
+from sparsehi.kernels.rope import rope_inplace
 from sparsehi.kernels.row_invariant_matmul import row_invariant_matmul
-from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, apply_rope, init_linear, project, rope_cos_sin,
+from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, project, rope_cos_sin,
                                     seeded_normal_, tie_rows)
 from sparsehi.runtime.model_config import ModelConfig
+
+
+def column_blocks(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """``y [T, sum(widths)]`` cut into column blocks, each a plain slice of ``y`` (RoPE
+    rotates some of them in place, which autograd refuses on ``split``'s views)."""
+    out, c = [], 0
+    for w in widths:
+        out.append(y[:, c:c + w])
+        c += w
+    return out
 
 
 class MLAAttention(nn.Module):
@@ -53,6 +65,19 @@ class MLALayer(nn.Module):
         self.indexer = Indexer(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def x_projection_weight(self) -> torch.Tensor:
+        """``[q_lora_rank + kv_lora_rank + rope + Di + Hi, hidden]``: the four projections of
+        the normed hidden state (query and KV down-projections, index key, index weights)
+        stacked, one GEMM for all four."""
+        a, ix = self.self_attn, self.indexer
+        return fused_weight(self, "_x_proj", [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight, ix.wk.weight,
+                                              ix.weights_proj.weight])
+
+    def latent_projection_weight(self) -> torch.Tensor:
+        """``[H * (nope + rope) + Hi * Di, q_lora_rank]``: the query up-projection and the
+        index query projection of the normed query latent stacked."""
+        return fused_weight(self, "_latent_proj", [self.self_attn.q_b_proj.weight, self.indexer.wq_b.weight])
 
 
 class MLAModel(nn.Module):
@@ -122,15 +147,20 @@ class MLAModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, dr, cfg.rope_theta)
         w_scale = (Hi ** -0.5) * (Di ** -0.5)
+        # the residual add and the next norm are one launch (x: the next block's normed input);
+        # RoPE rotates the projections' rope columns in place, one launch each
+        x = self.layers[0].input_layernorm(h, inv) if len(self.layers) else h
         for i, layer in enumerate(self.layers):
             a, ix = layer.self_attn, layer.indexer
-            x = layer.input_layernorm(h, inv)
-            cq = a.q_a_layernorm(project(x, a.q_a_proj.weight, None, inv), inv)
-            q = project(cq, a.q_b_proj.weight, None, inv).view(T, H, dn + dr)
-            q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
-            kv_a = project(x, a.kv_a_proj_with_mqa.weight, None, inv)
+            # the projections of x in one GEMM, and those of the query latent in another
+            q_a, kv_a, ik, iw = column_blocks(project(x, layer.x_projection_weight(), None, inv),
+                                              [cfg.q_lora_rank, r + dr, Di, Hi])
+            cq = a.q_a_layernorm(q_a, inv)
+            q, iq = column_blocks(project(cq, layer.latent_projection_weight(), None, inv), [H * (dn + dr), Hi * Di])
+            q = q.view(T, H, dn + dr)
+            q_nope, q_pe = q[..., :dn], rope_inplace(q[..., dn:], cos, sin)
             c_kv = a.kv_a_layernorm(kv_a[:, :r], inv)
-            k_pe = apply_rope(kv_a[:, None, r:], cos, sin)
+            k_pe = rope_inplace(kv_a[:, None, r:], cos, sin)
             w_kv = a.kv_b_proj.weight.view(H, dn + dv, r)
             if inv:  # per head: [H, T, dn] x [H, r, dn]
                 q_lat = row_invariant_matmul(q_nope.transpose(0, 1), w_kv[:, :dn].transpose(1, 2)).transpose(0, 1)
@@ -138,19 +168,22 @@ class MLAModel(nn.Module):
                 q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
             q_full = torch.cat([q_lat, q_pe], dim=-1)
             kv = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
-            iq = project(cq, ix.wq_b.weight, None, inv).view(T, Hi, Di)
-            iq = torch.cat([apply_rope(iq[..., :dr], cos, sin), iq[..., dr:]], dim=-1)
-            ik = ix.k_norm(project(x, ix.wk.weight, None, inv))
-            ik = torch.cat([apply_rope(ik[:, None, :dr], cos, sin)[:, 0], ik[:, dr:]], dim=-1)
-            iw = project(x, ix.weights_proj.weight, None, inv).float() * w_scale
+            iq = iq.view(T, Hi, Di)
+            rope_inplace(iq[..., :dr], cos, sin)
+            ik = ix.k_norm(ik)
+            rope_inplace(ik[:, None, :dr], cos, sin)
+            iw = iw.float() * w_scale
             o_lat = attn(i, q_full, kv, None, {"index_q": iq, "index_k": ik, "index_w": iw})
             if inv:  # per head: [H, T, r] x [H, dv, r]
                 o = row_invariant_matmul(o_lat.to(h.dtype).transpose(0, 1), w_kv[:, dn:]).transpose(0, 1)
             else:
                 o = torch.einsum("thc,hvc->thv", o_lat.to(h.dtype), w_kv[:, dn:])
-            h = h + project(o.reshape(T, H * dv), a.o_proj.weight, None, inv)
-            h = h + layer.mlp(layer.post_attention_layernorm(h, inv), inv)
-        return self.norm(h, inv)
+            post = layer.post_attention_layernorm
+            h, x = add_rms_norm(h, project(o.reshape(T, H * dv), a.o_proj.weight, None, inv), post.weight.to(h.dtype),
+                                post.eps)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_rms_norm(h, layer.mlp(x, inv), nxt.weight.to(h.dtype), nxt.eps)
+        return x if len(self.layers) else self.norm(h, inv)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return project(hidden, self.lm_head.weight, None, self.batch_invariant).float()
