@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from sparsehi.kernels.sparse_mla_decode import (
+    GLUON_MIN_INDICES,
     MlaGluonConfig,
     MlaLaunchConfig,
     MlaTwoPassConfig,
+    default_mla_config,
     sparse_mla_decode,
     sparse_mla_decode_reference,
     sparse_mla_decode_triton,
@@ -296,6 +298,29 @@ def test_gpu_default_dispatch_runs_default_gluon_config(heads):
     not_chosen = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1, config=other)
     assert torch.equal(out, chosen)
     assert not torch.equal(out, not_chosen)
+    ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [GLUON_MIN_INDICES, GLUON_MIN_INDICES // 4])
+def test_gpu_default_dispatch_takes_gluon_for_long_rows_at_batch_1(K):
+    from sparsehi.kernels.sparse_mla_gluon import default_gluon_config
+
+    # one request of 128 heads is two 64-head blocks, under GLUON_MIN_HEAD_BLOCKS: the fused
+    # kernel below GLUON_MIN_INDICES indices, the Gluon kernel from there (a dense decode's
+    # context); bitwise equality names the kernel that ran, as above
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, kv, idx = _case(1, 128, 512, 64, K, 2 * K, torch.bfloat16, seed=13)
+    idx[0, K - 100:] = -1
+    out = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+    gluon = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1,
+                                     config=default_gluon_config(128, fp8=False, rows=1))
+    fused = sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=512, sm_scale=0.1,
+                                     config=default_mla_config(q.device, 128, 1, K))
+    assert not torch.equal(gluon, fused)
+    assert torch.equal(out, gluon if K >= GLUON_MIN_INDICES else fused)
     ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
 
