@@ -268,4 +268,5 @@ class SparseCoordinator:
     def buffer_fill(self, req_pool_indices: torch.Tensor) -> float:
         """Share of occupied slots in the least-filled LRU buffer of these requests (every
         sparse layer); 1.0 without LRU buffers. Syncs with the device."""
-        return self.decoder.buffer_fill(req_pool_indices)
+        lru = self.decoder.lru
+        return 1.0 if lru is None else lru.fill(req_pool_indices)

@@ -44,5 +44,13 @@ class LruState:
         """``(resident, last_used, slot_of)`` planes of sparse layer index ``li``."""
         return self.resident[li], self.last_used[li], self.slot_of[li]
 
+    def fill(self, rows: torch.Tensor) -> float:
+        """Share of occupied slots in the least-filled buffer of ``rows`` (``[n] int64``)
+        over every layer; 1.0 with no rows, layers or slots. Syncs with the device."""
+        if rows.numel() == 0 or self.resident.numel() == 0:
+            return 1.0
+        held = (self.resident[:, rows.to(self.resident.device)] >= 0).float().mean(dim=-1)  # [L, n]
+        return float(held.min())
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.resident, self.last_used, self.slot_of))

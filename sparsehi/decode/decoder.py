@@ -591,15 +591,6 @@ class SparseDecoder:
         self.counters = SwapInCounters(self.device_pool.spec.num_layers, self.sparse_layers, self.device,
                                        history=self.STATS_HISTORY)
 
-    def buffer_fill(self, rows: torch.Tensor) -> float:
-        """The least-filled LRU buffer's share of occupied slots over every sparse layer and
-        request row in ``rows`` (``[n] int64``); 1.0 when there are no LRU buffers
-        (gpu_only) or no rows. Syncs with the device (benchmarks and tests, not the step)."""
-        if self.lru is None or rows.numel() == 0 or self.lru.resident.numel() == 0:
-            return 1.0
-        held = (self.lru.resident[:, rows.to(self.device)] >= 0).float().mean(dim=-1)  # [L, n]
-        return float(held.min())
-
     def stats(self) -> dict:
         """Counters (syncs with the device): totals and per-layer hit rates over every
         closed decode step since ``reset_stats``; ``per_step`` holds the last
