@@ -16,9 +16,10 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 ``sparse_mla_decode_triton`` also runs the other two kernels by their config:
 :class:`MlaGluonConfig` (``sparse_mla_gluon``, Hopper; the default for launches of at
 least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there or over 16-bit rows of at least
-``GLUON_MIN_INDICES`` indices (a dense decode's whole context), over 16-bit rows the warp-specialised
-kernel above 64 heads (its gather producer two tiles ahead on long splits); the token-rows
-kernel over FP8 rows up to 32 heads and over 16-bit rows up to 16 heads, at any batch (over
+``GLUON_MIN_INDICES`` indices (a dense decode's whole context), over 16-bit rows the
+warp-specialised kernel above 64 heads (its gather producer two tiles ahead on long
+splits); the token-rows kernel over FP8 rows up to 32 heads and over 16-bit rows up to 16
+heads, at any batch (over
 16-bit rows with two MMA warpgroups where a program walks 512 indices or more); over FP8
 rows at 33-64 heads from 16 query rows a ``cp.async`` staging ring for the FP8 producer)
 and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
@@ -55,8 +56,8 @@ from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
 __all__ = ["GLUON_MIN_HEAD_BLOCKS", "GLUON_MIN_INDICES", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig",
-           "default_mla_config", "default_mla_fp8_config", "mla_num_splits", "sparse_mla_decode", "sparse_mla_decode_reference",
-           "sparse_mla_decode_triton"]
+           "default_mla_config", "default_mla_fp8_config", "mla_num_splits", "sparse_mla_decode",
+           "sparse_mla_decode_reference", "sparse_mla_decode_triton"]
 
 
 @dataclass(frozen=True)
