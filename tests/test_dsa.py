@@ -11,7 +11,7 @@ from sparsehi.config import SparseConfig
 from sparsehi.kernels.dsa_index_store import (dsa_store_index_keys, dsa_store_index_keys_reference,
                                               dsa_store_index_keys_triton)
 from sparsehi.kernels.dsa_indexer import dsa_indexer, dsa_indexer_reference, dsa_indexer_triton, quantize_index_keys
-from sparsehi.kernels.topk import masked_topk, topk_select
+from sparsehi.kernels.topk import masked_topk
 
 
 def _cfg(top_k=4, dim=8, dtype="fp32", **extra):
