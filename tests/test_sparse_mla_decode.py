@@ -7,11 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from sparsehi.kernels.sparse_mla_decode import (
+    GLUON_FP8_MIN_HEADS,
     GLUON_MIN_INDICES,
     MlaGluonConfig,
     MlaLaunchConfig,
     MlaTwoPassConfig,
     default_mla_config,
+    default_mla_fp8_config,
     sparse_mla_decode,
     sparse_mla_decode_reference,
     sparse_mla_decode_triton,
@@ -322,6 +324,29 @@ def test_gpu_default_dispatch_takes_gluon_for_long_rows_at_batch_1(K):
     assert not torch.equal(gluon, fused)
     assert torch.equal(out, gluon if K >= GLUON_MIN_INDICES else fused)
     ref = sparse_mla_decode_reference(q, kv, idx, kv_lora_rank=512, sm_scale=0.1)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_default_dispatch_takes_gluon_over_fp8_rows_at_batch_1():
+    from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents
+    from sparsehi.kernels.sparse_mla_gluon import default_gluon_config
+
+    # FP8 rows at GLUON_FP8_MIN_HEADS heads and batch 1 (two 64-head blocks): the Gluon kernel,
+    # even over a sparse step's short index list; bitwise equality names the kernel that ran
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    q, kv, idx = _case(1, GLUON_FP8_MIN_HEADS, 512, 64, 2176, 8192, torch.bfloat16, seed=14)
+    idx[0, 2000:] = -1
+    packed = quantize_mla_latents(kv.view(kv.shape[0], -1), 512)
+    out = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1)
+    gluon = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1,
+                                     config=default_gluon_config(GLUON_FP8_MIN_HEADS, fp8=True, rows=1))
+    fused = sparse_mla_decode_triton(q, packed, idx, kv_lora_rank=512, sm_scale=0.1,
+                                     config=default_mla_fp8_config(q.device, GLUON_FP8_MIN_HEADS, 1))
+    assert not torch.equal(gluon, fused)
+    assert torch.equal(out, gluon)
+    ref = sparse_mla_decode_reference(q, packed, idx, kv_lora_rank=512, sm_scale=0.1)
     torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16))
 
 

@@ -15,12 +15,13 @@ row is loaded once per head block. Split-K over the index list with a log-sum-ex
 
 ``sparse_mla_decode_triton`` also runs the other two kernels by their config:
 :class:`MlaGluonConfig` (``sparse_mla_gluon``, Hopper; the default for launches of at
-least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there or over 16-bit rows of at least
-``GLUON_MIN_INDICES`` indices (a dense decode's whole context), over 16-bit rows the
+least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks there, over 16-bit rows of at least
+``GLUON_MIN_INDICES`` indices (a dense decode's whole context) and over FP8 rows of at
+least ``GLUON_FP8_MIN_HEADS`` heads at any batch; over 16-bit rows the
 warp-specialised kernel above 64 heads (its gather producer two tiles ahead on long
 splits); the token-rows kernel over FP8 rows up to 32 heads and over 16-bit rows up to 16
-heads, at any batch (over
-16-bit rows with two MMA warpgroups where a program walks 512 indices or more); over FP8
+heads, at any batch (over 16-bit rows with two MMA warpgroups where a program walks 512
+indices or more); over FP8
 rows at 33-64 heads from 16 query rows a ``cp.async`` staging ring for the FP8 producer)
 and :class:`MlaTwoPassConfig` (``sparse_mla_two_pass``, opt-in). Their measurements: docs/kernels.md.
 
@@ -55,8 +56,8 @@ from sparsehi.kernels.sparse_mla_gluon import (MlaGluonConfig, check_gluon_confi
 from sparsehi.kernels.sparse_mla_gluon_launch import sparse_mla_gluon
 from sparsehi.kernels.sparse_mla_two_pass import MlaTwoPassConfig, sparse_mla_two_pass
 
-__all__ = ["GLUON_MIN_HEAD_BLOCKS", "GLUON_MIN_INDICES", "MlaGluonConfig", "MlaLaunchConfig", "MlaTwoPassConfig",
-           "default_mla_config", "default_mla_fp8_config", "mla_num_splits", "sparse_mla_decode",
+__all__ = ["GLUON_FP8_MIN_HEADS", "GLUON_MIN_HEAD_BLOCKS", "GLUON_MIN_INDICES", "MlaGluonConfig", "MlaLaunchConfig",
+           "MlaTwoPassConfig", "default_mla_config", "default_mla_fp8_config", "mla_num_splits", "sparse_mla_decode",
            "sparse_mla_decode_reference", "sparse_mla_decode_triton"]
 
 
@@ -84,6 +85,11 @@ GLUON_MIN_HEAD_BLOCKS = 4
 # blocks read every KV row 8 times and take 108.9 us against the warp-specialised Gluon
 # kernel's 43.3; at 2176 indices the fused kernel is faster (15.0 against 16.4 us).
 GLUON_MIN_INDICES = 8192
+
+# Over FP8 rows from this many heads the Gluon kernel at every batch: at 128 heads and batch
+# 1 the fused kernel (16-head blocks, E4M3 scaled in registers) took 31.3 us over 2176
+# indices and 332.7 over 32768, against 16.5 and 44.9 for the warp-specialised Gluon kernel.
+GLUON_FP8_MIN_HEADS = 128
 
 
 def default_mla_config(device: torch.device, num_heads: int, batch: int = 1,
@@ -235,7 +241,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
                 Gluon kernel; Triton fallback elsewhere) or :class:`MlaTwoPassConfig`
                 (score GEMM + value pass); None = the Gluon kernel on Hopper for launches of
                 at least ``GLUON_MIN_HEAD_BLOCKS`` 64-head blocks, over 16-bit rows of at
-                least ``GLUON_MIN_INDICES`` indices, and where the token-rows kernel is the
+                least ``GLUON_MIN_INDICES`` indices, over FP8 rows of at least
+                ``GLUON_FP8_MIN_HEADS`` heads, and where the token-rows kernel is the
                 default (``token_rows_default``; the config: ``default_gluon_config``), else
                 :func:`default_mla_config` (:func:`default_mla_fp8_config` over FP8 rows).
     Returns ``[B, H, kv_lora_rank]`` in q's dtype; rows without a valid index are zeros.
@@ -254,8 +261,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_buffer: torch.Tensor, indices: 
     # up to 32 heads the token-rows kernel over FP8 rows at every batch (at B=1 2.2-3.2x the fused
     # kernel, from B=4 faster than the warp-specialised one), up to 16 over 16-bit rows
     narrow = token_rows_default(H, fp8)
-    long_rows = not fp8 and K >= GLUON_MIN_INDICES
-    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow or long_rows):
+    few_rows_ok = (K >= GLUON_MIN_INDICES) if not fp8 else (H >= GLUON_FP8_MIN_HEADS)
+    if config is None and use_gluon and (B * cdiv(H, 64) >= GLUON_MIN_HEAD_BLOCKS or narrow or few_rows_ok):
         config = default_gluon_config(H, fp8, B)
     if fp8:
         cfg = _fp8_config(config, q.device, H, B, use_gluon, (Dl, Dr))
