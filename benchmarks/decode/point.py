@@ -192,7 +192,7 @@ def fill_buffers(runner, reqs, max_steps: int = FILL_STEPS_MAX, check_every: int
     """Decode until every sparse layer's LRU buffer of every request is full, then
     ``FILL_STEPS_AFTER`` more steps: the timed steps then see the steady state's misses
     (a buffer still filling misses more: dsv32-shape at 32k, batch 30, steps 3-10 missed
-    1.9x as often as steps 13-16). Stops after ``max_steps`` steps (at least
+    1.4x as often as steps 21-28). Stops after ``max_steps`` steps (at least
     ``FILL_STEPS_AFTER``). Returns ``(steps decoded, the least buffer fill reached before
     the last FILL_STEPS_AFTER of them)``."""
     coord = runner.mode.coord
