@@ -8,7 +8,7 @@ MLA rows of one layer of a layer-first host pool) and, before each timed copy, t
 ``--touch-gib`` of device memory (a ``fill_`` over that many bytes, outside the timed
 interval): at 0 the host pages' translations stay cached from the previous copies; over
 many GiB they are evicted, as in the decode. Each timed copy reads fresh rows (a new draw
-per step). Also timed: the host allocation (``SPARSEHI_HOST_ALLOC`` modes of
+per step). Also timed: the host allocation (the modes of ``alloc_pinned`` in
 ``hicache.host_pool``) and the copy's rows per program (``block_bytes``).
 
 ``us``: median of the CUDA-event intervals around the copy alone (a spin kernel queued
@@ -59,9 +59,8 @@ def system_settings() -> dict:
 
 def host_pool(alloc: str, layers: int, tokens: int) -> torch.Tensor:
     """A layer-first host view ``[tokens, 1, layers, 1, 1, 576] bf16`` over ``alloc``'s memory."""
-    from hicache.host_pool import _alloc_pinned
-    os.environ["SPARSEHI_HOST_ALLOC"] = alloc
-    raw = _alloc_pinned(layers * tokens * ROW_WORDS * 2)
+    from hicache.host_pool import alloc_pinned
+    raw = alloc_pinned(layers * tokens * ROW_WORDS * 2, alloc)
     base = raw.view(torch.bfloat16).view(layers, tokens, 1, 1, ROW_WORDS)
     base[:, :, 0, 0, :8].copy_(torch.arange(layers * tokens, dtype=torch.float32).view(layers, tokens, 1).to(
         torch.bfloat16))

@@ -41,7 +41,7 @@ def _host_buffer(nbytes: int, hugepage: bool) -> np.ndarray:
     return np.zeros(max(nbytes, 1), dtype=np.uint8)  # calloc: zero pages without a memset pass
 
 
-def _alloc_pinned(nbytes: int) -> torch.Tensor:
+def alloc_pinned(nbytes: int, mode: str | None = None) -> torch.Tensor:
     """``uint8 [nbytes]`` page-locked host memory.
 
     torch's pinned allocator rounds every block up to a power of two (a 40 GB pool would
@@ -49,12 +49,16 @@ def _alloc_pinned(nbytes: int) -> torch.Tensor:
     unified addressing that memory is mapped into the GPU's address space at the same
     pointer, which the zero-copy Triton kernel relies on. The registration is undone when
     the last tensor viewing the memory dies (weakref on the owning numpy array).
-    ``SPARSEHI_HOST_ALLOC`` picks ``hugepage`` (default: THP-advised mapping),
-    ``register`` (plain calloc) or ``torch`` (torch's pinned allocator).
+    ``mode`` (None: the ``SPARSEHI_HOST_ALLOC`` environment variable) picks ``hugepage``
+    (default: THP-advised mapping), ``register`` (plain calloc) or ``torch`` (torch's pinned
+    allocator).
     """
-    mode = os.environ.get("SPARSEHI_HOST_ALLOC", "hugepage")
-    if mode not in HOST_ALLOC_MODES:
-        raise ValueError(f"SPARSEHI_HOST_ALLOC must be one of {HOST_ALLOC_MODES}, got {mode!r}")
+    if mode is None:
+        mode = os.environ.get("SPARSEHI_HOST_ALLOC", "hugepage")
+        if mode not in HOST_ALLOC_MODES:
+            raise ValueError(f"SPARSEHI_HOST_ALLOC must be one of {HOST_ALLOC_MODES}, got {mode!r}")
+    elif mode not in HOST_ALLOC_MODES:
+        raise ValueError(f"mode must be one of {HOST_ALLOC_MODES} or None, got {mode!r}")
     if mode == "torch":
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     arr = _host_buffer(nbytes, hugepage=mode == "hugepage")
@@ -191,7 +195,7 @@ class HostKVPool:
             raise ValueError(f"host pool needs {nbytes / 1e9:.3g} GB but only {avail / 1e9:.3g} GB of host memory "
                              f"is available; lower hicache_ratio/hicache_size")
         shape = _host_shape(layout, self.num_pages, ps, spec.num_layers, spec.num_buffers, spec.kv_heads, spec.head_dim)
-        raw = _alloc_pinned(nbytes) if self.pin_memory else torch.zeros(nbytes, dtype=torch.uint8)
+        raw = alloc_pinned(nbytes) if self.pin_memory else torch.zeros(nbytes, dtype=torch.uint8)
         self.raw = raw
         """All of the pool's host memory (``uint8``): what a storage backend registers."""
         self.extra: dict[str, torch.Tensor] = {}

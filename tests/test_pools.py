@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hicache.device_pool import DeviceKVPool
-from hicache.host_pool import HOST_LAYOUTS, HostKVPool
+from hicache.host_pool import HOST_LAYOUTS, HostKVPool, alloc_pinned
 from hicache.kv_spec import KVCacheSpec
 
 
@@ -154,3 +154,12 @@ def test_host_pool_pinned_on_cuda():
     assert host.pin_memory and host.kv_data.is_pinned()
     assert dev.kv_data.is_cuda
     assert HostKVPool(dev, pin_memory=False).kv_data.is_pinned() is False
+
+
+def test_alloc_pinned_names_the_bad_mode(monkeypatch):
+    # both ways of picking the allocation are checked before any memory is touched
+    with pytest.raises(ValueError, match=r"mode must be one of \('hugepage', 'register', 'torch'\) or None"):
+        alloc_pinned(64, "huge")
+    monkeypatch.setenv("SPARSEHI_HOST_ALLOC", "huge")
+    with pytest.raises(ValueError, match="SPARSEHI_HOST_ALLOC must be one of"):
+        alloc_pinned(64)
