@@ -37,6 +37,12 @@ def kv_cache_dtype_of(mode: str) -> str:
     return "fp8_e4m3" if _without_ahead(mode).endswith(FP8_LATENTS_SUFFIX) else "auto"
 
 
+def without_fp8_latents(mode: str) -> str:
+    """An ``-fp8-latents`` mode -> its runtime mode (``dense``, ``sparse-hier``), any other
+    mode unchanged: sizing takes the KV bytes from ``kv_cache_dtype_of`` and the rest by this."""
+    return runtime_mode_of(mode)[0] if kv_cache_dtype_of(mode) != "auto" else mode
+
+
 def loads_ahead(mode: str) -> bool:
     return mode.endswith(AHEAD_SUFFIX)
 

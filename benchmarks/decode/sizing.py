@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks.decode.modes import is_hierarchical, kv_cache_dtype_of, runtime_mode_of
+from benchmarks.decode.modes import without_fp8_latents, is_hierarchical, kv_cache_dtype_of, runtime_mode_of
 from sparsehi.config import SparseConfig
 from sparsehi.runtime.kv_cache_format import kv_cache_spec
 from sparsehi.runtime.runtime_config import round_up
@@ -57,7 +57,7 @@ def per_request_parts(model, mode: str, ctx: int, sc: SparseConfig, steps: int, 
     ps = sc.page_size
     tokens = round_up(ctx + steps + 1, ps) + ps
     buffer = (sc.sink_units + sc.recent_units + sc.buffer_units + 1) * ps * tb
-    mode = runtime_mode_of(mode)[0] if kv_cache_dtype_of(mode) != "auto" else mode
+    mode = without_fp8_latents(mode)
     if is_hierarchical(mode):
         # FP8 host pages: one byte a value, plus a page's scales
         fp8 = runtime_mode_of(mode)[1] == "fp8_e4m3"
@@ -123,7 +123,7 @@ def step_traffic(model, mode: str, ctx: int, batch: int, sc: SparseConfig, n_den
     offload-full's whole context)."""
     cfg = model.cfg
     per_tok = kv_bytes_per_token_layer(model, dtype, kv_cache_dtype_of(mode))  # one layer
-    mode = runtime_mode_of(mode)[0] if kv_cache_dtype_of(mode) != "auto" else mode
+    mode = without_fp8_latents(mode)
     L = cfg.num_layers
     ps = sc.page_size
     sel_tokens = (sc.sink_units + sc.top_k_units + sc.recent_units) * ps
