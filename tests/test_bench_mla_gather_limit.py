@@ -13,8 +13,14 @@ from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents
 @pytest.mark.parametrize("fp8", [True, False])
 def test_gather_rows_sums_the_selected_rows(fp8):
     g = torch.Generator().manual_seed(0)
-    values = torch.randn(40, 1, 576, generator=g)
-    rows = quantize_mla_latents(values, kv_lora_rank=512) if fp8 else values.to(torch.bfloat16)
+    # rows of the decode's widths (656 FP8 bytes, 576 bf16 values) whose 32-bit words are
+    # small, so that no int32 sum overflows (how the interpreter's numpy treats an overflow
+    # differs between numpy versions)
+    width = 656 if fp8 else 1152
+    words = torch.randint(0, 1 << 16, (40, width // 4), generator=g, dtype=torch.int32)
+    rows = words.view(torch.uint8 if fp8 else torch.bfloat16).view(40, 1, -1)
+    if fp8:
+        assert rows.shape[-1] == quantize_mla_latents(torch.zeros(1, 1, 576), kv_lora_rank=512).shape[-1]
     idx = torch.stack([torch.randperm(40, generator=g)[:16] for _ in range(3)]).int()
     for block_n, splits in ((4, 2), (8, 1), (2, 4)):
         got = gather_rows(rows, idx, block_n, 4, splits)
