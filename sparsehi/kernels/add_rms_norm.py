@@ -6,11 +6,13 @@ Entry points: ``add_rms_norm`` (dispatch), ``add_rms_norm_triton``, ``add_rms_no
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import dispatch
+from hicache.triton_support import cdiv, dispatch, interpreter_enabled
 
 
 def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -24,36 +26,48 @@ def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: 
 
 
 @triton.jit
-def _add_rms_norm_kernel(r_ptr, d_ptr, w_ptr, h_out, n_out, N, eps, stride_r, stride_d, stride_h, stride_n,
-                         BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < N
+def _add_rms_norm_kernel(r_ptr, d_ptr, w_ptr, h_out, n_out, T, N, eps, stride_r, stride_d, stride_h, stride_n,
+                         BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    m = (t < T) & (cols < N)
     r = tl.load(r_ptr + t * stride_r + cols, mask=m, other=0.0)
     d = tl.load(d_ptr + t * stride_d + cols, mask=m, other=0.0)
     h = (r.to(tl.float32) + d.to(tl.float32)).to(h_out.dtype.element_ty)  # rounded as the residual stream is
     tl.store(h_out + t * stride_h + cols, h, mask=m)
     hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(n_out + t * stride_n + cols, (hf * rstd * w).to(n_out.dtype.element_ty), mask=m)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(n_out + t * stride_n + cols, (hf * rstd[:, None] * w).to(n_out.dtype.element_ty), mask=m)
+
+
+INTERPRETED_TOKENS_PER_PROGRAM = 64
+"""Tokens one program takes under the CPU interpreter, whose cost is mostly per program (on a
+GPU a program takes one token)."""
 
 
 def add_rms_norm_triton(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher (one program per token); same result as the reference."""
+                        eps: float, tokens_per_program: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher; same result as the reference. ``tokens_per_program``: a power of two
+    (None: 1 on a GPU, ``INTERPRETED_TOKENS_PER_PROGRAM`` under the interpreter)."""
     if residual.dim() != 2 or delta.shape != residual.shape or weight.shape != residual.shape[1:]:
         raise ValueError(f"residual and delta must be [T, hidden] and weight [hidden], got {tuple(residual.shape)}, "
                          f"{tuple(delta.shape)}, {tuple(weight.shape)}")
     if residual.stride(1) != 1 or delta.stride(1) != 1:
         raise ValueError("residual and delta must have a contiguous last dim")
+    if tokens_per_program is None:
+        tokens_per_program = INTERPRETED_TOKENS_PER_PROGRAM if interpreter_enabled() else 1
+    if not isinstance(tokens_per_program, int) or tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
+        raise ValueError(f"tokens_per_program={tokens_per_program!r} is invalid: None or a power of two >= 1")
     T, N = residual.shape
     h = torch.empty_like(residual)
     out = torch.empty_like(residual)
     if T:
-        _add_rms_norm_kernel[(T,)](residual, delta, weight, h, out, N, float(eps), residual.stride(0), delta.stride(0),
-                                   h.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(N),
-                                   num_warps=8 if N >= 4096 else 4)
+        block_t = min(tokens_per_program, triton.next_power_of_2(T))
+        _add_rms_norm_kernel[(cdiv(T, block_t),)](
+            residual, delta, weight, h, out, T, N, float(eps), residual.stride(0), delta.stride(0),
+            h.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK=triton.next_power_of_2(N),
+            num_warps=8 if N >= 4096 else 4)
     return h, out
 
 

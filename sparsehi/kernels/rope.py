@@ -8,11 +8,13 @@ Entry points: ``rope_inplace`` (dispatch), ``rope_inplace_triton``,
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch
+from hicache.triton_support import cdiv, dispatch, interpreter_enabled
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -25,20 +27,29 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, n_heads, stride_xt, stride_xh, stride_ct,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, n_rows, n_heads, stride_xt, stride_xh, stride_ct,
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # rows are (token, head) pairs, token-major: a program rotates BLOCK_R of them
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = rows // n_heads
+    heads = rows - t * n_heads
     d = tl.arange(0, BLOCK_D)
-    m = (heads < n_heads)[:, None] & (d < HALF)[None, :]
-    base = x_ptr + t * stride_xt + heads[:, None].to(tl.int64) * stride_xh + d[None, :]
+    m = (rows < n_rows)[:, None] & (d < HALF)[None, :]
+    base = x_ptr + t[:, None] * stride_xt + heads[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    dm = d < HALF
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
-    s = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    cs = t[:, None] * stride_ct + d[None, :]
+    c = tl.load(cos_ptr + cs, mask=m, other=0.0)
+    s = tl.load(sin_ptr + cs, mask=m, other=0.0)
     tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=m)
     tl.store(base + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=m)
+
+
+ROWS_PER_PROGRAM = 16
+"""(token, head) rows one program rotates on a GPU: a decode step's 16 heads of a token, as
+when a program took one token's block of heads."""
+INTERPRETED_ROWS_PER_PROGRAM = 1024
+"""The same under the CPU interpreter, whose cost is mostly per program."""
 
 
 def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -51,19 +62,26 @@ def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise ValueError(f"cos/sin must be float32, got {cos.dtype} and {sin.dtype}")
 
 
-def rope_inplace_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Triton: rotate ``x`` in place (its last dim contiguous; any head / token strides)."""
+def rope_inplace_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        rows_per_program: Optional[int] = None) -> torch.Tensor:
+    """Triton: rotate ``x`` in place (its last dim contiguous; any head / token strides).
+    ``rows_per_program``: (token, head) rows a program rotates, a power of two (None:
+    ``ROWS_PER_PROGRAM``, or ``INTERPRETED_ROWS_PER_PROGRAM`` under the interpreter)."""
     _check_rope(x, cos, sin)
     if x.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
         raise ValueError("x's last dim and cos/sin rows must be contiguous (sin laid out like cos)")
+    if rows_per_program is None:
+        rows_per_program = INTERPRETED_ROWS_PER_PROGRAM if interpreter_enabled() else ROWS_PER_PROGRAM
+    if not isinstance(rows_per_program, int) or rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program={rows_per_program!r} is invalid: None or a power of two >= 1")
     T, H, dim = x.shape
     if T == 0 or H == 0:
         return x
     half = dim // 2
-    block_h = min(16, triton.next_power_of_2(H))
-    _rope_kernel[(T, cdiv(H, block_h))](
-        x, cos, sin, H, x.stride(0), x.stride(1), cos.stride(0),
-        HALF=half, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), num_warps=4,
+    block_r = min(rows_per_program, triton.next_power_of_2(T * H))
+    _rope_kernel[(cdiv(T * H, block_r),)](
+        x, cos, sin, T * H, H, x.stride(0), x.stride(1), cos.stride(0),
+        HALF=half, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(half), num_warps=4,
     )
     return x
 
