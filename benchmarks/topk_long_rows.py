@@ -5,6 +5,10 @@ replays, each checked against ``topk_select_reference``.
 
     PYTHONPATH=. python benchmarks/topk_long_rows.py            # -> results/topk_long_rows.json
     PYTHONPATH=. python benchmarks/topk_long_rows.py --quick    # CPU: the checks at small sizes
+    PYTHONPATH=. python benchmarks/topk_long_rows.py --shapes 131072x2048 --row-ids 32768
+        # rows of 32768 candidates in scores of 131072 ids (a decode's scores span the pool's
+        # max_context_len; -inf past a row's end, as the indexer writes)
+        # -> results/topk_rows_shorter_than_n.json
 
 Score kinds: ``randn``; ``indexer`` (DSA-like: a weighted sum over 64 heads of ReLU(q.k));
 ``crowded`` (1 + 1e-3 U(0, 1): every key shares its exponent bits).
@@ -63,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="comma list of IDSxTOP_K (default: all of SHAPES)")
     ap.add_argument("--batches", default=None, help="comma list of batch sizes (default: all of BATCHES)")
     ap.add_argument("--kinds", default=None, help=f"comma list of score kinds, of {KINDS} (default: all)")
+    ap.add_argument("--row-ids", type=int, default=None,
+                    help="candidates per row (candidate_end; -inf past it), fewer than the shape's ids "
+                         "(default: the whole row)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.quick
     dev = "cuda" if cuda else "cpu"
@@ -75,16 +82,20 @@ def main(argv=None) -> int:
     if any(k not in KINDS for k in kinds) or any(len(x) != 2 or min(x) < 1 for x in shapes or []):
         ap.error(f"--kinds must be of {KINDS}; --shapes pairs of positive ints")
     shapes = shapes or (SHAPES if cuda else [(5000, 300)])
+    if a.row_ids is not None and not all(0 < a.row_ids <= n for n, _ in shapes):
+        ap.error(f"--row-ids={a.row_ids} must be in [1, ids] of every shape")
     batches = batches or (BATCHES if cuda else [1, 3])
     rows = []
     for n, k in shapes:
         for b in batches:
             for kind in kinds:
                 scores = make_scores(kind, b, n, dev).float()
+                end = n if a.row_ids is None else a.row_ids
+                scores[:, end:] = float("-inf")
                 cs = torch.zeros(b, dtype=torch.int32, device=dev)
-                ce = torch.full((b,), n, dtype=torch.int32, device=dev)
+                ce = torch.full((b,), end, dtype=torch.int32, device=dev)
                 ref = topk_select_reference(scores, k, cs, ce)
-                row: dict[str, Any] = {"n": n, "top_k": k, "batch": b, "scores": kind,
+                row: dict[str, Any] = {"n": n, "row_ids": end, "top_k": k, "batch": b, "scores": kind,
                                        "radix_grid_plan": radix_grid_plan(b, n, k)}
                 for name, fn in variants(scores, k, cs, ce).items():
                     ids, valid = fn()
@@ -98,7 +109,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print({x: y for x, y in row.items()}, flush=True)
     bad = [r for r in rows if not all(v for x, v in r.items() if x.endswith("_exact"))]
-    return finish_checked_run("topk_long_rows.json", {
+    name = "topk_long_rows.json" if a.row_ids is None else "topk_rows_shorter_than_n.json"
+    return finish_checked_run(name, {
         "what": "top-k of long rows, CUDA-graph replays (us per call): one program per row, the chunk "
                 "shortlists (split, where their plan applies), the radix select over each row's chunks "
                 "(radix_grid), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "

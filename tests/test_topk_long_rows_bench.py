@@ -10,7 +10,13 @@ def test_quick_run_with_filters_is_exact():
     assert topk_long_rows.main(["--quick", "--kinds", "randn,crowded", "--batches", "2"]) == 0
 
 
-@pytest.mark.parametrize("args", [["--kinds", "gauss"], ["--shapes", "5000"], ["--batches", "x"]])
+def test_quick_run_of_rows_shorter_than_the_scores_is_exact():
+    # 2000 candidates in rows of 5000 scores: the radix grid's 4 chunks, 3 past the row's end
+    assert topk_long_rows.main(["--quick", "--kinds", "randn", "--batches", "2", "--row-ids", "2000"]) == 0
+
+
+@pytest.mark.parametrize("args", [["--kinds", "gauss"], ["--shapes", "5000"], ["--batches", "x"],
+                                  ["--row-ids", "6000"]])
 def test_bad_filters_are_refused(args):
     with pytest.raises(SystemExit):
         topk_long_rows.main(["--quick", *args])

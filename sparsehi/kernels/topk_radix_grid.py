@@ -28,6 +28,9 @@ chunks of ``CHUNK`` ids and every launch but one has a grid of ``P x B`` program
 Results equal ``topk_select_reference``'s (ties to the lower id, ``-0.0 == +0.0``, -inf
 and NaN never selected). The boundary list's order depends on the atomics, but nothing
 read from it depends on its order. Shapes are fixed by ``(B, N, top_k)``: no host sync.
+A chunk that starts past its row's candidate end skips its work in launches 2-4 and 6 (a
+row shorter than ``N``, e.g. a decode's scores over the pool's ``max_context_len``, costs
+little more than its own chunks).
 """
 from __future__ import annotations
 
@@ -131,17 +134,19 @@ def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr
     histogram; 2: of the next 8 bits of its keys in the first digit holding the need-th key."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    # with DIGIT 1 the first digit itself is not known yet: only its position is used
-    _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
-    key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
-    if DIGIT == 1:
-        match = key != 0
-        digit = _digit_of(key, lo1)
-    else:
-        match = (key != 0) & (_digit_of(key, lo1) == d1)
-        digit = _digit_of(key, tl.maximum(lo1 - 8, 0))
-    h = tl.histogram(digit, 256, mask=match)
-    tl.atomic_add(hist_ptr + b * 512 + (DIGIT - 1) * 256 + tl.arange(0, 256), h, mask=h != 0, sem="relaxed")
+    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
+    if lo + p * CHUNK < hi:  # a chunk past the row's candidates adds nothing
+        # with DIGIT 1 the first digit itself is not known yet: only its position is used
+        _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
+        key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+        if DIGIT == 1:
+            match = key != 0
+            digit = _digit_of(key, lo1)
+        else:
+            match = (key != 0) & (_digit_of(key, lo1) == d1)
+            digit = _digit_of(key, tl.maximum(lo1 - 8, 0))
+        h = tl.histogram(digit, 256, mask=match)
+        tl.atomic_add(hist_ptr + b * 512 + (DIGIT - 1) * 256 + tl.arange(0, 256), h, mask=h != 0, sem="relaxed")
 
 
 @triton.jit
@@ -150,20 +155,24 @@ def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above
                      HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    _, lo1, d1, lo2, d2, _, _ = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P)
-    key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
-    ok = key != 0
-    g1 = _digit_of(key, lo1)
-    g2 = _digit_of(key, lo2)
-    above = ok & ((g1 > d1) | ((g1 == d1) & (g2 > d2)))
-    tl.store(above_ptr + b * P + p, tl.sum(above.to(tl.int32), 0))
-    inb = ok & (g1 == d1) & (g2 == d2)
-    bi = inb.to(tl.int32)
-    n_b = tl.sum(bi, 0)
-    start = tl.atomic_add(blen_ptr + b, n_b, mask=n_b > 0, sem="relaxed")
-    at = b * list_stride + start + tl.cumsum(bi, 0) - bi
-    tl.store(bkey_ptr + at, key.to(tl.int32, bitcast=True), mask=inb)
-    tl.store(bid_ptr + at, offs.to(tl.int32), mask=inb)
+    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
+    if lo + p * CHUNK < hi:
+        _, lo1, d1, lo2, d2, _, _ = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P)
+        key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+        ok = key != 0
+        g1 = _digit_of(key, lo1)
+        g2 = _digit_of(key, lo2)
+        above = ok & ((g1 > d1) | ((g1 == d1) & (g2 > d2)))
+        tl.store(above_ptr + b * P + p, tl.sum(above.to(tl.int32), 0))
+        inb = ok & (g1 == d1) & (g2 == d2)
+        bi = inb.to(tl.int32)
+        n_b = tl.sum(bi, 0)
+        start = tl.atomic_add(blen_ptr + b, n_b, mask=n_b > 0, sem="relaxed")
+        at = b * list_stride + start + tl.cumsum(bi, 0) - bi
+        tl.store(bkey_ptr + at, key.to(tl.int32, bitcast=True), mask=inb)
+        tl.store(bid_ptr + at, offs.to(tl.int32), mask=inb)
+    else:  # a chunk past the row's candidates: none above, none in the list
+        tl.store(above_ptr + b * P + p, 0)
 
 
 @triton.jit
@@ -254,14 +263,16 @@ def _emit_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, offset_ptr, row_ptr, valid_ptr
                  HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
-    thr = tl.load(row_ptr + b * 2).to(tl.uint32, bitcast=True)
-    max_tie_id = tl.load(row_ptr + b * 2 + 1)
-    ids = offs.to(tl.int32)
-    sel = (key > thr) | ((key == thr) & (ids <= max_tie_id))  # a key of 0 is never above nor at thr
-    si = sel.to(tl.int32)
     out = ids_ptr + b * stride_ib
-    tl.store(out + tl.load(offset_ptr + b * P + p) + tl.cumsum(si, 0) - si, ids, mask=sel)
+    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
+    if lo + p * CHUNK < hi:  # a chunk past the row's candidates has no ids to write
+        key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+        thr = tl.load(row_ptr + b * 2).to(tl.uint32, bitcast=True)
+        max_tie_id = tl.load(row_ptr + b * 2 + 1)
+        ids = offs.to(tl.int32)
+        sel = (key > thr) | ((key == thr) & (ids <= max_tie_id))  # a key of 0 is never above nor at thr
+        si = sel.to(tl.int32)
+        tl.store(out + tl.load(offset_ptr + b * P + p) + tl.cumsum(si, 0) - si, ids, mask=sel)
     # -1 after the valid ids: this chunk's share of the row's output positions
     valid = tl.load(valid_ptr + b)
     pad = p * PAD_BLOCK + tl.arange(0, PAD_BLOCK)
