@@ -6,6 +6,7 @@ of the same tile size, and its key bytes against the device's copy bandwidth mea
 
     PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py          # -> results/dsa_indexer_tiles.json
     PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py --quick  # CPU: the checks at small sizes
+    PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py --batches 30 --variants 64:8:3:4,64:16:3:4
 """
 from __future__ import annotations
 
@@ -45,27 +46,51 @@ def case(b: int, tokens: int, heads: int, dim: int, device: str) -> tuple:
 def main(argv=None) -> int:
     ap = result_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="CPU: the checks at small sizes, no timing, no file")
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default: all of BATCHES)")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of BLOCK_T:TILES:STAGES:WARPS[:MAX_REGISTERS] launch shapes (default: VARIANTS)")
+    ap.add_argument("--bf16-dot", action="store_true",
+                    help="bf16 queries over FP8 keys dot in bf16 (the launcher's fp16_dot=False), as before 2026-11-28")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.quick
     dev = "cuda" if cuda else "cpu"
     batches, tokens, heads, dim = (BATCHES, TOKENS, 64, 128) if cuda else ([1, 3], 300, 4, 32)
     variants = VARIANTS if cuda else [(16, 1, 1, 4), (16, 4, 2, 4), (32, 2, 3, 4), (16, None, None, 4)]
+    try:
+        if a.batches:
+            batches = [int(v) for v in a.batches.split(",")]
+        if a.variants:
+            variants = [tuple(int(x) for x in v.split(":")) for v in a.variants.split(",")]
+    except ValueError:
+        ap.error(f"--batches takes ints and --variants BLOCK_T:TILES:STAGES:WARPS[:MAX_REGISTERS] ints, got "
+                 f"{a.batches!r}, {a.variants!r}")
+    if any(len(v) not in (4, 5) or min(x for x in v if x is not None) < 1 for v in variants) or any(b < 1 for b in batches):
+        ap.error(f"--variants are four or five positive ints each and --batches positive, got {a.variants!r}, "
+                 f"{a.batches!r}")
+    variants = [(*v, None) if len(v) == 4 else v for v in variants]
     hbm = hbm_copy_gbps() if cuda else None  # bytes read + written a second: what a stream of reads reaches
     rows: list[dict[str, Any]] = []
     for b in batches:
         args = case(b, tokens, heads, dim, dev)
-        one_tile = {bt: dsa_indexer_triton(*args, block_t=bt, tiles=1, num_stages=1) for bt in {v[0] for v in variants}}
+        # the reference of a variant: one tile a program, same tile size and warps (the warps
+        # set the MMA's layout, so the order of the head sum)
+        fp16_dot = False if a.bf16_dot else None
+        one_tile = {(bt, nw): dsa_indexer_triton(*args, block_t=bt, tiles=1, num_stages=1, num_warps=nw,
+                                                 fp16_dot=fp16_dot)
+                    for bt, nw in {(v[0], v[3]) for v in variants}}
         key_bytes = b * (tokens - 12) * (dim + 4)  # FP8 values and a float32 scale a token
-        for block_t, tiles, stages, warps in variants:
-            def run(block_t=block_t, tiles=tiles, stages=stages, warps=warps):
-                return dsa_indexer_triton(*args, block_t=block_t, tiles=tiles, num_stages=stages, num_warps=warps)
+        for block_t, tiles, stages, warps, regs in variants:
+            def run(block_t=block_t, tiles=tiles, stages=stages, warps=warps, regs=regs):
+                return dsa_indexer_triton(*args, block_t=block_t, tiles=tiles, num_stages=stages, num_warps=warps,
+                                          max_registers=regs, fp16_dot=fp16_dot)
 
             chosen = tiles if tiles is not None else indexer_tiles(b, cdiv(tokens, block_t), sm_count(
                 torch.device(dev), off_cuda=132))
             row: dict[str, Any] = {"batch": b, "tokens": tokens, "block_t": block_t, "tiles": chosen,
                                    "launcher_choice": tiles is None, "num_stages": stages if stages is not None else (
                                        1 if chosen == 1 else PIPELINE_STAGES), "num_warps": warps,
-                                   "same_as_one_tile": bool(torch.equal(run(), one_tile[block_t]))}
+                                   "max_registers": regs, "dot": "bf16" if a.bf16_dot else "default",
+                                   "same_as_one_tile": bool(torch.equal(run(), one_tile[(block_t, warps)]))}
             if cuda:
                 us = cuda_time_us(run, iters=30, graph=True)
                 row.update(us=round(us, 2), key_gbps=round(key_bytes / us / 1e3, 1),

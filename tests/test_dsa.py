@@ -104,7 +104,8 @@ def test_tiles_per_program_and_bad_launch_arguments():
         assert t == MAX_TILES or b * -(-513 // (2 * t)) < PROGRAMS_PER_SM * sms  # the largest such
     q, w, kk = torch.randn(1, 2, 8), torch.rand(1, 2), torch.randn(1, 20, 8)
     req, n = torch.tensor([0]), torch.tensor([20])
-    for kw, name in (({"tiles": 0}, "tiles"), ({"num_stages": 0}, "num_stages"), ({"block_t": 0}, "block_t")):
+    for kw, name in (({"tiles": 0}, "tiles"), ({"num_stages": 0}, "num_stages"), ({"block_t": 0}, "block_t"),
+                     ({"max_registers": 0}, "max_registers")):
         with pytest.raises(ValueError, match=f"{name}=0 is invalid"):
             dsa_indexer_triton(q, w, kk, None, req, n, **kw)
 
@@ -283,6 +284,34 @@ def test_gpu_kernel_bf16_queries_on_fp8_keys():
     one = dsa_indexer_triton(q, w, k8, sc, req, n, indexed, tiles=1, num_stages=1)
     for tiles, stages in ((2, 2), (4, 3), (8, 2)):  # several tiles a program: the same scores, bit for bit
         assert torch.equal(dsa_indexer_triton(q, w, k8, sc, req, n, indexed, tiles=tiles, num_stages=stages), one)
+    # a register cap (spilling at 80 a thread) changes where values live, not the scores
+    assert torch.equal(dsa_indexer_triton(q, w, k8, sc, req, n, indexed, tiles=8, num_stages=3, max_registers=80), one)
+    # the fp16 dot equals the bf16 one bit for bit (exact products of the same values)
+    assert torch.equal(dsa_indexer_triton(q, w, k8, sc, req, n, indexed, tiles=1, num_stages=1, fp16_dot=False), one)
+
+
+@pytest.mark.gpu
+def test_gpu_fp16_dot_keeps_queries_past_fp16s_range():
+    """Queries past fp16's range (scaled by a power of two inside the kernel) and below its
+    normal range still score what the reference does."""
+    torch.manual_seed(2)
+    b, h, dim, t = 3, 64, 128, 2048
+    k8, sc = quantize_index_keys(torch.randn(b, t, dim, device="cuda"))
+    q = torch.randn(b, h, dim, device="cuda")
+    q[0] *= 3e5  # |q| up to about 1e6: fp16 holds 65504
+    q[1, :, :64] *= 1e-6  # half the dims below 2^-14
+    q = q.bfloat16()
+    w = torch.rand(b, h, device="cuda")
+    req = torch.arange(b, device="cuda")
+    n = torch.full((b,), t, device="cuda")
+    ref = dsa_indexer_reference(q, w, k8, sc, req, n)
+    got = dsa_indexer_triton(q, w, k8, sc, req, n)
+    bf16 = dsa_indexer_triton(q, w, k8, sc, req, n, fp16_dot=False)
+    assert torch.isfinite(got).all()
+    for row in range(b):
+        scale = ref[row].abs().max()
+        assert (got[row] - ref[row]).abs().max() <= 1e-4 * scale, row
+    assert torch.equal(got[0], bf16[0])  # scaled by a power of two: the same products
 
 
 def test_short_index_never_selects_unindexed_tokens_without_validation():

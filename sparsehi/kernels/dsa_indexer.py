@@ -4,7 +4,9 @@ all index heads), index queries ``q [H, Di]`` and per-head weights ``w [H]``.
 
 Index keys are stored FP8 e4m3 with a per-token scale (``k_t ≈ scale_t · k̂_t``), or bf16 /
 fp32 with no scale. Because ``scale_t > 0``, ``ReLU(q · scale_t k̂_t) = scale_t ReLU(q · k̂_t)``,
-so the scale is applied once per token after the head reduction.
+so the scale is applied once per token after the head reduction. bf16 queries over FP8 keys
+take the tensor-core dot in fp16 on a GPU (the queries scaled by a power of two into fp16's
+range): the same products as in bf16, with half the conversions of the keys.
 
 Rows whose request slot is negative (padding) or past the pool score ``-inf``, and a row
 scores its first ``min(num_tokens, indexed[slot])`` tokens when given the per-slot indexed
@@ -119,7 +121,7 @@ def _dsa_indexer_kernel(
     stride_qb, stride_qh, stride_wb, stride_wh,
     stride_kr, stride_kt, stride_sr,
     stride_ob,
-    HAS_SCALE: tl.constexpr, HAS_INDEXED: tl.constexpr, DOT_IN_Q_DTYPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_INDEXED: tl.constexpr, DOT_IN_Q_DTYPE: tl.constexpr, FP16_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -142,7 +144,17 @@ def _dsa_indexer_kernel(
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     w = tl.load(w_ptr + b * stride_wb + offs_h * stride_wh, mask=h_mask, other=0.0).to(tl.float32)
-    if DOT_IN_Q_DTYPE:
+    if FP16_DOT:
+        # bf16 queries over FP8 keys: the dot runs in fp16, whose widening of an E4M3 pair is one
+        # instruction (to bf16 it takes one more a value: about a third of the loop's work). The
+        # row's queries are scaled by 2^-e, a power of two that keeps the largest inside fp16's
+        # range (e = 0 unless some |q| >= 2^15), so q's bf16 values are exact in fp16 down to
+        # 2^-14; the products are exact and the scores are multiplied back by 2^e.
+        q_max = tl.max(tl.max(tl.abs(q), axis=1), axis=0).to(tl.float32)
+        e = tl.maximum(tl.ceil(tl.log2(q_max)) - 15.0, 0.0)
+        q_t = tl.trans((q * tl.exp2(-e).to(q.dtype)).to(tl.float16))
+        back = tl.exp2(e)
+    elif DOT_IN_Q_DTYPE:
         q_t = tl.trans(q)
     else:
         q_t = tl.trans(q.to(tl.float32))
@@ -154,7 +166,9 @@ def _dsa_indexer_kernel(
         k = tl.load(k_ptr + req * stride_kr + offs_t[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
                     mask=live_t[:, None] & d_mask[None, :], other=0.0)
         # padded heads have q = 0 and w = 0, so they add ReLU(0) * 0 = 0
-        if DOT_IN_Q_DTYPE:
+        if FP16_DOT:
+            logits = tl.dot(k.to(tl.float16), q_t)  # [BLOCK_T, BLOCK_H] float32, scaled by 2^-e
+        elif DOT_IN_Q_DTYPE:
             # FP8 (or same-dtype) keys widen exactly to q's 16-bit dtype: exact products,
             # float32 accumulation, on tensor cores
             logits = tl.dot(k.to(q.dtype), q_t)  # [BLOCK_T, BLOCK_H] float32
@@ -162,6 +176,8 @@ def _dsa_indexer_kernel(
             # float32 operands: three TF32 products, about float32 accuracy, on tensor cores
             logits = tl.dot(k.to(tl.float32), q_t, input_precision="tf32x3")
         s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+        if FP16_DOT:
+            s = s * back
         if HAS_SCALE:
             sc = tl.load(scale_ptr + req * stride_sr + offs_t, mask=live_t, other=1.0)
             s = s * sc
@@ -200,17 +216,22 @@ def dsa_indexer_triton(
     tiles: Optional[int] = None,
     num_stages: Optional[int] = None,
     num_warps: int = 4,
+    max_registers: Optional[int] = None,
+    fp16_dot: Optional[bool] = None,
 ) -> torch.Tensor:
     """Triton launcher (one launch); same arguments and result as
     :func:`dsa_indexer_reference`. Queries and weights are read through their strides in
     their dtype, index tensors in theirs: no conversion launches. ``tiles``: tiles of
     ``block_t`` tokens per program (None: ``indexer_tiles``); ``num_stages``: key loads in
-    flight in a program's loop (None: 1 for one tile, else ``PIPELINE_STAGES``)."""
+    flight in a program's loop (None: 1 for one tile, else ``PIPELINE_STAGES``);
+    ``max_registers``: a thread's register cap (None: the compiler's choice), which sets how
+    many programs an SM holds; ``fp16_dot``: bf16 queries over FP8 keys dot in fp16 (the
+    kernel's comment says why it is exact; None: yes on a GPU, False: in bf16)."""
     _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
     for name, value in (("block_t", block_t), ("num_warps", num_warps)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: an int >= 1")
-    for name, value in (("tiles", tiles), ("num_stages", num_stages)):
+    for name, value in (("tiles", tiles), ("num_stages", num_stages), ("max_registers", max_registers)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} is invalid: None (the launcher's choice) or an int >= 1")
     b, h, d = q.shape
@@ -235,6 +256,8 @@ def dsa_indexer_triton(
     if num_stages is None:
         num_stages = 1 if tiles == 1 else PIPELINE_STAGES
     grid = (b, cdiv(blocks, tiles))
+    dot_16bit = (q.dtype in (torch.bfloat16, torch.float16) and index_keys.dtype in (q.dtype, fp8_dtype())
+                 and not interpreter_enabled())
     _dsa_indexer_kernel[grid](
         q, w, index_keys, scales, req, ntok, counts, out,
         r, t, h, d,
@@ -243,10 +266,12 @@ def dsa_indexer_triton(
         out.stride(0),
         HAS_SCALE=key_scales is not None, HAS_INDEXED=indexed is not None,
         # (the CPU interpreter multiplies 16-bit floats wrongly: it takes the float32 path)
-        DOT_IN_Q_DTYPE=(q.dtype in (torch.bfloat16, torch.float16) and index_keys.dtype in (q.dtype, fp8_dtype())
-                        and not interpreter_enabled()),
+        DOT_IN_Q_DTYPE=dot_16bit,
+        FP16_DOT=(dot_16bit and q.dtype == torch.bfloat16 and index_keys.dtype == fp8_dtype()
+                  and fp16_dot is not False),
         BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         TILES=tiles, NUM_STAGES=num_stages, num_warps=num_warps,
+        **({} if max_registers is None or interpreter_enabled() else {"maxnreg": max_registers}),
     )
     return out
 
