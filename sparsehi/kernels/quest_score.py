@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch
+from hicache.triton_support import cdiv, dispatch, interpreter_enabled
 
 HEAD_REDUCE = ("max", "sum")
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -182,6 +182,10 @@ MAX_GRID_Y = 65535
 """CUDA's bound on a launch grid's second (and third) dimension."""
 
 
+INTERPRETED_BLOCK_PAGES = 64
+"""The score kernel's pages per program under the CPU interpreter (``block_p`` None)."""
+
+
 def score_block_pages(pages: int, block_p: int) -> int:
     """Pages per program of the score kernel: ``block_p``, doubled until the grid's page
     blocks (its second dimension) stay within ``MAX_GRID_Y`` (past ``4 * 65535`` pages, a
@@ -213,7 +217,9 @@ def quest_score_triton(
     # below a few dozen rows the grid is short and each program's latency counts: small
     # tiles with every group's loads issued up front (measured: docs/kernels.md)
     small = b < 32
-    block_p = score_block_pages(kmin.shape[1], block_p if block_p is not None else (4 if small else 16))
+    if block_p is None:  # under the interpreter, whose cost is mostly per program: few programs
+        block_p = INTERPRETED_BLOCK_PAGES if interpreter_enabled() else (4 if small else 16)
+    block_p = score_block_pages(kmin.shape[1], block_p)
     num_warps = num_warps if num_warps is not None else (2 if small else 4)
     unroll = unroll if unroll is not None else small
     r, p, hkv, _ = kmin.shape
