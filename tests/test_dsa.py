@@ -264,15 +264,21 @@ def test_dsa_on_gpu_fp8_and_kernel_equals_reference():
         assert overlap > 0.999, overlap  # only near-ties at the top-k boundary may differ
 
 
+def _cuda_case(seed: int, b: int, t: int) -> tuple:
+    """FP8 index keys ``[b, t, 128]`` with their scales, float32 queries ``[b, 64, 128]`` and
+    weights ``[b, 64]`` on the GPU."""
+    torch.manual_seed(seed)
+    k8, sc = quantize_index_keys(torch.randn(b, t, 128, device="cuda"))
+    return k8, sc, torch.randn(b, 64, 128, device="cuda"), torch.rand(b, 64, device="cuda")
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_bf16_queries_on_fp8_keys():
     """The decode path's dtypes (bf16 index queries, FP8 keys): tensor-core products are exact,
     only the accumulation order differs from the reference."""
-    torch.manual_seed(1)
-    b, h, dim, t = 3, 64, 128, 8192
-    k8, sc = quantize_index_keys(torch.randn(b, t, dim, device="cuda"))
-    q = torch.randn(b, h, dim, device="cuda").bfloat16()
-    w = torch.rand(b, h, device="cuda")
+    t = 8192
+    k8, sc, q, w = _cuda_case(1, 3, t)
+    q = q.bfloat16()
     req = torch.tensor([2, 0, -1], device="cuda", dtype=torch.int32)
     n = torch.tensor([t, 5000, t], device="cuda", dtype=torch.int32)
     indexed = torch.tensor([4000, 9, t, 0], device="cuda")
@@ -294,14 +300,11 @@ def test_gpu_kernel_bf16_queries_on_fp8_keys():
 def test_gpu_fp16_dot_keeps_queries_past_fp16s_range():
     """Queries past fp16's range (scaled by a power of two inside the kernel) and below its
     normal range still score what the reference does."""
-    torch.manual_seed(2)
-    b, h, dim, t = 3, 64, 128, 2048
-    k8, sc = quantize_index_keys(torch.randn(b, t, dim, device="cuda"))
-    q = torch.randn(b, h, dim, device="cuda")
+    b, t = 3, 2048
+    k8, sc, q, w = _cuda_case(2, b, t)
     q[0] *= 3e5  # |q| up to about 1e6: fp16 holds 65504
     q[1, :, :64] *= 1e-6  # half the dims below 2^-14
     q = q.bfloat16()
-    w = torch.rand(b, h, device="cuda")
     req = torch.arange(b, device="cuda")
     n = torch.full((b,), t, device="cuda")
     ref = dsa_indexer_reference(q, w, k8, sc, req, n)
