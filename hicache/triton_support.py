@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -50,6 +50,17 @@ def exact_dot_precision(dtype: torch.dtype) -> str:
 def interpreter_enabled() -> bool:
     """True when Triton kernels are interpreted on the CPU (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def per_program(name: str, value: Optional[int], gpu_default: int, interpreted_default: int) -> int:
+    """A launcher's items a program (tokens, rows, ...): ``value`` when given, a power of two
+    >= 1 (else a ValueError naming ``name``); None: ``interpreted_default`` under the CPU
+    interpreter, whose cost is mostly per program, else ``gpu_default``."""
+    if value is None:
+        return interpreted_default if interpreter_enabled() else gpu_default
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value!r} is invalid: None or a power of two >= 1")
+    return value
 
 
 def use_triton(t: torch.Tensor) -> bool:

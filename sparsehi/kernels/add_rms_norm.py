@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch, interpreter_enabled
+from hicache.triton_support import cdiv, dispatch, per_program
 
 
 def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -55,10 +55,7 @@ def add_rms_norm_triton(residual: torch.Tensor, delta: torch.Tensor, weight: tor
                          f"{tuple(delta.shape)}, {tuple(weight.shape)}")
     if residual.stride(1) != 1 or delta.stride(1) != 1:
         raise ValueError("residual and delta must have a contiguous last dim")
-    if tokens_per_program is None:
-        tokens_per_program = INTERPRETED_TOKENS_PER_PROGRAM if interpreter_enabled() else 1
-    if not isinstance(tokens_per_program, int) or tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
-        raise ValueError(f"tokens_per_program={tokens_per_program!r} is invalid: None or a power of two >= 1")
+    tokens_per_program = per_program("tokens_per_program", tokens_per_program, 1, INTERPRETED_TOKENS_PER_PROGRAM)
     T, N = residual.shape
     h = torch.empty_like(residual)
     out = torch.empty_like(residual)

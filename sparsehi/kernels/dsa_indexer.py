@@ -6,7 +6,7 @@ Index keys are stored FP8 e4m3 with a per-token scale (``k_t ≈ scale_t · k̂_
 fp32 with no scale. Because ``scale_t > 0``, ``ReLU(q · scale_t k̂_t) = scale_t ReLU(q · k̂_t)``,
 so the scale is applied once per token after the head reduction. bf16 queries over FP8 keys
 take the tensor-core dot in fp16 on a GPU (the queries scaled by a power of two into fp16's
-range): the same products as in bf16, with half the conversions of the keys.
+range): the same products as in bf16, with a third of the key conversions.
 
 Rows whose request slot is negative (padding) or past the pool score ``-inf``, and a row
 scores its first ``min(num_tokens, indexed[slot])`` tokens when given the per-slot indexed

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch, interpreter_enabled
+from hicache.triton_support import cdiv, dispatch, per_program
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,10 +70,8 @@ def rope_inplace_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _check_rope(x, cos, sin)
     if x.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
         raise ValueError("x's last dim and cos/sin rows must be contiguous (sin laid out like cos)")
-    if rows_per_program is None:
-        rows_per_program = INTERPRETED_ROWS_PER_PROGRAM if interpreter_enabled() else ROWS_PER_PROGRAM
-    if not isinstance(rows_per_program, int) or rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
-        raise ValueError(f"rows_per_program={rows_per_program!r} is invalid: None or a power of two >= 1")
+    rows_per_program = per_program("rows_per_program", rows_per_program, ROWS_PER_PROGRAM,
+                                   INTERPRETED_ROWS_PER_PROGRAM)
     T, H, dim = x.shape
     if T == 0 or H == 0:
         return x

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.triton_support import cdiv, dispatch, interpreter_enabled
+from hicache.triton_support import cdiv, dispatch, per_program
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -44,10 +44,7 @@ def silu_mul_triton(gate_up: torch.Tensor, tokens_per_program: Optional[int] = N
     result as the reference."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T, 2I] with a contiguous last dim, got {tuple(gate_up.shape)}")
-    if tokens_per_program is None:
-        tokens_per_program = INTERPRETED_TOKENS_PER_PROGRAM if interpreter_enabled() else 1
-    if not isinstance(tokens_per_program, int) or tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
-        raise ValueError(f"tokens_per_program={tokens_per_program!r} is invalid: None or a power of two >= 1")
+    tokens_per_program = per_program("tokens_per_program", tokens_per_program, 1, INTERPRETED_TOKENS_PER_PROGRAM)
     T, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
