@@ -118,6 +118,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "fp8_best_tok_s_64k, b1_tok_s_1m and prefetch_hidden_frac into its summary) "
                          "instead of replacing the file")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch swept per mode")
+    ap.add_argument("--index-query-dtype", default="auto", choices=("auto", "fp8", "native"),
+                    help="the dsv32-shape DSA indexer's queries (sparse_extra_config['index_query_dtype']): auto "
+                         "(FP8 over FP8 index keys, as DeepSeek-V3.2), fp8, or native (the model's bf16)")
     ap.add_argument("--skip-dsv32", action="store_true", help="skip the dsv32-shape rows")
     ap.add_argument("--skip-llama", action="store_true",
                     help="skip the llama-shape rows (scenario a and b; no llama-shape model is built)")
@@ -224,6 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    "sparse layer's LRU buffer of every request is full, plus 2 steps, at most "
                                    "buffer_fill_steps_max (each row's warmup_steps and buffer_fill_at_timing)",
                          "profiled_steps": profiled, "quick": args.quick,
+                         "dsa_index_query_dtype": args.index_query_dtype,
                          "scenario_a": {"gpu_kv_gib": budget_a[0] / GIB, "host_kv_gib": budget_a[1] / GIB}},
             "complete": final,
         }
@@ -376,7 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sc_dsa = SparseConfig(algorithm="dsa", top_k=K if not args.quick else 64,
                               device_buffer_size=2 * (K if not args.quick else 64), page_size=1,
                               min_sparse_prompt_len=0, sink_tokens=64 if not args.quick else 8,
-                              recent_tokens=64 if not args.quick else 8)
+                              recent_tokens=64 if not args.quick else 8,
+                              sparse_extra_config={"index_query_dtype": args.index_query_dtype})
         notes.append(f"dsv32-shape: {dsv.num_layers} of 61 layers, so its GPU/host budgets are scaled by "
                      f"{scale:.3f} (capacity as for the full model)")
         pin_host_pools(mla, sc_dsa, [dsv_ctx], budget_a[1] * scale)

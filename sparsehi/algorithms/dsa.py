@@ -7,6 +7,12 @@ float32 scale where the GPU supports it (compute capability >= 8.9 and torch has
 ``float8_e4m3fn``), bf16 otherwise; ``sparse_extra_config["index_dtype"]`` forces
 ``"fp8" | "bf16" | "fp32"`` (default ``"auto"``). The choice is logged.
 
+Index queries: ``sparse_extra_config["index_query_dtype"]`` ``"fp8"`` quantises them to FP8
+e4m3 per (row, head) with a power-of-two scale folded into the head's weight, as
+DeepSeek-V3.2's inference code does before the product (FP8 x FP8 on the tensor cores;
+``quantize_index_queries``); ``"native"`` scores them in the dtype the model gives;
+``"auto"`` (default) is ``"fp8"`` when the index keys are FP8, else ``"native"``.
+
 The model provides the indexer's outputs: ``construct_representations(...,
 index_keys=[B, max_len, Di])`` after prefill, ``update_representations(...,
 index_keys=[B, Di])`` per decoded token, and ``retrieve_topk(index_queries [B, H, Di], ...,
@@ -48,6 +54,7 @@ from sparsehi.kernels.topk import topk_select
 
 logger = logging.getLogger(__name__)
 INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")
+INDEX_QUERY_DTYPES = ("auto", "fp8", "native")
 
 
 def choose_index_dtype(device: torch.device, requested: str = "auto") -> str:
@@ -66,6 +73,20 @@ def choose_index_dtype(device: torch.device, requested: str = "auto") -> str:
     return "bf16"
 
 
+def choose_index_query_dtype(index_dtype: str, requested: str = "auto") -> str:
+    """``"fp8"`` or ``"native"`` for the index queries: ``"auto"`` takes ``"fp8"`` over FP8
+    index keys (DeepSeek-V3.2's indexer), else ``"native"``; FP8 queries need FP8 keys."""
+    if requested not in INDEX_QUERY_DTYPES:
+        raise ValueError(f"sparse_extra_config['index_query_dtype']={requested!r} is invalid: one of "
+                         f"{INDEX_QUERY_DTYPES}")
+    if requested == "auto":
+        return "fp8" if index_dtype == "fp8" else "native"
+    if requested == "fp8" and index_dtype != "fp8":
+        raise ValueError(f"sparse_extra_config['index_query_dtype']='fp8' needs FP8 index keys (index_dtype "
+                         f"'fp8'), got index_dtype {index_dtype!r}")
+    return requested
+
+
 @register_algorithm("dsa")
 class DSAAlgorithm(BaseSparseAlgorithm):
     """Token-wise Top-k by the DSA lightning indexer (``page_size`` must be 1)."""
@@ -82,8 +103,10 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         if not isinstance(self.index_head_dim, int) or self.index_head_dim <= 0:
             raise ValueError(f"sparse_extra_config['index_head_dim']={self.index_head_dim!r} is invalid: an integer > 0")
         self.index_dtype = choose_index_dtype(self.device, extra.get("index_dtype", "auto"))
+        self.index_query_dtype = choose_index_query_dtype(self.index_dtype, extra.get("index_query_dtype", "auto"))
         self.validate = bool(extra.get("validate", True))
-        logger.info("dsa: index keys stored as %s on %s", self.index_dtype, self.device)
+        logger.info("dsa: index keys stored as %s, index queries scored as %s, on %s", self.index_dtype,
+                    self.index_query_dtype, self.device)
         # flat [R * T + 1, Di] storage (the last entry absorbs padding rows' writes) and its
         # [R, T, Di] view without it; likewise the scales, and [R + 1] indexed counts
         self._keys_flat: dict[int, torch.Tensor] = {}
@@ -238,7 +261,7 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         dev = pool.device
         # the kernel reads each row's indexed count and drops padding rows itself
         return dsa_indexer(queries.to(dev), weights.to(dev), pool, self._scales[layer_id], req_pool_indices.to(dev),
-                           num_tokens.to(dev), self._indexed[layer_id])
+                           num_tokens.to(dev), self._indexed[layer_id], fp8_queries=self.index_query_dtype == "fp8")
 
     def retrieve_topk(
         self,

@@ -49,11 +49,43 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (k / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(f8), scale
 
 
+def _pow2_exponent_over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """``[...] int32`` the smallest ``e`` with ``448 * 2^e >= amax`` (``amax`` float32 >= 0;
+    0 where ``amax == 0``), clamped to [-126, 126]: from the float's bits, so no rounding of a
+    log or a division can move it. 448 = 1.75 x 2^8, whose mantissa field is 0x600000."""
+    bits = amax.contiguous().view(torch.int32)
+    e = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-126, 126)
+
+
+def quantize_index_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's FP8 queries, as the kernel makes them with ``fp8_queries=True``.
+
+    q: ``[B, H, Di]`` float; weights ``[B, H]`` float. Returns ``(q̂ [B, H, Di]
+    float8_e4m3fn, w' [B, H] float32)``: per (row, head) ``s = 2^e``, the smallest power of two
+    with ``448 s >= max|q_h|`` (1 for an all-zero head), ``q̂ = q / s`` rounded to nearest
+    even, ``w' = w s``; so ``w' ReLU(q̂ · k) ≈ w ReLU(q · k)``.
+    """
+    f8 = fp8_dtype()
+    if f8 is None:
+        raise ValueError("fp8_queries=True needs a torch build with float8_e4m3fn")
+    qf = q.float()
+    e = _pow2_exponent_over_fp8_max(qf.abs().amax(dim=-1))
+    scale = ((e + 127) << 23).view(torch.float32)
+    inverse = ((127 - e) << 23).view(torch.float32)
+    return (qf * inverse[..., None]).to(f8), weights.float() * scale
+
+
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, key_scales: Optional[torch.Tensor],
-           req_pool_indices: torch.Tensor, num_tokens: torch.Tensor, indexed: Optional[torch.Tensor] = None) -> None:
+           req_pool_indices: torch.Tensor, num_tokens: torch.Tensor, indexed: Optional[torch.Tensor] = None,
+           fp8_queries: bool = False) -> None:
+    if fp8_queries not in (True, False):
+        raise ValueError(f"fp8_queries={fp8_queries!r} is invalid: True or False")
+    if fp8_queries and (fp8_dtype() is None or index_keys.dtype != fp8_dtype()):
+        raise ValueError(f"fp8_queries=True needs FP8 e4m3 index keys (float8_e4m3fn), got {index_keys.dtype}")
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H_index, index_head_dim], got {tuple(q.shape)}")
     b, h, d = q.shape
@@ -81,6 +113,7 @@ def dsa_indexer_reference(
     req_pool_indices: torch.Tensor,
     num_tokens: torch.Tensor,
     indexed: Optional[torch.Tensor] = None,
+    fp8_queries: bool = False,
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -94,9 +127,12 @@ def dsa_indexer_reference(
                       ``-inf``.
     indexed:          ``[>= R]`` int32/int64 tokens indexed per request slot, or None; when
                       given, a row scores only ``min(num_tokens, indexed[slot])`` tokens.
+    fp8_queries:      score with ``quantize_index_queries(q, weights)`` (FP8 keys only).
     Returns ``[B, T] float32``.
     """
-    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed, fp8_queries)
+    if fp8_queries:
+        q, weights = quantize_index_queries(q, weights)
     r, t = index_keys.shape[:2]
     req = req_pool_indices.to(q.device).long()
     live_row = (req >= 0) & (req < r)
@@ -115,6 +151,19 @@ def dsa_indexer_reference(
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """``x`` (float32, ``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, as
+    float32: adding ``c = 1.5 x 2^(23 + m)``, whose ulp is e4m3's step ``2^m`` at ``x``'s
+    exponent, rounds to that step in float32's own round-to-nearest-even. The Triton CPU
+    interpreter's float32 -> float8e4nv cast rounds wrongly (31.625 -> 16, 50 -> 52), so
+    interpreted kernels round with this instead."""
+    bits = x.to(tl.int32, bitcast=True)
+    step = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # e4m3: 3 mantissa bits, subnormal below 2^-6
+    c = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (x + c) - c
+
+
+@triton.jit
 def _dsa_indexer_kernel(
     q_ptr, w_ptr, k_ptr, scale_ptr, req_ptr, ntok_ptr, indexed_ptr, out_ptr,
     R, T, H, D,
@@ -122,6 +171,7 @@ def _dsa_indexer_kernel(
     stride_kr, stride_kt, stride_sr,
     stride_ob,
     HAS_SCALE: tl.constexpr, HAS_INDEXED: tl.constexpr, DOT_IN_Q_DTYPE: tl.constexpr, FP16_DOT: tl.constexpr,
+    FP8_QUERIES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -144,7 +194,20 @@ def _dsa_indexer_kernel(
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     w = tl.load(w_ptr + b * stride_wb + offs_h * stride_wh, mask=h_mask, other=0.0).to(tl.float32)
-    if FP16_DOT:
+    if FP8_QUERIES:
+        # quantize_index_queries: per head 2^e from the bits of max|q_h| (exact, as in torch)
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), axis=1)
+        bits = amax.to(tl.int32, bitcast=True)
+        e = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.minimum(tl.maximum(tl.where(amax > 0, e, 0), -126), 126)
+        w = w * ((e + 127) << 23).to(tl.float32, bitcast=True)
+        qs = qf * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+        if DOT_IN_Q_DTYPE:  # FP8 x FP8 on the tensor cores, the keys as stored
+            q_t = tl.trans(qs.to(tl.float8e4nv))
+        else:  # the interpreter: e4m3 values in float32, multiplied in float32
+            q_t = tl.trans(_round_to_e4m3(qs))
+    elif FP16_DOT:
         # bf16 queries over FP8 keys: the dot runs in fp16, whose widening of an E4M3 pair is one
         # instruction (to bf16 it takes one more a value: about a third of the loop's work). The
         # row's queries are scaled by 2^-e, a power of two that keeps the largest inside fp16's
@@ -166,7 +229,9 @@ def _dsa_indexer_kernel(
         k = tl.load(k_ptr + req * stride_kr + offs_t[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
                     mask=live_t[:, None] & d_mask[None, :], other=0.0)
         # padded heads have q = 0 and w = 0, so they add ReLU(0) * 0 = 0
-        if FP16_DOT:
+        if FP8_QUERIES and DOT_IN_Q_DTYPE:
+            logits = tl.dot(k, q_t)  # [BLOCK_T, BLOCK_H] float32
+        elif FP16_DOT:
             logits = tl.dot(k.to(tl.float16), q_t)  # [BLOCK_T, BLOCK_H] float32, scaled by 2^-e
         elif DOT_IN_Q_DTYPE:
             # FP8 (or same-dtype) keys widen exactly to q's 16-bit dtype: exact products,
@@ -218,6 +283,7 @@ def dsa_indexer_triton(
     num_warps: int = 4,
     max_registers: Optional[int] = None,
     fp16_dot: Optional[bool] = None,
+    fp8_queries: bool = False,
 ) -> torch.Tensor:
     """Triton launcher (one launch); same arguments and result as
     :func:`dsa_indexer_reference`. Queries and weights are read through their strides in
@@ -226,8 +292,10 @@ def dsa_indexer_triton(
     flight in a program's loop (None: 1 for one tile, else ``PIPELINE_STAGES``);
     ``max_registers``: a thread's register cap (None: the compiler's choice), which sets how
     many programs an SM holds; ``fp16_dot``: bf16 queries over FP8 keys dot in fp16 (the
-    kernel's comment says why it is exact; None: yes on a GPU, False: in bf16)."""
-    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+    kernel's comment says why it is exact; None: yes on a GPU, False: in bf16);
+    ``fp8_queries``: quantise the queries to FP8 in the kernel (``quantize_index_queries``)
+    and take FP8 x FP8 products (FP8 keys only)."""
+    _check(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed, fp8_queries)
     for name, value in (("block_t", block_t), ("num_warps", num_warps)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: an int >= 1")
@@ -266,10 +334,11 @@ def dsa_indexer_triton(
         out.stride(0),
         HAS_SCALE=key_scales is not None, HAS_INDEXED=indexed is not None,
         # (the CPU interpreter multiplies 16-bit floats wrongly: it takes the float32 path)
-        DOT_IN_Q_DTYPE=dot_16bit,
+        DOT_IN_Q_DTYPE=dot_16bit or (fp8_queries and not interpreter_enabled()),
         FP16_DOT=(dot_16bit and q.dtype == torch.bfloat16 and index_keys.dtype == fp8_dtype()
-                  and fp16_dot is not False),
-        BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+                  and fp16_dot is not False and not fp8_queries),
+        FP8_QUERIES=fp8_queries,
+        BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(32 if fp8_queries else 16, triton.next_power_of_2(d)),
         TILES=tiles, NUM_STAGES=num_stages, num_warps=num_warps,
         **({} if max_registers is None or interpreter_enabled() else {"maxnreg": max_registers}),
     )
@@ -284,8 +353,9 @@ def dsa_indexer(
     req_pool_indices: torch.Tensor,
     num_tokens: torch.Tensor,
     indexed: Optional[torch.Tensor] = None,
+    fp8_queries: bool = False,
 ) -> torch.Tensor:
     """Indexer scores ``[B, T] float32`` (Triton on CUDA, reference on CPU); arguments as
     :func:`dsa_indexer_reference`."""
     impl = dispatch("dsa_indexer", q, dsa_indexer_triton, dsa_indexer_reference)
-    return impl(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed)
+    return impl(q, weights, index_keys, key_scales, req_pool_indices, num_tokens, indexed, fp8_queries=fp8_queries)
