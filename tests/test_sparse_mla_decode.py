@@ -450,6 +450,23 @@ def test_split_heuristic_one_wave():
     assert mla_num_splits(8, 100, 64, 132) == 1
 
 
+def test_gluon_split_count_takes_the_measured_fastest():
+    """gluon_num_splits at the shapes of mla_split_count.json (one H200, 128 heads): the count
+    measured fastest there, where splitting only under a full wave took one split at 39 and 96
+    rows (78 and 192 programs: 1.12x slower over FP8 rows)."""
+    from sparsehi.kernels.sparse_mla_gluon_launch import gluon_num_splits
+
+    fp8_tiles, bf16_tiles = 2176 // 64 + 1, 2176 // 32  # K = 2176: 64-token FP8 tiles, 32-token 16-bit ones
+    for rows, want in ((8, 7), (16, 4), (30, 2), (39, 3), (48, 1), (64, 1), (96, 2), (128, 1)):
+        assert gluon_num_splits(2 * rows, fp8_tiles, 132, True, 17) == want, rows
+        assert gluon_num_splits(2 * rows, bf16_tiles, 132, False, 17) == want, rows
+    # long rows (K = 8192 / 32768 over 16-bit rows): 48 rows take 4, 30 rows of 32768 keep 2
+    assert gluon_num_splits(96, 256, 132, False, 64) == 4
+    assert gluon_num_splits(60, 1024, 132, False, 64) == 2
+    assert gluon_num_splits(78, 34, 132, True, 2) in (1, 2)  # the cap
+    assert gluon_num_splits(1, 1, 132, True, 1) == 1
+
+
 @pytest.mark.parametrize("cfg", [MlaGluonConfig(), MlaGluonConfig(block_n=32, num_buf=4, late_issue=True, num_splits=2)])
 def test_gluon_config_matches_reference_or_falls_back(cfg):
     # CPU / interpreter: the Gluon config falls back to the Triton kernel (logged once)

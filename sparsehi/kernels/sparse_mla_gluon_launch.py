@@ -16,6 +16,34 @@ from sparsehi.kernels.sparse_mla_gluon_narrow import launch_narrow
 from sparsehi.kernels.sparse_mla_gluon_ws import launch_ws
 
 
+SPLIT_COST_TILES = {False: (0.34, 0.071, 2.2), True: (0.41, 0.024, 0.58)}
+"""Over 16-bit (False) and FP8 rows (True): what a launch of the 64-head-block kernels costs
+beyond its tiles, in units of one tile of its loop: ``(a wave, a split's partial output of a
+program, splitting at all)``; fitted to one H200's times at 128 heads and K=2176, 8 to 128
+rows, 1 to 8 splits (``benchmarks/results/mla_split_count.json``, 2026-11-28)."""
+SPLIT_COST_MARGIN = 0.02
+"""Fewer splits win unless more cost this much less (the model is coarse: at 30 rows of
+32768 indices over 16-bit rows it put 11 splits 0.4 % under 2, which ran 4 % slower)."""
+
+
+def gluon_num_splits(programs: int, tiles: int, sms: int, fp8: bool, max_splits: int) -> int:
+    """Split-K count of the 64-head-block Gluon kernels (one program an SM: their shared
+    memory): the fewest splits ``s`` in ``1..max_splits`` whose ``cost(s) = waves(s) x (tiles /
+    s + a) + [s > 1] (b x programs x s + c)`` is within ``SPLIT_COST_MARGIN`` of the least, with
+    ``(a, b, c) = SPLIT_COST_TILES[fp8]`` and ``waves(s) = ceil(programs x s / sms)``. Where
+    splitting only while the grid is under one wave (``mla_num_splits``) takes one split, it
+    splits a grid of half a wave to one (78 programs: 3 splits, 1.12x at 128 heads over FP8
+    rows) and one of a little over a wave (192: 2)."""
+    a, b, c = SPLIT_COST_TILES[fp8]
+
+    def cost(s: int) -> float:
+        return cdiv(programs * s, sms) * (cdiv(tiles, s) + a) + (b * programs * s + c if s > 1 else 0.0)
+
+    counts = range(1, max(1, max_splits) + 1)
+    least = min(cost(s) for s in counts)
+    return next(s for s in counts if cost(s) <= least * (1 + SPLIT_COST_MARGIN))
+
+
 def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
                      Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
     """Launch a Gluon kernel over 16-bit ``kv [num_slots, Dl + Dr]`` or FP8 rows ``kv
@@ -38,7 +66,14 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
         block_h = 16 if H <= 16 else NARROW_MAX_HEADS
     head_blocks = cdiv(H, block_h)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
-    splits, tps = split_tokens(K, cfg.num_splits or mla_num_splits(B * head_blocks, K, cfg.block_n, sms), cfg.block_n)
+    if cfg.num_splits:
+        splits = cfg.num_splits
+    elif cfg.token_rows:
+        splits = mla_num_splits(B * head_blocks, K, cfg.block_n, sms)
+    else:  # at most as many splits as the old rule's cap: >= 128 indices a split
+        splits = gluon_num_splits(B * head_blocks, cdiv(K, cfg.block_n), sms, fp8,
+                                  mla_num_splits(1, K, cfg.block_n, 1 << 30))
+    splits, tps = split_tokens(K, splits, cfg.block_n)
     grid = (head_blocks, B, splits)
     if cfg.token_rows:
         return launch_narrow(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, block_h, fp8=fp8)
