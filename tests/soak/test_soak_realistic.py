@@ -70,7 +70,10 @@ def test_time_budget_ends_the_plan_and_records_what_ran(tmp_path):
     assert len(records) == 3  # every sub-run got its share and ran
     ran = [r.result["requests"] for r in records]
     assert all(0 < n < s.cfg.requests for n, s in zip(ran, subs)), ran
-    assert wall < 9.0 + 6.0, wall  # a step or a reference past the estimate at most
+    # past the budget: the in-flight requests' last steps and their reference checks, which
+    # took up to 9 s on a 2-core machine also running the rest of the suite; all 600
+    # requests would take minutes
+    assert wall < 9.0 + 12.0, wall
     for r in records:
         assert r.result["mismatched_tokens"] == 0 and r.result["leaked_slots"] == 0
 
