@@ -270,6 +270,29 @@ def test_tiny_indexer_equals_hand_written_loop():
     assert valid.tolist() == [3] and sorted(sel[0].tolist()) == sorted(expect)
 
 
+def test_lookahead_cuts_one_indexer_pass_twice(monkeypatch):
+    """retrieve_topk_and_lookahead: the indexer runs once; the selection and the lookahead
+    set are what retrieve_topk gives at top_k and at lookahead_top_k."""
+    torch.manual_seed(12)
+    keys = torch.randn(2, 60, 8)
+    alg, req = _alg(keys, torch.tensor([60, 45]), top_k=4)
+    q, w = torch.randn(2, 3, 8), torch.rand(2, 3)
+    kw = dict(weights=w, seq_lens=torch.tensor([61, 46]), candidate_start=torch.tensor([2, 0]),
+              candidate_end=torch.tensor([58, 44]))
+    mask = torch.tensor([True, True])
+    calls = []
+    score = alg.score
+    monkeypatch.setattr(alg, "score", lambda *a, **k: calls.append(1) or score(*a, **k))
+    sel, val, more = alg.retrieve_topk_and_lookahead(q, 0, req, mask, lookahead_top_k=12, top_k=4, **kw)
+    ids, valid = more()
+    assert len(calls) == 1
+    want_sel, want_val = alg.retrieve_topk(q, 0, req, mask, top_k=4, **kw)
+    want_ids, want_valid = alg.retrieve_topk(q, 0, req, mask, top_k=12, **kw)
+    assert torch.equal(sel, want_sel) and torch.equal(val, want_val)
+    assert torch.equal(ids, want_ids) and torch.equal(valid, want_valid) and valid.tolist() == [12, 12]
+    assert all(set(sel[r].tolist()) <= set(ids[r].tolist()) for r in range(2))
+
+
 def test_fp8_storage_and_dtype_choice():
     torch.manual_seed(4)
     assert choose_index_dtype(torch.device("cpu")) == "bf16"  # no FP8 path on the CPU

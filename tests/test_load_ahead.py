@@ -54,8 +54,8 @@ def test_load_ahead_keeps_tokens_and_hides_misses(host_kv_dtype):
     assert set(a["per_layer_hidden_frac"]) == set(range(2, 3))  # quest's sparse layer of the 3-layer model
 
 
-def test_load_ahead_through_the_default_retrieval():
-    """DSA has no lookahead of its own: the base class selects twice (the same ranking)."""
+def test_load_ahead_of_dsa():
+    """DSA's lookahead (one indexer pass cut twice) through the decode: tokens equal sparse-gpu's."""
     model = model_for("tiny-dsa")
     prompts = prompts_of((160, 137))
     kw = dict(algorithm="dsa", page_size=1, top_k=32, device_buffer_size=64, sink_tokens=8, recent_tokens=8,
@@ -285,8 +285,8 @@ def test_load_ahead_in_cuda_graphs_keeps_tokens(host_kv_dtype):
 
 @pytest.mark.gpu
 def test_load_ahead_of_dsa_in_cuda_graphs_keeps_tokens():
-    """DSA through the default lookahead (a second selection, on the side stream, beside
-    the layer's index-key update on the step's stream): tokens equal sparse-gpu's."""
+    """DSA's lookahead (the second cut of the layer's scores, on the side stream, beside the
+    layer's index-key update on the step's stream): tokens equal sparse-gpu's."""
     model = model_for("tiny-dsa", "cuda", torch.bfloat16)
     prompts = prompts_of((700, 640))
     kw = dict(algorithm="dsa", page_size=1, top_k=64, device_buffer_size=128, sink_tokens=8, recent_tokens=8,
