@@ -1,8 +1,9 @@
 """DSA indexer launch shapes: tiles of index keys per program (the row's queries read once a
 program, key loads pipelined in its loop), pipeline stages, tile size and warps, at the
 decode's shapes (64 index heads x 128, FP8 keys with a float32 scale, bf16 queries, or those
-quantised to FP8 in the kernel with ``--dots``), in CUDA-graph replays; each variant's scores checked bit for bit against one tile a program
-of the same tile size, and its key bytes against the device's copy bandwidth measured in the same run.
+quantised to FP8 in the kernel with ``--dots``), in CUDA-graph replays; each variant's scores
+checked bit for bit against one tile a program of the same tile size, and its key bytes against
+the device's copy bandwidth measured in the same run.
 
     PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py          # -> results/dsa_indexer_tiles.json
     PYTHONPATH=. python benchmarks/dsa_indexer_tiles.py --quick  # CPU: the checks at small sizes

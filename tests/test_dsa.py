@@ -179,8 +179,8 @@ def test_index_query_dtype_choice_and_the_algorithms_scores():
         cfg = _cfg(top_k=4, dim=16, dtype="fp8", index_query_dtype=query_dtype)
         alg = create_algorithm(cfg, "cpu")
         alg.initialize_representation_pool(0, 1, 2, 44, kv_heads=1, head_dim=16, dtype=torch.float32)
-        alg.construct_representations(0, torch.tensor([1]), seq, torch.empty(0, 1, 16), torch.empty(1, 40, dtype=torch.long),
-                                      index_keys=keys)
+        alg.construct_representations(0, torch.tensor([1]), seq, torch.empty(0, 1, 16),
+                                      torch.empty(1, 40, dtype=torch.long), index_keys=keys)
         scores[query_dtype] = alg.score(q, w, 0, torch.tensor([1]), seq)[0, :40]
         assert alg.index_query_dtype == ("fp8" if query_dtype == "auto" else "native")
     k8, sc = quantize_index_keys(keys)

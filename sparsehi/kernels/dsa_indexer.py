@@ -82,7 +82,7 @@ _INT_DTYPES = (torch.int32, torch.int64)
 def _check(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, key_scales: Optional[torch.Tensor],
            req_pool_indices: torch.Tensor, num_tokens: torch.Tensor, indexed: Optional[torch.Tensor] = None,
            fp8_queries: bool = False) -> None:
-    if fp8_queries not in (True, False):
+    if not isinstance(fp8_queries, bool):
         raise ValueError(f"fp8_queries={fp8_queries!r} is invalid: True or False")
     if fp8_queries and (fp8_dtype() is None or index_keys.dtype != fp8_dtype()):
         raise ValueError(f"fp8_queries=True needs FP8 e4m3 index keys (float8_e4m3fn), got {index_keys.dtype}")
@@ -338,7 +338,9 @@ def dsa_indexer_triton(
         FP16_DOT=(dot_16bit and q.dtype == torch.bfloat16 and index_keys.dtype == fp8_dtype()
                   and fp16_dot is not False and not fp8_queries),
         FP8_QUERIES=fp8_queries,
-        BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_D=max(32 if fp8_queries else 16, triton.next_power_of_2(d)),
+        # (an FP8 dot takes K >= 32)
+        BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(h)),
+        BLOCK_D=max(32 if fp8_queries else 16, triton.next_power_of_2(d)),
         TILES=tiles, NUM_STAGES=num_stages, num_warps=num_warps,
         **({} if max_registers is None or interpreter_enabled() else {"maxnreg": max_registers}),
     )
