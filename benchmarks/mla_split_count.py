@@ -28,9 +28,8 @@ from hicache.triton_support import cdiv, sm_count  # noqa: E402
 from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents  # noqa: E402
 from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode_reference, sparse_mla_decode_triton  # noqa: E402
 from sparsehi.kernels.flash_decoding import split_tokens  # noqa: E402
-from sparsehi.kernels.sparse_mla_common import mla_num_splits  # noqa: E402
 from sparsehi.kernels.sparse_mla_gluon import default_gluon_config  # noqa: E402
-from sparsehi.kernels.sparse_mla_gluon_launch import gluon_num_splits  # noqa: E402
+from sparsehi.kernels.sparse_mla_gluon_launch import gluon_splits  # noqa: E402
 
 H, DL, DR = 128, 512, 64
 K = 2176
@@ -47,9 +46,8 @@ def wave_model_splits(programs: int, tiles: int, sms: int, max_splits: int) -> i
 
 def default_splits(b: int, k: int, cfg, fp8: bool) -> int:
     """The split count the default dispatch takes for ``b`` rows of ``k`` indices."""
-    programs, tiles = b * cdiv(H, 64), cdiv(k, cfg.block_n)
-    return split_tokens(k, gluon_num_splits(programs, tiles, sm_count(torch.device("cuda")), fp8,
-                                            mla_num_splits(1, k, cfg.block_n, 1 << 30)), cfg.block_n)[0]
+    sms = sm_count(torch.device("cuda"))
+    return split_tokens(k, gluon_splits(cfg, b * cdiv(H, 64), k, sms, fp8), cfg.block_n)[0]
 
 
 def main(argv=None) -> int:
@@ -102,7 +100,8 @@ def main(argv=None) -> int:
             rows += shape_rows
             torch.cuda.empty_cache()
     return finish_checked_run("mla_split_count.json", {
-        "what": "sparse MLA decode (Gluon kernels, the default config of each row layout) at 128 heads, K=2176, "
+        "what": "sparse MLA decode (Gluon kernels, the default config of each row layout) at 128 heads, K=2176 "
+                "unless --k says otherwise, "
                 "each split count beside the default dispatch (config=None), CUDA-graph timed; over_best: time "
                 "over the shape's fastest split count; wave_model_splits: the count minimising "
                 "ceil(programs x s / SMs) x ceil(tiles / s); rel_err: largest difference from the torch "

@@ -17,13 +17,18 @@ from sparsehi.kernels.flash_decoding import FLOAT_DTYPES, MAX_SPLITS, fail, merg
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE, MlaFp8Layout, fp8_row_bytes
 
 
+def mla_max_splits(num_idx: int, block_n: int) -> int:
+    """The most splits of ``num_idx`` indices an MLA launch takes: each split >= 128
+    indices (and one tile), at most ``MAX_SPLITS``."""
+    return int(max(1, min(cdiv(num_idx, max(block_n, 128)), MAX_SPLITS)))
+
+
 def mla_num_splits(work_items: int, num_idx: int, block_n: int, num_sms: int) -> int:
     """Split-K count for the MLA kernel: one program per SM is already a full wave (each
     program holds a large tile in shared memory), so split only while the grid is smaller
     than the SM count, and keep splits >= 128 indices."""
     want = max(1, num_sms // max(1, work_items))
-    cap = max(1, cdiv(num_idx, max(block_n, 128)))
-    return int(max(1, min(want, cap, MAX_SPLITS)))
+    return min(want, mla_max_splits(num_idx, block_n))
 
 
 @triton.jit

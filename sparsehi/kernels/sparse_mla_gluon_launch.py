@@ -9,7 +9,7 @@ import torch
 from hicache.triton_support import cdiv, sm_count
 from sparsehi.kernels.flash_decoding import INTERPRETER_SMS, fail, split_tokens
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE
-from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_num_splits
+from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_max_splits, mla_num_splits
 from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, MlaGluonConfig, _mla_gluon_fp8_kernel,
                                                _mla_gluon_kernel, check_gluon_config, gluon_ok, producer_warps)
 from sparsehi.kernels.sparse_mla_gluon_narrow import launch_narrow
@@ -44,6 +44,17 @@ def gluon_num_splits(programs: int, tiles: int, sms: int, fp8: bool, max_splits:
     return next(s for s in counts if cost(s) <= least * (1 + SPLIT_COST_MARGIN))
 
 
+def gluon_splits(cfg: MlaGluonConfig, programs: int, num_idx: int, sms: int, fp8: bool) -> int:
+    """The split count a Gluon launch of ``programs`` (rows x head blocks) over ``num_idx``
+    indices asks ``split_tokens`` for: ``cfg.num_splits`` when set; the token-rows kernels
+    ``mla_num_splits``; the 64-head-block ones ``gluon_num_splits``, up to ``mla_max_splits``."""
+    if cfg.num_splits:
+        return cfg.num_splits
+    if cfg.token_rows:
+        return mla_num_splits(programs, num_idx, cfg.block_n, sms)
+    return gluon_num_splits(programs, cdiv(num_idx, cfg.block_n), sms, fp8, mla_max_splits(num_idx, cfg.block_n))
+
+
 def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
                      Dl: int, sm_scale: float, cfg: MlaGluonConfig) -> torch.Tensor:
     """Launch a Gluon kernel over 16-bit ``kv [num_slots, Dl + Dr]`` or FP8 rows ``kv
@@ -66,14 +77,7 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
         block_h = 16 if H <= 16 else NARROW_MAX_HEADS
     head_blocks = cdiv(H, block_h)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
-    if cfg.num_splits:
-        splits = cfg.num_splits
-    elif cfg.token_rows:
-        splits = mla_num_splits(B * head_blocks, K, cfg.block_n, sms)
-    else:  # at most as many splits as the old rule's cap: >= 128 indices a split
-        splits = gluon_num_splits(B * head_blocks, cdiv(K, cfg.block_n), sms, fp8,
-                                  mla_num_splits(1, K, cfg.block_n, 1 << 30))
-    splits, tps = split_tokens(K, splits, cfg.block_n)
+    splits, tps = split_tokens(K, gluon_splits(cfg, B * head_blocks, K, sms, fp8), cfg.block_n)
     grid = (head_blocks, B, splits)
     if cfg.token_rows:
         return launch_narrow(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, block_h, fp8=fp8)
