@@ -21,14 +21,34 @@ them once, for ``max_num_reqs`` request slots of up to ``max_context_len`` token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from sparsehi.kernels.topk import topk_select
 from sparsehi.selection import SparseMode
 
 if TYPE_CHECKING:
     from sparsehi.config import SparseConfig
+
+
+@dataclass
+class TopkRanking:
+    """Scores a selection cuts with ``topk_select``: ``scores [B, N] float32`` over ids
+    ``[0, N)``, the selectable ``[candidate_start, candidate_end)`` (``[B] int32`` each),
+    ``top_k`` and the rows that select (``row_mask [B] bool`` or None)."""
+
+    scores: torch.Tensor
+    candidate_start: torch.Tensor
+    candidate_end: torch.Tensor
+    top_k: int
+    row_mask: Optional[torch.Tensor]
+
+    def cut(self, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best ``top_k`` ids of each row (``[B, top_k] int32`` ascending, -1 padded;
+        ``[B] int32`` counts), ties to the lower id."""
+        return topk_select(self.scores, top_k, self.candidate_start, self.candidate_end, self.row_mask)
 
 
 class BaseSparseAlgorithm(ABC):
@@ -183,16 +203,26 @@ class BaseSparseAlgorithm(ABC):
         selection (a ranking cut further down). The function may run later and on another
         CUDA stream; it must not depend on state the next layer changes.
 
-        Default: ``retrieve_topk`` again with ``top_k=lookahead_top_k``, which holds the
-        contract for any algorithm whose selection is the best ``top_k`` of a deterministic
-        ranking whose ties break the same way at every ``top_k`` (``topk_select``: the lower
-        id first; ``torch.topk`` does not promise it); an algorithm that can cut one ranking
-        twice overrides this (Quest: one scoring pass). Checked eager steps verify the
-        containment; without checks a set that misses a selected page lets the load ahead
-        evict it while the layer attends it."""
+        Default: one ranking cut twice where ``selection_ranking`` gives one (Quest, DSA: one
+        scoring pass; the function holds the scores), else ``retrieve_topk`` again with
+        ``top_k=lookahead_top_k``, which holds the contract for any algorithm whose
+        selection is the best ``top_k`` of a deterministic ranking whose ties break the same
+        way at every ``top_k`` (``topk_select``: the lower id first; ``torch.topk`` does not
+        promise it). Checked eager steps verify the containment; without checks a set that
+        misses a selected page lets the load ahead evict it while the layer attends it."""
+        ranking = self.selection_ranking(queries, layer_id, req_pool_indices, sparse_mask, **kwargs)
+        if ranking is not None:
+            sel, val = ranking.cut(ranking.top_k)
+            return sel, val, lambda: ranking.cut(lookahead_top_k)
         sel, val = self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **kwargs)
         ahead_kw = {**kwargs, "top_k": lookahead_top_k}
         return sel, val, lambda: self.retrieve_topk(queries, layer_id, req_pool_indices, sparse_mask, **ahead_kw)
+
+    def selection_ranking(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                          sparse_mask: torch.Tensor, **kwargs: Any) -> Optional[TopkRanking]:
+        """The scores whose ``TopkRanking.cut(top_k)`` is ``retrieve_topk``'s selection for
+        the same arguments, or None (the default: the algorithm ranks some other way)."""
+        return None
 
     # ------------------------------------------------------------------ per-token state
     def token_state_bytes(self) -> int:

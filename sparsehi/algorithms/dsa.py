@@ -21,7 +21,7 @@ weights=[B, H])``. Score ``Σ_h w_h ReLU(q_h · k_t)``; top ``top_k`` tokens (de
 
 Decode launches per sparse layer on CUDA: ``retrieve_topk`` is two kernels (the indexer,
 which reads each slot's indexed count itself, then ``topk_select``;
-``retrieve_topk_and_lookahead`` cuts the same scores a second time for loading ahead);
+loading ahead cuts the same scores a second time, ``selection_ranking``);
 ``update_representations`` one (quantise, store and count:
 :func:`sparsehi.kernels.dsa_index_store.dsa_store_index_keys`).
 
@@ -41,17 +41,17 @@ returns ``valid_lengths == 0`` for them.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args, represented_lens_of
+from sparsehi.algorithms.base import (BaseSparseAlgorithm, SparseMode, TopkRanking, check_pool_args,
+                                      represented_lens_of)
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_int_vector, host_checks_enabled, live_rows,
                                    raise_if_any, selection_kwargs)
 from sparsehi.kernels.dsa_index_store import dsa_store_index_keys
 from sparsehi.kernels.dsa_indexer import dsa_indexer, fp8_dtype, quantize_index_keys
-from sparsehi.kernels.topk import topk_select
 
 logger = logging.getLogger(__name__)
 INDEX_DTYPES = ("auto", "fp8", "bf16", "fp32")
@@ -277,30 +277,13 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         queries: index queries ``[B, H_index, index_head_dim]``; kwargs ``weights [B, H_index]``.
         Padding rows (``req_pool_indices < 0``) return ``valid_lengths == 0``.
         """
-        scores, cs, ce, top_k, mask = self._scores(queries, layer_id, req_pool_indices, sparse_mask, kwargs)
-        return topk_select(scores, top_k, cs, ce, mask)
+        ranking = self.selection_ranking(queries, layer_id, req_pool_indices, sparse_mask, **kwargs)
+        return ranking.cut(ranking.top_k)
 
-    def retrieve_topk_and_lookahead(
-        self,
-        queries: torch.Tensor,
-        layer_id: int,
-        req_pool_indices: torch.Tensor,
-        sparse_mask: torch.Tensor,
-        *,
-        lookahead_top_k: int,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-        """One indexer pass cut twice: the Top-``top_k`` now, the Top-``lookahead_top_k``
-        when the returned function runs (it holds the scores; the same ids as two
-        ``retrieve_topk`` calls, since ``topk_select`` breaks ties by the lower id)."""
-        scores, cs, ce, top_k, mask = self._scores(queries, layer_id, req_pool_indices, sparse_mask, kwargs)
-        sel, val = topk_select(scores, top_k, cs, ce, mask)
-        return sel, val, lambda: topk_select(scores, lookahead_top_k, cs, ce, mask)
-
-    def _scores(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
-                sparse_mask: torch.Tensor, kwargs: dict) -> tuple:
-        """The checked inputs of a selection and the indexer's scores over them: ``(scores
-        [B, max_context_len] float32, candidate_start, candidate_end, top_k, row_mask)``."""
+    def selection_ranking(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                          sparse_mask: torch.Tensor, **kwargs: Any) -> TopkRanking:
+        """The indexer's scores ``[B, max_context_len] float32`` over the checked inputs of a
+        selection (``retrieve_topk``'s arguments): one pass that loading ahead cuts twice."""
         b = check_batch_rows(req_pool_indices, sparse_mask)
         seq_lens, cs, ce, top_k = selection_kwargs(kwargs, b, self.device)
         if (not isinstance(queries, torch.Tensor) or queries.dim() != 3 or queries.shape[0] != b
@@ -330,7 +313,7 @@ class DSAAlgorithm(BaseSparseAlgorithm):
         # Without the check (no host sync), unindexed positions still score -inf, so a short
         # index can shrink a selection but never select stale keys.
         scores = self.score(queries, w, layer_id, req_pool_indices, seq_lens)
-        return scores, cs, ce, top_k, as_row_mask(sparse_mask, scores.device)
+        return TopkRanking(scores, cs, ce, top_k, as_row_mask(sparse_mask, scores.device))
 
     # -- per-token state: the stored index key (and its FP8 scale) ----------------------
     def token_state_bytes(self) -> int:

@@ -31,11 +31,12 @@ shape / dtype checks always run.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from sparsehi.algorithms.base import BaseSparseAlgorithm, SparseMode, check_pool_args, represented_lens_of
+from sparsehi.algorithms.base import (BaseSparseAlgorithm, SparseMode, TopkRanking, check_pool_args,
+                                      represented_lens_of)
 from sparsehi.algorithms.oracle import head_reduce_of
 from sparsehi.algorithms.registry import register_algorithm
 from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_tensor, check_int_vector,
@@ -43,7 +44,6 @@ from sparsehi.input_checks import (as_row_mask, check_batch_rows, check_float_te
 from sparsehi.kernels.quest_score import quest_score
 from sparsehi.kernels.quest_select import quest_retrieve
 from sparsehi.kernels.quest_update_bounds import quest_update_bounds
-from sparsehi.kernels.topk import topk_select
 
 
 @register_algorithm("quest")
@@ -220,24 +220,15 @@ class QuestAlgorithm(BaseSparseAlgorithm):
         # select; else the score kernel and topk_select (same ids either way)
         return quest_retrieve(q, kmin, kmax, req, seq_lens, self.head_reduce, self.page_size, top_k, cs, ce, mask)
 
-    def retrieve_topk_and_lookahead(
-        self,
-        queries: torch.Tensor,
-        layer_id: int,
-        req_pool_indices: torch.Tensor,
-        sparse_mask: torch.Tensor,
-        *,
-        lookahead_top_k: int,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-        """One scoring pass cut twice: the Top-``top_k`` now, the Top-``lookahead_top_k``
-        when the returned function runs (it holds the scores; the same ids as two
-        ``retrieve_topk`` calls)."""
+    def selection_ranking(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
+                          sparse_mask: torch.Tensor, **kwargs: Any) -> TopkRanking:
+        """The Quest bounds over ``retrieve_topk``'s checked inputs (the score kernel; the
+        selection of small batches fuses it with the select): one scoring pass that loading
+        ahead cuts twice, the same ids as two ``retrieve_topk`` calls."""
         q, kmin, kmax, req, seq_lens, cs, ce, top_k, mask = self._retrieve_args(queries, layer_id, req_pool_indices,
                                                                                 sparse_mask, kwargs)
         scores = quest_score(q, kmin, kmax, req, seq_lens, self.head_reduce, page_size=self.page_size)
-        sel, val = topk_select(scores, top_k, cs, ce, mask)
-        return sel, val, lambda: topk_select(scores, lookahead_top_k, cs, ce, mask)
+        return TopkRanking(scores, cs, ce, top_k, mask)
 
     def _retrieve_args(self, queries: torch.Tensor, layer_id: int, req_pool_indices: torch.Tensor,
                        sparse_mask: torch.Tensor, kwargs: dict) -> tuple:
