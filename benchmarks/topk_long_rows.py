@@ -1,7 +1,8 @@
 """Top-k of long rows: the radix select spread over each row's chunks (``topk_radix_grid``)
 against one program per row, the chunk shortlists of ``topk_split`` (where their plan
-applies), what ``topk_select`` dispatches and ``torch.topk`` (unsorted), in CUDA-graph
-replays, each checked against ``topk_select_reference``.
+applies), the row in registers with a bisected threshold (``topk_bisect``, rows of at
+most 32768 ids), what ``topk_select`` dispatches and ``torch.topk`` (unsorted), in
+CUDA-graph replays, each checked against ``topk_select_reference``.
 
     PYTHONPATH=. python benchmarks/topk_long_rows.py            # -> results/topk_long_rows.json
     PYTHONPATH=. python benchmarks/topk_long_rows.py --quick    # CPU: the checks at small sizes
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import cuda_time_us, finish_checked_run, result_parser  # noqa: E402
 from hicache.triton_support import sm_count  # noqa: E402
 from sparsehi.kernels.topk import radix_grid_plan, topk_select, topk_select_reference, topk_select_triton  # noqa: E402
+from sparsehi.kernels.topk_bisect import MAX_BLOCK as BISECT_MAX_BLOCK, topk_select_bisect  # noqa: E402
 from sparsehi.kernels.topk_radix_grid import CHUNK, topk_select_radix_grid  # noqa: E402
 from sparsehi.kernels.topk_split import split_plan  # noqa: E402
 
@@ -51,13 +53,15 @@ def make_scores(kind: str, b: int, n: int, device: str) -> torch.Tensor:
 def variants(scores: torch.Tensor, k: int, cs: torch.Tensor, ce: torch.Tensor) -> dict[str, Callable[[], Any]]:
     b, n = scores.shape
     out: dict[str, Callable[[], Any]] = {
-        "one_program": lambda: topk_select_triton(scores, k, cs, ce, split=False, radix_grid=False),
+        "one_program": lambda: topk_select_triton(scores, k, cs, ce, split=False, radix_grid=False, bisect=False),
         "radix_grid": lambda: topk_select_radix_grid(scores, k, cs, ce, None, triton.next_power_of_2(-(-n // CHUNK))),
         "default": lambda: topk_select(scores, k, cs, ce),
     }
+    if n <= BISECT_MAX_BLOCK:
+        out["bisect"] = lambda: topk_select_bisect(scores, k, cs, ce)
     plan = split_plan(b, n, k, sm_count(scores.device))
     if plan is not None:
-        out["split"] = lambda: topk_select_triton(scores, k, cs, ce, radix_grid=False)
+        out["split"] = lambda: topk_select_triton(scores, k, cs, ce, radix_grid=False, bisect=False)
     return out
 
 
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
     return finish_checked_run(name, {
         "what": "top-k of long rows, CUDA-graph replays (us per call): one program per row, the chunk "
                 "shortlists (split, where their plan applies), the radix select over each row's chunks "
-                "(radix_grid), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
+                "(radix_grid), the row in registers with a bisected threshold (bisect, rows of at most "
+                "32768 ids), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
                 "topk_select_reference's", "commit": a.commit, "rows": rows},
         len(bad), "rows differ from the reference", cuda, a.out)
 

@@ -3,7 +3,8 @@
 ``topk_select`` is the decode path: one Triton launch (one program per row) that finds the
 exact top ``top_k`` candidates of every row by radix select on the scores' bits and writes
 them in ascending id order (``topk_select_triton``; ``topk_select_reference`` is the torch
-twin with identical results); a batch too small to fill the GPU splits each row over
+twin with identical results); rows of 2048 to 8192 ids are held in registers and their
+threshold bisected (``topk_bisect``), a batch too small to fill the GPU splits each row over
 several programs (``topk_split``), and long rows at small batches that do not split so
 (top 2048 of 32768, say) share one radix select among their chunks (``topk_radix_grid``).
 ``masked_topk`` is a torch top-k of another output order (a stable sort of the masked
@@ -21,6 +22,7 @@ import triton.language as tl
 from hicache.triton_support import dispatch, sm_count
 from sparsehi.kernels.radix_select import (_emit, _list_radix_pass, _order_keys, _shared_bits,
                                            _threshold_in_registers)
+from sparsehi.kernels.topk_bisect import topk_select_bisect
 from sparsehi.kernels.topk_radix_grid import CHUNK as RADIX_GRID_CHUNK, topk_select_radix_grid
 from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
 
@@ -39,6 +41,33 @@ GRID_BEFORE_SPLIT_TOP_K = 2048
 apply: top 2048 of 8192 ids took 27-29 us on the grid against 36-49 us in shortlists at
 batch 1 and 30 (``results/topk_long_rows.json``, ``threshold_small_block``); at top 512 of
 16384 the shortlists were faster in 11 of 12 rows before the grid's small register block."""
+
+
+BISECT_MIN_IDS = 2048
+BISECT_MAX_IDS = 8192
+BISECT_MAX_IDS_MANY_ROWS = 16384
+BISECT_SPLIT_RATIO = 64
+"""``bisect_plan``'s bounds, from one H200, 2026-11-28 (``results/topk_long_rows.json``
+section ``bisect``, CUDA-graph replays): rows of 2048 to 8192 ids took 1.2-2.0x less time
+in registers than by the best other plan at batch 1-64 (3.4x at 200 rows of 2048), except
+where the chunk shortlists keep a small part of the row (top 128 of 8192: the shortlists
+0.79-0.99x of the time up to batch 30, so from ``BISECT_SPLIT_RATIO`` ids per id selected
+they keep the rows where their plan applies); rows of 12288-16384 ids only from 64 rows
+(1.08-1.5x; at batch 1-30 the radix grid was up to 1.28x faster); 32768 ids 1.5-3x slower
+than the grid at every batch."""
+
+
+def bisect_plan(batch: int, n: int, top_k: int, sms: int) -> bool:
+    """Whether ``[batch, n]`` rows go to ``topk_bisect`` (one program per row, the row in
+    registers, the threshold bisected) on a GPU of ``sms`` SMs: rows of ``BISECT_MIN_IDS`` to
+    ``BISECT_MAX_IDS`` ids unless the chunk shortlists apply with ``BISECT_SPLIT_RATIO`` or
+    more ids per id selected, and rows up to ``BISECT_MAX_IDS_MANY_ROWS`` ids past
+    ``MAX_ROWS`` rows (where the radix grid stops)."""
+    if n < BISECT_MIN_IDS or n <= top_k:
+        return False
+    if n <= BISECT_MAX_IDS:
+        return n < BISECT_SPLIT_RATIO * top_k or split_plan(batch, n, top_k, sms) is None
+    return batch > MAX_ROWS and n <= BISECT_MAX_IDS_MANY_ROWS
 
 
 def radix_grid_plan(batch: int, n: int, top_k: int) -> Optional[int]:
@@ -323,8 +352,11 @@ def topk_select_triton(
     num_warps: int = 8,
     split: Optional[bool] = None,
     radix_grid: Optional[bool] = None,
+    bisect: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of :func:`topk_select`: one launch, one program per row, or, for a
+    """Triton launcher of :func:`topk_select`: for rows that ``bisect_plan`` takes (``bisect``
+    None; False: never), one program per row holding the row in registers
+    (``sparsehi.kernels.topk_bisect``); otherwise one launch, one program per row, or, for a
     batch too small to fill the GPU (``split`` None: by ``topk_split.split_plan``; False:
     never), two launches with several programs per row (``sparsehi.kernels.topk_split``),
     or, for rows many times longer than ``top_k`` (``radix_grid`` None: by
@@ -346,6 +378,8 @@ def topk_select_triton(
             raise ValueError(f"{name}={v!r} is invalid: a power of two >= 256")
     bsz, n = scores.shape
     dev = scores.device
+    if bisect is not False and bisect_plan(bsz, n, top_k, sm_count(dev)):
+        return topk_select_bisect(scores, top_k, candidate_start, candidate_end, row_mask)
     chunks = radix_grid_plan(bsz, n, top_k) if radix_grid is not False else None
     if chunks is not None and top_k >= GRID_BEFORE_SPLIT_TOP_K:
         return topk_select_radix_grid(scores, top_k, candidate_start, candidate_end, row_mask, chunks)
