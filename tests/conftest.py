@@ -34,6 +34,10 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_patching import install as _patch_once_per_launch
+
+    _patch_once_per_launch()
 
 import pytest  # noqa: E402
 
