@@ -96,4 +96,5 @@ def _keep_one_dtype_table(interpreter) -> None:
         got = table.get(tt_dtype)
         return got if got is not None else real(tt_dtype)
 
+    get_np_dtype.__wrapped__ = real
     interpreter._get_np_dtype = get_np_dtype

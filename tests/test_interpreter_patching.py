@@ -1,0 +1,74 @@
+"""tests/interpreter_patching.py: with it installed (conftest, under TRITON_INTERPRET=1) an
+interpreted kernel that calls jit helpers of its own module and of triton.language.standard
+computes what torch computes, the language is left unpatched after the launch, also after
+a launch that raised, and the dtype table answers as the interpreter's own function does."""
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter's patching")
+
+
+@triton.jit
+def _scaled(x, s):
+    return x * s
+
+
+@triton.jit
+def _row_stats_kernel(x_ptr, out_ptr, scale, N: tl.constexpr):
+    row = tl.program_id(0)
+    x = tl.load(x_ptr + row * N + tl.arange(0, N))
+    y = _scaled(x, scale)
+    # tl.sum / tl.max / tl.cumsum are jit functions of triton.language.standard
+    tl.store(out_ptr + row * 3, tl.sum(y, 0))
+    tl.store(out_ptr + row * 3 + 1, tl.max(y, 0))
+    tl.store(out_ptr + row * 3 + 2, tl.sum(tl.cumsum(y, 0), 0))
+
+
+@triton.jit
+def _raising_kernel(x_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    tl.static_assert(N < 0, "refused on purpose")
+    tl.store(x_ptr + tl.arange(0, N), x)
+
+
+def test_is_installed_and_once():
+    from triton.runtime import interpreter
+
+    from interpreter_patching import install
+    assert getattr(interpreter._patch_lang, "_once_per_launch", False)
+    assert install() is False  # already in place: not wrapped twice
+
+
+def test_kernel_with_helpers_computes_what_torch_does_and_leaves_the_language_unpatched():
+    builtin_sum = tl.core.tensor.__add__
+    x = torch.randn(3, 64)
+    out = torch.empty(3, 3)
+    _row_stats_kernel[(3,)](x, out, 0.5, N=64)
+    y = x * 0.5
+    want = torch.stack([y.sum(1), y.max(1).values, y.cumsum(1).sum(1)], 1)
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-3)
+    assert tl.core.tensor.__add__ is builtin_sum  # the launch restored the language
+
+
+def test_a_launch_that_raises_restores_the_language_and_the_next_one_runs():
+    builtin_sum = tl.core.tensor.__add__
+    with pytest.raises(Exception, match="refused on purpose"):
+        _raising_kernel[(1,)](torch.zeros(8), N=8)
+    assert tl.core.tensor.__add__ is builtin_sum
+    x = torch.randn(2, 16)
+    out = torch.empty(2, 3)
+    _row_stats_kernel[(2,)](x, out, 2.0, N=16)
+    assert torch.allclose(out[:, 0], (2 * x).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_table_answers_as_the_interpreter():
+    from triton.runtime import interpreter
+    table, real = interpreter._get_np_dtype, interpreter._get_np_dtype.__wrapped__
+    types = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
+             tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float8e5, tl.float8e4nv, tl.pointer_type(tl.float32)]
+    for ty in types + [tl.block_type(t, [4]) for t in types]:
+        assert table(ty) == real(ty), ty
