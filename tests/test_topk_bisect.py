@@ -9,6 +9,7 @@ import torch
 import sparsehi.kernels.topk as topk_mod
 from sparsehi.kernels.topk import bisect_plan, topk_select, topk_select_reference, topk_select_triton
 from sparsehi.kernels.topk_bisect import MAX_BLOCK, topk_select_bisect
+from tests.test_topk_radix_grid import ranges
 from tests.test_topk_select import python_topk
 
 
@@ -21,11 +22,6 @@ def check(scores, top_k, cs, ce, mask=None):
     ref = topk_select_reference(scores, top_k, cs, ce, mask)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     return got
-
-
-def ranges(*pairs):
-    return (torch.tensor([p[0] for p in pairs], dtype=torch.int32),
-            torch.tensor([p[1] for p in pairs], dtype=torch.int32))
 
 
 def test_normal_scores_with_ranges_that_stick_out_of_the_row():

@@ -3,7 +3,8 @@
 Scores become ``uint32`` keys whose unsigned order is the float order (0: not selectable);
 the threshold key of rank ``need`` is found digit by digit (8-bit histograms below the bits
 every candidate shares), and ``_emit`` writes the ids above it plus the first ``need`` ties
-in their given order (so, fed in id order, lower ids win ties). ``_select_threshold`` is
+in their given order (so, fed in id order, lower ids win ties; ``_write_row`` adds the
+padding and the count). ``_select_threshold`` is
 the variant for a selection alone: it stops once the boundary digit is wholly taken.
 """
 from __future__ import annotations
@@ -174,3 +175,15 @@ def _emit(out, keys, ids, thr, need, ties, n_out):
     si = sel.to(tl.int32)
     tl.store(out + n_out + tl.cumsum(si, 0) - si, ids, mask=sel)
     return ties + tl.sum(ei, 0), n_out + tl.sum(si, 0)
+
+
+@triton.jit
+def _write_row(out, valid_ptr, b, keys, ids, thr, need, TOP_K, OUT_BLOCK: tl.constexpr):
+    """A row's whole output from one block of keys in id order: ``_emit``'s ids at ``out``,
+    ``-1`` after them up to ``TOP_K``, and their count at ``valid_ptr + b``."""
+    _, n_out = _emit(out, keys, ids, thr, need, 0, 0)
+    offs = tl.arange(0, OUT_BLOCK)
+    for start in range(0, TOP_K, OUT_BLOCK):
+        o = start + offs
+        tl.store(out + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o >= n_out) & (o < TOP_K))
+    tl.store(valid_ptr + b, n_out)

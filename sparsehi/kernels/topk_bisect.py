@@ -7,8 +7,8 @@ are ``>=`` the prefix with it set, where ``k = min(top_k, selectable)``. A step 
 compare and one block-wide sum per key, with no histogram. The search stops early once
 exactly ``k`` keys lie at or above the prefix (they are then the selection, without
 ties); otherwise the prefix ends as the ``k``-th largest key. ``radix_select._emit`` then
-writes the ids above the threshold and its first ties in id order, as every launcher of
-``topk_select`` does, so results equal ``topk_select_reference``'s.
+writes the ids above the threshold and its first ties in id order (``_write_row``), as
+every launcher of ``topk_select`` does, so results equal ``topk_select_reference``'s.
 
 Registers bound the row: ``BLOCK = next_pow2(N)`` ids, 32 a thread, at most ``MAX_BLOCK``.
 ``topk.bisect_plan`` says where the dispatch takes this kernel.
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsehi.kernels.radix_select import _emit, _order_keys, _shared_bits
-from sparsehi.kernels.topk_split import select_outputs
+from sparsehi.kernels.radix_select import _order_keys, _shared_bits, _write_row
+from sparsehi.kernels.topk_split import _chunk_bounds, select_outputs
 
 MAX_BLOCK = 32768
 """Ids a program holds in registers (32 keys a thread at 32 warps)."""
@@ -40,14 +40,10 @@ def _topk_bisect_kernel(
     HAS_ROW_MASK: tl.constexpr, BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    lo = tl.minimum(tl.maximum(tl.load(cs_ptr + b).to(tl.int64), 0), N)
-    hi = tl.minimum(tl.maximum(tl.load(ce_ptr + b).to(tl.int64), lo), N)
-    if HAS_ROW_MASK:
-        hi = tl.where(tl.load(mask_ptr + b) != 0, hi, lo)
+    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     lo = lo.to(tl.int32)
     hi = hi.to(tl.int32)
     row = s_ptr + b * stride_sb
-    out = ids_ptr + b * stride_ib
     # the range [lo, hi) lies in [0, N) and N <= BLOCK: one block from lo holds it
     offs = lo + tl.arange(0, BLOCK)
     inr = offs < hi
@@ -73,12 +69,7 @@ def _topk_bisect_kernel(
         # prefix is the k-th largest key: take it and as many of its ties as fall short
         thr = prefix
         need = k - _count_at_least(keys, prefix + 1)
-    _, n_out = _emit(out, keys, offs, thr, need, 0, 0)
-    offs_out = tl.arange(0, OUT_BLOCK)
-    for start in range(0, TOP_K, OUT_BLOCK):
-        o = start + offs_out
-        tl.store(out + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o >= n_out) & (o < TOP_K))
-    tl.store(valid_ptr + b, n_out)
+    _write_row(ids_ptr + b * stride_ib, valid_ptr, b, keys, offs, thr, need, TOP_K, OUT_BLOCK)
 
 
 def bisect_num_warps(block: int) -> int:

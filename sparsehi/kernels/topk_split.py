@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import cdiv
-from sparsehi.kernels.radix_select import _emit, _order_keys, _select_threshold
+from sparsehi.kernels.radix_select import _emit, _order_keys, _select_threshold, _write_row
 
 MAX_CHUNK = 4096
 MAX_MERGE = 4096
@@ -110,13 +110,7 @@ def _merge_topk_kernel(wkey_ptr, wid_ptr, wcount_ptr, ids_ptr, valid_ptr, TOP_K,
     k_eff = tl.minimum(count, TOP_K)
     thr, need = _select_threshold(key, k_eff, count)
     thr = tl.where(k_eff > 0, thr, 0xFFFFFFFF)
-    out = ids_ptr + b * stride_ib
-    _, n_out = _emit(out, key, ids, thr, need, 0, 0)
-    offs = tl.arange(0, OUT_BLOCK)
-    for start in range(0, TOP_K, OUT_BLOCK):
-        o = start + offs
-        tl.store(out + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o >= n_out) & (o < TOP_K))
-    tl.store(valid_ptr + b, n_out)
+    _write_row(ids_ptr + b * stride_ib, valid_ptr, b, key, ids, thr, need, TOP_K, OUT_BLOCK)
 
 
 def select_outputs(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
