@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,11 +51,15 @@ def make_scores(kind: str, b: int, n: int, device: str) -> torch.Tensor:
 
 def variants(scores: torch.Tensor, k: int, cs: torch.Tensor, ce: torch.Tensor) -> dict[str, Callable[[], Any]]:
     b, n = scores.shape
+    chunks = -(-n // CHUNK)
     out: dict[str, Callable[[], Any]] = {
         "one_program": lambda: topk_select_triton(scores, k, cs, ce, split=False, radix_grid=False, bisect=False),
-        "radix_grid": lambda: topk_select_radix_grid(scores, k, cs, ce, None, triton.next_power_of_2(-(-n // CHUNK))),
+        "radix_grid": lambda: topk_select_radix_grid(scores, k, cs, ce, None, chunks),
         "default": lambda: topk_select(scores, k, cs, ce),
     }
+    if chunks & (chunks - 1):  # the grid over a power of two of chunks, as planned before 2026-11-28
+        pow2 = 1 << chunks.bit_length()
+        out["radix_grid_pow2_chunks"] = lambda: topk_select_radix_grid(scores, k, cs, ce, None, pow2)
     if n <= BISECT_MAX_BLOCK:
         out["bisect"] = lambda: topk_select_bisect(scores, k, cs, ce)
     plan = split_plan(b, n, k, sm_count(scores.device))
@@ -117,8 +120,9 @@ def main(argv=None) -> int:
     return finish_checked_run(name, {
         "what": "top-k of long rows, CUDA-graph replays (us per call): one program per row, the chunk "
                 "shortlists (split, where their plan applies), the radix select over each row's chunks "
-                "(radix_grid), the row in registers with a bisected threshold (bisect, rows of at most "
-                "32768 ids), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
+                "(radix_grid; radix_grid_pow2_chunks: over the next power of two of chunks, where that "
+                "differs), the row in registers with a bisected threshold (bisect, rows of at most 32768 "
+                "ids), the default dispatch and torch.topk (unsorted); *_exact: ids and counts equal "
                 "topk_select_reference's", "commit": a.commit, "rows": rows},
         len(bad), "rows differ from the reference", cuda, a.out)
 

@@ -121,14 +121,26 @@ def test_rows_far_shorter_than_n_skip_their_empty_chunks():
 def test_bad_chunk_counts_are_refused():
     s = torch.randn(1, 5000)
     cs, ce = ranges((0, 5000))
-    for chunks in (0, 3, 2):  # not a power of two, or too few for 5000 ids
+    for chunks in (0, 2, 2.5):  # none, too few for 5000 ids, not an int
         with pytest.raises(ValueError, match="chunks="):
             topk_select_radix_grid(s, 10, cs, ce, None, chunks)
 
 
+def test_a_chunk_count_that_is_no_power_of_two():
+    """3 and 5 chunks of 2048 over rows of up to 5000 ids (the masked loads of the chunk
+    stats and the per-chunk counts past the last chunk), with ties across chunk borders."""
+    torch.manual_seed(7)
+    s = torch.randn(3, 5000)
+    s[1] = torch.randint(0, 3, (5000,)).float()  # many ties, spread over every chunk
+    cs, ce = ranges((0, 5000), (0, 5000), (1500, 4900))
+    for chunks in (3, 5):
+        check(s, 700, cs, ce, chunks=chunks)
+    assert radix_grid_plan(1, 5000, 700) is None and radix_grid_plan(1, 32870, 2048) == 17
+
+
 def test_plan_takes_long_rows_at_small_batches_only():
     assert radix_grid_plan(1, 32768, 2048) == 32768 // CHUNK
-    assert radix_grid_plan(1, 40000, 2048) == 32  # a power of two covering the row
+    assert radix_grid_plan(1, 40000, 2048) == 20  # the chunks covering the row
     assert radix_grid_plan(1, 4096, 256) is None  # short row
     assert radix_grid_plan(1, 8192, 4096) is None  # fewer than 4 ids per id selected
     assert radix_grid_plan(MAX_ROWS, 32768, 2048) == 16

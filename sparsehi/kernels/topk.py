@@ -71,13 +71,13 @@ def bisect_plan(batch: int, n: int, top_k: int, sms: int) -> bool:
 
 
 def radix_grid_plan(batch: int, n: int, top_k: int) -> Optional[int]:
-    """The chunk count ``P`` (a power of two) for ``[batch, n]`` rows of ``topk_radix_grid``,
+    """The chunk count ``P = ceil(n / CHUNK)`` for ``[batch, n]`` rows of ``topk_radix_grid``,
     or None when the grid does not pay: rows shorter than ``MIN_IDS`` ids or than
     ``MIN_IDS_PER_TOP_K`` ids per id selected, more than ``MAX_ROWS`` rows or more than
     ``MAX_PROGRAMS`` chunk programs."""
     if n < MIN_IDS or n < MIN_IDS_PER_TOP_K * top_k or batch > MAX_ROWS:
         return None
-    p = triton.next_power_of_2(-(-n // RADIX_GRID_CHUNK))
+    p = -(-n // RADIX_GRID_CHUNK)
     return p if batch * p <= MAX_PROGRAMS else None
 
 

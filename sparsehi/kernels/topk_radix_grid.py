@@ -83,27 +83,28 @@ def _boundary_digit(hist_ptr, need):
 
 
 @triton.jit
-def _first_digit(stats_ptr, hist_ptr, b, TOP_K, P: tl.constexpr):
+def _first_digit(stats_ptr, hist_ptr, b, TOP_K, P: tl.constexpr, PP: tl.constexpr):
     """From every chunk's stats: the key bits all of row ``b``'s selectable keys share
     (``prefix``, bits ``[known_lo, 32)``), ``need = min(top_k, selectable)``, the lowest bit
     of the first digit below the shared bits (``lo1``) and, once its histogram is filled,
     the digit holding the need-th key (``d1``) with the keys above it."""
-    j = tl.arange(0, P)
+    j = tl.arange(0, PP)  # PP: P rounded up to a power of two
+    jm = j < P
     base = stats_ptr + (b * P + j) * 3
-    kmin = tl.min(tl.load(base).to(tl.uint32, bitcast=True), 0)
-    kmax = tl.max(tl.load(base + 1).to(tl.uint32, bitcast=True), 0)
-    need = tl.minimum(tl.sum(tl.load(base + 2), 0), TOP_K)
+    kmin = tl.min(tl.load(base, mask=jm, other=-1).to(tl.uint32, bitcast=True), 0)
+    kmax = tl.max(tl.load(base + 1, mask=jm, other=0).to(tl.uint32, bitcast=True), 0)
+    need = tl.minimum(tl.sum(tl.load(base + 2, mask=jm, other=0), 0), TOP_K)
     prefix, known_lo = _shared_bits(kmin, kmax)
     d1, above1 = _boundary_digit(hist_ptr + b * 512, need)
     return prefix, known_lo, need, tl.maximum(known_lo - 8, 0), d1, above1
 
 
 @triton.jit
-def _second_digit(stats_ptr, hist_ptr, b, TOP_K, P: tl.constexpr):
+def _second_digit(stats_ptr, hist_ptr, b, TOP_K, P: tl.constexpr, PP: tl.constexpr):
     """``_first_digit``'s digit and the one below it (``lo2``, ``d2``), from both histograms:
     the threshold's bits down to ``lo2`` (``thr``), and ``ties``: how many of the keys
     sharing them the row takes."""
-    prefix, known_lo, need, lo1, d1, above1 = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
+    prefix, known_lo, need, lo1, d1, above1 = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P, PP)
     thr, lo1, need1 = _extend(prefix, known_lo, need, d1, above1)
     d2, above2 = _boundary_digit(hist_ptr + b * 512 + 256, need1)
     thr, lo2, ties = _extend(thr, lo1, need1, d2, above2)
@@ -112,7 +113,7 @@ def _second_digit(stats_ptr, hist_ptr, b, TOP_K, P: tl.constexpr):
 
 @triton.jit
 def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, blen_ptr, N, stride_sb,
-                        HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+                        HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
@@ -129,7 +130,7 @@ def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, bl
 
 @triton.jit
 def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, N, TOP_K, stride_sb,
-                            HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
+                            HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
     """``DIGIT`` 1: each chunk's histogram of the first digit, added into the row's first
     histogram; 2: of the next 8 bits of its keys in the first digit holding the need-th key."""
     p = tl.program_id(0)
@@ -137,7 +138,7 @@ def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr
     lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     if lo + p * CHUNK < hi:  # a chunk past the row's candidates adds nothing
         # with DIGIT 1 the first digit itself is not known yet: only its position is used
-        _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P)
+        _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P, PP)
         key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
         if DIGIT == 1:
             match = key != 0
@@ -152,12 +153,12 @@ def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr
 @triton.jit
 def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_ptr,
                      N, TOP_K, stride_sb, list_stride,
-                     HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr):
+                     HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     if lo + p * CHUNK < hi:
-        _, lo1, d1, lo2, d2, _, _ = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P)
+        _, lo1, d1, lo2, d2, _, _ = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P, PP)
         key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
         ok = key != 0
         g1 = _digit_of(key, lo1)
@@ -176,11 +177,11 @@ def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above
 
 
 @triton.jit
-def _take_in_registers(bkey_ptr, bid_ptr, m, need, ties, lo_row, BLOCK: tl.constexpr, P: tl.constexpr,
+def _take_in_registers(bkey_ptr, bid_ptr, m, need, ties, lo_row, BLOCK: tl.constexpr, PP: tl.constexpr,
                        CHUNK: tl.constexpr):
     """The threshold among a row's ``m <= BLOCK`` boundary keys, read once into registers:
-    ``(thr, max_tie_id, taken [P])``, the ids at ``thr`` taken up to ``max_tie_id`` and the
-    list's keys taken per chunk."""
+    ``(thr, max_tie_id, taken [PP])``, the ids at ``thr`` taken up to ``max_tie_id`` and the
+    list's keys taken per chunk (``PP``: the chunk count rounded up to a power of two)."""
     r = tl.arange(0, BLOCK)
     r_in = r < m
     r_key = tl.load(bkey_ptr + r, mask=r_in, other=0).to(tl.uint32, bitcast=True)
@@ -195,32 +196,34 @@ def _take_in_registers(bkey_ptr, bid_ptr, m, need, ties, lo_row, BLOCK: tl.const
     max_tie_id = tl.where(partial, (0xFFFFFFFF - id_thr).to(tl.int32), 0x7FFFFFFF)
     max_tie_id = tl.where(need > 0, max_tie_id, -1)
     r_taken = r_in & ((r_key > thr) | (r_eq & (r_ids <= max_tie_id)))
-    taken = tl.histogram(tl.where(r_taken, (r_ids - lo_row) // CHUNK, 0).to(tl.int32), P, mask=r_taken)
+    taken = tl.histogram(tl.where(r_taken, (r_ids - lo_row) // CHUNK, 0).to(tl.int32), PP, mask=r_taken)
     return thr, max_tie_id, taken
 
 
 @triton.jit
 def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_ptr, offset_ptr, row_ptr, valid_ptr,
                       cs_ptr, ce_ptr, mask_ptr, N, TOP_K, list_stride,
-                      HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, LIST_BLOCK: tl.constexpr,
+                      HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, LIST_BLOCK: tl.constexpr,
                       REG_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # the threshold's bits down to lo2 (a digit window reaching into the shared bits agrees
     # with them, as every key has them) and the boundary keys to take: the threshold is the
     # ties-th largest of the list
-    need, lo1, d1, lo2, d2, thr, ties = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P)
+    need, lo1, d1, lo2, d2, thr, ties = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P, PP)
     m = tl.load(blen_ptr + b)
     row_off = b * list_stride
     lo_row, hi_row = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
-    per_chunk = tl.load(above_ptr + b * P + tl.arange(0, P))  # each chunk's keys above the list's
+    chunks = tl.arange(0, PP)
+    # each chunk's keys above the list's
+    per_chunk = tl.load(above_ptr + b * P + chunks, mask=chunks < P, other=0)
     if m <= SMALL_BLOCK:
         # the usual case: the whole list in a small register block
         thr, max_tie_id, taken = _take_in_registers(bkey_ptr + row_off, bid_ptr + row_off, m, need, ties, lo_row,
-                                                    SMALL_BLOCK, P, CHUNK)
+                                                    SMALL_BLOCK, PP, CHUNK)
         per_chunk += taken
     elif m <= REG_BLOCK:
         thr, max_tie_id, taken = _take_in_registers(bkey_ptr + row_off, bid_ptr + row_off, m, need, ties, lo_row,
-                                                    REG_BLOCK, P, CHUNK)
+                                                    REG_BLOCK, PP, CHUNK)
         per_chunk += taken
     else:
         # a crowded boundary: passes over the list in blocks
@@ -250,8 +253,8 @@ def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_pt
             key = tl.load(bkey_ptr + row_off + o, mask=inl, other=0).to(tl.uint32, bitcast=True)
             ids = tl.load(bid_ptr + row_off + o, mask=inl, other=0)
             taken = inl & ((key > thr) | ((key == thr) & (ids <= max_tie_id)))
-            per_chunk += tl.histogram(tl.where(taken, (ids - lo_row) // CHUNK, 0).to(tl.int32), P, mask=taken)
-    tl.store(offset_ptr + b * P + tl.arange(0, P), tl.cumsum(per_chunk, 0) - per_chunk)
+            per_chunk += tl.histogram(tl.where(taken, (ids - lo_row) // CHUNK, 0).to(tl.int32), PP, mask=taken)
+    tl.store(offset_ptr + b * P + chunks, tl.cumsum(per_chunk, 0) - per_chunk, mask=chunks < P)
     tl.store(row_ptr + b * 2, thr.to(tl.int32, bitcast=True))
     tl.store(row_ptr + b * 2 + 1, max_tie_id)
     tl.store(valid_ptr + b, tl.sum(per_chunk, 0))
@@ -260,7 +263,7 @@ def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_pt
 @triton.jit
 def _emit_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, offset_ptr, row_ptr, valid_ptr, ids_ptr,
                  N, TOP_K, stride_sb, stride_ib,
-                 HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr):
+                 HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     out = ids_ptr + b * stride_ib
@@ -283,11 +286,11 @@ def topk_select_radix_grid(scores: torch.Tensor, top_k: int, candidate_start: to
                            candidate_end: torch.Tensor, row_mask: Optional[torch.Tensor], chunks: int,
                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Six launches (see the module docstring) over ``chunks`` chunks of ``CHUNK`` ids per
-    row (a power of two covering ``N``, from ``topk.radix_grid_plan``); arguments and results as
+    row (covering ``N``, from ``topk.radix_grid_plan``); arguments and results as
     ``topk_select`` (checked by its caller)."""
     bsz, n = scores.shape
-    if chunks < 1 or chunks & (chunks - 1) or chunks * CHUNK < n:
-        raise ValueError(f"chunks={chunks} is invalid: a power of two with chunks x {CHUNK} >= N={n}")
+    if not isinstance(chunks, int) or chunks < 1 or chunks * CHUNK < n:
+        raise ValueError(f"chunks={chunks} is invalid: an int >= 1 with chunks x {CHUNK} >= N={n}")
     dev = scores.device
     scores, ids, valid = select_outputs(scores, top_k)
     if bsz == 0:
@@ -306,7 +309,7 @@ def topk_select_radix_grid(scores: torch.Tensor, top_k: int, candidate_start: to
     mask = row_mask.to(dev) if row_mask is not None else valid  # dummy pointer when unused
     src = (scores, cs, ce, mask)
     grid = (p, bsz)
-    geo = dict(HAS_ROW_MASK=row_mask is not None, P=p, CHUNK=CHUNK)
+    geo = dict(HAS_ROW_MASK=row_mask is not None, P=p, PP=triton.next_power_of_2(p), CHUNK=CHUNK)
     _chunk_stats_kernel[grid](*src, stats, hist, blen, n, scores.stride(0),
                               ZERO_BLOCK=triton.next_power_of_2(cdiv(512, p)), num_warps=num_warps, **geo)
     for digit in (1, 2):
