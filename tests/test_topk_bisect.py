@@ -9,7 +9,7 @@ import torch
 import sparsehi.kernels.topk as topk_mod
 from sparsehi.kernels.topk import bisect_plan, topk_select, topk_select_reference, topk_select_triton
 from sparsehi.kernels.topk_bisect import MAX_BLOCK, topk_select_bisect
-from tests.test_topk_radix_grid import ranges
+from tests.test_topk_radix_grid import gpu_row_ranges, gpu_scores, ranges
 from tests.test_topk_select import python_topk
 
 
@@ -130,18 +130,8 @@ GPU_CASES = [(1, 2048, 128), (30, 4096, 512), (64, 8192, 2048), (200, 8192, 128)
 @pytest.mark.parametrize("b,n,k", GPU_CASES)
 @pytest.mark.parametrize("kind", ["randn", "crowded", "ties"])
 def test_gpu_bisect_equals_reference(b, n, k, kind):
-    g = torch.Generator(device="cuda").manual_seed(b + n)
-    if kind == "randn":
-        s = torch.randn(b, n, device="cuda", generator=g)
-    elif kind == "crowded":
-        s = 1.0 + 1e-3 * torch.rand(b, n, device="cuda", generator=g)
-    else:
-        s = torch.randint(0, 40, (b, n), device="cuda", generator=g).float()
-        s[:, ::5] = float("-inf")
-    cs = torch.randint(0, 100, (b,), device="cuda", dtype=torch.int32)
-    ce = n - torch.randint(0, 100, (b,), device="cuda", dtype=torch.int32)
-    mask = torch.ones(b, dtype=torch.bool, device="cuda")
-    mask[-1] = b == 1
+    s = gpu_scores(kind, b, n)
+    cs, ce, mask = gpu_row_ranges(b, n)
     want = topk_select_reference(s, k, cs, ce, mask)
     got = topk_select_bisect(s, k, cs, ce, mask)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

@@ -199,16 +199,22 @@ def gpu_scores(kind, b, n):
     return s
 
 
+def gpu_row_ranges(b, n):
+    """Candidate ranges starting up to 100 ids in and ending up to 100 ids short, and a row
+    mask that drops the last row (unless it is the only one)."""
+    cs = torch.randint(0, 100, (b,), device="cuda", dtype=torch.int32)
+    ce = n - torch.randint(0, 100, (b,), device="cuda", dtype=torch.int32)
+    mask = torch.ones(b, dtype=torch.bool, device="cuda")
+    mask[-1] = b == 1
+    return cs, ce, mask
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,n,k", GPU_CASES)
 @pytest.mark.parametrize("kind", ["randn", "crowded", "ties", "two_values"])
 def test_gpu_radix_grid_equals_reference(b, n, k, kind):
     s = gpu_scores(kind, b, n)
-    cs = torch.randint(0, 100, (b,), device="cuda", dtype=torch.int32)
-    ce = torch.full((b,), n, device="cuda", dtype=torch.int32) - torch.randint(0, 100, (b,), device="cuda",
-                                                                                dtype=torch.int32)
-    mask = torch.ones(b, dtype=torch.bool, device="cuda")
-    mask[-1] = b == 1
+    cs, ce, mask = gpu_row_ranges(b, n)
     want = topk_select_reference(s, k, cs, ce, mask)
     chunks = radix_grid_plan(b, n, k)
     assert chunks is not None

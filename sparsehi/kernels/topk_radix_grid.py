@@ -113,7 +113,8 @@ def _second_digit(stats_ptr, hist_ptr, b, TOP_K, P: tl.constexpr, PP: tl.constex
 
 @triton.jit
 def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, blen_ptr, N, stride_sb,
-                        HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+                        HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr,
+                        ZERO_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
@@ -130,7 +131,8 @@ def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, bl
 
 @triton.jit
 def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, N, TOP_K, stride_sb,
-                            HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
+                            HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr,
+                            DIGIT: tl.constexpr):
     """``DIGIT`` 1: each chunk's histogram of the first digit, added into the row's first
     histogram; 2: of the next 8 bits of its keys in the first digit holding the need-th key."""
     p = tl.program_id(0)
@@ -203,8 +205,8 @@ def _take_in_registers(bkey_ptr, bid_ptr, m, need, ties, lo_row, BLOCK: tl.const
 @triton.jit
 def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_ptr, offset_ptr, row_ptr, valid_ptr,
                       cs_ptr, ce_ptr, mask_ptr, N, TOP_K, list_stride,
-                      HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, LIST_BLOCK: tl.constexpr,
-                      REG_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
+                      HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr,
+                      LIST_BLOCK: tl.constexpr, REG_BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # the threshold's bits down to lo2 (a digit window reaching into the shared bits agrees
     # with them, as every key has them) and the boundary keys to take: the threshold is the
@@ -263,7 +265,8 @@ def _threshold_kernel(stats_ptr, hist_ptr, above_ptr, bkey_ptr, bid_ptr, blen_pt
 @triton.jit
 def _emit_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, offset_ptr, row_ptr, valid_ptr, ids_ptr,
                  N, TOP_K, stride_sb, stride_ib,
-                 HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr):
+                 HAS_ROW_MASK: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr,
+                 PAD_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     out = ids_ptr + b * stride_ib
