@@ -135,6 +135,10 @@ def test_a_chunk_count_that_is_no_power_of_two():
     cs, ce = ranges((0, 5000), (0, 5000), (1500, 4900))
     for chunks in (3, 5):
         check(s, 700, cs, ce, chunks=chunks)
+        # a row with fewer candidates than top_k: its count must not take in the next row's
+        # first chunk (the stats loads past the row's P chunks are masked)
+        got = check(s, 1500, *ranges((0, 1200), (0, 5000), (100, 4000)), chunks=chunks)
+        assert got[1].tolist() == [1200, 1500, 1500]
     assert radix_grid_plan(1, 5000, 700) is None and radix_grid_plan(1, 32870, 2048) == 17
 
 
