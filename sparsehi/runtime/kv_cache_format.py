@@ -27,7 +27,8 @@ import torch
 
 from hicache.host_kv_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from hicache.kv_spec import FP8_LATENT_TILE, KVCacheSpec
-from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents, quantize_mla_latents
+from sparsehi.kernels.mla_fp8_latents import dequantize_mla_latents
+from sparsehi.kernels.mla_fp8_quantize import mla_fp8_quantize
 from sparsehi.runtime.model_config import ModelConfig
 
 __all__ = ["check_runtime_kv_cache_dtype", "kv_cache_spec", "readable_kv", "stored_kv"]
@@ -71,10 +72,10 @@ def check_runtime_kv_cache_dtype(kv_cache_dtype: str, mode: str, adapter: str) -
 def stored_kv(spec: KVCacheSpec, kv: torch.Tensor) -> torch.Tensor:
     """What the pool stores for ``kv [N, 1, kv_lora_rank + rope_dim]`` (the model's dtype):
     ``kv`` itself, or its FP8 latent rows ``[N, 1, row_bytes]`` uint8. Fixed shapes, no host
-    sync (runs inside decode graphs)."""
+    sync (runs inside decode graphs; one launch: ``mla_fp8_quantize``)."""
     if not spec.fp8_latent_rows:
         return kv
-    return quantize_mla_latents(kv, spec.kv_lora_rank)
+    return mla_fp8_quantize(kv, spec.kv_lora_rank)
 
 
 def readable_kv(spec: KVCacheSpec, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
