@@ -172,6 +172,43 @@ def test_mla_model_exposes_indexer_outputs():
     assert seen["index_w"].shape == (10, cfg.index_n_heads)
 
 
+def test_mla_forward_without_the_indexer_gives_the_attention_the_same_inputs():
+    cfg = tiny("tiny-dsa", layers=2)
+    model = build_model(config=cfg)
+    ids, pos = torch.arange(7, 19), torch.arange(12)
+    runs = {}
+    for with_indexer in (True, False):
+        seen = runs[with_indexer] = []
+
+        def attn(layer, q, kv, v, extra, seen=seen):
+            seen.append((q.clone(), kv.clone(), sorted(extra)))
+            return causal_attention(q, kv, kv[..., : cfg.kv_lora_rank], cfg.sm_scale, 0)
+
+        with torch.no_grad():
+            seen.append(model(ids, pos, attn, with_indexer=with_indexer))
+    assert [e for _, _, e in runs[True][:-1]] == [["index_k", "index_q", "index_w"]] * 2
+    assert [e for _, _, e in runs[False][:-1]] == [[], []]
+    for (qa, kva, _), (qb, kvb, _) in zip(runs[True][:-1], runs[False][:-1]):
+        torch.testing.assert_close(qb, qa, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kvb, kva, rtol=0, atol=0)
+    torch.testing.assert_close(runs[False][-1], runs[True][-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,indexer_runs", [("dense", False), ("offload-full", False), ("sparse-gpu", True)])
+def test_only_a_mode_that_selects_runs_the_mla_indexer(mode, indexer_runs):
+    model = build_model(config=tiny("tiny-dsa"))
+    calls = []
+    hooks = [layer.indexer.k_norm.register_forward_hook(lambda *a: calls.append(1)) for layer in model.layers]
+    try:
+        sc = SparseConfig(algorithm="dsa", page_size=1, top_k=16, device_buffer_size=32, min_sparse_prompt_len=0)
+        rt = RuntimeConfig(mode=mode, sparse=sc, max_num_reqs=1, max_context_len=64)
+        ModelRunner(model, rt).generate([list(range(40))], 3)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert bool(calls) == indexer_runs
+
+
 def test_mla_forward_equals_its_unfused_form():
     # the model stacks projections into two GEMMs, rotates RoPE columns in place and fuses
     # each residual add with the next norm; here every step is its own module call
@@ -329,6 +366,9 @@ def test_query_trace_drifts_with_the_calibrated_correlation():
     dsa = QueryTrace(0.5, dsa=True)
     same_q = dsa(0, q, extra)
     assert same_q is q and bool((extra["index_w"] > 0).all())
+    # a mode without index inputs (dense): nothing to trace, nothing added
+    none = {}
+    assert dsa(1, q, none) is q and none == {} and 1 not in dsa._scaled
 
 
 def test_calibrate_rho_hits_the_target_of_a_monotone_measure():

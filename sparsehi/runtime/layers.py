@@ -27,7 +27,7 @@ class AttentionFn(Protocol):
     MLA: ``q [T, H, kv_lora_rank + rope]`` (weight-absorbed), ``k`` = the latent cache
     entry ``[T, 1, kv_lora_rank + rope]``, ``v`` None -> ``o [T, H, kv_lora_rank]``.
     ``extra`` carries algorithm inputs (MLA: ``index_q [T, Hi, Di]``, ``index_k [T, Di]``,
-    ``index_w [T, Hi]``).
+    ``index_w [T, Hi]``; empty when the mode reads none, ``RuntimeMode.reads_index_inputs``).
     """
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],

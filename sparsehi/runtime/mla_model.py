@@ -138,8 +138,12 @@ class MLAModel(nn.Module):
             init_linear(layer.mlp.down_proj, gen, cfg.mix_gain)
         init_linear(self.lm_head, gen)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """input_ids, positions ``[T] int64``; returns hidden ``[T, hidden]`` after the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                with_indexer: bool = True) -> torch.Tensor:
+        """input_ids, positions ``[T] int64``; returns hidden ``[T, hidden]`` after the final norm.
+        ``with_indexer=False`` leaves the indexer out (its projections, norm and RoPE): for an
+        attention that reads no index inputs (dense decode), which then gets an empty
+        ``extra``; the attention's inputs and the output are those of ``with_indexer=True``."""
         cfg, inv = self.cfg, self.batch_invariant
         T = input_ids.shape[0]
         H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -156,7 +160,11 @@ class MLAModel(nn.Module):
             q_a, kv_a, ik, iw = column_blocks(project(x, layer.x_projection_weight(), None, inv),
                                               [cfg.q_lora_rank, r + dr, Di, Hi])
             cq = a.q_a_layernorm(q_a, inv)
-            q, iq = column_blocks(project(cq, layer.latent_projection_weight(), None, inv), [H * (dn + dr), Hi * Di])
+            if with_indexer:
+                q, iq = column_blocks(project(cq, layer.latent_projection_weight(), None, inv),
+                                      [H * (dn + dr), Hi * Di])
+            else:  # the query up-projection alone: the index queries are a quarter of that GEMM's columns
+                q = project(cq, a.q_b_proj.weight, None, inv)
             q = q.view(T, H, dn + dr)
             q_nope, q_pe = q[..., :dn], rope_inplace(q[..., dn:], cos, sin)
             c_kv = a.kv_a_layernorm(kv_a[:, :r], inv)
@@ -168,12 +176,14 @@ class MLAModel(nn.Module):
                 q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
             q_full = torch.cat([q_lat, q_pe], dim=-1)
             kv = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
-            iq = iq.view(T, Hi, Di)
-            rope_inplace(iq[..., :dr], cos, sin)
-            ik = ix.k_norm(ik)
-            rope_inplace(ik[:, None, :dr], cos, sin)
-            iw = iw.float() * w_scale
-            o_lat = attn(i, q_full, kv, None, {"index_q": iq, "index_k": ik, "index_w": iw})
+            extra = {}
+            if with_indexer:
+                iq = iq.view(T, Hi, Di)
+                rope_inplace(iq[..., :dr], cos, sin)
+                ik = ix.k_norm(ik)
+                rope_inplace(ik[:, None, :dr], cos, sin)
+                extra = {"index_q": iq, "index_k": ik, "index_w": iw.float() * w_scale}
+            o_lat = attn(i, q_full, kv, None, extra)
             if inv:  # per head: [H, T, r] x [H, dv, r]
                 o = row_invariant_matmul(o_lat.to(h.dtype).transpose(0, 1), w_kv[:, dn:]).transpose(0, 1)
             else:

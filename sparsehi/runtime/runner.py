@@ -117,6 +117,13 @@ class ModelRunner:
         the input copy and graph launch (or eager launches), and the bookkeeping after the
         tokens came back; the wait for the device is not counted."""
 
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn: Callable) -> torch.Tensor:
+        """The model over ``ids`` / ``pos`` ``[T] int64`` with the mode's attention; an MLA
+        model computes its indexer only for a mode that reads it (``reads_index_inputs``)."""
+        if getattr(self.model.cfg, "family", None) == "mla":
+            return self.model(ids, pos, attn, with_indexer=self.mode.reads_index_inputs)
+        return self.model(ids, pos, attn)
+
     @torch.no_grad()
     def prefill(self, req: Request) -> int:
         """Prefill one request; returns its first generated token."""
@@ -127,7 +134,7 @@ class ModelRunner:
         dev = mode.device
         ids = torch.tensor(req.prompt[prefix:], dtype=torch.int64, device=dev)
         pos = torch.arange(prefix, n, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, pos, mode.prefill_attention(req, prefix))
+        hidden = self._forward(ids, pos, mode.prefill_attention(req, prefix))
         mode.end_prefill(req, prefix)
         tok = int(self.model.logits(hidden[-1:]).argmax(-1)[0])
         req.output.append(tok)
@@ -142,7 +149,7 @@ class ModelRunner:
         if tables is not None:  # the pages this step's rows opened (prepare_decode)
             table_scatter(inputs.page_entries, tables[0], tables[1])
         attn, close = self.mode.decode_device(rows, seq, graph_key)
-        hidden = self.model(inputs.input_ids[:nb], inputs.positions[:nb], attn)
+        hidden = self._forward(inputs.input_ids[:nb], inputs.positions[:nb], attn)
         outputs = close()
         torch.argmax(self.model.logits(hidden), dim=-1, out=inputs.next_tokens[:nb])
         return outputs

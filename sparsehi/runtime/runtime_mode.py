@@ -95,6 +95,10 @@ def _sync(device: torch.device) -> None:
 class RuntimeMode:
     """Base: owns the device pool and the request slots; subclasses add the mode."""
 
+    reads_index_inputs = False
+    """The attention reads the model's indexer outputs (``extra``; DSA selection): an MLA
+    model computes its indexer only then (``MLAModel.forward(with_indexer=...)``)."""
+
     def __init__(self, cfg: ModelConfig, rt: RuntimeConfig) -> None:
         self.cfg = cfg
         self.rt = rt

@@ -104,6 +104,7 @@ class SparseCoordinatorMode(RuntimeMode):
         sc.sparse_extra_config = extra
         self.algorithm = create_algorithm(sc, self.device)
         self.is_dsa = cfg.family == "mla"
+        self.reads_index_inputs = self.is_dsa
         adapter = None
         if rt.adapter != "none":
             from sparsehi.adapters import create_adapter

@@ -74,6 +74,8 @@ class QueryTrace:
         small kernels: draw, two in-place updates, cast)."""
         if self.layers is not None and layer not in self.layers:
             return q
+        if self.dsa and "index_q" not in extra:
+            return q  # a mode that selects nothing (dense): the model computed no index queries
         target = extra["index_q"] if self.dsa else q
         st = self._scaled.get(layer)
         if st is None or st.shape != target.shape or st.device != target.device:
