@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from sparsehi.kernels.query_trace_step import query_trace_step
+
 
 NOISE_BANK = 61
 """Noise draws kept per query shape (prime, so that with any layer count the draw a layer
@@ -42,11 +44,14 @@ class QueryTrace:
         self._state: dict[int, torch.Tensor] = {}
         self._banks: dict[tuple, torch.Tensor] = {}
         self._counter: Optional[torch.Tensor] = None
+        self._arrivals: Optional[torch.Tensor] = None  # query_trace_step's, 0 between calls
         self._scaled: dict[int, torch.Tensor] = {}  # per layer, at the model query's scale
         self._scale: dict[int, float] = {}
         self._weights: dict[tuple, torch.Tensor] = {}
 
-    def _noise(self, like: torch.Tensor) -> torch.Tensor:
+    def _bank(self, like: torch.Tensor) -> torch.Tensor:
+        """``[NOISE_BANK, *like.shape]`` float32 draws for ``like``'s shape (made once), and the
+        draw counter on its device."""
         key = (tuple(like.shape), like.device)
         bank = self._banks.get(key)
         if bank is None:
@@ -55,6 +60,11 @@ class QueryTrace:
             self._banks[key] = bank
         if self._counter is None or self._counter.device != like.device:
             self._counter = torch.zeros(1, dtype=torch.int64, device=like.device)
+            self._arrivals = torch.zeros(1, dtype=torch.int32, device=like.device)
+        return bank
+
+    def _noise(self, like: torch.Tensor) -> torch.Tensor:
+        bank = self._bank(like)
         self._counter.add_(1)
         return bank.index_select(0, self._counter % NOISE_BANK)[0]
 
@@ -70,8 +80,8 @@ class QueryTrace:
 
     def __call__(self, layer: int, q: torch.Tensor, extra: dict) -> torch.Tensor:
         """The layer's query replaced by the trace at the model query's scale: the mean
-        per-head norm of the first query this layer saw (a fixed scale keeps a step at four
-        small kernels: draw, two in-place updates, cast)."""
+        per-head norm of the first query this layer saw (a fixed scale keeps a step at one
+        launch, ``query_trace_step``)."""
         if self.layers is not None and layer not in self.layers:
             return q
         if self.dsa and "index_q" not in extra:
@@ -84,10 +94,11 @@ class QueryTrace:
             self._scale[layer] = scale
             st = self._noise(target).mul_(scale)
             self._scaled[layer] = st
-        else:
+            new = st.to(target.dtype, copy=True)  # the state moves on at the next call
+        else:  # one launch: the next draw, the update in place and the copy in the query's dtype
             c = math.sqrt(1.0 - self.rho ** 2) * self._scale[layer]
-            st.mul_(self.rho).add_(self._noise(target), alpha=c)
-        new = st.to(target.dtype, copy=True)  # the state moves on at the next call
+            new = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+            query_trace_step(st, self._bank(target), self._counter, self._arrivals, new, self.rho, c)
         if self.dsa:
             # a fixed positive head weighting, as in calibrate (the model's random
             # weights_proj would otherwise re-rank tokens every step)
