@@ -145,6 +145,7 @@ class MLAModel(nn.Module):
         attention that reads no index inputs (dense decode), which then gets an empty
         ``extra``; the attention's inputs and the output are those of ``with_indexer=True``."""
         cfg, inv = self.cfg, self.batch_invariant
+        grad = torch.is_grad_enabled()  # autograd refuses the out= GEMMs of the inference path
         T = input_ids.shape[0]
         H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
@@ -170,11 +171,18 @@ class MLAModel(nn.Module):
             c_kv = a.kv_a_layernorm(kv_a[:, :r], inv)
             k_pe = rope_inplace(kv_a[:, None, r:], cos, sin)
             w_kv = a.kv_b_proj.weight.view(H, dn + dv, r)
-            if inv:  # per head: [H, T, dn] x [H, r, dn]
-                q_lat = row_invariant_matmul(q_nope.transpose(0, 1), w_kv[:, :dn].transpose(1, 2)).transpose(0, 1)
+            if inv or grad:  # per head: [H, T, dn] x [H, r, dn]
+                q_lat = (row_invariant_matmul(q_nope.transpose(0, 1), w_kv[:, :dn].transpose(1, 2)).transpose(0, 1)
+                         if inv else torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn]))
+                q_full = torch.cat([q_lat, q_pe], dim=-1)
             else:
-                q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
-            q_full = torch.cat([q_lat, q_pe], dim=-1)
+                # per head [H, T, dn] x [H, dn, r], written straight into the latent columns of
+                # the attention's query (its [T, H, r + dr] view, heads outermost in memory; the
+                # kernels read q by its strides), and RoPE's columns after them: no cat
+                q_heads = torch.empty(H, T, r + dr, dtype=q.dtype, device=q.device)
+                torch.bmm(q_nope.transpose(0, 1), w_kv[:, :dn], out=q_heads[..., :r])
+                q_heads[..., r:].copy_(q_pe.transpose(0, 1))
+                q_full = q_heads.transpose(0, 1)
             kv = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
             extra = {}
             if with_indexer:
@@ -186,8 +194,11 @@ class MLAModel(nn.Module):
             o_lat = attn(i, q_full, kv, None, extra)
             if inv:  # per head: [H, T, r] x [H, dv, r]
                 o = row_invariant_matmul(o_lat.to(h.dtype).transpose(0, 1), w_kv[:, dn:]).transpose(0, 1)
-            else:
+            elif grad:
                 o = torch.einsum("thc,hvc->thv", o_lat.to(h.dtype), w_kv[:, dn:])
+            else:  # per head [H, T, r] x [H, r, dv] into o's [T, H, dv] (o_proj reads it as [T, H * dv])
+                o = torch.empty(T, H, dv, dtype=h.dtype, device=h.device)
+                torch.bmm(o_lat.to(h.dtype).transpose(0, 1), w_kv[:, dn:].transpose(1, 2), out=o.transpose(0, 1))
             post = layer.post_attention_layernorm
             h, x = add_rms_norm(h, project(o.reshape(T, H * dv), a.o_proj.weight, None, inv), post.weight.to(h.dtype),
                                 post.eps)
