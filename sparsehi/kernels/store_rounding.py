@@ -23,7 +23,7 @@ def as_stored(x, dtype: tl.constexpr):
 def e4m3_bits(x):
     """The float8_e4m3fn bytes (uint8) of ``x`` (float32, ``|x| <= 448``), rounded to nearest
     even as torch's ``.to(float8_e4m3fn)`` rounds; by hand because the CPU interpreter's
-    conversion rounds ties away and loses subnormals."""
+    conversion rounds ties away and loses the carry into the exponent."""
     b = x.to(tl.uint32, bitcast=True)
     sign = ((b >> 24) & 0x80).to(tl.uint8)
     a = b & 0x7FFFFFFF
