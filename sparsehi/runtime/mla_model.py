@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sparsehi.kernels.add_rms_norm import add_rms_norm
+from sparsehi.kernels.dsa_index_inputs import dsa_index_inputs
 from sparsehi.kernels.rope import rope_inplace
 from sparsehi.kernels.row_invariant_matmul import row_invariant_matmul
 from sparsehi.runtime.layers import (AttentionFn, RMSNorm, SwiGLU, fused_weight, init_linear, project, rope_cos_sin,
@@ -97,8 +98,8 @@ class MLAModel(nn.Module):
 
     def use_batch_invariant_ops(self) -> None:
         """From now on compute every projection, per-head product and RMSNorm with
-        row-invariant kernels (``sparsehi.runtime.layers``); the indexer's key LayerNorm
-        stays torch's (one program per row)."""
+        row-invariant kernels (``sparsehi.runtime.layers``); the indexer's inputs
+        (``dsa_index_inputs``) are one program per token either way."""
         self.batch_invariant = True
 
     @torch.no_grad()
@@ -185,12 +186,11 @@ class MLAModel(nn.Module):
                 q_full = q_heads.transpose(0, 1)
             kv = torch.cat([c_kv[:, None, :], k_pe], dim=-1)
             extra = {}
-            if with_indexer:
+            if with_indexer:  # RoPE on the queries, the key's LayerNorm and RoPE, the weights' scale: one launch
                 iq = iq.view(T, Hi, Di)
-                rope_inplace(iq[..., :dr], cos, sin)
-                ik = ix.k_norm(ik)
-                rope_inplace(ik[:, None, :dr], cos, sin)
-                extra = {"index_q": iq, "index_k": ik, "index_w": iw.float() * w_scale}
+                ik, iw = dsa_index_inputs(iq, ik, iw, ix.k_norm.weight, ix.k_norm.bias, ix.k_norm.eps, cos, sin,
+                                          w_scale)
+                extra = {"index_q": iq, "index_k": ik, "index_w": iw}
             o_lat = attn(i, q_full, kv, None, extra)
             if inv:  # per head: [H, T, r] x [H, dv, r]
                 o = row_invariant_matmul(o_lat.to(h.dtype).transpose(0, 1), w_kv[:, dn:]).transpose(0, 1)
