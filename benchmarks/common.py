@@ -91,6 +91,34 @@ def cuda_time_us(fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph:
     return times[len(times) // 2]
 
 
+def graph_replay_best_us(fn: Callable[[], Any], per_graph: int = 1, reps: int = 200, rounds: int = 5) -> float:
+    """Microseconds of one ``fn`` call: ``per_graph`` calls captured in one CUDA graph (after
+    three warm-up calls on a side stream), the best of ``rounds`` timings of ``reps`` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_graph):
+            fn()
+    for _ in range(10):
+        g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1000.0 / reps / per_graph)
+    return best
+
+
 def large_h2d_copy_gbps(nbytes: int = 1 << 30) -> float:
     """One large pinned-host -> device copy, GB/s (1e9): the PCIe limit of this run."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -13,31 +13,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import graph_replay_best_us
+
 from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents
 from sparsehi.kernels.mla_fp8_quantize import mla_fp8_quantize_triton
-
-
-def time_graph(fn, per_graph: int = 8, reps: int = 50) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000 / reps / per_graph)
-    return best
 
 
 def main() -> None:
@@ -48,8 +27,8 @@ def main() -> None:
     res = {}
     for b in (int(x) for x in args.batches.split(",")):
         kv = (torch.randn(b, 1, 576, device="cuda") * 3).to(torch.bfloat16)
-        res[f"B{b}_torch_reference_us"] = round(time_graph(lambda: quantize_mla_latents(kv, 512)), 2)
-        res[f"B{b}_triton_us"] = round(time_graph(lambda: mla_fp8_quantize_triton(kv, 512)), 2)
+        res[f"B{b}_torch_reference_us"] = round(graph_replay_best_us(lambda: quantize_mla_latents(kv, 512), 8, 50), 2)
+        res[f"B{b}_triton_us"] = round(graph_replay_best_us(lambda: mla_fp8_quantize_triton(kv, 512), 8, 50), 2)
         print(b, res[f"B{b}_torch_reference_us"], res[f"B{b}_triton_us"], flush=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "us": res}, indent=1) + "\n")
 
