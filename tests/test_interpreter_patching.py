@@ -72,3 +72,30 @@ def test_dtype_table_answers_as_the_interpreter():
              tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float8e5, tl.float8e4nv, tl.pointer_type(tl.float32)]
     for ty in types + [tl.block_type(t, [4]) for t in types]:
         assert table(ty) == real(ty), ty
+
+
+@triton.jit
+def _int32_ops_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    a = tl.load(a_ptr + offs)
+    b = tl.load(b_ptr + offs)
+    tl.store(out_ptr + offs * 3, a + b)
+    tl.store(out_ptr + offs * 3 + 1, a - b)
+    tl.store(out_ptr + offs * 3 + 2, a * b)
+
+
+def test_overflow_checks_off_only_without_debug_and_int32_still_wraps():
+    from triton.runtime import interpreter
+    options = interpreter.interpreter_builder.options
+    assert not options.debug and not options.sanitize_overflow  # nothing would have asserted them
+    big = 2**31 - 1
+    a = torch.tensor([big, -big, 7, 46341], dtype=torch.int32)
+    b = torch.tensor([1, 2, -9, 46341], dtype=torch.int32)
+    out = torch.empty(4, 3, dtype=torch.int32)
+    _int32_ops_kernel[(1,)](a, b, out, N=4)
+
+    def wrap(x):
+        return ((x + 2**31) % 2**32) - 2**31
+
+    a64, b64 = a.long(), b.long()
+    assert out.tolist() == torch.stack([wrap(a64 + b64), wrap(a64 - b64), wrap(a64 * b64)], 1).tolist()
