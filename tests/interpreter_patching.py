@@ -27,6 +27,14 @@ also casts both operands to int64, redoes the operation, compares the result wit
 bounds and hands that condition to ``device_assert``, which without ``debug`` returns at once
 and asserts nothing. ``install`` turns the check off where ``debug`` is off: the kernels
 compute and assert the same, without a fifth of the interpreted operations.
+
+Shapes worked out once: every interpreted operation makes a ``tensor`` and most a
+``block_type``, whose constructors rebuild the shape each time (a ``triton.language.tuple``
+whose type lists a ``constexpr_type`` per dimension, the power-of-two checks, the name
+string), a fifth of what remained. ``install`` keeps what they derive from a shape of plain
+ints, the first time the original constructor has built (and checked) it, and gives later
+objects of that shape the same values (fresh tuples with the same contents); other shapes,
+and a shape the checks refuse, still go through the original constructors.
 """
 from __future__ import annotations
 
@@ -78,7 +86,66 @@ def install() -> bool:
     interpreter._patch_lang = patch_lang
     _keep_one_dtype_table(interpreter)
     _no_dropped_overflow_checks(interpreter)
+    _shapes_worked_out_once(tl.core)
     return True
+
+
+def _int_key(shape):
+    """The dimensions of a list or ``triton.language.tuple`` of plain ints, else None."""
+    values = shape.values if type(shape) is _tl_tuple else shape if type(shape) is list else None
+    if values is None:
+        return None
+    for d in values:
+        if type(d) is not int:
+            return None
+    return tuple(values)
+
+
+_tl_tuple = None
+
+
+def _shapes_worked_out_once(core) -> None:
+    global _tl_tuple
+    block_type, tensor, tl_tuple = core.block_type, core.tensor, core.tuple
+    real_block, real_tensor = block_type.__init__, tensor.__init__
+    if getattr(real_block, "_worked_out_once", False):
+        return
+    _tl_tuple = tl_tuple
+    blocks = {}  # dims -> (the block_type's shape tuple, numel, str of the shape)
+    tensors = {}  # dims -> (numel, the tensor's shape tuple's type, its constexprs)
+
+    def block_init(self, element_ty, shape):
+        key = _int_key(shape)
+        got = blocks.get(key) if key is not None else None
+        if got is None:
+            real_block(self, element_ty, shape)
+            if key is not None:
+                blocks[key] = (self.shape, self.numel, str(self.shape))
+            return
+        self.element_ty = element_ty
+        self.shape = tl_tuple(list(got[0].values), got[0].type)
+        self.numel = got[1]
+        self.name = f"<{got[2]}, {element_ty}>"
+
+    def tensor_init(self, handle, type):
+        key = _int_key(type.shape) if type.is_block() else ()
+        got = tensors.get(key) if key is not None else None
+        if got is None:
+            real_tensor(self, handle, type)
+            if key is not None:
+                tensors[key] = (self.numel, self.shape.type, list(self.shape.values))
+            return
+        self.handle = handle
+        self.numel = got[0]
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = tl_tuple(list(got[2]), got[1])
+
+    block_init._worked_out_once = True
+    block_init.__wrapped__ = real_block
+    tensor_init.__wrapped__ = real_tensor
+    block_type.__init__ = block_init
+    tensor.__init__ = tensor_init
 
 
 def _no_dropped_overflow_checks(interpreter) -> None:
