@@ -35,6 +35,13 @@ string), a fifth of what remained. ``install`` keeps what they derive from a sha
 ints, the first time the original constructor has built (and checked) it, and gives later
 objects of that shape the same values (fresh tuples with the same contents); other shapes,
 and a shape the checks refuse, still go through the original constructors.
+
+Two lookups made once: a launch's patching lists the builtins of each language module and
+class with ``inspect.getmembers`` (about 1,000 attributes, at every launch), though they
+are the same at every launch (each launch restores them); ``install`` lists them once,
+before any launch, and replays that list. ``_unwrap_if_constexpr``, which the language
+calls on most arguments, answers a ``constexpr`` or a ``tensor`` (most of what it gets)
+without its chain of ``isinstance`` checks, as the chain answers them.
 """
 from __future__ import annotations
 
@@ -87,7 +94,50 @@ def install() -> bool:
     _keep_one_dtype_table(interpreter)
     _no_dropped_overflow_checks(interpreter)
     _shapes_worked_out_once(tl.core)
+    _builtins_listed_once(interpreter, tl)
+    _quick_unwrap(tl.core)
     return True
+
+
+def _builtins_listed_once(interpreter, tl) -> None:
+    real, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
+    if real is None or patch_attr is None:
+        return
+    import inspect
+
+    # what _patch_lang patches; listed now, while no launch has them patched
+    listed = {}
+    for pkg in (tl, tl.core, tl.tensor, tl.core.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)):
+        if pkg is not None:
+            listed[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+
+    def patch_builtin(pkg, builder, scope):
+        members = listed.get(pkg)
+        if members is None:
+            return real(pkg, builder, scope)
+        for name, member in members:
+            patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.__wrapped__ = real
+    interpreter._patch_builtin = patch_builtin
+
+
+def _quick_unwrap(core) -> None:
+    real = getattr(core, "_unwrap_if_constexpr", None)
+    if real is None or hasattr(real, "__wrapped__"):
+        return
+    constexpr, tensor = core.constexpr, core.tensor
+
+    def unwrap(o):
+        t = type(o)
+        if t is constexpr:
+            return o.value
+        if t is tensor:
+            return o
+        return real(o)
+
+    unwrap.__wrapped__ = real
+    core._unwrap_if_constexpr = unwrap
 
 
 def _int_key(shape):

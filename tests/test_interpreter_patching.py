@@ -135,3 +135,29 @@ def test_shapes_worked_out_once_give_what_the_constructors_give(dims):
         for _ in range(2):
             with pytest.raises(ValueError, match="power of 2"):
                 tl.block_type(tl.float32, bad)
+
+
+def test_builtins_listed_once_are_the_ones_a_launch_finds_and_unwrap_answers_as_before():
+    import inspect
+
+    from triton.runtime import interpreter
+
+    class Scope:  # records what a launch's patching would set
+        def __init__(self):
+            self.names = []
+
+        def set_attr(self, obj, name, value):
+            self.names.append(name)
+
+    for pkg in (tl, tl.core, tl.tensor, tl.math):
+        fast, real = Scope(), Scope()
+        interpreter._patch_builtin(pkg, None, fast)
+        for name, member in inspect.getmembers(pkg):
+            if tl.core.is_builtin(member):
+                real.set_attr(pkg, name, member)
+        assert fast.names == real.names and fast.names
+    unwrap = tl.core._unwrap_if_constexpr
+    t = tl.tensor(None, tl.float32)
+    values = (tl.constexpr(3), tl.constexpr(tl.constexpr(2.5)), t, [tl.constexpr(1), 2], (tl.constexpr(4),), 7, None)
+    for value in values:
+        assert repr(unwrap(value)) == repr(unwrap.__wrapped__(value))
