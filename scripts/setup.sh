@@ -63,18 +63,25 @@ if [ ! -x "$PY" ]; then
 fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "[setup] installing torch==2.13.0 (CPU wheel)"
-    "$PY" -m pip install -q torch==2.13.0
+    "$PY" -m pip install -q --no-compile torch==2.13.0
 fi
 echo "[setup] installing sparsehi[dev,mooncake] (editable)"
 # flock: the editable build writes sparsehi.egg-info here, and scripts/setup_sglang_env.sh
 # (which scripts/test.sh runs at the same time) builds it too
-if ! flock pyproject.toml "$PY" -m pip install -q -e ".[dev,mooncake]"; then
+if ! flock pyproject.toml "$PY" -m pip install -q --no-compile -e ".[dev,mooncake]"; then
     # no Mooncake wheel for this platform: everything else still works, its tests skip
     echo "[setup] WARNING: the mooncake extra (mooncake-transfer-engine-non-cuda) did not install;" \
          "installing sparsehi[dev] only, the Mooncake storage tests will be skipped" >&2
-    flock pyproject.toml "$PY" -m pip install -q -e ".[dev]"
+    flock pyproject.toml "$PY" -m pip install -q --no-compile -e ".[dev]"
     NO_MOONCAKE=1
 fi
+# pip's own compiling (left out above) writes .pyc for every file installed, about 7800 of them
+# and 45 CPU-s, where a process imports about 1200: compile what the package and its test
+# runner import, by importing them once with bytecode writing on (it may be off in the
+# environment, and then nothing else would write them); scripts/test.sh keeps it on, so the
+# first test that imports anything else compiles that once.
+env -u PYTHONDONTWRITEBYTECODE "$PY" -c "import sparsehi, hicache, torch, triton, triton.language, numpy, pytest
+import importlib.util as u; [__import__(m) for m in ('xdist', 'hypothesis') if u.find_spec(m)]"
 wait "$IB_PID" 2>/dev/null || true
 rm -f "$VENV"/.sparsehi-installed-*
 touch "$STAMP"

@@ -41,9 +41,11 @@ fi
 start=$(date +%s)
 rm -rf "$VENV"
 python3 -m venv "$VENV"
-# pip compiles .pyc as it installs (PYTHONDONTWRITEBYTECODE=1 is set on these machines, so
-# with --no-compile every test process would compile what it imports, each time)
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
+# --no-compile: pip would compile all 17,000 files installed (85 CPU-s), of which the
+# tests import about 4,700; the import check at the end compiles those with bytecode writing on
+# (PYTHONDONTWRITEBYTECODE may be set in the environment, and then no test process would
+# write them but compile them anew each time), and scripts/test.sh keeps writing on for the rest
+PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
 echo "[setup-sglang] torch==2.13.0+cpu triton==3.8.0 and the modules SGLang's imports need"
 "${PIP[@]}" torch==2.13.0+cpu triton==3.8.0 -r scripts/sglang-env-requirements.txt
 echo "[setup-sglang] sglang==0.5.23 and torchvision==0.28.0 (--no-deps), sparsehi (editable, --no-deps)"
@@ -63,9 +65,8 @@ if s.count(old) != 2 or s.count(anchor) != 1:
 helper = ("\n\ndef _register_fake_if_ops(name):  # added by sparsehi's scripts/setup_sglang_env.sh\n"
           "    return torch.library.register_fake(name) if torchvision.extension._has_ops() else (lambda fn: fn)\n")
 p.write_text(s.replace(old, '@_register_fake_if_ops("torchvision::').replace(anchor, anchor + helper))
-import py_compile; py_compile.compile(str(p), doraise=True)  # its .pyc, as pip wrote the others
 EOF
-"$PY" -W ignore - <<'EOF'
+env -u PYTHONDONTWRITEBYTECODE "$PY" -W ignore - <<'EOF'
 import sys, torch
 from importlib.metadata import distributions
 cuda = sorted(d.metadata["Name"] for d in distributions()

@@ -12,6 +12,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+# the set-ups compile only the modules the common imports reach (pip's --no-compile): a test
+# process importing another module writes its .pyc once for the processes after it, also where
+# the environment turns bytecode writing off
+unset PYTHONDONTWRITEBYTECODE
 sglang=0
 if [ "${SPARSEHI_SKIP_SGLANG:-0}" != "1" ] && { [ "$#" -eq 0 ] || [ "${SPARSEHI_SGLANG:-0}" = "1" ]; }; then
     sglang=1

@@ -1,7 +1,9 @@
 """tests/interpreter_patching.py: with it installed (conftest, under TRITON_INTERPRET=1) an
 interpreted kernel that calls jit helpers of its own module and of triton.language.standard
 computes what torch computes, the language is left unpatched after the launch, also after
-a launch that raised, and the dtype table answers as the interpreter's own function does."""
+a launch that raised, the dtype table answers as the interpreter's own function does, the
+overflow checks are off only without debug (int32 arithmetic wraps as before), and the
+shapes kept give the fields the original constructors give."""
 import os
 
 import pytest
@@ -72,3 +74,90 @@ def test_dtype_table_answers_as_the_interpreter():
              tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float8e5, tl.float8e4nv, tl.pointer_type(tl.float32)]
     for ty in types + [tl.block_type(t, [4]) for t in types]:
         assert table(ty) == real(ty), ty
+
+
+@triton.jit
+def _int32_ops_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    a = tl.load(a_ptr + offs)
+    b = tl.load(b_ptr + offs)
+    tl.store(out_ptr + offs * 3, a + b)
+    tl.store(out_ptr + offs * 3 + 1, a - b)
+    tl.store(out_ptr + offs * 3 + 2, a * b)
+
+
+def test_overflow_checks_off_only_without_debug_and_int32_still_wraps():
+    from triton.runtime import interpreter
+    options = interpreter.interpreter_builder.options
+    assert not options.debug and not options.sanitize_overflow  # nothing would have asserted them
+    big = 2**31 - 1
+    a = torch.tensor([big, -big, 7, 46341], dtype=torch.int32)
+    b = torch.tensor([1, 2, -9, 46341], dtype=torch.int32)
+    out = torch.empty(4, 3, dtype=torch.int32)
+    _int32_ops_kernel[(1,)](a, b, out, N=4)
+
+    def wrap(x):
+        return ((x + 2**31) % 2**32) - 2**31
+
+    a64, b64 = a.long(), b.long()
+    assert out.tolist() == torch.stack([wrap(a64 + b64), wrap(a64 - b64), wrap(a64 * b64)], 1).tolist()
+
+
+@pytest.mark.parametrize("dims", [[16], [1, 64], [4, 8, 2], [2048]])
+def test_shapes_worked_out_once_give_what_the_constructors_give(dims):
+    block_init, tensor_init = tl.core.block_type.__init__, tl.core.tensor.__init__
+    assert block_init.__wrapped__ and tensor_init.__wrapped__  # installed
+
+    def built(init, cls, *args):
+        obj = cls.__new__(cls)
+        init(obj, *args)
+        return obj
+
+    def block_fields(b):
+        return (b.element_ty, list(b.shape.values), str(b.shape.type), b.numel, b.name,
+                b == tl.block_type(b.element_ty, dims))
+
+    for shape in (list(dims), tl.core.tuple(list(dims))):
+        for _ in range(2):  # the first builds with the original, the second from what it kept
+            for ty in (tl.float32, tl.pointer_type(tl.int8)):
+                fast = built(block_init, tl.block_type, ty, shape)
+                real = built(block_init.__wrapped__, tl.block_type, ty, shape)
+                assert block_fields(fast) == block_fields(real)
+                for t_ty in (real, ty):
+                    ft = built(tensor_init, tl.tensor, None, t_ty)
+                    rt = built(tensor_init.__wrapped__, tl.tensor, None, t_ty)
+                    assert [(x.value, str(x.type)) for x in ft.shape] == [(x.value, str(x.type)) for x in rt.shape]
+                    assert str(ft.shape.type) == str(rt.shape.type) and ft.numel.value == rt.numel.value
+                    assert (ft.type, ft.dtype) == (rt.type, rt.dtype)
+                assert fast.shape is not real.shape and built(tensor_init, tl.tensor, None, fast).shape is not \
+                    built(tensor_init, tl.tensor, None, fast).shape  # fresh tuples: one object's never another's
+    for bad in ([3], [2, 6]):
+        for _ in range(2):
+            with pytest.raises(ValueError, match="power of 2"):
+                tl.block_type(tl.float32, bad)
+
+
+def test_builtins_listed_once_are_the_ones_a_launch_finds_and_unwrap_answers_as_before():
+    import inspect
+
+    from triton.runtime import interpreter
+
+    class Scope:  # records what a launch's patching would set
+        def __init__(self):
+            self.names = []
+
+        def set_attr(self, obj, name, value):
+            self.names.append(name)
+
+    for pkg in (tl, tl.core, tl.tensor, tl.math):
+        fast, real = Scope(), Scope()
+        interpreter._patch_builtin(pkg, None, fast)
+        for name, member in inspect.getmembers(pkg):
+            if tl.core.is_builtin(member):
+                real.set_attr(pkg, name, member)
+        assert fast.names == real.names and fast.names
+    unwrap = tl.core._unwrap_if_constexpr
+    t = tl.tensor(None, tl.float32)
+    values = (tl.constexpr(3), tl.constexpr(tl.constexpr(2.5)), t, [tl.constexpr(1), 2], (tl.constexpr(4),), 7, None)
+    for value in values:
+        assert repr(unwrap(value)) == repr(unwrap.__wrapped__(value))
