@@ -101,9 +101,9 @@ class _UntracedModel:
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
 
-    def __call__(self, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         with _running(None, triton=False):
-            return self._model(*args)
+            return self._model(*args, **kwargs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with _running(None, triton=False):

@@ -120,7 +120,7 @@ class ModelRunner:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn: Callable) -> torch.Tensor:
         """The model over ``ids`` / ``pos`` ``[T] int64`` with the mode's attention; an MLA
         model computes its indexer only for a mode that reads it (``reads_index_inputs``)."""
-        if getattr(self.model.cfg, "family", None) == "mla":
+        if getattr(getattr(self.model, "cfg", None), "family", None) == "mla":
             return self.model(ids, pos, attn, with_indexer=self.mode.reads_index_inputs)
         return self.model(ids, pos, attn)
 

@@ -299,8 +299,8 @@ class GapRecordingModel:
         self.gaps = torch.zeros(max_calls + 1, dtype=torch.float32, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, **kwargs)  # with_indexer for an MLA model
 
     def use_batch_invariant_ops(self) -> None:
         self.model.use_batch_invariant_ops()
