@@ -54,6 +54,20 @@ def test_kernel_computes_the_models_steps(dtype, T, Hi, Di, dr):
         assert (k == rk).float().mean() > 0.95
 
 
+def test_a_rope_width_the_kernel_cannot_block_takes_the_reference(monkeypatch):
+    monkeypatch.setenv("SPARSEHI_FORCE_TRITON", "1")  # the dispatch's Triton path on CPU (interpreted)
+    for dr in (12, 16):  # halves of 6 (not a power of two) and of 8
+        a = _inputs(4, 3, 32, dr, torch.bfloat16)
+        b = _inputs(4, 3, 32, dr, torch.bfloat16)
+        k, w = dsa_index_inputs(*a[1:6], 1e-6, a[6], a[7], 0.5)
+        rk, rw = dsa_index_inputs_reference(*b[1:6], 1e-6, b[6], b[7], 0.5)
+        assert torch.equal(a[0], b[0]) and torch.equal(w, rw)
+        assert torch.all((k.float() - rk.float()).abs() <= 2.0 ** -7 * rk.float().abs().clamp_min(1.0))
+    with pytest.raises(ValueError, match="rope_dim"):  # the kernel itself refuses it, by name
+        a = _inputs(4, 3, 32, 12, torch.bfloat16)
+        dsa_index_inputs_triton(*a[1:6], 1e-6, a[6], a[7], 0.5)
+
+
 def test_bad_inputs_name_the_parameter():
     _, iq, ik, iw, weight, bias, cos, sin = _inputs(4, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="index_k"):

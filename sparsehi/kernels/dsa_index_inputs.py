@@ -133,6 +133,9 @@ def dsa_index_inputs_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_
 def dsa_index_inputs(index_q: torch.Tensor, index_k: torch.Tensor, index_w: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                      w_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer's inputs (module docstring): Triton on CUDA, the torch reference elsewhere."""
-    impl = dispatch("dsa_index_inputs", index_q, dsa_index_inputs_triton, dsa_index_inputs_reference)
+    """The indexer's inputs (module docstring): Triton on CUDA where ``rope_dim`` is twice a
+    power of two (the kernel's halves are whole blocks), the torch reference elsewhere."""
+    half = cos.shape[-1] // 2 if isinstance(cos, torch.Tensor) and cos.dim() == 2 else 0
+    impl = dispatch("dsa_index_inputs", index_q, dsa_index_inputs_triton, dsa_index_inputs_reference,
+                    triton_ok=half > 0 and half & (half - 1) == 0)
     return impl(index_q, index_k, index_w, weight, bias, eps, cos, sin, w_scale)
