@@ -40,18 +40,15 @@ def split_tokens(tokens: int, splits: int, block_n: int) -> tuple[int, int]:
     return max(1, cdiv(max(1, tokens), tps)), tps
 
 
-def split_buffers(out: torch.Tensor, splits: int, lse_copies: int = 1) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 tuple[int, ...]]:
-    """``(part [B, H, splits, Dv] float32, lse [B, H, lse_copies x splits] float32, their
-    strides)`` for ``out [B, H, Dv]``; with one split no buffers (``out`` stands in, never
-    written) and zero strides. ``lse_copies > 1``: a copy of the log-sum-exp per warpgroup
-    storing a share of the columns (copy ``c`` at ``c x splits``), for kernels whose
-    warpgroups merge their columns in the kernel each on its own."""
+def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """``(part [B, H, splits, Dv] float32, lse [B, H, splits] float32, their strides)`` for
+    ``out [B, H, Dv]``; with one split no buffers (``out`` stands in, never written) and zero
+    strides."""
     if splits == 1:
         return out, out, (0, 0, 0, 0, 0)
     B, H, Dv = out.shape
     part = torch.empty((B, H, splits, Dv), dtype=torch.float32, device=out.device)
-    lse = torch.empty((B, H, lse_copies * splits), dtype=torch.float32, device=out.device)
+    lse = torch.empty((B, H, splits), dtype=torch.float32, device=out.device)
     return part, lse, (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
 
 

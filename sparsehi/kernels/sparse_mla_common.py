@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from hicache.triton_support import cdiv
-from sparsehi.kernels.arrival_counters import arrival_counters
 from sparsehi.kernels.flash_decoding import FLOAT_DTYPES, MAX_SPLITS, fail, merge_splits, split_buffers
 from sparsehi.kernels.mla_fp8_latents import FP8_TILE, MlaFp8Layout, fp8_row_bytes
 
@@ -111,25 +110,12 @@ def fp8_row_views(kv: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, to
 
 
 def launch_split(kernel, grid: tuple[int, int, int], q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                 out: torch.Tensor, sm_scale: float, tokens_per_split: int, splits: int, *, merging_groups: int = 0,
-                 merge_in_kernel: bool = True, **meta) -> torch.Tensor:
+                 out: torch.Tensor, sm_scale: float, tokens_per_split: int, splits: int, **meta) -> torch.Tensor:
     """Launch an MLA decode kernel (the fused Triton one or the Gluon one: same leading
     arguments) over ``grid = (head blocks, B, splits)``; with ``splits > 1`` each split writes
-    fp32 partials ``[B, H, splits, Dl]`` and their log-sum-exp, merged into ``out`` by a
-    second launch, or, where ``merging_groups > 0`` (a Gluon kernel taking ``Counter`` and
-    ``FUSED_MERGE``) and ``merge_in_kernel``, by the last split of each program's output tile
-    to arrive: the kernel's ``merging_groups`` storing warpgroups each count arrivals for
-    their columns in ``arrival_counters`` and keep their own copy of the log-sum-exp. While a
-    CUDA graph is captured before any eager launch made the counters, the merge is a second
-    launch."""
+    fp32 partials ``[B, H, splits, Dl]`` and their log-sum-exp, merged into ``out``."""
     H, Dl = q.shape[1], out.shape[2]
-    counters = None
-    if splits > 1 and merging_groups and merge_in_kernel:
-        counters = arrival_counters(out.device, grid[0] * grid[1] * merging_groups)
-    fused = counters is not None
-    part, lse, pstr = split_buffers(out, splits, merging_groups if fused else 1)
-    if merging_groups:
-        meta.update(Counter=counters if fused else lse, FUSED_MERGE=fused)
+    part, lse, pstr = split_buffers(out, splits)
     kernel[grid](
         q, kv, indices, out, part, lse,
         float(sm_scale) * 1.4426950408889634,
@@ -139,6 +125,6 @@ def launch_split(kernel, grid: tuple[int, int, int], q: torch.Tensor, kv: torch.
         H, indices.shape[1], tokens_per_split, kv.shape[0],
         SPLIT=splits > 1, **meta,
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         merge_splits(part, lse, out, max(16, triton.next_power_of_2(Dl)))
     return out

@@ -57,10 +57,6 @@ class MlaGluonConfig:
     16-bit rows): how many tiles ahead of the one it hands over next the gather producer
     keeps in flight, 1 to ``num_buf - 1`` (a tile is handed over only once the slot of the
     tile that many ahead is claimed); None: :func:`ws_gather_ahead` by the shape.
-    ``merge_in_kernel`` (the warp-specialised and the token-rows kernel): where a launch
-    splits each row's indices, the last split of an output tile to finish merges the splits'
-    partials in the kernel (``sparse_mla_common.launch_split``); False merges them in a
-    second launch.
     """
 
     block_n: int = 64
@@ -72,7 +68,6 @@ class MlaGluonConfig:
     fp8_stages: int = 0
     mma_groups: Optional[int] = None
     gather_ahead: Optional[int] = None
-    merge_in_kernel: bool = True
 
 
 try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
@@ -295,10 +290,9 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
     def _gl_store_cols(o, l_i, m_i, Out, OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, col0: gl.constexpr,
                        mma_o: gl.constexpr, D_COLS: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                       WITH_LSE: gl.constexpr, lse_col=0):
+                       WITH_LSE: gl.constexpr):
         """Columns ``col0 .. col0 + D_COLS`` of the output: ``o`` normalised by the row sums
-        ``l_i``, or (``SPLIT``) the fp32 partial, with the log-sum-exp where ``WITH_LSE`` (in
-        the lse columns from ``lse_col``: a storing warpgroup's own copy, ``launch_split``)."""
+        ``l_i``, or (``SPLIT``) the fp32 partial, with the log-sum-exp where ``WITH_LSE``."""
         has = l_i > 0
         l_safe = gl.where(has, l_i, 1.0)
         out = o / l_safe[:, None]
@@ -313,53 +307,8 @@ try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure
                      + offs_d[None, :], out, mask=h_mask)
             if WITH_LSE:
                 lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-                gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + lse_col + split, lse,
+                gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse,
                          mask=offs_h < num_heads)
-
-    @gluon.jit
-    def _gl_merge_on_last_arrival(Out, OutPartial, LsePartial, Counter, b, hb, num_heads, stride_ob, stride_oh,
-                                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, group,
-                                  col0: gl.constexpr, D_COLS: gl.constexpr, BLOCK_H: gl.constexpr,
-                                  GROUPS: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """After this warpgroup stored its split's partial columns ``col0 .. col0 + D_COLS``
-        and its log-sum-exp copy (lse columns from ``group x splits``): count its arrival in
-        ``Counter[(b x head blocks + hb) x GROUPS + group]`` (acquire-release at GPU scope,
-        behind a barrier of the warpgroup, so the other splits' stores are seen by the last
-        one); the last split to arrive sets the counter back to zero and writes those columns
-        of ``Out`` for heads ``hb x BLOCK_H ..``: the splits' partials weighted by
-        ``exp(lse - max lse)`` over their sum (0 where every split is empty), read past L1 in
-        32-column chunks on ``NUM_WARPS`` warps (the caller's warpgroup, whose accumulator is
-        dead by then)."""
-        num_splits = gl.num_programs(2)
-        gl.thread_barrier()
-        slot = (b * gl.num_programs(0) + hb) * GROUPS + group
-        arrived = gl.atomic_add(Counter + slot, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            gl.store(Counter + slot, 0)
-            CH: gl.constexpr = 32
-            lay: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
-            offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
-            h_ok = offs_h < num_heads
-            lse_row = LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + group * num_splits
-            m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, lay))
-            for s in range(num_splits):
-                m = gl.maximum(m, gl.load(lse_row + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg"))
-            m_safe = gl.where(m == float("-inf"), 0.0, m)
-            w_sum = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, lay))
-            for s in range(num_splits):
-                w_sum += gl.exp(gl.load(lse_row + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            inv = gl.where(w_sum > 0, 1.0 / gl.where(w_sum > 0, w_sum, 1.0), 0.0)
-            part_rows = OutPartial + b.to(gl.int64) * stride_pb + offs_h[:, None] * stride_ph
-            out_rows = Out + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh
-            for c in range(col0, col0 + D_COLS, CH):
-                offs_d = c + gl.arange(0, CH, layout=gl.SliceLayout(0, lay))
-                acc = gl.zeros([BLOCK_H, CH], gl.float32, layout=lay)
-                for s in range(num_splits):
-                    w = gl.exp(gl.load(lse_row + s, mask=h_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-                    part = gl.load(part_rows + s * stride_ps + offs_d[None, :], mask=h_ok[:, None], other=0.0,
-                                   cache_modifier=".cg")
-                    acc += part * (w * inv)[:, None]
-                gl.store(out_rows + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=h_ok[:, None])
 
     @gluon.jit
     def _mla_gluon_fp8_kernel(
@@ -629,8 +578,6 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
             or (cfg.mma_groups == 2 and (fp8 or num_heads > TWO_MMA_MAX_HEADS))):
         fail("config", f"an MlaGluonConfig with mma_groups None, or 1 or 2 with token_rows (2 only over 16-bit rows "
              f"at up to {TWO_MMA_MAX_HEADS} query heads)", (cfg, num_heads, "fp8" if fp8 else "16-bit"))
-    if not isinstance(cfg.merge_in_kernel, bool):
-        fail("config", "an MlaGluonConfig with merge_in_kernel True or False", cfg)
     if not (fp8 or warps):
         return
     if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)

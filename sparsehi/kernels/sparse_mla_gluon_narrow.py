@@ -41,16 +41,16 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparsehi.kernels.sparse_mla_gluon import _gl_merge_on_last_arrival, _gl_q_tile, _gl_split_range, _gl_valid_s
+    from sparsehi.kernels.sparse_mla_gluon import _gl_q_tile, _gl_split_range, _gl_valid_s
     from sparsehi.kernels.sparse_mla_gluon_ws import _gl_fp8_scale_partition, _gl_producer_partition
 
     @gluon.jit
     def _gl_token_rows_partition(q_lat_s, q_pe_s, lat_s, pe_s, pt_s, ready, empty, idx_row, start, end, num_slots,
                                  n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b, hb, split, num_heads,
                                  stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                                 o_sh, m_sh, l_sh, merged, Counter, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
+                                 o_sh, m_sh, l_sh, merged, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
                                  BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, FIRST: gl.constexpr,
-                                 STEP: gl.constexpr, FUSED_MERGE: gl.constexpr):
+                                 STEP: gl.constexpr):
         """MMA warpgroup of :func:`_mla_gluon_narrow_kernel` for tiles ``FIRST, FIRST + STEP,
         ..``: for each, once its slot is ready, ``S^T = K Q^T`` over the latent and rope
         tiles, the online softmax down each head's column (running max ``m_i``; the sums
@@ -59,8 +59,7 @@ try:
         (or the split's fp32 partial and log-sum-exp) is stored, transposed back. With two MMA
         warpgroups (``STEP`` 2) the one of the odd tiles hands its ``O^T``, max and sums over
         ``o_sh`` / ``m_sh`` / ``l_sh`` to the one of the even tiles (``merged``), which merges
-        them into its own before the store. With ``FUSED_MERGE`` the storing warpgroup of the
-        split that arrives last merges the splits' partials (``launch_split``)."""
+        them into its own before the store."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_H, 16])
@@ -134,10 +133,6 @@ try:
                 lse = gl.where(has, (gl.convert_layout(m_i, cols_o) + gl.log2(l_safe)) * 0.6931471805599453,
                                float("-inf"))
                 gl.store(LsePartial + b.to(gl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=h_ok)
-                if FUSED_MERGE:
-                    _gl_merge_on_last_arrival(Out, OutPartial, LsePartial, Counter, b, hb, num_heads, stride_ob,
-                                              stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, 0,
-                                              D_LAT, BLOCK_H, 1, 4)
 
     @gluon.jit
     def _mla_gluon_narrow_kernel(
@@ -152,7 +147,7 @@ try:
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, FP8_PRODUCERS: gl.constexpr,
-        MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr, Counter, FUSED_MERGE: gl.constexpr,
+        MMA_GROUPS: gl.constexpr, MMA_REGS: gl.constexpr,
     ):
         """Sparse MLA decode for ``BLOCK_H`` (16 or 32) heads a program with the tokens as
         the MMA's rows: ``MMA_GROUPS`` MMA warpgroups (:func:`_gl_token_rows_partition`; the
@@ -163,8 +158,7 @@ try:
         the odd tiles, each with its own slot of the 2-slot ring; 16-bit rows: one of
         ``_gl_gather_partition``) over a ``NUM_BUF``-deep ring of 16-bit tiles, passed through
         mbarriers ``ready`` and ``empty``. Two MMA warpgroups run over 16-bit rows only
-        (``check_gluon_config``). With ``SPLIT`` and ``FUSED_MERGE`` the last split of a head
-        block to finish merges the splits (``Counter``; ``launch_split``)."""
+        (``check_gluon_config``)."""
         hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -200,8 +194,8 @@ try:
                 (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s.index(0), ready, empty, idx_row, start,
                                             end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b,
                                             hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
-                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, Counter,
-                                            D_LAT, BLOCK_H, BLOCK_N, SPLIT, 0, 1, FUSED_MERGE)),
+                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, D_LAT,
+                                            BLOCK_H, BLOCK_N, SPLIT, 0, 1)),
                 (_gl_fp8_scale_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                            stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
                                            TILE, 0, 2)),
@@ -214,13 +208,13 @@ try:
                 (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s.index(0), ready, empty, idx_row, start,
                                             end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b,
                                             hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
-                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, Counter,
-                                            D_LAT, BLOCK_H, BLOCK_N, SPLIT, 0, 2, FUSED_MERGE)),
+                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, D_LAT,
+                                            BLOCK_H, BLOCK_N, SPLIT, 0, 2)),
                 (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s.index(1), ready, empty, idx_row, start,
                                             end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b,
                                             hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
-                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, Counter,
-                                            D_LAT, BLOCK_H, BLOCK_N, SPLIT, 1, 2, FUSED_MERGE)),
+                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, D_LAT,
+                                            BLOCK_H, BLOCK_N, SPLIT, 1, 2)),
                 (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
                                           TILE, 0, 1, FP8, lat_s, lat_s, lat_s, 0)),
@@ -230,8 +224,8 @@ try:
                 (_gl_token_rows_partition, (q_lat_s, q_pe_s, lat_s, pe_s, pt_s.index(0), ready, empty, idx_row, start,
                                             end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial, b,
                                             hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
-                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, Counter,
-                                            D_LAT, BLOCK_H, BLOCK_N, SPLIT, 0, 1, FUSED_MERGE)),
+                                            stride_ps, stride_lb, stride_lh, o_sh, m_sh, l_sh, merged, D_LAT,
+                                            BLOCK_H, BLOCK_N, SPLIT, 0, 1)),
                 (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                           stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
                                           TILE, 0, 1, FP8, lat_s, lat_s, lat_s, 0)),
@@ -257,4 +251,4 @@ def launch_narrow(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out:
     return launch_split(_mla_gluon_narrow_kernel, grid, q, kv, indices, out, sm_scale, tokens_per_split, splits,
                         D_LAT=Dl, D_ROPE=q.shape[2] - Dl, BLOCK_H=block_h, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf,
                         TILE=FP8_TILE, FP8=fp8, FP8_PRODUCERS=producers, MMA_GROUPS=groups, MMA_REGS=mma_regs,
-                        merging_groups=1, merge_in_kernel=cfg.merge_in_kernel, maxnreg=maxnreg, num_warps=4, **extra)
+                        maxnreg=maxnreg, num_warps=4, **extra)

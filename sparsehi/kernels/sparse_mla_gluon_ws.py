@@ -32,9 +32,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
-    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_copy_aligned, _gl_merge_on_last_arrival, _gl_q_tile,
-                                                   _gl_rows, _gl_scale_regs, _gl_split_range, _gl_store_cols,
-                                                   _gl_valid_s)
+    from sparsehi.kernels.sparse_mla_gluon import (_gl_copy, _gl_copy_aligned, _gl_q_tile, _gl_rows, _gl_scale_regs,
+                                                   _gl_split_range, _gl_store_cols, _gl_valid_s)
 
     @gluon.jit
     def _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
@@ -252,16 +251,15 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     def _gl_softmax_partition(q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready, p_free,
                               done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial,
                               b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-                              stride_lb, stride_lh, Counter, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
-                              BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, FUSED_MERGE: gl.constexpr):
+                              stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
+                              BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
         """Score warpgroup of :func:`_mla_gluon_ws_kernel` (the kernel's 4 warps): for each
         tile, once its slot is ready, the score MMA over all ``BLOCK_N`` tokens (m64nN),
         the online softmax (running max ``m_i``, row sums ``l_i``), ``P`` and the rescale
         factor into shared memory for the value warpgroup (``p_ready``, once it has freed
         them: ``p_free``), and the value MMA into the left half of ``O`` with ``P`` from
         registers, issued before ``P`` is published; at the end the
-        row max and sums go to ``m_sh`` / ``l_sh`` (``done``) and the left half is stored
-        (with ``FUSED_MERGE``, the last split to arrive merges the splits' left halves)."""
+        row max and sums go to ``m_sh`` / ``l_sh`` (``done``) and the left half is stored."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
         HALF: gl.constexpr = D_LAT // 2
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -312,22 +310,15 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         _gl_store_cols(o, gl.convert_layout(l_i, row), gl.convert_layout(m_i, row), Out, OutPartial, LsePartial, b,
                        hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb,
                        stride_lh, 0, mma_o, HALF, BLOCK_H, SPLIT, True)
-        if SPLIT and FUSED_MERGE:
-            _gl_merge_on_last_arrival(Out, OutPartial, LsePartial, Counter, b, hb, num_heads, stride_ob, stride_oh,
-                                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 0, 0, HALF, BLOCK_H,
-                                      2, 4)
 
     @gluon.jit
     def _gl_value_partition(lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out, OutPartial,
                             LsePartial, b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-                            stride_lb, stride_lh, Counter, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
-                            SPLIT: gl.constexpr, FUSED_MERGE: gl.constexpr):
+                            stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
         """Value warpgroup of :func:`_mla_gluon_ws_kernel`: for each tile, once the score
         warpgroup has published ``P`` (``p_ready``), rescale the right half of ``O`` and run
         its value MMA, then free ``P`` (``p_free``) and its share of the slot (``empty``);
-        at the end, with the row max and sums (``done``), store the right half (with
-        ``FUSED_MERGE`` and its own copy of the log-sum-exp, and the last split to arrive
-        merges the splits' right halves)."""
+        at the end, with the row max and sums (``done``), store the right half."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
         HALF: gl.constexpr = D_LAT // 2
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -346,11 +337,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         mbarrier.wait(done, 0)
         _gl_store_cols(o, l_sh.load(row), m_sh.load(row), Out, OutPartial, LsePartial, b, hb, split,
                        num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HALF,
-                       mma_o, HALF, BLOCK_H, SPLIT, FUSED_MERGE, gl.num_programs(2))
-        if SPLIT and FUSED_MERGE:
-            _gl_merge_on_last_arrival(Out, OutPartial, LsePartial, Counter, b, hb, num_heads, stride_ob, stride_oh,
-                                      stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, 1, HALF, HALF, BLOCK_H,
-                                      2, 4)
+                       mma_o, HALF, BLOCK_H, SPLIT, False)
 
     @gluon.jit
     def _mla_gluon_ws_kernel(
@@ -365,7 +352,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_BUF: gl.constexpr, TILE: gl.constexpr, SPLIT: gl.constexpr,
         VALUE_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
-        GATHER_AHEAD: gl.constexpr, Counter, FUSED_MERGE: gl.constexpr,
+        GATHER_AHEAD: gl.constexpr,
     ):
         """Sparse MLA decode as three warp-specialised warpgroups over a ``NUM_BUF``-deep ring
         of 16-bit tiles in shared memory. Producer warps (``PRODUCER_REGS`` registers a
@@ -378,9 +365,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         the value MMA; the value warpgroup (:func:`_gl_value_partition`, ``VALUE_REGS``) the
         right half. Slots pass through mbarriers ``ready`` (producer -> both) and ``empty``
         (both -> producer), ``P`` and the rescale factor through ``p_ready`` / ``p_free``.
-        The producer's form follows ``FP8`` (:func:`_gl_producer_partition`). With ``SPLIT``
-        and ``FUSED_MERGE`` the score and the value warpgroup each merge their half of the
-        splits' columns where their split arrives last (``Counter``; ``launch_split``)."""
+        The producer's form follows ``FP8`` (:func:`_gl_producer_partition`)."""
         hb, b, split, start, end, n_tiles = _gl_split_range(tokens_per_split, num_idx, BLOCK_N)
 
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -421,12 +406,11 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
                                      p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
                                      OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Counter, D_LAT,
-                                     BLOCK_H, BLOCK_N, SPLIT, FUSED_MERGE)),
+                                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H,
+                                     BLOCK_N, SPLIT)),
             (_gl_value_partition, (lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out,
                                    OutPartial, LsePartial, b, hb, split, num_heads, stride_ob, stride_oh,
-                                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, Counter, D_LAT,
-                                   BLOCK_H, SPLIT, FUSED_MERGE)),
+                                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, D_LAT, BLOCK_H, SPLIT)),
             (_gl_producer_partition, (KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn,
                                       stride_sn, stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N,
                                       TILE, 0, 1, FP8, raw8, raw_sc, raw_pe, FP8_STAGES, GATHER_AHEAD)),
@@ -461,5 +445,4 @@ def launch_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: tor
                         D_LAT=Dl, D_ROPE=Dr, BLOCK_H=64, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_buf, TILE=FP8_TILE,
                         VALUE_REGS=_VALUE_REGS, FP8=fp8, FP8_STAGES=cfg.fp8_stages if fp8 else 0,
                         GATHER_AHEAD=ws_gather_ahead(cfg, fp8, tokens_per_split),
-                        merging_groups=2, merge_in_kernel=cfg.merge_in_kernel, maxnreg=_WS_MAXNREG, num_warps=4,
-                        **extra)
+                        maxnreg=_WS_MAXNREG, num_warps=4, **extra)
