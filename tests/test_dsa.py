@@ -607,3 +607,33 @@ def test_dsa_default_config_captures_in_a_cuda_graph():
     # the real row in the last slot advanced; the padding rows added nothing to it
     assert int(algs[0]._indexed[0][reqs - 1]) == 3004 and int(count_last) == 3000
     assert torch.equal(algs[0]._indexed[0], algs[1]._indexed[0])
+
+
+def test_store_kernel_rounds_fp8_ties_and_carries_as_torch():
+    """FP8 keys at e4m3 ties (rounded to even) and at values that round up into the next
+    binade: the kernel stores torch's bytes (the CPU interpreter's own float -> e4m3 cast rounds
+    ties away and drops that carry, so the kernel makes the bytes by integer arithmetic)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = values[torch.isfinite(values) & (values.abs() <= 448)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    d = 64
+    rows = []
+    for chunk in (mids[i:i + d - 1] for i in range(0, mids.numel(), d - 1)):
+        row = torch.zeros(d)
+        row[0] = 448.0                          # scale 1: the stored values are the inputs
+        row[1:1 + chunk.numel()] = chunk
+        rows.append(row)
+    rows.append(torch.tensor([448.0, 31.625, -31.625, 50.0, 0.4921875, 17.0] + [0.0] * (d - 6)))
+    new = torch.stack(rows)
+    b = new.shape[0]
+    r, t = b, 2
+    req = torch.arange(b, dtype=torch.int64)
+    pos = torch.ones(b, dtype=torch.int32)
+    out = []
+    for fn in (dsa_store_index_keys_reference, dsa_store_index_keys_triton):
+        keys = torch.zeros(r * t + 1, d).to(torch.float8_e4m3fn)
+        scales = torch.ones(r * t + 1)
+        fn(keys, scales, torch.zeros(r, dtype=torch.int64), req, pos, new, max_num_reqs=r, max_context_len=t)
+        out.append(keys[:-1].view(torch.uint8))
+    assert torch.equal(out[1], out[0])
+    assert torch.equal(out[0][1::2].view(torch.float8_e4m3fn).float(), new.to(torch.float8_e4m3fn).float())

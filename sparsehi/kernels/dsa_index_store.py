@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.kernels.fp8_page_quantize import e4m3_bits
 from hicache.triton_support import dispatch
 from sparsehi.kernels.dsa_indexer import FP8_E4M3_MAX, fp8_dtype, quantize_index_keys
 from sparsehi.kernels.store_rounding import as_stored
@@ -106,11 +107,13 @@ def _dsa_store_kernel(
     k = tl.load(k_ptr + b * stride_kb + offs, mask=m, other=0.0).to(tl.float32)
     entry = tl.where(ok, req * T + pos, 0)
     if IS_FP8:
-        # as quantize_index_keys: IEEE-rounded divisions, so both paths store the same bytes
+        # as quantize_index_keys: IEEE-rounded divisions, so both paths store the same bytes;
+        # keys_ptr is the pool's bytes (uint8), written by e4m3_bits, which rounds as torch
+        # does on the GPU and under the interpreter (whose own cast does not)
         amax = tl.max(tl.abs(k), 0)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
         qk = tl.minimum(tl.maximum(tl.math.div_rn(k, scale), -FP8_MAX), FP8_MAX)
-        tl.store(keys_ptr + entry * stride_e + offs, qk.to(keys_ptr.dtype.element_ty), mask=m)
+        tl.store(keys_ptr + entry * stride_e + offs, e4m3_bits(qk), mask=m)
         tl.store(scales_ptr + entry, scale, mask=ok)
     else:
         tl.store(keys_ptr + entry * stride_e + offs, as_stored(k, keys_ptr.dtype.element_ty).to(keys_ptr.dtype.element_ty),
@@ -142,19 +145,12 @@ def dsa_store_index_keys_triton(
     if k.stride(1) != 1:
         k = k.contiguous()
     _dsa_store_kernel[(b,)](
-        keys_flat, scales_flat if scales_flat is not None else keys_flat, indexed,
+        keys_flat.view(torch.uint8) if scales_flat is not None else keys_flat,
+        scales_flat if scales_flat is not None else keys_flat, indexed,
         req_pool_indices.to(dev), positions.to(dev), k,
         max_num_reqs, max_context_len, d, keys_flat.stride(0), k.stride(0),
         IS_FP8=scales_flat is not None, BLOCK_D=triton.next_power_of_2(d),
     )
-
-
-def _triton_fp8_ok(device: torch.device) -> bool:
-    """Triton converts to fp8 e4m3 natively from compute capability 8.9 (the interpreter
-    always)."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def dsa_store_index_keys(
@@ -169,9 +165,7 @@ def dsa_store_index_keys(
     max_context_len: int,
 ) -> None:
     """Store and count one decoded index key per row, in place (Triton on CUDA, reference
-    on CPU and for FP8 keys on GPUs below compute capability 8.9); arguments as
-    :func:`dsa_store_index_keys_reference`."""
-    impl = dispatch("dsa_store_index_keys", keys_flat, dsa_store_index_keys_triton, dsa_store_index_keys_reference,
-                    triton_ok=scales_flat is None or _triton_fp8_ok(keys_flat.device))
+    on CPU); arguments as :func:`dsa_store_index_keys_reference`."""
+    impl = dispatch("dsa_store_index_keys", keys_flat, dsa_store_index_keys_triton, dsa_store_index_keys_reference)
     return impl(keys_flat, scales_flat, indexed, req_pool_indices, positions, index_keys,
                 max_num_reqs=max_num_reqs, max_context_len=max_context_len)

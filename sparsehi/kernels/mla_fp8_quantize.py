@@ -6,8 +6,9 @@ a power-of-two float32 scale ``2 ** ceil(log2(max(amax / 448, 1e-4)))``, the val
 by it and rounded to the nearest E4M3 value, the rope part stored as bf16. The bytes are
 those of the torch reference ``mla_fp8_latents.quantize_mla_latents``: the scale comes from
 the float's bits (no log), a division by a power of two is exact, and bf16 rounding of a
-non-bf16 rope and the E4M3 rounding are done by hand (``store_rounding``; the interpreter's
-conversions round otherwise).
+non-bf16 rope and the E4M3 rounding are done by hand (``store_rounding.as_stored``,
+``hicache.kernels.fp8_page_quantize.e4m3_bits``; the interpreter's conversions round
+otherwise).
 
 The decode stores each new token's row this way in every layer (``kv_cache_format.stored_kv``):
 the reference takes about fifteen small launches a layer, this kernel one program per row.
@@ -23,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache.kernels.fp8_page_quantize import e4m3_bits
 from hicache.triton_support import dispatch
 from sparsehi.kernels.mla_fp8_latents import (FP8_MAX, FP8_TILE, MIN_SCALE_BEFORE_ROUNDING, MlaFp8Layout,
                                              quantize_mla_latents)
-from sparsehi.kernels.store_rounding import e4m3_bits
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

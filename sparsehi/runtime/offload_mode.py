@@ -97,7 +97,6 @@ class OffloadFullMode(RuntimeMode):
 
         ps = self.rt.page_size
         dev = self.device
-        B = rows.shape[0]
         live = rows >= 0
         safe = rows.clamp(min=0)
         lens = torch.where(live, seq_lens, 0).to(torch.int32)
