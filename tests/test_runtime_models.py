@@ -260,6 +260,44 @@ def test_mla_forward_equals_its_unfused_form():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_projections_are_the_weights_only_copy_and_follow_checkpoint_loads():
+    # the stacked projection matrices hold the weights themselves (each weight a view of its
+    # rows, no second copy); loading new weights in place changes what the fused GEMMs use, and
+    # a weight replaced by a new tensor is stacked again
+    from sparsehi.runtime.layers import fused_weight
+
+    for name in ("tiny-gqa", "tiny-dsa"):
+        cfg = tiny(name, layers=2)
+        model = build_model(config=cfg)
+        other = build_model(config=cfg)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
+        pos = torch.arange(6)
+        attn = full_attention_fn(cfg)
+        with torch.no_grad():
+            model(ids, pos, attn)
+            mlp = model.layers[0].mlp
+            fused = mlp._gate_up
+            assert fused.untyped_storage().data_ptr() == mlp.gate_proj.weight.untyped_storage().data_ptr()
+            assert fused.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+            stored = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            unique = sum(s.nbytes() for s in {p.untyped_storage().data_ptr(): p.untyped_storage()
+                                              for p in model.parameters()}.values())
+            assert len(stored) < len(list(model.parameters())) and unique == params
+            model.load_state_dict(other.state_dict())
+            assert mlp._gate_up is fused                        # written in place, not stacked again
+            torch.testing.assert_close(model(ids, pos, attn), other(ids, pos, attn), rtol=0, atol=0)
+            new = torch.nn.Parameter(torch.randn_like(mlp.up_proj.weight))
+            mlp.up_proj.weight = new
+            again = fused_weight(mlp, "_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+            assert again is not fused and torch.equal(again[mlp.gate_proj.weight.shape[0]:], new)
+            assert again.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+
+
 # ----------------------------------------------------------------------------- caches
 @pytest.mark.parametrize("name,ps", [("tiny-gqa", 16), ("tiny-dsa", 1)])
 def test_dense_and_offload_full_match_cache_free_generation(name, ps):
