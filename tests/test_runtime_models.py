@@ -280,7 +280,7 @@ def test_fused_projections_are_the_weights_only_copy_and_follow_checkpoint_loads
         with torch.no_grad():
             model(ids, pos, attn)
             mlp = model.layers[0].mlp
-            fused = mlp._gate_up
+            fused = mlp._gate_up[0]
             assert fused.untyped_storage().data_ptr() == mlp.gate_proj.weight.untyped_storage().data_ptr()
             assert fused.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
             stored = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -289,7 +289,7 @@ def test_fused_projections_are_the_weights_only_copy_and_follow_checkpoint_loads
                                               for p in model.parameters()}.values())
             assert len(stored) < len(list(model.parameters())) and unique == params
             model.load_state_dict(other.state_dict())
-            assert mlp._gate_up is fused                        # written in place, not stacked again
+            assert mlp._gate_up[0] is fused                        # written in place, not stacked again
             torch.testing.assert_close(model(ids, pos, attn), other(ids, pos, attn), rtol=0, atol=0)
             new = torch.nn.Parameter(torch.randn_like(mlp.up_proj.weight))
             mlp.up_proj.weight = new

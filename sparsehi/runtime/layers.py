@@ -89,16 +89,18 @@ def fused_weight(owner: nn.Module, cache_attr: str, weights: list[torch.Tensor])
     """The ``weights`` (same trailing shape and dtype) stacked into one matrix, so one GEMM
     launch does the work of several. The first call stacks them and makes each weight a view
     of its rows (``.data``), so the stacked matrix is their only copy and an in-place write
-    to a weight (loading a checkpoint) lands in it; it is kept on ``owner`` as
-    ``cache_attr``. A weight that is no longer such a view (a new tensor, or moved by
-    ``Module.to``) makes the next call stack them again. While a CUDA graph is being
-    captured nothing is rebound: a stacking recorded there would fill its matrix only at
-    replay, so it is returned without being kept (the decode runs eagerly before capture).
-    The stacked state dict then holds views of one storage: clone its tensors before
-    ``safetensors``' ``save_file``, which refuses shared memory."""
-    fused = getattr(owner, cache_attr, None)
-    if isinstance(fused, torch.Tensor) and _rows_of(fused, weights):
-        return fused
+    to a weight (loading a checkpoint) lands in it; ``owner.<cache_attr>`` keeps ``(matrix,
+    the weights' addresses)``. A weight that is no longer such a view (a new tensor, or one
+    moved or recast by ``Module.to``) makes the next call stack them again. While a CUDA
+    graph is being captured nothing is rebound: a stacking recorded there would fill its
+    matrix only at replay, so it is returned without being kept (the decode runs eagerly
+    before capture). The state dict's tensors of a group then share one storage: clone them
+    before ``safetensors``' ``save_file``, which refuses shared memory."""
+    hit = getattr(owner, cache_attr, None)
+    # a weight still a view of its rows has its row's address: the stacked matrix holds that
+    # memory, so a new, moved or recast tensor cannot have it
+    if hit is not None and hit[1] == tuple(w.data_ptr() for w in weights):
+        return hit[0]
     fused = torch.cat([w.detach() for w in weights])
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         return fused
@@ -106,19 +108,8 @@ def fused_weight(owner: nn.Module, cache_attr: str, weights: list[torch.Tensor])
     for w in weights:
         w.data = fused[row:row + w.shape[0]]
         row += w.shape[0]
-    setattr(owner, cache_attr, fused)
+    setattr(owner, cache_attr, (fused, tuple(w.data_ptr() for w in weights)))
     return fused
-
-
-def _rows_of(fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-    """Whether ``weights`` are, in order, views of consecutive row blocks of ``fused``."""
-    row, step = 0, fused.stride(0) * fused.element_size()
-    for w in weights:
-        if (w.device != fused.device or w.dtype != fused.dtype or w.shape[1:] != fused.shape[1:]
-                or w.stride() != fused.stride() or w.data_ptr() != fused.data_ptr() + row * step):
-            return False
-        row += w.shape[0]
-    return row == fused.shape[0]
 
 
 class SwiGLU(nn.Module):
