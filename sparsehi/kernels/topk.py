@@ -24,7 +24,7 @@ from sparsehi.kernels.radix_select import (_emit, _list_radix_pass, _order_keys,
                                            _threshold_in_registers)
 from sparsehi.kernels.topk_bisect import topk_select_bisect
 from sparsehi.kernels.topk_radix_grid import CHUNK as RADIX_GRID_CHUNK, topk_select_radix_grid
-from sparsehi.kernels.topk_split import select_outputs, split_plan, topk_select_split
+from sparsehi.kernels.topk_split import _chunk_bounds, select_outputs, split_plan, topk_select_split
 
 MIN_IDS_PER_TOP_K = 4
 """``radix_grid_plan`` takes rows of at least this many ids per id selected: below it the
@@ -269,10 +269,7 @@ def _topk_select_kernel(
     HAS_ROW_MASK: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    lo = tl.minimum(tl.maximum(tl.load(cs_ptr + b).to(tl.int64), 0), N)
-    hi = tl.minimum(tl.maximum(tl.load(ce_ptr + b).to(tl.int64), lo), N)
-    if HAS_ROW_MASK:
-        hi = tl.where(tl.load(mask_ptr + b) != 0, hi, lo)
+    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     lo = lo.to(tl.int32)
     hi = hi.to(tl.int32)
     row = s_ptr + b * stride_sb
