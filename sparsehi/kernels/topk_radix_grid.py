@@ -56,11 +56,9 @@ the block, not by the list."""
 
 
 @triton.jit
-def _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb,
-                HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr):
-    """Chunk ``p`` of row ``b``: ``_order_keys`` of its scores (0: not selectable) and its
-    ids (int64)."""
-    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
+def _chunk_keys(s_ptr, lo, hi, b, p, stride_sb, CHUNK: tl.constexpr):
+    """Chunk ``p`` of row ``b``, whose candidates are ``[lo, hi)`` (``_chunk_bounds``):
+    ``_order_keys`` of its scores (0: not selectable) and its ids (int64)."""
     offs = lo + p * CHUNK + tl.arange(0, CHUNK)
     inr = offs < hi
     key = _order_keys(tl.load(s_ptr + b * stride_sb + offs, mask=inr, other=float("-inf")), inr)
@@ -117,7 +115,8 @@ def _chunk_stats_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, bl
                         ZERO_BLOCK: tl.constexpr):
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+    lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
+    key, _ = _chunk_keys(s_ptr, lo, hi, b, p, stride_sb, CHUNK)
     ok = key != 0
     base = stats_ptr + (b * P + p) * 3
     tl.store(base, tl.min(tl.where(ok, key, 0xFFFFFFFF), 0).to(tl.int32, bitcast=True))
@@ -141,7 +140,7 @@ def _digit_histogram_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr
     if lo + p * CHUNK < hi:  # a chunk past the row's candidates adds nothing
         # with DIGIT 1 the first digit itself is not known yet: only its position is used
         _, _, _, lo1, d1, _ = _first_digit(stats_ptr, hist_ptr, b, TOP_K, P, PP)
-        key, _ = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+        key, _ = _chunk_keys(s_ptr, lo, hi, b, p, stride_sb, CHUNK)
         if DIGIT == 1:
             match = key != 0
             digit = _digit_of(key, lo1)
@@ -161,7 +160,7 @@ def _boundary_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, stats_ptr, hist_ptr, above
     lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     if lo + p * CHUNK < hi:
         _, lo1, d1, lo2, d2, _, _ = _second_digit(stats_ptr, hist_ptr, b, TOP_K, P, PP)
-        key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+        key, offs = _chunk_keys(s_ptr, lo, hi, b, p, stride_sb, CHUNK)
         ok = key != 0
         g1 = _digit_of(key, lo1)
         g2 = _digit_of(key, lo2)
@@ -272,7 +271,7 @@ def _emit_kernel(s_ptr, cs_ptr, ce_ptr, mask_ptr, offset_ptr, row_ptr, valid_ptr
     out = ids_ptr + b * stride_ib
     lo, hi = _chunk_bounds(cs_ptr, ce_ptr, mask_ptr, b, N, HAS_ROW_MASK)
     if lo + p * CHUNK < hi:  # a chunk past the row's candidates has no ids to write
-        key, offs = _chunk_keys(s_ptr, cs_ptr, ce_ptr, mask_ptr, b, p, N, stride_sb, HAS_ROW_MASK, CHUNK)
+        key, offs = _chunk_keys(s_ptr, lo, hi, b, p, stride_sb, CHUNK)
         thr = tl.load(row_ptr + b * 2).to(tl.uint32, bitcast=True)
         max_tie_id = tl.load(row_ptr + b * 2 + 1)
         ids = offs.to(tl.int32)
