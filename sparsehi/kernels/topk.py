@@ -31,11 +31,14 @@ MIN_IDS_PER_TOP_K = 4
 boundary digit holds a large part of the row and one program per row is as fast."""
 MIN_IDS = 8192
 MAX_ROWS = 48
-MAX_PROGRAMS = 2048
+MAX_PROGRAMS = 3072
 """``radix_grid_plan`` takes at most ``MAX_ROWS`` rows and ``MAX_PROGRAMS`` chunk programs
 (``B x P``). The grid's time grows with ``B x P`` (about 27 + 0.046 B P us on an H100,
-``results/topk_long_rows.json``) while one program per row takes the same time for any
-batch up to the SM count: past these the rows' own programs are as fast or faster."""
+``results/topk_long_rows.json``; 27 + 0.039 B P on an H200) while one program per row takes
+the same time for any batch up to the SM count: past these the rows' own programs are as
+fast or faster. 3072 (2048 before 2026-11-28) takes 39 and 48 rows of 131072 ids to the
+grid: 1.30x and 1.08x one program per row for whole rows, 1.07x and 0.99x for rows of 32768
+candidates in them (one H200, section ``max_programs``)."""
 GRID_BEFORE_SPLIT_TOP_K = 2048
 """From this ``top_k`` the radix grid goes before the chunk shortlists where both plans
 apply: top 2048 of 8192 ids took 27-29 us on the grid against 36-49 us in shortlists at
