@@ -51,6 +51,16 @@ if [ -f "$STAMP" ]; then
         exit 0
     fi
 fi
+# pip 23 (Python 3.11's venv) checks each file an index lists against about 1,000 platform
+# tags one by one: resolving the extras below reads 60,000 links (every release of torch,
+# numpy, ...) in 25 CPU-s, pip 26 in 15 (a set lookup). The upgrade takes 2 CPU-s; set-up
+# goes on with the venv's pip where it fails.
+PIP_VERSION=26.2.1
+upgrade_pip() {
+    "$1" -c "import sys, pip; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (24, 1))" 2>/dev/null ||
+        "$1" -m pip install -q --disable-pip-version-check --no-compile "pip==$PIP_VERSION" ||
+        echo "[setup] WARNING: pip $PIP_VERSION did not install; resolving with $("$1" -m pip --version)" >&2
+}
 has_cuda_torch() { "$1" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; }
 if [ ! -x "$PY" ]; then
     if has_cuda_torch python3; then
@@ -61,6 +71,7 @@ if [ ! -x "$PY" ]; then
         python3 -m venv "$VENV"
     fi
 fi
+upgrade_pip "$PY"
 if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "[setup] installing torch==2.13.0 (CPU wheel)"
     "$PY" -m pip install -q --no-compile torch==2.13.0

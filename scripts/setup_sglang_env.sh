@@ -46,6 +46,10 @@ python3 -m venv "$VENV"
 # (PYTHONDONTWRITEBYTECODE may be set in the environment, and then no test process would
 # write them but compile them anew each time), and scripts/test.sh keeps writing on for the rest
 PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
+# pip 26, as scripts/setup.sh installs it: pip 23 checks each file the index lists (all
+# versions of torch, numpy, transformers, ...) against the platform tags one tag at a time
+# (this set-up: 112 CPU-s with pip 23, 87 with pip 26)
+"${PIP[@]}" pip==26.2.1 || echo "[setup-sglang] WARNING: pip 26.2.1 did not install; going on with $("$PY" -m pip --version)" >&2
 echo "[setup-sglang] torch==2.13.0+cpu triton==3.8.0 and the modules SGLang's imports need"
 "${PIP[@]}" torch==2.13.0+cpu triton==3.8.0 -r scripts/sglang-env-requirements.txt
 echo "[setup-sglang] sglang==0.5.23 and torchvision==0.28.0 (--no-deps), sparsehi (editable, --no-deps)"

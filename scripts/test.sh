@@ -4,9 +4,10 @@
 # and tests/sglang in .venv-sglang against SGLang 0.5.23. Fails if either run fails.
 # Without arguments the SGLang environment's set-up and tests/sglang run in the background,
 # beside .venv's set-up and the main suite, and their output is printed after the main
-# suite's; on a machine without CUDA the main suite runs on pytest-xdist workers (one per
-# core, at most 4), so both cores of a 2-core machine are busy (SPARSEHI_TEST_WORKERS=N
-# sets the count, 0 turns xdist off).
+# suite's; on a machine without CUDA the main suite runs on pytest-xdist workers (one more
+# than the cores, at most 4: a worker waiting on a child process, a server's timeout or an
+# injected delay leaves its core to the others), so all cores stay busy
+# (SPARSEHI_TEST_WORKERS=N sets the count, 0 turns xdist off).
 # Arguments go to the main run as they are (no xdist unless you pass -n), and then leave the
 # SGLang run out unless SPARSEHI_SGLANG=1; SPARSEHI_SKIP_SGLANG=1 always leaves it out.
 set -euo pipefail
@@ -37,7 +38,7 @@ if [ "$#" -eq 0 ]; then
     if [ -z "$workers" ]; then
         workers=0
         if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())" 2>/dev/null; then  # no CUDA
-            workers=$(nproc); [ "$workers" -le 4 ] || workers=4; [ "$workers" -ge 2 ] || workers=0
+            workers=$(( $(nproc) + 1 )); [ "$workers" -le 4 ] || workers=4; [ "$workers" -ge 3 ] || workers=0
         fi
     fi
     [ "$workers" = 0 ] || args=(-n "$workers")

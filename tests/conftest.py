@@ -42,6 +42,41 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """Under pytest-xdist, the controller rewrites the test modules' asserts into pytest's pyc
+    cache before the workers start (its own xdist hook runs last): each worker would rewrite
+    all of them otherwise, at the same time, 14 CPU-s each on a 2-core machine. A worker finds
+    the cached pyc that its own import would have written; anything unexpected leaves it to
+    the workers, as before."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("dsession") or sys.dont_write_bytecode:
+        return
+    try:
+        _rewrite_test_modules(config)
+    except Exception:  # noqa: BLE001 - an internal API of pytest's: the workers rewrite as before
+        pass
+
+
+def _rewrite_test_modules(config, root=None) -> None:
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    from _pytest.assertion import rewrite as rw
+
+    if config.getoption("assertmode") != "rewrite":
+        return
+    state = config.stash[rw.assertstate_key]
+    patterns = config.getini("python_files")
+    for fn in sorted(Path(root or Path(__file__).parent).rglob("*.py")):
+        if fn.name != "conftest.py" and not any(fnmatch(fn.name, p) for p in patterns):
+            continue
+        cache_dir = rw.get_cache_dir(fn)
+        pyc = cache_dir / (fn.name[:-3] + rw.PYC_TAIL)
+        if rw.try_makedirs(cache_dir) and rw._read_pyc(fn, pyc, state.trace) is None:
+            source_hash, co = rw._rewrite_test(fn, config)
+            rw._write_pyc(state, co, source_hash, pyc)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

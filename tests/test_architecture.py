@@ -89,7 +89,11 @@ def _imports(mod: str, path: Path) -> set[str]:
     return out
 
 
-GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """Each module's project imports; parsed when a test asks (about 4 s), not when the
+    module is collected, which every test process does."""
+    return {m: _imports(m, p) for m, p in MODULES.items()}
 
 
 def _layer(mod: str) -> int:
@@ -106,14 +110,14 @@ def test_every_module_has_a_layer():
         _layer(mod)
 
 
-def test_no_import_cycle():
+def test_no_import_cycle(graph):
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     cycles = []
 
     def visit(m: str, stack: list[str]) -> None:
         state[m] = 1
         stack.append(m)
-        for n in sorted(GRAPH[m]):
+        for n in sorted(graph[m]):
             if state.get(n) == 1:
                 cycles.append(stack[stack.index(n):] + [n])
             elif n not in state:
@@ -121,22 +125,22 @@ def test_no_import_cycle():
         stack.pop()
         state[m] = 2
 
-    for m in sorted(GRAPH):
+    for m in sorted(graph):
         if m not in state:
             visit(m, [])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_imports_go_down_the_layers():
+def test_imports_go_down_the_layers(graph):
     bad = [f"{m} ({LAYERS[_layer(m)][0]}) imports {n} ({LAYERS[_layer(n)][0]})"
-           for m, deps in GRAPH.items() for n in deps if _layer(n) > _layer(m)]
-    bad += [f"{m} imports {n}" for m, deps in GRAPH.items() for n in deps for a, b in APART
+           for m, deps in graph.items() for n in deps if _layer(n) > _layer(m)]
+    bad += [f"{m} imports {n}" for m, deps in graph.items() for n in deps for a, b in APART
             if (m == a or m.startswith(a + ".")) and (n == b or n.startswith(b + "."))]
     assert not bad, "\n".join(sorted(bad))
 
 
-def test_hicache_and_kernels_import_nothing_of_the_sparse_layers_above():
-    for m, deps in GRAPH.items():
+def test_hicache_and_kernels_import_nothing_of_the_sparse_layers_above(graph):
+    for m, deps in graph.items():
         if m.startswith("hicache"):
             assert not [n for n in deps if n.startswith("sparsehi")], m
         if m.startswith("sparsehi.kernels"):

@@ -129,6 +129,7 @@ def test_shapes_worked_out_once_give_what_the_constructors_give(dims):
                     assert [(x.value, str(x.type)) for x in ft.shape] == [(x.value, str(x.type)) for x in rt.shape]
                     assert str(ft.shape.type) == str(rt.shape.type) and ft.numel.value == rt.numel.value
                     assert (ft.type, ft.dtype) == (rt.type, rt.dtype)
+                assert type(fast.shape) is type(real.shape) and vars(fast.shape).keys() == vars(real.shape).keys()
                 assert fast.shape is not real.shape and built(tensor_init, tl.tensor, None, fast).shape is not \
                     built(tensor_init, tl.tensor, None, fast).shape  # fresh tuples: one object's never another's
     for bad in ([3], [2, 6]):
@@ -158,6 +159,110 @@ def test_builtins_listed_once_are_the_ones_a_launch_finds_and_unwrap_answers_as_
         assert fast.names == real.names and fast.names
     unwrap = tl.core._unwrap_if_constexpr
     t = tl.tensor(None, tl.float32)
-    values = (tl.constexpr(3), tl.constexpr(tl.constexpr(2.5)), t, [tl.constexpr(1), 2], (tl.constexpr(4),), 7, None)
+    values = (tl.constexpr(3), tl.constexpr(tl.constexpr(2.5)), t, [tl.constexpr(1), 2], (tl.constexpr(4),), 7, None,
+              2.5, True, "x", tl.float32, tl.pointer_type(tl.int8), tl.block_type(tl.int32, [4]))
     for value in values:
-        assert repr(unwrap(value)) == repr(unwrap.__wrapped__(value))
+        got, want = unwrap(value), unwrap.__wrapped__(value)
+        assert repr(got) == repr(want) and type(got) is type(want)
+        if not isinstance(value, (list, tuple)):
+            assert got is want
+
+
+# the operands of the semantic-layer tests: scalars and blocks of the dtypes kernels use
+_DTYPES = [tl.int1, tl.int8, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.float64,
+           tl.float8e4nv, tl.pointer_type(tl.float32)]
+_SHAPES = [None, [16], [1, 16], [4, 16], [4, 1]]
+
+
+def _operand(dtype, shape, seed=0):
+    import numpy as np
+    from triton.runtime import interpreter
+
+    np_dtype = interpreter._get_np_dtype(dtype)
+    data = (np.arange(int(np.prod(shape or [1]))) + seed + 1).astype(np_dtype).reshape(shape or [])
+    return tl.tensor(interpreter.TensorHandle(data, dtype), tl.block_type(dtype, shape) if shape else dtype)
+
+
+def _outcome(fn, *args, **kwargs):
+    """What a semantic method gives: per result, whether it is the argument object itself,
+    its type and its values; or the exception it raises."""
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - compared with the original's
+        return ("raises", type(e).__name__, str(e))
+    return [(any(o is a for a in args), str(o.type), o.handle.data.tolist()) for o in out]
+
+
+def test_same_type_operands_come_out_of_the_binary_op_checks_and_broadcasts_as_the_original_gives_them():
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime.interpreter import interpreter_semantic as sem
+
+    check, broadcast = TritonSemantic.binary_op_type_checking_impl, TritonSemantic.broadcast_impl_value
+    real_check, real_broadcast = check.__wrapped__, broadcast.__wrapped__
+    flags = [dict(), dict(div_or_mod=True), dict(allow_lhs_ptr=True, allow_rhs_ptr=True),
+             dict(arithmetic_check=False)]
+    kept = 0
+    for ld in _DTYPES:
+        for rd in (ld, tl.int32, tl.float32):
+            for ls in _SHAPES:
+                for rs in (ls, None, [4, 16]):
+                    lhs, rhs = _operand(ld, ls), _operand(rd, rs, seed=3)
+                    for kw in flags:
+                        got = _outcome(check, sem, lhs, rhs, **kw)
+                        assert got == _outcome(real_check, sem, lhs, rhs, **kw), (ld, rd, ls, rs, kw)
+                        kept += got[0] != "raises" and got[0][0] and got[1][0]
+                    got = _outcome(broadcast, sem, lhs, rhs)
+                    assert got == _outcome(real_broadcast, sem, lhs, rhs), (ld, rd, ls, rs)
+    assert kept > 100  # the fast paths were taken
+    # a Python number still goes through the original (and the result is the same)
+    x = _operand(tl.int32, [16])
+    assert _outcome(check, sem, x, 3) == _outcome(real_check, sem, x, 3)
+
+
+def test_computation_types_kept_are_what_the_original_returns():
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime.interpreter import interpreter_semantic as sem
+
+    fast, real = TritonSemantic.computation_type_impl, TritonSemantic.computation_type_impl.__wrapped__
+    numeric = _DTYPES[:-1] + [tl.uint8, tl.int16, tl.uint64, tl.float8e5]
+    for _ in range(2):  # the first call asks the original, the second answers from what it kept
+        for a in numeric:
+            for b in numeric + [tl.core.dtype(a.name)]:  # an equal dtype that is another object
+                for flags in [(False, False, False), (True, False, False), (False, True, True), (False, False, True)]:
+                    got, want = (_type_outcome(f, sem, a, b, flags) for f in (fast, real))
+                    assert got == want, (a, b, flags)
+
+
+def _type_outcome(fn, sem, a, b, flags):
+    try:
+        ret = fn(sem, a, flags[0], b, flags[1], flags[2])
+    except Exception as e:  # noqa: BLE001 - compared with the original's
+        return ("raises", type(e).__name__, str(e))
+    return ret.name, ret is a, ret is b
+
+
+def test_patched_builtins_call_the_function_with_the_interpreters_semantic():
+    import numpy as np
+    from triton.runtime import interpreter
+
+    class Scope:
+        def __init__(self):
+            self.set = {}
+
+        def set_attr(self, obj, name, value):
+            self.set[name] = value
+
+    fast, real = Scope(), Scope()
+    for name in ("__add__", "__mul__", "to", "__getitem__"):
+        member = getattr(tl.core.tensor, name)
+        interpreter._patch_attr(tl.core.tensor, name, member, None, fast)
+        interpreter._patch_attr.__wrapped__(tl.core.tensor, name, member, None, real)
+    x, y = _operand(tl.int32, [16]), _operand(tl.int32, [16], seed=5)
+    for name, args, kwargs in [("__add__", (x, y), {}), ("__mul__", (x, 3), {}), ("to", (x, tl.float32), {}),
+                               ("to", (x, tl.float16), {"_semantic": None}), ("__getitem__", (x, None), {})]:
+        a, b = fast.set[name](*args, **dict(kwargs)), real.set[name](*args, **dict(kwargs))
+        assert str(a.type) == str(b.type) and np.array_equal(a.handle.data, b.handle.data), name
+    with pytest.raises(TypeError):
+        fast.set["__add__"](x)
+    with pytest.raises(TypeError):
+        real.set["__add__"](x)
