@@ -76,3 +76,25 @@ def test_l3_write_locks_are_released_while_the_run_goes_on():
     runner.generate([p1], 1)
     assert len(mode.tree.ongoing_backup) <= 1  # only the last request's write can be pending
     runner.mode.close()
+
+
+def test_room_is_made_from_finished_l3_writes_not_yet_retired():
+    """The pool is short and the tree's evictable pages are locked by L3 writes that have
+    finished but whose acknowledgements no step has retired yet (nothing is in flight):
+    making room retires them and evicts, where it had only waited for writes in flight."""
+    storage = MemoryStorage()
+    runner = _runner(storage)
+    mode = runner.mode
+    prompts = _prompts(8, seed=3)
+    for i in range(0, len(prompts), 2):
+        runner.generate(prompts[i:i + 2], 2)
+    ctl = mode.tree.storage_ctl
+    assert ctl.wait_idle(5.0) and ctl.in_flight() == 0
+    runner.generate(_prompts(1, seed=11), 2)  # a new prompt: its L3 writes are queued
+    assert ctl.wait_idle(5.0) and ctl.in_flight() == 0
+    assert mode.tree.ongoing_backup  # finished, not retired: their nodes stay locked
+    want = mode.host.num_slots - mode.host.available_size()  # every slot the tree holds
+    mode._make_host_room(want)
+    assert mode.host.available_size() >= want
+    mode.tree.check_invariants()
+    runner.mode.close()

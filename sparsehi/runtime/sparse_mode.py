@@ -503,8 +503,10 @@ class SparseCoordinatorMode(RuntimeMode):
             return
         self.tree.evict_host(short)
         short = tokens - self.host.available_size()
-        if short > 0 and self.tree.storage_ctl is not None and self.tree.storage_ctl.in_flight():
-            # the rest is pinned by L3 writes in flight: wait for them, release their locks
+        if short > 0 and self.tree.storage_ctl is not None:
+            # the rest may be pinned by L3 writes, in flight or done but not yet retired (their
+            # host locks go only with their acknowledgements): flushing waits for the first and
+            # retires both. Decided by the pool alone, which every TP rank shares.
             self.tree.flush_storage()
             self.tree.evict_host(short)
 
