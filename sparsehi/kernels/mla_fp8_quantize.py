@@ -28,6 +28,7 @@ from hicache.kernels.fp8_page_quantize import e4m3_bits
 from hicache.triton_support import dispatch
 from sparsehi.kernels.mla_fp8_latents import (FP8_MAX, FP8_TILE, MIN_SCALE_BEFORE_ROUNDING, MlaFp8Layout,
                                              quantize_mla_latents)
+from sparsehi.kernels.store_rounding import as_stored
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -51,7 +52,7 @@ def mla_fp8_quantize_reference(kv: torch.Tensor, kv_lora_rank: int = 512) -> tor
 def _mla_fp8_quantize_kernel(x_ptr, val_ptr, scale_ptr, rope_ptr, stride_x, stride_v, stride_s, stride_r,
                              scale_off, rope_off, D_LAT: tl.constexpr, NUM_TILES: tl.constexpr,
                              BLOCK_T: tl.constexpr, TILE: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-                             FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROPE_IS_BF16: tl.constexpr):
+                             FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     # one program per row: its NUM_TILES x TILE latent values, their scales and the rope
     n = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
@@ -71,14 +72,9 @@ def _mla_fp8_quantize_kernel(x_ptr, val_ptr, scale_ptr, rope_ptr, stride_x, stri
     tl.store(scale_ptr + n * stride_s + scale_off + t, scale, mask=t < NUM_TILES)
     r = tl.arange(0, BLOCK_R)
     rm = r < ROPE
-    rope = tl.load(x_ptr + n * stride_x + D_LAT + r, mask=rm, other=0.0)
-    if ROPE_IS_BF16:
-        rb = rope.to(tl.int16, bitcast=True)
-    else:
-        # round to nearest even by hand, as torch's .to(bfloat16) does
-        b32 = rope.to(tl.float32).to(tl.uint32, bitcast=True)
-        rb = ((b32 + 0x7FFF + ((b32 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-    tl.store(rope_ptr + n * stride_r + rope_off + r, rb, mask=rm)
+    rope = tl.load(x_ptr + n * stride_x + D_LAT + r, mask=rm, other=0.0).to(tl.float32)
+    # as torch's .to(bfloat16) rounds (bf16 input comes back unchanged)
+    tl.store(rope_ptr + n * stride_r + rope_off + r, as_stored(rope, tl.bfloat16).to(tl.bfloat16), mask=rm)
 
 
 def mla_fp8_quantize_triton(kv: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:
@@ -94,13 +90,13 @@ def mla_fp8_quantize_triton(kv: torch.Tensor, kv_lora_rank: int = 512) -> torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     scales = out.view(torch.float32)
-    rope = out.view(torch.int16)
+    rope = out.view(torch.bfloat16)
     _mla_fp8_quantize_kernel[(n,)](
         x, out, scales, rope, x.stride(0), out.stride(0), scales.stride(0), rope.stride(0),
         lay.scale_offset // 4, lay.rope_offset // 2,
         D_LAT=kv_lora_rank, NUM_TILES=lay.num_tiles, BLOCK_T=triton.next_power_of_2(lay.num_tiles), TILE=FP8_TILE,
         ROPE=lay.rope_dim, BLOCK_R=triton.next_power_of_2(lay.rope_dim), FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE_BEFORE_ROUNDING, ROPE_IS_BF16=kv.dtype == torch.bfloat16, num_warps=4,
+        MIN_SCALE=MIN_SCALE_BEFORE_ROUNDING, num_warps=4,
     )
     return out.view(*lead, lay.bytes_per_token)
 
