@@ -104,7 +104,6 @@ class SparseCoordinatorMode(RuntimeMode):
         sc.sparse_extra_config = extra
         self.algorithm = create_algorithm(sc, self.device)
         self.is_dsa = cfg.family == "mla"
-        self.reads_index_inputs = self.is_dsa
         adapter = None
         if rt.adapter != "none":
             from sparsehi.adapters import create_adapter
@@ -158,6 +157,11 @@ class SparseCoordinatorMode(RuntimeMode):
         self.recorded: dict[int, list[torch.Tensor]] = {}
 
     # -- accounting ---------------------------------------------------------------------
+    @property
+    def reads_index_inputs(self) -> bool:
+        """DSA selection reads the MLA model's indexer outputs."""
+        return self.is_dsa
+
     def sample_memory(self) -> None:
         super().sample_memory()
         dp = self.coord.dense_pool
