@@ -95,16 +95,18 @@ def _merge_splits(
     w = tl.exp(lse - m_safe)
     w_sum = tl.sum(w, 0)
     w = w / tl.where(w_sum > 0, w_sum, 1.0)
+    # a part with no tokens (log-sum-exp -inf) is not read: its output may never have been written
     part = tl.load(OutPartial + b.to(tl.int64) * stride_pb + h * stride_ph
                    + offs_s[:, None] * stride_ps + offs_dv[None, :],
-                   mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+                   mask=(s_mask & (lse > float("-inf")))[:, None] & dv_mask[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_mask)
 
 
 def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_dv: int) -> None:
     """Log-sum-exp merge of split-K partials ``part [B, H, splits, Dv] float32`` with their
-    ``lse [B, H, splits]`` into ``out [B, H, Dv]`` (one program per (request, head))."""
+    ``lse [B, H, splits]`` into ``out [B, H, Dv]`` (one program per (request, head)); parts
+    whose log-sum-exp is -inf count for nothing and their ``part`` rows are not read."""
     B, H, splits, Dv = part.shape
     _merge_splits[(B, H)](
         part, lse, out,

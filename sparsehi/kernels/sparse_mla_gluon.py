@@ -57,6 +57,9 @@ class MlaGluonConfig:
     16-bit rows): how many tiles ahead of the one it hands over next the gather producer
     keeps in flight, 1 to ``num_buf - 1`` (a tile is handed over only once the slot of the
     tile that many ahead is claimed); None: :func:`ws_gather_ahead` by the shape.
+    ``stream_k`` (the warp-specialised kernel): True runs ``sparse_mla_gluon_stream``, one
+    program an SM walking an equal share of all (request, head block) pairs' tiles, in place
+    of split-K (``num_splits`` unread); None: :func:`stream_k_default` by the shape.
     """
 
     block_n: int = 64
@@ -68,6 +71,7 @@ class MlaGluonConfig:
     fp8_stages: int = 0
     mma_groups: Optional[int] = None
     gather_ahead: Optional[int] = None
+    stream_k: Optional[bool] = None
 
 
 try:  # Triton >= 3.5 with Gluon; the API moves between releases, so any failure -> no Gluon path
@@ -578,6 +582,9 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
             or (cfg.mma_groups == 2 and (fp8 or num_heads > TWO_MMA_MAX_HEADS))):
         fail("config", f"an MlaGluonConfig with mma_groups None, or 1 or 2 with token_rows (2 only over 16-bit rows "
              f"at up to {TWO_MMA_MAX_HEADS} query heads)", (cfg, num_heads, "fp8" if fp8 else "16-bit"))
+    if not (cfg.stream_k is None or isinstance(cfg.stream_k, bool)) or (cfg.stream_k and (warps != 4 or cfg.token_rows)):
+        fail("config", "an MlaGluonConfig with stream_k None, False, or True for the warp-specialised kernel "
+             "(producer_warps 4, without token_rows)", (cfg, "fp8" if fp8 else "16-bit"))
     if not (fp8 or warps):
         return
     if (cfg.late_issue or cfg.producer_warps not in (None, 0, 4) or (not fp8 and cfg.num_buf < 2)

@@ -13,6 +13,7 @@ from sparsehi.kernels.sparse_mla_common import fp8_row_views, launch_split, mla_
 from sparsehi.kernels.sparse_mla_gluon import (NARROW_MAX_HEADS, MlaGluonConfig, _mla_gluon_fp8_kernel,
                                                _mla_gluon_kernel, check_gluon_config, gluon_ok, producer_warps)
 from sparsehi.kernels.sparse_mla_gluon_narrow import launch_narrow
+from sparsehi.kernels.sparse_mla_gluon_stream import launch_stream
 from sparsehi.kernels.sparse_mla_gluon_ws import launch_ws
 
 
@@ -44,6 +45,27 @@ def gluon_num_splits(programs: int, tiles: int, sms: int, fp8: bool, max_splits:
     return next(s for s in counts if cost(s) <= least * (1 + SPLIT_COST_MARGIN))
 
 
+STREAM_K_MAX_FILL = 0.9
+"""The default runs stream-K where split-K's grid takes more than one wave and fills its
+waves to less than this. At 128 heads and K=2176 on one H200 (``mla_stream_k.json``), 39
+rows (3 splits: 234 programs, 0.89 of two waves) took 113.0 -> 107.8 us over FP8 rows and
+92.6 -> 89.4 over bf16 rows; where split-K's waves are full or it takes one wave, stream-K
+was 0-21 % slower: its partial outputs and their merge cost more than one split's."""
+
+
+def stream_k(cfg: MlaGluonConfig, split_programs: int, sms: int) -> bool:
+    """Whether a warp-specialised launch of ``cfg`` runs stream-K (``sparse_mla_gluon_stream``)
+    in place of split-K over ``split_programs`` programs: ``cfg.stream_k`` where set, else
+    (split-K with a split count the config does not set) where the split-K grid takes more than one wave of ``sms`` programs and fills them to
+    less than ``STREAM_K_MAX_FILL``."""
+    if cfg.stream_k is not None:
+        return cfg.stream_k
+    if cfg.num_splits:
+        return False
+    waves = cdiv(split_programs, sms)
+    return waves > 1 and split_programs < STREAM_K_MAX_FILL * waves * sms
+
+
 def gluon_splits(cfg: MlaGluonConfig, programs: int, num_idx: int, sms: int, fp8: bool) -> int:
     """The split count a Gluon launch of ``programs`` (rows x head blocks) over ``num_idx``
     indices asks ``split_tokens`` for: ``cfg.num_splits`` when set; the token-rows kernels
@@ -62,7 +84,8 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
     [B, H, Dl]`` (checked by ``check_mla``; where ``gluon_ok``): the warp-specialised kernel
     where ``producer_warps(cfg, fp8)`` is 4, else ``_mla_gluon_kernel`` /
     ``_mla_gluon_fp8_kernel``; with ``cfg.token_rows`` the narrow kernel of
-    ``sparse_mla_gluon_narrow`` (16-head blocks up to 16 heads, else 32)."""
+    ``sparse_mla_gluon_narrow`` (16-head blocks up to 16 heads, else 32); the warp-specialised
+    kernel in its stream-K form (``sparse_mla_gluon_stream``) where :func:`stream_k`."""
     B, H, Dq = q.shape
     K = indices.shape[1]
     if cfg.block_n not in (32, 64) or not (1 <= cfg.num_buf <= 4) or (cfg.late_issue and cfg.num_buf < 2):
@@ -78,6 +101,8 @@ def sparse_mla_gluon(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o
     head_blocks = cdiv(H, block_h)
     sms = sm_count(q.device, off_cuda=INTERPRETER_SMS)
     splits, tps = split_tokens(K, gluon_splits(cfg, B * head_blocks, K, sms, fp8), cfg.block_n)
+    if not cfg.token_rows and producer_warps(cfg, fp8) and stream_k(cfg, B * head_blocks * splits, sms):
+        return launch_stream(q, kv, indices, out, sm_scale, sms, cfg, Dl, fp8=fp8)
     grid = (head_blocks, B, splits)
     if cfg.token_rows:
         return launch_narrow(q, kv, indices, out, sm_scale, grid, tps, splits, cfg, Dl, block_h, fp8=fp8)

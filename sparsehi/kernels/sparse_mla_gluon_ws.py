@@ -36,10 +36,32 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                                    _gl_split_range, _gl_store_cols, _gl_valid_s)
 
     @gluon.jit
+    def _gl_tile_rows(idx_row, start, end, t, part, num_slots, offs_n, BLOCK_N: gl.constexpr, PART: gl.constexpr,
+                      row_tiles, head_blocks, stride_ib, num_idx, STREAM: gl.constexpr):
+        """Slots (-1 where masked) of part ``part`` (indices ``part * PART + offs_n``, ``offs_n``
+        spanning ``PART``) of a producer's tile ``t``. One
+        range (not ``STREAM``): the tile's indices are ``start + t * BLOCK_N ..`` of the row
+        ``idx_row``, up to ``end``. ``STREAM`` (the stream-K kernel, ``sparse_mla_gluon_stream``):
+        the program walks tiles ``start .. end`` of the concatenated (request, head block)
+        pairs, ``row_tiles`` tiles each, the pairs ordered request-major over ``head_blocks``;
+        ``idx_row`` is the index tensor's base, ``stride_ib`` its row stride and ``num_idx``
+        its indices a row."""
+        if STREAM:
+            g = start + t
+            pair = g // row_tiles
+            offs = (g - pair * row_tiles) * BLOCK_N + part * PART + offs_n
+            in_row = (offs < num_idx) & (g < end)
+            idx = gl.load(idx_row + (pair // head_blocks).to(gl.int64) * stride_ib + offs, mask=in_row, other=-1)
+            return gl.where(in_row & (idx < num_slots), idx, -1)
+        else:
+            return _gl_rows(idx_row, start, end, t * (BLOCK_N // PART) + part, num_slots, offs_n, PART)
+
+    @gluon.jit
     def _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                 stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                                 BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr,
-                                STEP: gl.constexpr):
+                                STEP: gl.constexpr, row_tiles=0, head_blocks=1, stride_ib=0, num_idx=0,
+                                STREAM: gl.constexpr = False):
         """Producer warps of :func:`_mla_gluon_ws_kernel` (and of the token-rows kernel) for
         tiles ``FIRST, FIRST + STEP, ..``: for each, load its rows' E4M3 bytes, scales and
         rope values from global memory into registers (in rounds of 32 tokens, all issued
@@ -54,8 +76,10 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         offs_n8 = gl.arange(0, PART, layout=gl.SliceLayout(1, ld8))
         offs_c8 = gl.arange(0, TILE, layout=gl.SliceLayout(0, ld8))
         offs_cr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ldr))
-        ra = _gl_rows(idx_row, start, end, FIRST * RPT, num_slots, offs_n8, PART)
-        rb = _gl_rows(idx_row, start, end, FIRST * RPT + RPT - 1, num_slots, offs_n8, PART)
+        ra = _gl_tile_rows(idx_row, start, end, FIRST, 0, num_slots, offs_n8, BLOCK_N, PART, row_tiles, head_blocks,
+                           stride_ib, num_idx, STREAM)
+        rb = _gl_tile_rows(idx_row, start, end, FIRST, RPT - 1, num_slots, offs_n8, BLOCK_N, PART, row_tiles,
+                           head_blocks, stride_ib, num_idx, STREAM)
         for t in range(FIRST, n_tiles, STEP):
             slot = t % NUM_BUF
             lat = lat_s.index(slot)
@@ -66,8 +90,10 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             if RPT == 2:
                 b0, b1, b2, b3, sb0, sb1, sb2, sb3, rope_b = _gl_fp8_round(KV, Scales, Rope, rb, stride_kvn, stride_sn,
                                                                            stride_rn, offs_c8, offs_cr, ldr, TILE)
-            ra = _gl_rows(idx_row, start, end, (t + STEP) * RPT, num_slots, offs_n8, PART)
-            rb = _gl_rows(idx_row, start, end, (t + STEP) * RPT + RPT - 1, num_slots, offs_n8, PART)
+            ra = _gl_tile_rows(idx_row, start, end, t + STEP, 0, num_slots, offs_n8, BLOCK_N, PART, row_tiles,
+                               head_blocks, stride_ib, num_idx, STREAM)
+            rb = _gl_tile_rows(idx_row, start, end, t + STEP, RPT - 1, num_slots, offs_n8, BLOCK_N, PART, row_tiles,
+                               head_blocks, stride_ib, num_idx, STREAM)
             mbarrier.wait(empty.index(slot), ((t // NUM_BUF) & 1) ^ 1)
             _gl_store_round(lat.slice(0, PART, dim=0), pe.slice(0, PART, dim=0), a0, a1, a2, a3, sa0, sa1, sa2, sa3,
                             rope_a, TILE)
@@ -93,18 +119,23 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         async_copy.commit_group()
 
     @gluon.jit
-    def _gl_staged_rows(idx_row, start, end, t, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N: gl.constexpr):
-        """Tile ``t``'s slots (:func:`_gl_rows`) in the layouts of its three staging copies:
-        the E4M3 bytes (``offs_n8``), the rope values (``offs_nr``) and the scales
+    def _gl_staged_rows(idx_row, start, end, t, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N: gl.constexpr, row_tiles,
+                        head_blocks, stride_ib, num_idx, STREAM: gl.constexpr):
+        """Tile ``t``'s slots (:func:`_gl_tile_rows`) in the layouts of its three staging
+        copies: the E4M3 bytes (``offs_n8``), the rope values (``offs_nr``) and the scales
         (``offs_ns``)."""
-        return (_gl_rows(idx_row, start, end, t, num_slots, offs_n8, BLOCK_N),
-                _gl_rows(idx_row, start, end, t, num_slots, offs_nr, BLOCK_N),
-                _gl_rows(idx_row, start, end, t, num_slots, offs_ns, BLOCK_N))
+        return (_gl_tile_rows(idx_row, start, end, t, 0, num_slots, offs_n8, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                              stride_ib, num_idx, STREAM),
+                _gl_tile_rows(idx_row, start, end, t, 0, num_slots, offs_nr, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                              stride_ib, num_idx, STREAM),
+                _gl_tile_rows(idx_row, start, end, t, 0, num_slots, offs_ns, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                              stride_ib, num_idx, STREAM))
 
     @gluon.jit
     def _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                  stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT: gl.constexpr,
-                                 D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr):
+                                 D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TILE: gl.constexpr, row_tiles,
+                                 head_blocks, stride_ib, num_idx, STREAM: gl.constexpr):
         """Producer warps of :func:`_mla_gluon_ws_kernel` over FP8 rows with a staging ring:
         ``cp.async`` brings each tile's raw row bytes (E4M3 bytes, scales, rope values) into
         staging slot ``t % STAGES`` up to ``STAGES`` tiles ahead; once tile t has landed and its
@@ -126,10 +157,12 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         offs_ns = gl.arange(0, BLOCK_N, layout=lsc)
         row: gl.constexpr = gl.SliceLayout(1, ld8)
         for s in gl.static_range(STAGES):
-            r8, rp, rs = _gl_staged_rows(idx_row, start, end, s, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N)
+            r8, rp, rs = _gl_staged_rows(idx_row, start, end, s, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N,
+                                         row_tiles, head_blocks, stride_ib, num_idx, STREAM)
             _gl_stage_fp8_tile(KV, Scales, Rope, r8, rp, rs, stride_kvn, stride_sn, stride_rn, raw8.index(s), raw_sc,
                                raw_pe.index(s), s * NSC, offs_d8, offs_cr, NSC)
-        r8, rp, rs = _gl_staged_rows(idx_row, start, end, STAGES, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N)
+        r8, rp, rs = _gl_staged_rows(idx_row, start, end, STAGES, num_slots, offs_n8, offs_nr, offs_ns, BLOCK_N,
+                                     row_tiles, head_blocks, stride_ib, num_idx, STREAM)
         for t in range(n_tiles):
             stage = t % STAGES
             slot = t % NUM_BUF
@@ -148,7 +181,7 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             _gl_stage_fp8_tile(KV, Scales, Rope, r8, rp, rs, stride_kvn, stride_sn, stride_rn, raw, raw_sc,
                                raw_pe.index(stage), stage * NSC, offs_d8, offs_cr, NSC)
             r8, rp, rs = _gl_staged_rows(idx_row, start, end, t + 1 + STAGES, num_slots, offs_n8, offs_nr, offs_ns,
-                                         BLOCK_N)
+                                         BLOCK_N, row_tiles, head_blocks, stride_ib, num_idx, STREAM)
         async_copy.wait_group(0)
 
     @gluon.jit
@@ -187,7 +220,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     @gluon.jit
     def _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
                              D_LAT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
-                             GATHER_AHEAD: gl.constexpr):
+                             GATHER_AHEAD: gl.constexpr, row_tiles, head_blocks, stride_ib, num_idx,
+                             STREAM: gl.constexpr):
         """Producer warps of :func:`_mla_gluon_ws_kernel` (and of the token-rows kernel) over
         16-bit rows: gather each tile's rows by ``cp.async`` into its ring slot once the slot
         is free (``empty``), ``GATHER_AHEAD`` tiles ahead of the one whose landing it waits
@@ -202,13 +236,15 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
         for i in gl.static_range(GATHER_AHEAD):
             mbarrier.wait(empty.index(i), 1)
-            _gl_copy(KV, _gl_rows(idx_row, start, end, i, num_slots, offs_n_lat, BLOCK_N), stride_kvn, 0,
-                     lat_s.index(i), offs_d_lat)
-            _gl_copy(KV, _gl_rows(idx_row, start, end, i, num_slots, offs_n_pe, BLOCK_N), stride_kvn, D_LAT,
-                     pe_s.index(i), offs_d_pe)
+            _gl_copy(KV, _gl_tile_rows(idx_row, start, end, i, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                                       stride_ib, num_idx, STREAM), stride_kvn, 0, lat_s.index(i), offs_d_lat)
+            _gl_copy(KV, _gl_tile_rows(idx_row, start, end, i, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                                       stride_ib, num_idx, STREAM), stride_kvn, D_LAT, pe_s.index(i), offs_d_pe)
             async_copy.commit_group()
-        rl = _gl_rows(idx_row, start, end, GATHER_AHEAD, num_slots, offs_n_lat, BLOCK_N)
-        rp = _gl_rows(idx_row, start, end, GATHER_AHEAD, num_slots, offs_n_pe, BLOCK_N)
+        rl = _gl_tile_rows(idx_row, start, end, GATHER_AHEAD, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                           stride_ib, num_idx, STREAM)
+        rp = _gl_tile_rows(idx_row, start, end, GATHER_AHEAD, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
+                           stride_ib, num_idx, STREAM)
         for t in range(n_tiles):
             nxt = (t + GATHER_AHEAD) % NUM_BUF
             # tile t+GATHER_AHEAD (past the end: a zero fill of a free slot) in flight while tile t lands
@@ -216,8 +252,10 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(nxt), offs_d_lat)
             _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(nxt), offs_d_pe)
             async_copy.commit_group()
-            rl = _gl_rows(idx_row, start, end, t + GATHER_AHEAD + 1, num_slots, offs_n_lat, BLOCK_N)
-            rp = _gl_rows(idx_row, start, end, t + GATHER_AHEAD + 1, num_slots, offs_n_pe, BLOCK_N)
+            rl = _gl_tile_rows(idx_row, start, end, t + GATHER_AHEAD + 1, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles,
+                               head_blocks, stride_ib, num_idx, STREAM)
+            rp = _gl_tile_rows(idx_row, start, end, t + GATHER_AHEAD + 1, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles,
+                               head_blocks, stride_ib, num_idx, STREAM)
             async_copy.wait_group(GATHER_AHEAD)
             fence_async_shared()
             gl.thread_barrier()
@@ -229,7 +267,8 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
                                stride_rn, lat_s, pe_s, ready, empty, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
                                BLOCK_N: gl.constexpr, TILE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr,
                                FP8: gl.constexpr, raw8, raw_sc, raw_pe, FP8_STAGES: gl.constexpr,
-                               GATHER_AHEAD: gl.constexpr = 1):
+                               GATHER_AHEAD: gl.constexpr = 1, row_tiles=0, head_blocks=1, stride_ib=0, num_idx=0,
+                               STREAM: gl.constexpr = False):
         """The producer warps for the rows' format: over FP8 rows (``FP8``)
         :func:`_gl_fp8_scale_partition` for tiles ``FIRST, FIRST + STEP, ..``, or with
         ``FP8_STAGES`` > 0 :func:`_gl_fp8_staged_partition` (every tile, through the staging
@@ -239,27 +278,54 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         if FP8 and FP8_STAGES > 0:
             _gl_fp8_staged_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
                                      stride_rn, lat_s, pe_s, ready, empty, raw8, raw_sc, raw_pe, D_LAT, D_ROPE, BLOCK_N,
-                                     TILE)
+                                     TILE, row_tiles, head_blocks, stride_ib, num_idx, STREAM)
         elif FP8:
             _gl_fp8_scale_partition(KV, Scales, Rope, idx_row, start, end, num_slots, n_tiles, stride_kvn, stride_sn,
-                                    stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N, TILE, FIRST, STEP)
+                                    stride_rn, lat_s, pe_s, ready, empty, D_LAT, D_ROPE, BLOCK_N, TILE, FIRST, STEP,
+                                    row_tiles, head_blocks, stride_ib, num_idx, STREAM)
         else:
             _gl_gather_partition(KV, idx_row, start, end, num_slots, n_tiles, stride_kvn, lat_s, pe_s, ready, empty,
-                                 D_LAT, D_ROPE, BLOCK_N, GATHER_AHEAD)
+                                 D_LAT, D_ROPE, BLOCK_N, GATHER_AHEAD, row_tiles, head_blocks, stride_ib, num_idx,
+                                 STREAM)
+
+    @gluon.jit
+    def _gl_q_prefetch(q_row, stride_qh, num_heads, hb, q_lat_s, q_pe_s, BLOCK_H: gl.constexpr, D_LAT: gl.constexpr,
+                       D_ROPE: gl.constexpr):
+        """``cp.async`` head block ``hb`` of the query row ``q_row`` into ``q_lat_s [BLOCK_H,
+        D_LAT]`` / ``q_pe_s [BLOCK_H, D_ROPE]`` in 64-column chunks (few address registers in
+        a warpgroup holding its accumulators), rows past ``num_heads`` zero, committed as one
+        group."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld))
+        offs_d = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        ok = (offs_h < num_heads)[:, None]
+        rows = q_row + offs_h[:, None] * stride_qh + offs_d[None, :]
+        for c in gl.static_range(D_LAT // 64):
+            async_copy.async_copy_global_to_shared(q_lat_s.slice(c * 64, 64, dim=1), rows + c * 64, mask=ok)
+        for c in gl.static_range(D_ROPE // 64):
+            async_copy.async_copy_global_to_shared(q_pe_s.slice(c * 64, 64, dim=1), rows + D_LAT + c * 64, mask=ok)
+        async_copy.commit_group()
 
     @gluon.jit
     def _gl_softmax_partition(q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready, p_free,
                               done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out, OutPartial, LsePartial,
                               b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                               stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr,
-                              BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+                              BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, t_base=0, q_next=None, hb_next=0,
+                              stride_qh=0, has_next=False, D_ROPE: gl.constexpr = 64,
+                              PREFETCH_Q: gl.constexpr = False):
         """Score warpgroup of :func:`_mla_gluon_ws_kernel` (the kernel's 4 warps): for each
         tile, once its slot is ready, the score MMA over all ``BLOCK_N`` tokens (m64nN),
         the online softmax (running max ``m_i``, row sums ``l_i``), ``P`` and the rescale
         factor into shared memory for the value warpgroup (``p_ready``, once it has freed
         them: ``p_free``), and the value MMA into the left half of ``O`` with ``P`` from
         registers, issued before ``P`` is published; at the end the
-        row max and sums go to ``m_sh`` / ``l_sh`` (``done``) and the left half is stored."""
+        row max and sums go to ``m_sh`` / ``l_sh`` (``done``) and the left half is stored.
+        The tiles are the program's ring tiles ``t_base ..`` (slots and barrier phases). With
+        ``PREFETCH_Q`` and ``has_next`` (the stream-K kernel's segments but its last), the next
+        query row ``q_next``'s head block ``hb_next`` is brought into ``q_lat_s`` / ``q_pe_s`` by
+        ``cp.async`` (:func:`_gl_q_prefetch`) as soon as the last tile's score MMA has read
+        them; the caller waits for it."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
         HALF: gl.constexpr = D_LAT // 2
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -273,15 +339,19 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma_s)
         o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=mma_o)
         vs = _gl_valid_s(idx_row, start, end, 0, num_slots, offs_n_s, BLOCK_N)
-        for t in range(n_tiles):
+        for i in range(n_tiles):
+            t = t_base + i
             slot = t % NUM_BUF
             lat = lat_s.index(slot)
             valid = vs
-            vs = _gl_valid_s(idx_row, start, end, t + 1, num_slots, offs_n_s, BLOCK_N)
+            vs = _gl_valid_s(idx_row, start, end, i + 1, num_slots, offs_n_s, BLOCK_N)
             mbarrier.wait(ready.index(slot), (t // NUM_BUF) & 1)
             s_tok = warpgroup_mma(q_lat_s, lat.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s_tok = warpgroup_mma(q_pe_s, pe_s.index(slot).permute((1, 0)), s_tok, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            if PREFETCH_Q:
+                if (i == n_tiles - 1) & has_next:
+                    _gl_q_prefetch(q_next, stride_qh, num_heads, hb_next, q_lat_s, q_pe_s, BLOCK_H, D_LAT, D_ROPE)
             sc = gl.where(valid[None, :], sc * qk_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sc, axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -314,18 +384,21 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     @gluon.jit
     def _gl_value_partition(lat_s, p_s, alpha_s, m_sh, l_sh, empty, p_ready, p_free, done, n_tiles, Out, OutPartial,
                             LsePartial, b, hb, split, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-                            stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
+                            stride_lb, stride_lh, D_LAT: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                            t_base=0, done_phase=0):
         """Value warpgroup of :func:`_mla_gluon_ws_kernel`: for each tile, once the score
         warpgroup has published ``P`` (``p_ready``), rescale the right half of ``O`` and run
         its value MMA, then free ``P`` (``p_free``) and its share of the slot (``empty``);
-        at the end, with the row max and sums (``done``), store the right half."""
+        at the end, with the row max and sums (``done`` at phase ``done_phase``), store the
+        right half. The tiles are the program's ring tiles ``t_base ..``."""
         NUM_BUF: gl.constexpr = lat_s.shape[0]
         HALF: gl.constexpr = D_LAT // 2
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF, 16])
         row: gl.constexpr = gl.SliceLayout(1, mma_o)
         o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=mma_o)
-        for t in range(n_tiles):
+        for i in range(n_tiles):
+            t = t_base + i
             slot = t % NUM_BUF
             mbarrier.wait(p_ready, t & 1)
             o = o * alpha_s.load(row)[:, None]
@@ -334,10 +407,45 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             gl.thread_barrier()
             mbarrier.arrive(p_free, count=1)
             mbarrier.arrive(empty.index(slot), count=1)
-        mbarrier.wait(done, 0)
+        mbarrier.wait(done, done_phase)
         _gl_store_cols(o, l_sh.load(row), m_sh.load(row), Out, OutPartial, LsePartial, b, hb, split,
                        num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HALF,
                        mma_o, HALF, BLOCK_H, SPLIT, False)
+
+    @gluon.jit
+    def _gl_ring_buffers(dtype: gl.constexpr, NUM_BUF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr,
+                         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, TILE: gl.constexpr, FP8_STAGES: gl.constexpr):
+        """The shared memory the warp-specialised kernels' partitions pass tiles through:
+        ``(lat_s [NUM_BUF, BLOCK_N, D_LAT], pe_s [NUM_BUF, BLOCK_N, D_ROPE])`` the 16-bit ring,
+        ``p_s [BLOCK_H, BLOCK_N]`` and ``alpha_s [BLOCK_H]`` float32 from the score to the value
+        warpgroup, the FP8 staging ring ``raw8, raw_sc, raw_pe`` (``FP8_STAGES`` > 0; else
+        ``lat_s`` stands in, unread), and the initialised mbarriers ``ready``, ``empty`` (one a
+        slot) and ``p_ready``, ``p_free``."""
+        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        sh_v: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        lat_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_LAT], sh)
+        pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
+        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sh_p)
+        alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
+        if FP8_STAGES > 0:
+            sh8: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            raw8 = gl.allocate_shared_memory(gl.uint8, [FP8_STAGES, BLOCK_N, D_LAT], sh8)
+            raw_sc = gl.allocate_shared_memory(gl.float32, [FP8_STAGES * (D_LAT // TILE), BLOCK_N], sh_v)
+            raw_pe = gl.allocate_shared_memory(dtype, [FP8_STAGES, BLOCK_N, D_ROPE], sh8)
+        else:
+            raw8 = lat_s
+            raw_sc = lat_s
+            raw_pe = lat_s
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)     # the score and the value warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(bars.index(i), count=1)
+        return lat_s, pe_s, p_s, alpha_s, raw8, raw_sc, raw_pe, ready, empty, bars.index(0), bars.index(1)
 
     @gluon.jit
     def _mla_gluon_ws_kernel(
@@ -370,38 +478,16 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
 
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         sh_v: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        dtype: gl.constexpr = Q.dtype.element_ty
-        lat_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_LAT], sh)
-        pe_s = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, D_ROPE], sh)
-        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sh_p)
-        alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
+        lat_s, pe_s, p_s, alpha_s, raw8, raw_sc, raw_pe, ready, empty, p_ready, p_free = _gl_ring_buffers(
+            Q.dtype.element_ty, NUM_BUF, BLOCK_N, BLOCK_H, D_LAT, D_ROPE, TILE, FP8_STAGES)
         m_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
         l_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], sh_v)
-        if FP8_STAGES > 0:
-            sh8: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-            raw8 = gl.allocate_shared_memory(gl.uint8, [FP8_STAGES, BLOCK_N, D_LAT], sh8)
-            raw_sc = gl.allocate_shared_memory(gl.float32, [FP8_STAGES * (D_LAT // TILE), BLOCK_N], sh_v)
-            raw_pe = gl.allocate_shared_memory(dtype, [FP8_STAGES, BLOCK_N, D_ROPE], sh8)
-        else:
-            raw8 = lat_s
-            raw_sc = lat_s
-            raw_pe = lat_s
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)     # the score and the value warpgroup
-        for i in gl.static_range(3):
-            mbarrier.init(bars.index(i), count=1)
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(done, count=1)
 
         q_lat_s, q_pe_s = _gl_q_tile(Q + b.to(gl.int64) * stride_qb, stride_qh, num_heads, hb, sh, BLOCK_H, D_LAT,
                                      D_ROPE)
         idx_row = Idx + b.to(gl.int64) * stride_ib
-        p_ready = bars.index(0)
-        p_free = bars.index(1)
-        done = bars.index(2)
         gl.warp_specialize([
             (_gl_softmax_partition, (q_lat_s, q_pe_s, lat_s, pe_s, p_s, alpha_s, m_sh, l_sh, ready, empty, p_ready,
                                      p_free, done, idx_row, start, end, num_slots, n_tiles, qk_scale_log2, Out,
