@@ -582,7 +582,8 @@ def check_gluon_config(cfg: MlaGluonConfig, Dl: int, Dr: int, fp8: bool, num_hea
             or (cfg.mma_groups == 2 and (fp8 or num_heads > TWO_MMA_MAX_HEADS))):
         fail("config", f"an MlaGluonConfig with mma_groups None, or 1 or 2 with token_rows (2 only over 16-bit rows "
              f"at up to {TWO_MMA_MAX_HEADS} query heads)", (cfg, num_heads, "fp8" if fp8 else "16-bit"))
-    if not (cfg.stream_k is None or isinstance(cfg.stream_k, bool)) or (cfg.stream_k and (warps != 4 or cfg.token_rows)):
+    stream_ok = cfg.stream_k is None or isinstance(cfg.stream_k, bool)
+    if not stream_ok or (cfg.stream_k and (warps != 4 or cfg.token_rows)):
         fail("config", "an MlaGluonConfig with stream_k None, False, or True for the warp-specialised kernel "
              "(producer_warps 4, without token_rows)", (cfg, "fp8" if fp8 else "16-bit"))
     if not (fp8 or warps):

@@ -48,16 +48,17 @@ def gluon_num_splits(programs: int, tiles: int, sms: int, fp8: bool, max_splits:
 STREAM_K_MAX_FILL = 0.9
 """The default runs stream-K where split-K's grid takes more than one wave and fills its
 waves to less than this. At 128 heads and K=2176 on one H200 (``mla_stream_k.json``), 39
-rows (3 splits: 234 programs, 0.89 of two waves) took 113.0 -> 107.8 us over FP8 rows and
-92.6 -> 89.4 over bf16 rows; where split-K's waves are full or it takes one wave, stream-K
-was 0-21 % slower: its partial outputs and their merge cost more than one split's."""
+rows (3 splits: 234 programs, 0.89 of two waves) took 112.5 -> 105.8 us over FP8 rows and
+92.6 -> 90.6 over bf16 rows. Where split-K runs one wave or full waves, stream-K was up to
+3.8x slower (its partial outputs and their merge cost more than its balance saves), except
+at two one-wave FP8 shapes (1.5 % and 4.6 % faster), which the rule leaves to split-K."""
 
 
 def stream_k(cfg: MlaGluonConfig, split_programs: int, sms: int) -> bool:
     """Whether a warp-specialised launch of ``cfg`` runs stream-K (``sparse_mla_gluon_stream``)
     in place of split-K over ``split_programs`` programs: ``cfg.stream_k`` where set, else
-    (split-K with a split count the config does not set) where the split-K grid takes more than one wave of ``sms`` programs and fills them to
-    less than ``STREAM_K_MAX_FILL``."""
+    (no split count set in ``cfg``) where the split-K grid takes more than one wave of
+    ``sms`` programs and fills them to less than ``STREAM_K_MAX_FILL``."""
     if cfg.stream_k is not None:
         return cfg.stream_k
     if cfg.num_splits:

@@ -236,15 +236,17 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
         offs_d_pe = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_pe))
         for i in gl.static_range(GATHER_AHEAD):
             mbarrier.wait(empty.index(i), 1)
-            _gl_copy(KV, _gl_tile_rows(idx_row, start, end, i, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
-                                       stride_ib, num_idx, STREAM), stride_kvn, 0, lat_s.index(i), offs_d_lat)
-            _gl_copy(KV, _gl_tile_rows(idx_row, start, end, i, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
-                                       stride_ib, num_idx, STREAM), stride_kvn, D_LAT, pe_s.index(i), offs_d_pe)
+            _gl_copy(KV, _gl_tile_rows(idx_row, start, end, i, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles,
+                                       head_blocks, stride_ib, num_idx, STREAM),
+                     stride_kvn, 0, lat_s.index(i), offs_d_lat)
+            _gl_copy(KV, _gl_tile_rows(idx_row, start, end, i, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles,
+                                       head_blocks, stride_ib, num_idx, STREAM),
+                     stride_kvn, D_LAT, pe_s.index(i), offs_d_pe)
             async_copy.commit_group()
-        rl = _gl_tile_rows(idx_row, start, end, GATHER_AHEAD, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
-                           stride_ib, num_idx, STREAM)
-        rp = _gl_tile_rows(idx_row, start, end, GATHER_AHEAD, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles, head_blocks,
-                           stride_ib, num_idx, STREAM)
+        rl = _gl_tile_rows(idx_row, start, end, GATHER_AHEAD, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles,
+                           head_blocks, stride_ib, num_idx, STREAM)
+        rp = _gl_tile_rows(idx_row, start, end, GATHER_AHEAD, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles,
+                           head_blocks, stride_ib, num_idx, STREAM)
         for t in range(n_tiles):
             nxt = (t + GATHER_AHEAD) % NUM_BUF
             # tile t+GATHER_AHEAD (past the end: a zero fill of a free slot) in flight while tile t lands
@@ -252,10 +254,10 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
             _gl_copy(KV, rl, stride_kvn, 0, lat_s.index(nxt), offs_d_lat)
             _gl_copy(KV, rp, stride_kvn, D_LAT, pe_s.index(nxt), offs_d_pe)
             async_copy.commit_group()
-            rl = _gl_tile_rows(idx_row, start, end, t + GATHER_AHEAD + 1, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N, row_tiles,
-                               head_blocks, stride_ib, num_idx, STREAM)
-            rp = _gl_tile_rows(idx_row, start, end, t + GATHER_AHEAD + 1, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N, row_tiles,
-                               head_blocks, stride_ib, num_idx, STREAM)
+            rl = _gl_tile_rows(idx_row, start, end, t + GATHER_AHEAD + 1, 0, num_slots, offs_n_lat, BLOCK_N, BLOCK_N,
+                               row_tiles, head_blocks, stride_ib, num_idx, STREAM)
+            rp = _gl_tile_rows(idx_row, start, end, t + GATHER_AHEAD + 1, 0, num_slots, offs_n_pe, BLOCK_N, BLOCK_N,
+                               row_tiles, head_blocks, stride_ib, num_idx, STREAM)
             async_copy.wait_group(GATHER_AHEAD)
             fence_async_shared()
             gl.thread_barrier()
