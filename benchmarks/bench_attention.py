@@ -100,6 +100,18 @@ def mla_flops(B, K, H, Dl, Dr):
     return 2 * B * K * H * (Dl + Dr + Dl)
 
 
+def mla_checked_time(fn: Callable[[], torch.Tensor], ref: torch.Tensor, B: int, K: int, H: int, Dl: int, Dr: int,
+                     row_bytes: Optional[int] = None) -> dict:
+    """One sparse MLA decode call ``fn`` (``[B, H, Dl]`` out, ``K`` indices a row) against the
+    float32 reference ``ref`` and CUDA-graph timed (20 calls a graph): ``{us, tflops, gbps,
+    rel_err}``, ``rel_err`` the largest difference over the reference's largest value,
+    ``gbps`` over :func:`mla_bytes` of ``row_bytes``-byte KV rows."""
+    err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+    us = cuda_time_us(fn, iters=20, warmup=3, graph=True)
+    return {"us": round(us, 2), "tflops": round(mla_flops(B, K, H, Dl, Dr) / us / 1e6, 1),
+            "gbps": round(mla_bytes(B, K, H, Dl, Dr, row_bytes) / us / 1e3, 1), "rel_err": round(err, 5)}
+
+
 def row(kernel: str, B: int, K: int, us: float, nbytes: int, roof: float, **extra) -> dict:
     gbps = nbytes / (us * 1e-6) / 1e9
     r = {"kernel": kernel, "B": B, "K": K, "us": round(us, 2), "gbps": round(gbps, 1),

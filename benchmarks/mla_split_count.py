@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_attention import mla_bytes, mla_case, mla_flops  # noqa: E402
-from benchmarks.common import cuda_time_us, finish_checked_run, result_parser  # noqa: E402
+from benchmarks.bench_attention import mla_case, mla_checked_time  # noqa: E402
+from benchmarks.common import finish_checked_run, result_parser  # noqa: E402
 from hicache.triton_support import cdiv, sm_count  # noqa: E402
 from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents  # noqa: E402
 from sparsehi.kernels.sparse_mla_decode import sparse_mla_decode_reference, sparse_mla_decode_triton  # noqa: E402
@@ -81,14 +81,10 @@ def main(argv=None) -> int:
             for name, cfg in cases:
                 def fn(cfg=cfg, kv=kv):
                     return sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
-                err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
-                bad += err > TOLERANCE
-                us = cuda_time_us(fn, iters=20, warmup=3, graph=True)
-                nbytes = mla_bytes(b, k, H, DL, DR, 656 if fp8 else None)
                 r = {"B": b, "K": k, "heads": H, "kv": layout, "variant": name,
-                     "num_splits": None if cfg is None else cfg.num_splits, "us": round(us, 2),
-                     "tflops": round(mla_flops(b, k, H, DL, DR) / us / 1e6, 1),
-                     "gbps": round(nbytes / us / 1e3, 1), "rel_err": round(err, 5)}
+                     "num_splits": None if cfg is None else cfg.num_splits,
+                     **mla_checked_time(fn, ref, b, k, H, DL, DR, 656 if fp8 else None)}
+                bad += r["rel_err"] > TOLERANCE
                 shape_rows.append(r)
                 print(r, flush=True)
             best = min(shape_rows[1:], key=lambda r: r["us"])

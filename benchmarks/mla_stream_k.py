@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_attention import mla_bytes, mla_case, mla_flops  # noqa: E402
-from benchmarks.common import cuda_time_us, finish_checked_run, result_parser  # noqa: E402
+from benchmarks.bench_attention import mla_case, mla_checked_time  # noqa: E402
+from benchmarks.common import finish_checked_run, result_parser  # noqa: E402
 from hicache.triton_support import cdiv, sm_count  # noqa: E402
 from sparsehi.kernels.flash_decoding import split_tokens  # noqa: E402
 from sparsehi.kernels.mla_fp8_latents import quantize_mla_latents  # noqa: E402
@@ -67,16 +67,12 @@ def main(argv=None) -> int:
             for name, cfg in variants:
                 def fn(cfg=cfg, kv=kv):
                     return sparse_mla_decode_triton(q, kv, idx, kv_lora_rank=DL, sm_scale=0.1, config=cfg)
-                err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
-                bad += err > TOLERANCE
-                us = cuda_time_us(fn, iters=20, warmup=3, graph=True)
-                nbytes = mla_bytes(b, k, h, DL, DR, 656 if fp8 else None)
-                r = {"heads": h, "K": k, "B": b, "kv": layout, "variant": name, "us": round(us, 2),
-                     "tflops": round(mla_flops(b, k, h, DL, DR) / us / 1e6, 1),
-                     "gbps": round(nbytes / us / 1e3, 1), "rel_err": round(err, 5),
+                r = {"heads": h, "K": k, "B": b, "kv": layout, "variant": name,
+                     **mla_checked_time(fn, ref, b, k, h, DL, DR, 656 if fp8 else None),
                      "programs": plan.programs if name == "stream-K" else pairs * splits,
                      "splits_or_max_parts": plan.max_parts if name == "stream-K" else splits,
                      "default_runs_stream_k": stream_k(base, pairs * splits, sms)}
+                bad += r["rel_err"] > TOLERANCE
                 shape_rows[name] = r
                 print(r, flush=True)
             shape_rows["stream-K"]["speedup"] = round(shape_rows["split-K"]["us"] / shape_rows["stream-K"]["us"], 3)
