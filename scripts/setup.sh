@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
 PY="$VENV/bin/python"
-STAMP="$VENV/.sparsehi-installed-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+STAMP="$VENV/.sparsehi-installed-$(cat pyproject.toml scripts/setup.sh scripts/pip-version.txt | sha256sum | cut -c1-16)"
 
 has_ibverbs() { python3 -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null; }
 ensure_ibverbs() {
@@ -54,8 +54,9 @@ fi
 # pip 23 (Python 3.11's venv) checks each file an index lists against about 1,000 platform
 # tags one by one: resolving the extras below reads 60,000 links (every release of torch,
 # numpy, ...) in 25 CPU-s, pip 26 in 15 (a set lookup). The upgrade takes 2 CPU-s; set-up
-# goes on with the venv's pip where it fails.
-PIP_VERSION=26.2.1
+# goes on with the venv's pip where it fails. The version is scripts/pip-version.txt's, which
+# scripts/setup_sglang_env.sh installs too.
+PIP_VERSION=$(cat scripts/pip-version.txt)
 upgrade_pip() {
     "$1" -c "import sys, pip; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (24, 1))" 2>/dev/null ||
         "$1" -m pip install -q --disable-pip-version-check --no-compile "pip==$PIP_VERSION" ||

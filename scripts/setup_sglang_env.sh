@@ -33,7 +33,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-sglang
 PY="$VENV/bin/python"
-HASH=$(cat pyproject.toml scripts/sglang-env-requirements.txt scripts/setup_sglang_env.sh | sha256sum | cut -c1-16)
+HASH=$(cat pyproject.toml scripts/sglang-env-requirements.txt scripts/setup_sglang_env.sh scripts/pip-version.txt |
+       sha256sum | cut -c1-16)
 STAMP="$VENV/.sglang-env-$HASH"
 if [ -f "$STAMP" ] && "$PY" -c "import sglang.srt.plugins, sparsehi.sglang_plugin, torch" 2>/dev/null; then
     exit 0
@@ -46,10 +47,12 @@ python3 -m venv "$VENV"
 # (PYTHONDONTWRITEBYTECODE may be set in the environment, and then no test process would
 # write them but compile them anew each time), and scripts/test.sh keeps writing on for the rest
 PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
-# pip 26, as scripts/setup.sh installs it: pip 23 checks each file the index lists (all
-# versions of torch, numpy, transformers, ...) against the platform tags one tag at a time
-# (this set-up: 112 CPU-s with pip 23, 87 with pip 26)
-"${PIP[@]}" pip==26.2.1 || echo "[setup-sglang] WARNING: pip 26.2.1 did not install; going on with $("$PY" -m pip --version)" >&2
+# pip 26 (scripts/pip-version.txt), as scripts/setup.sh installs it: pip 23 checks each file
+# the index lists (all versions of torch, numpy, transformers, ...) against the platform tags
+# one tag at a time (this set-up: 112 CPU-s with pip 23, 87 with pip 26)
+PIP_VERSION=$(cat scripts/pip-version.txt)
+"${PIP[@]}" "pip==$PIP_VERSION" ||
+    echo "[setup-sglang] WARNING: pip $PIP_VERSION did not install; going on with $("$PY" -m pip --version)" >&2
 echo "[setup-sglang] torch==2.13.0+cpu triton==3.8.0 and the modules SGLang's imports need"
 "${PIP[@]}" torch==2.13.0+cpu triton==3.8.0 -r scripts/sglang-env-requirements.txt
 echo "[setup-sglang] sglang==0.5.23 and torchvision==0.28.0 (--no-deps), sparsehi (editable, --no-deps)"
