@@ -9,9 +9,12 @@ sections with events, which serialises them; this reads the kernels' own duratio
 
 Each point is built as bench_decode builds it: llama-8b-shape with Quest (page 16) or
 dsv32-shape with DSA (page 1), top-k 2048 tokens, buffer 4096, synthesised prefill, the
-calibrated 85 % query trace's rho given with ``--rho`` (with DSA it drives the indexer's
-queries too, as in bench_decode); ``--steps`` replays are profiled after ``--warmup`` ones and,
-in hierarchical modes, after the LRU buffers are full (``benchmarks.decode.point.fill_buffers``).
+85 % query trace (with DSA it drives the indexer's queries too, as in bench_decode) at the
+rho bench_decode calibrates for the model and context (``--rho calibrate``, the default: on
+two requests with all KV on the device, or where those do not fit on each point's own
+representations) or at the rho given with ``--rho``; ``--steps`` replays are profiled after
+``--warmup`` ones and, in hierarchical modes, after the LRU buffers are full
+(``benchmarks.decode.point.fill_buffers``).
 ``--mode`` and ``--batch`` take comma lists and every pair is profiled in one process.
 Output: kernels by total device time per step, grouped by name, their sum and the device's
 busy time (union of kernel intervals) beside the step's wall time, and the critical-path
@@ -33,6 +36,8 @@ from benchmarks.common import write_result  # noqa: E402
 from benchmarks.decode import modes  # noqa: E402
 from benchmarks.decode.modes import ALL_MODES, is_hierarchical, loads_ahead  # noqa: E402
 from benchmarks.decode.point import FILL_STEPS_MAX, fill_buffers, make_runner  # noqa: E402
+from benchmarks.decode.sizing import device_room  # noqa: E402
+from benchmarks.decode.traces import NothingToCalibrate, calibrate, calibrate_on, calibration_fits  # noqa: E402
 from sparsehi.config import SparseConfig  # noqa: E402
 from sparsehi.runtime.model_config import get_model_config  # noqa: E402
 from sparsehi.runtime.synth import synth_prefill  # noqa: E402
@@ -87,6 +92,28 @@ def sparse_config(model_name: str, quick: bool) -> SparseConfig:
                         sink_tokens=sink, recent_tokens=sink)
 
 
+RHO_WITHOUT_SELECTION = 0.9893
+"""The trace's rho where ``--rho calibrate`` finds nothing to calibrate on (a mode without a
+selection algorithm, or a model whose every layer is dense): there the rho changes values
+but no step's work."""
+
+
+def point_rho(runner, reqs, model, ctx: int, sc: SparseConfig, a, device) -> tuple[float, str]:
+    """``(rho, how it was found)`` of a point's query trace: ``a.rho`` where the run has one;
+    else calibrated to 85 % overlap on the point's own representations (prefilled), or
+    ``RHO_WITHOUT_SELECTION`` for a mode without a selection algorithm."""
+    if a.rho is not None:
+        return a.rho, a.rho_source
+    if getattr(runner.mode, "algorithm", None) is None:
+        return RHO_WITHOUT_SELECTION, "fixed (no selection algorithm to calibrate on)"
+    try:
+        rho, got = calibrate_on(runner.mode, reqs, model, ctx, sc, 0.85, a.calibration_iters, device,
+                                next(model.parameters()).dtype)
+    except NothingToCalibrate as e:
+        return RHO_WITHOUT_SELECTION, f"fixed ({e})"
+    return rho, f"calibrated on this point's representations (overlap {got:.3f})"
+
+
 def profile_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, a, device, cuda: bool) -> dict:
     """One point's kernels per step (largest first) and its profiled wall time."""
     runner = make_runner(model, mode, ctx, batch, sc, a.warmup + a.steps + 2 + FILL_STEPS_MAX, device,
@@ -95,7 +122,8 @@ def profile_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, a, d
     synth_prefill(runner.mode, reqs, ctx, seed=1, chunk_tokens=SYNTH_CHUNK)
     # bench_decode's trace: with DSA it drives the indexer's queries too (without them the
     # indexer's picks drift at random and nearly every selected token misses)
-    runner.mode.query_hook = QueryTrace(a.rho, seed=2, dsa=model.cfg.family == "mla")
+    rho, rho_source = point_rho(runner, reqs, model, ctx, sc, a, device)
+    runner.mode.query_hook = QueryTrace(rho, seed=2, dsa=model.cfg.family == "mla")
     for _ in range(a.warmup):
         runner.decode_step(reqs)
     if is_hierarchical(mode):  # bench_decode's steady state: the LRU buffers full
@@ -122,7 +150,7 @@ def profile_point(model, mode: str, ctx: int, batch: int, sc: SparseConfig, a, d
         misses = st["misses"] / max(1, st["steps"])
     result = {"model": model.cfg.name, "mode": mode, "context": ctx, "batch": batch,
               "lookahead_pages": modes.LOOKAHEAD_PAGES if loads_ahead(mode) else 0,
-              "rho": a.rho, "profiled_steps": a.steps, "graphs": runner.graphs.enabled,
+              "rho": rho, "rho_source": rho_source, "profiled_steps": a.steps, "graphs": runner.graphs.enabled,
               "step_wall_ms_profiled": wall_ms, "kernel_us_per_step_sum": total,
               "device_busy_us_per_step": busy / a.steps, "device_span_us_per_step": span / a.steps,
               "misses_per_step": misses, "warmup_steps": a.warmup, "kernels": kernels[:40]}
@@ -147,7 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lookahead-pages", type=int, default=None,
                     help=f"pages the -ahead modes load ahead per layer (default {modes.LOOKAHEAD_PAGES}; "
                          "2 with --quick)")
-    ap.add_argument("--rho", type=float, default=0.9893, help="query trace rho (bench_decode's calibration)")
+    ap.add_argument("--rho", default="calibrate",
+                    help="query trace rho: a float, or 'calibrate' (default): bench_decode's calibration to 85 %% "
+                         "adjacent-step top-k overlap for this model and context")
     ap.add_argument("--warmup", type=int, default=3,
                     help="decode steps before the profiled ones (hierarchical modes then decode until their LRU "
                          "buffers are full, as bench_decode does)")
@@ -167,6 +197,14 @@ def main(argv=None) -> int:
         ap.error(f"--batch must be a comma list of positive ints, got {a.batch!r}")
     if any(b < 1 for b in batches):
         ap.error(f"--batch must be a comma list of positive ints, got {a.batch!r}")
+    if a.rho != "calibrate":
+        try:
+            a.rho = float(a.rho)
+        except ValueError:
+            ap.error(f"--rho must be a float or 'calibrate', got {a.rho!r}")
+        if not 0.0 <= a.rho <= 1.0:
+            ap.error(f"--rho must be a float in [0, 1] or 'calibrate', got {a.rho}")
+        a.rho_source = "given (--rho)"
     if a.lookahead_pages is not None or a.quick:
         modes.LOOKAHEAD_PAGES = a.lookahead_pages if a.lookahead_pages is not None else 2
     cuda = torch.cuda.is_available() and not a.quick
@@ -179,6 +217,16 @@ def main(argv=None) -> int:
     ctx = 1024 if a.quick else a.context
     sc = sparse_config(a.model, a.quick)
     model = build_model(config=cfg, device=device, dtype=dtype)
+    a.calibration_iters = 3 if a.quick else 8  # bench_decode's
+    if a.rho == "calibrate":
+        a.rho = None
+        if calibration_fits(model, ctx, dtype, device_room(device)):
+            try:
+                a.rho, got = calibrate(model, ctx, sc, 0.85, a.calibration_iters, device, dtype)
+                a.rho_source = f"calibrated on two requests, all KV on the device (overlap {got:.3f})"
+                print(f"trace calibrated: rho={a.rho:.5f} -> overlap {got:.3f}", flush=True)
+            except NothingToCalibrate as e:
+                a.rho, a.rho_source = RHO_WITHOUT_SELECTION, f"fixed ({e})"
     points = [profile_point(model, m, ctx, b, sc, a, device, cuda) for m in mode_list for b in batches]
     if a.out is not None:
         # one point keeps the file's earlier form (the point's keys at the top level)

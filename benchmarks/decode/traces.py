@@ -99,12 +99,21 @@ def calibration_fits(model, ctx: int, dtype, room: Optional[int]) -> bool:
     return room is None or 2 * (ctx + 8) * kv_bytes_per_token_layer(model, dtype) * model.cfg.num_layers <= room
 
 
+class NothingToCalibrate(ValueError):
+    """The model has no layer the algorithm selects in (every layer dense)."""
+
+
 def calibrate_on(runtime_mode, reqs: list, model, ctx: int, sc: SparseConfig, target: float, iters: int, device,
                  dtype) -> tuple[float, float]:
     """``calibrate``'s search on the representations a runner holds for ``reqs`` (prefilled,
-    ``ctx`` tokens each): ``(rho, overlap measured at it)``."""
+    ``ctx`` tokens each): ``(rho, overlap measured at it)``; :class:`NothingToCalibrate` where
+    the algorithm selects in no layer."""
     algo = runtime_mode.algorithm
-    layer = [x for x in range(model.cfg.num_layers) if algo.is_sparse_layer(x)][0]
+    layers = [x for x in range(model.cfg.num_layers) if algo.is_sparse_layer(x)]
+    if not layers:
+        raise NothingToCalibrate(f"{model.cfg.name}: {sc.algorithm} selects in none of its {model.cfg.num_layers} "
+                                 "layers, so no trace rho changes a step")
+    layer = layers[0]
     cfg = model.cfg
     dev = torch.device(device)
     B = len(reqs)
