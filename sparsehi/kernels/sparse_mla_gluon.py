@@ -59,7 +59,7 @@ class MlaGluonConfig:
     tile that many ahead is claimed); None: :func:`ws_gather_ahead` by the shape.
     ``stream_k`` (the warp-specialised kernel): True runs ``sparse_mla_gluon_stream``, one
     program an SM walking an equal share of all (request, head block) pairs' tiles, in place
-    of split-K (``num_splits`` unread); None: :func:`stream_k_default` by the shape.
+    of split-K (``num_splits`` unread); None: ``sparse_mla_gluon_launch.stream_k`` by the shape.
     """
 
     block_n: int = 64

@@ -105,10 +105,11 @@ try:  # the Gluon API of sparse_mla_gluon_ws
         """Score warpgroup of :func:`_mla_gluon_stream_kernel`: for each pair the program
         touches, that request's queries of that head block in ``q_lat_s`` / ``q_pe_s`` (loaded
         here; with ``PREFETCH_Q`` only the first, each later one brought by ``cp.async`` while
-        the segment before finishes), then ``_gl_softmax_partition`` over the segment's tiles into the pair's
-        part (statistics and ``done`` alternate between two sets, so the value warpgroup may
-        still read one segment's while this one finishes the next); the program holding the
-        pair's first tile marks its parts past the last one empty (log-sum-exp -inf)."""
+        the segment before finishes), then ``_gl_softmax_partition`` over the segment's tiles
+        into the pair's part (statistics and ``done`` alternate between two sets, so the value
+        warpgroup may still read one segment's while this one finishes the next); the program
+        holding the pair's first tile marks its parts past the last one empty (log-sum-exp
+        -inf)."""
         ld_lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
         ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         lse_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])

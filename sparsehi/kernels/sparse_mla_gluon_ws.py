@@ -39,13 +39,12 @@ try:  # the Gluon API of sparse_mla_gluon, plus warp specialisation and mbarrier
     def _gl_tile_rows(idx_row, start, end, t, part, num_slots, offs_n, BLOCK_N: gl.constexpr, PART: gl.constexpr,
                       row_tiles, head_blocks, stride_ib, num_idx, STREAM: gl.constexpr):
         """Slots (-1 where masked) of part ``part`` (indices ``part * PART + offs_n``, ``offs_n``
-        spanning ``PART``) of a producer's tile ``t``. One
-        range (not ``STREAM``): the tile's indices are ``start + t * BLOCK_N ..`` of the row
-        ``idx_row``, up to ``end``. ``STREAM`` (the stream-K kernel, ``sparse_mla_gluon_stream``):
-        the program walks tiles ``start .. end`` of the concatenated (request, head block)
-        pairs, ``row_tiles`` tiles each, the pairs ordered request-major over ``head_blocks``;
-        ``idx_row`` is the index tensor's base, ``stride_ib`` its row stride and ``num_idx``
-        its indices a row."""
+        spanning ``PART``) of a producer's tile ``t``. One range (not ``STREAM``): the tile's
+        indices are ``start + t * BLOCK_N ..`` of the row ``idx_row``, up to ``end``. ``STREAM``
+        (the stream-K kernel, ``sparse_mla_gluon_stream``): the program walks tiles ``start ..
+        end`` of the concatenated (request, head block) pairs, ``row_tiles`` tiles each, the
+        pairs ordered request-major over ``head_blocks``; ``idx_row`` is the index tensor's
+        base, ``stride_ib`` its row stride and ``num_idx`` its indices a row."""
         if STREAM:
             g = start + t
             pair = g // row_tiles
